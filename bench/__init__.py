@@ -1,0 +1,1 @@
+"""dgr benchmarks (`dgr bench ...`)."""

@@ -1,0 +1,1 @@
+"""dgr consumer: the batching worker service (one per GPU)."""

@@ -1,0 +1,24 @@
+"""Wire contracts shared by the Tracker-side producer and the worker-side consumer."""
+
+from .compat import (
+    PHASES,
+    BoundarySchema,
+    CompatibilityKey,
+    EngineIdentity,
+    Phase,
+    Recipe,
+    StateLayout,
+    whole_model_boundary,
+)
+from .keys import GROUP, PREFIX, WorkerKeys, parse_input_stream
+from .limits import SCHEMA_VERSION
+from .session import RouteHop, Sampling, SessionSpec
+from .step import Accounting, Reason, Status, StepJob, StepResult
+from .wire import WireError, job_from_fields, job_to_fields, result_from_fields, result_to_fields
+
+__all__ = [
+    "PHASES", "SCHEMA_VERSION", "Accounting", "BoundarySchema", "CompatibilityKey", "EngineIdentity",
+    "GROUP", "PREFIX", "Phase", "Reason", "Recipe", "RouteHop", "Sampling", "SessionSpec", "StateLayout", "Status",
+    "StepJob", "StepResult", "WireError", "WorkerKeys", "parse_input_stream", "job_from_fields", "job_to_fields", "result_from_fields",
+    "result_to_fields", "whole_model_boundary",
+]

@@ -1,0 +1,91 @@
+"""The compatibility key: what must be equal for two sessions' steps to share one fused engine call.
+
+A key is engine identity + recipe + phase + boundary schema + state layout. Two keys are compatible
+exactly when every field is equal; the digest (sha256 of the canonical JSON, 16 hex chars) names the
+input stream a step job travels on, so the stream partition already promises compatibility and the
+consumer only re-checks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .limits import MAX_DIMS, MAX_NAME_LEN, SCHEMA_VERSION
+
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+Name = Field(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z0-9_.:=+<>\-/ ]+$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+
+class EngineIdentity(_Frozen):
+    """Which weights: the GGUF architecture and the file's sha256."""
+
+    architecture: str = Name
+    gguf_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Recipe(_Frozen):
+    """How the weights are run. Anything that changes a session's numbers belongs here."""
+
+    quantization: str = Name  # e.g. "Q4_K_M", "Q8_0", "F32"
+    kv_cache_type: str = Name  # e.g. "f16", "f32"
+    ctx_per_session: int = Field(ge=1, le=1 << 20)
+    flash_attention: bool
+    batch_invariant: bool  # True: a session's output is bit-identical alone or in any batch
+    runtime: str = Name  # e.g. "llama-cpp-python==0.3.36", "numpy-reference/1"
+
+
+class BoundarySchema(_Frozen):
+    """What a route hop consumes and produces. A whole-model hop: tokens in, logits/token out."""
+
+    name: str = Name
+    version: int = Field(ge=1, le=1 << 16)
+    consumes: Literal["tokens", "hidden"]
+    produces: Literal["logits", "hidden"]
+    first_layer: int = Field(default=0, ge=0, le=1 << 12)
+    last_layer: int = Field(ge=0, le=1 << 12)  # exclusive
+
+
+class StateLayout(_Frozen):
+    """What a session's state looks like; states are interchangeable only with equal layouts."""
+
+    kind: Literal["kv", "recurrent", "hybrid"]
+    dims: dict[str, int] = Field(max_length=MAX_DIMS)  # e.g. {"n_layer": 2, "n_head_kv": 2, "head_dim": 32}
+
+
+class CompatibilityKey(_Frozen):
+    v: Literal[1] = SCHEMA_VERSION
+    engine: EngineIdentity
+    recipe: Recipe
+    phase: Phase
+    boundary: BoundarySchema
+    state: StateLayout
+
+    def canonical_json(self) -> str:
+        """Sorted keys, no whitespace: the byte string the digest is taken over."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def for_phase(self, phase: Phase) -> CompatibilityKey:
+        # Re-validated, not model_copy(update=...): a copy must never carry stale derived state.
+        return self if phase == self.phase else CompatibilityKey.model_validate({**self.model_dump(), "phase": phase})
+
+    def compatible(self, other: CompatibilityKey) -> bool:
+        return self == other
+
+
+def whole_model_boundary(n_layer: int) -> BoundarySchema:
+    return BoundarySchema(name="tokens->logits", version=1, consumes="tokens", produces="logits",
+                          first_layer=0, last_layer=n_layer)

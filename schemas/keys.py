@@ -1,0 +1,84 @@
+"""Every Redis key name dgr uses, built in one place.
+
+All keys of one worker share the hash tag `{<worker-id>}`, so a multi-stream read or a Lua script
+over them stays in one Redis Cluster slot. Scripts get every key they touch through KEYS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from .compat import Phase
+
+PREFIX: Final = "dgr"
+GROUP: Final = "dgr-workers"  # the consumer group on every input stream
+WORKERS_INDEX: Final = f"{PREFIX}:workers"  # set of worker ids that ever advertised (not hash-tagged)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerKeys:
+    worker_id: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.worker_id}}}"
+
+    def input_stream(self, digest: str, phase: Phase) -> str:
+        return f"{self.base}:in:{digest}:{phase}"
+
+    @property
+    def input_pattern(self) -> str:
+        return f"{self.base}:in:*"
+
+    def results(self, session_id: str) -> str:
+        return f"{self.base}:out:{session_id}"
+
+    def result_record(self, job_id: str) -> str:
+        """The stored StepResult of one job (SET NX): the once-only marker of a completed step."""
+        return f"{self.base}:res:{job_id}"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.base}:dlq"
+
+    @property
+    def cancellations(self) -> str:
+        return f"{self.base}:cancel"
+
+    def session_account(self, session_id: str) -> str:
+        return f"{self.base}:acct:session:{session_id}"
+
+    def billing_account(self, account_id: str) -> str:
+        return f"{self.base}:acct:account:{account_id}"
+
+    @property
+    def worker_account(self) -> str:
+        return f"{self.base}:acct:worker"
+
+    @property
+    def accounts_index(self) -> str:
+        """Set of billing account ids this worker has charged (for roll-ups)."""
+        return f"{self.base}:acct:accounts"
+
+    @property
+    def spec(self) -> str:
+        """The advertised compatibility keys and capacity (JSON)."""
+        return f"{self.base}:spec"
+
+    @property
+    def heartbeat(self) -> str:
+        return f"{self.base}:hb"
+
+
+def parse_input_stream(name: str) -> tuple[str, str, Phase] | None:
+    """(worker_id, digest, phase) of an input stream key, or None if it is not one."""
+    try:
+        head, rest = name.split(":{", 1)
+        worker, tail = rest.split("}:", 1)
+        kind, digest, phase = tail.split(":")
+    except ValueError:
+        return None
+    if head != PREFIX or kind != "in" or phase not in ("prefill", "decode"):
+        return None
+    return worker, digest, phase  # type: ignore[return-value]

@@ -1,0 +1,18 @@
+"""Size limits every wire model enforces. One place, so producer and consumer agree."""
+
+from typing import Final
+
+SCHEMA_VERSION: Final = 1
+
+MAX_ID_LEN: Final = 64  # session, job, account and worker ids
+ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
+MAX_TOKENS_PER_JOB: Final = 4096  # one prefill chunk at most; a decode job carries exactly one
+MAX_TOKEN_ID: Final = 2**31 - 1
+MAX_POSITION: Final = 1 << 20
+MAX_GENERATE: Final = 32768  # max_tokens of a session
+MAX_STOP_TOKENS: Final = 16
+MAX_ROUTE_HOPS: Final = 16
+MAX_NAME_LEN: Final = 128  # architecture, quantization, runtime pin and other short names
+MAX_REASON_LEN: Final = 256  # free-text detail of a rejection
+MAX_DIMS: Final = 16  # entries of a state layout's dimension map
+MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire

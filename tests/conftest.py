@@ -1,0 +1,1 @@
+pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.models"]
