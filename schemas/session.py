@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .compat import CompatibilityKey
@@ -13,7 +15,6 @@ from .limits import (
     MAX_TOKEN_ID,
     SCHEMA_VERSION,
 )
-from typing import Literal
 
 Id = Field(pattern=ID_PATTERN)
 

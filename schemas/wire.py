@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TypeVar
 
 from pydantic import ValidationError
 
 from .limits import ID_PATTERN, MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB, SCHEMA_VERSION
 from .session import SessionSpec
-from .step import Accounting, Reason, StepJob, StepResult
+from .step import Accounting, Reason, Status, StepJob, StepResult
 
 Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
 _ID = re.compile(ID_PATTERN)
 _SUPPORTED = str(SCHEMA_VERSION)
+E = TypeVar("E", Status, Reason)
 
 
 class WireError(ValueError):
@@ -113,6 +115,9 @@ def job_from_fields(fields: Fields) -> StepJob:
         raise WireError(Reason.MALFORMED, f"unknown fields {sorted(extra)[:4]}", **_ids(f))
     try:
         session = SessionSpec.model_validate_json(f["session"]) if "session" in f else None
+    except ValidationError as e:
+        raise WireError(Reason.MALFORMED, f"invalid StepJob: session: {e.errors()[0]['msg']}", **_ids(f)) from None
+    try:
         return StepJob(
             job_id=f.get("job_id", ""), session_id=f.get("session_id", ""), hop=_int(f, "hop"),
             phase=f.get("phase", ""),  # type: ignore[arg-type]
@@ -142,14 +147,21 @@ def result_to_fields(r: StepResult) -> dict[str, str]:
     return out
 
 
+def _enum(cls: type[E], f: dict[str, str], name: str) -> E:
+    try:
+        return cls(f[name])
+    except (KeyError, ValueError):
+        raise WireError(Reason.MALFORMED, f"field {name!r} is not one of {[m.value for m in cls]}", **_ids(f)) from None
+
+
 def result_from_fields(fields: Fields) -> StepResult:
     f = _text(fields)
     _version(f, "StepResult")
     try:
         return StepResult(
             job_id=f.get("job_id", ""), session_id=f.get("session_id", ""),
-            status=f.get("status", ""),  # type: ignore[arg-type]
-            reason=f.get("reason"),  # type: ignore[arg-type]
+            status=_enum(Status, f, "status"),
+            reason=_enum(Reason, f, "reason") if "reason" in f else None,
             detail=f.get("detail", ""), position=_int(f, "pos"),
             token=_int(f, "token") if "token" in f else None, finished=f.get("finished") == "1",
             accounting=Accounting(prompt_tokens=_int(f, "prompt_tokens"),
