@@ -15,11 +15,13 @@ bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + 
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 
-RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL", help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
+RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
+                                       help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
 WorkerId = Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id: the hash tag of all its keys.")]
 Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or a GGUF path.")]
 EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
-RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE", help="'invariant' (bit-identical in any batch) or 'fast'.")]
+RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE",
+                                        help="'invariant' (bit-identical in any batch) or 'fast'.")]
 
 
 def _logging(level: str, fmt: str) -> None:
@@ -45,7 +47,8 @@ def consumer(
     n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = 0,
     metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")] = 0,
     metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = "127.0.0.1",
-    max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S", help="Exit after this long idle (0: never).")] = 0,
+    max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S",
+                                              help="Exit after this long idle (0: never).")] = 0,
     log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = "INFO",
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = "json",
 ) -> None:
@@ -78,7 +81,8 @@ def consumer(
 
 @app.command()
 def demo(
-    model: Annotated[str, typer.Option(envvar="DGR_MODEL", help="'gemma' (default), 'tiny' or a GGUF path.")] = "gemma",
+    model: Annotated[str, typer.Option(envvar="DGR_MODEL",
+                                       help="'gemma' (default), 'tiny' or a GGUF path.")] = "gemma",
     sessions: Annotated[int, typer.Option(help="Concurrent sessions.")] = 8,
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per session.")] = 48,
     redis_url: Annotated[str, typer.Option(envvar="DGR_REDIS_URL",

@@ -11,8 +11,9 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 from schemas import PHASES, Phase, Reason, Status, StepResult, WireError, job_from_fields
@@ -48,6 +49,7 @@ class LoopStats:
     engine_seconds: float = 0.0
     overhead_seconds: float = 0.0  # loop time outside the engine and outside blocking reads
     round_trips: int = 0
+    recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def __post_init__(self) -> None:
         self.calls_by_phase = {p: 0 for p in PHASES}
@@ -187,7 +189,7 @@ class Worker:
         t = time.perf_counter()
         try:
             logits = self.engine.step(batch.fused)
-        except Exception as e:  # noqa: BLE001 - any engine fault must not take the worker down
+        except Exception as e:
             self.metrics.engine_failures.labels(self._m).inc()
             detail = f"{type(e).__name__}: {e}"[:200]
             sessions = batch.session_ids
@@ -209,6 +211,7 @@ class Worker:
         self.stats.sessions_in_calls += len(batch.session_ids)
         assert self.stats.calls_by_phase is not None
         self.stats.calls_by_phase[batch.phase] += 1
+        self.stats.recent_calls.append((batch.phase, len(batch.session_ids)))
         self.stats.engine_seconds += elapsed
         return self.scheduler.complete(batch, logits, elapsed)
 
