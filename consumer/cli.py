@@ -43,7 +43,8 @@ def consumer(
     prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET", help="Tokens per prefill call.")] = 512,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
     gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
-    n_threads: Annotated[int, typer.Option(envvar="DGR_THREADS", help="CPU threads (0: llama.cpp default).")] = 0,
+    n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
+                                           help="CPU threads (0: llama.cpp default).")] = 0,
     n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = 0,
     metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")] = 0,
     metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = "127.0.0.1",
@@ -91,7 +92,7 @@ def demo(
     external: Annotated[bool, typer.Option(envvar="DGR_DEMO_EXTERNAL",
                                            help="Use a running consumer (--worker-id) instead of starting one.")] = False,
     recipe: RecipeOpt = "invariant",
-    n_threads: Annotated[int, typer.Option(help="CPU threads for the consumer (0: default).")] = 0,
+    n_threads: Annotated[int, typer.Option("--threads", help="CPU threads for the consumer (0: default).")] = 0,
 ) -> None:
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from .demo import run_demo

@@ -36,7 +36,7 @@ from .support import prompts, solo_generate
 WID = "inproc"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ref_engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
     eng = NumpyReferenceEngine(tiny_model_path, n_slots=8, ctx_per_session=1024)
     yield eng

@@ -1,5 +1,7 @@
 -- complete.lua: answer a batch of step jobs in one round trip (see consumer/transport.py).
 --
+-- "XACK returned 1" below means: XACK returned 1 for this entry in this call, here or earlier in the
+-- same call (the worker may answer one malformed delivery with a rejection AND a dead letter).
 -- For each completion: XACK; only when XACK returned 1 (this delivery is the first to finish):
 -- SET the result record NX EX; only when that SET succeeded: XADD the result to the session's
 -- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session, billing account, worker).
@@ -11,10 +13,9 @@
 -- KEYS[4..] the other keys, each once, referred to from ARGV by index.
 -- ARGV[1] group, [2] result ttl s, [3] result maxlen, [4] dead-letter maxlen,
 -- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows.
--- Completion (14 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
+-- Completion (15 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
 --   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
 --   engine_seconds, close ('' for none), nf, then nf field/value pairs.
---   (15 fixed slots: see the offsets below.)
 -- Dead letter (3 + 2*nf): stream_k, entry_id, nf, then nf field/value pairs.
 -- Fused call (4): phase, batch_size, tokens, engine_seconds.
 -- Returns one integer per completion: 1 when it was the first to finish, else 0.
@@ -33,6 +34,21 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
+local function int(x)
+  return string.format('%d', x)
+end
+
+local acked = {}
+local function ack(k, stream, entry)
+  local key = k .. ' ' .. entry
+  local r = acked[key]
+  if r == nil then
+    r = redis.call('XACK', stream, group, entry) == 1
+    acked[key] = r
+  end
+  return r
+end
+
 local out = {}
 local any_first = false
 local w_prompt, w_generated, w_steps, w_share = 0, 0, 0, 0.0
@@ -40,7 +56,8 @@ local by_status, by_phase = {}, {}
 local accounts, account_order = {}, {}
 local i = 8
 for c = 1, nc do
-  local stream = KEYS[tonumber(ARGV[i])]
+  local sk = ARGV[i]
+  local stream = KEYS[tonumber(sk)]
   local entry = ARGV[i + 1]
   local record = KEYS[tonumber(ARGV[i + 2])]
   local value = ARGV[i + 3]
@@ -56,16 +73,15 @@ for c = 1, nc do
   local close = ARGV[i + 13]
   local nf = tonumber(ARGV[i + 14])
   local first = 0
-  if redis.call('XACK', stream, group, entry) == 1
-      and redis.call('SET', record, value, 'NX', 'EX', ttl) then
+  if ack(sk, stream, entry) and redis.call('SET', record, value, 'NX', 'EX', ttl) then
     first = 1
     any_first = true
     if nf > 0 then
       redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 15, i + 14 + 2 * nf))
       redis.call('EXPIRE', results, ttl)
     end
-    redis.call('HINCRBY', session, 'prompt_tokens', prompt)
-    redis.call('HINCRBY', session, 'generated_tokens', generated)
+    redis.call('HINCRBY', session, 'prompt_tokens', ARGV[i + 10])
+    redis.call('HINCRBY', session, 'generated_tokens', ARGV[i + 11])
     redis.call('HINCRBY', session, 'steps', 1)
     redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
     if ak > 0 then
@@ -99,10 +115,11 @@ for c = 1, nc do
 end
 
 for d = 1, nd do
-  local stream = KEYS[tonumber(ARGV[i])]
+  local sk = ARGV[i]
+  local stream = KEYS[tonumber(sk)]
   local entry = ARGV[i + 1]
   local nf = tonumber(ARGV[i + 2])
-  if redis.call('XACK', stream, group, entry) == 1 then
+  if ack(sk, stream, entry) then
     redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', unpack(ARGV, i + 3, i + 2 + 2 * nf))
     redis.call('HINCRBY', worker, 'dead_letters', 1)
   end
@@ -110,22 +127,22 @@ for d = 1, nd do
 end
 
 if w_steps > 0 then
-  redis.call('HINCRBY', worker, 'steps', w_steps)
-  redis.call('HINCRBY', worker, 'prompt_tokens', w_prompt)
-  redis.call('HINCRBY', worker, 'generated_tokens', w_generated)
+  redis.call('HINCRBY', worker, 'steps', int(w_steps))
+  redis.call('HINCRBY', worker, 'prompt_tokens', int(w_prompt))
+  redis.call('HINCRBY', worker, 'generated_tokens', int(w_generated))
   redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
   for status, n in pairs(by_status) do
-    redis.call('HINCRBY', worker, 'results:' .. status, n)
+    redis.call('HINCRBY', worker, 'results:' .. status, int(n))
   end
   for phase, n in pairs(by_phase) do
-    redis.call('HINCRBY', worker, 'steps:' .. phase, n)
+    redis.call('HINCRBY', worker, 'steps:' .. phase, int(n))
   end
   for _, ak in ipairs(account_order) do
     local a = accounts[ak]
     local key = KEYS[ak]
-    redis.call('HINCRBY', key, 'prompt_tokens', a.prompt)
-    redis.call('HINCRBY', key, 'generated_tokens', a.generated)
-    redis.call('HINCRBY', key, 'steps', a.steps)
+    redis.call('HINCRBY', key, 'prompt_tokens', int(a.prompt))
+    redis.call('HINCRBY', key, 'generated_tokens', int(a.generated))
+    redis.call('HINCRBY', key, 'steps', int(a.steps))
     redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(a.secs))
     redis.call('SADD', index, a.id)
   end

@@ -1,0 +1,86 @@
+"""What every benchmark shares: where results go, the machine they ran on, tables and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r])
+    return t
+
+
+def markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(out_dir: Path, name: str, payload: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=1, default=str))
+    return path
+
+
+def plot(out_dir: Path, name: str, title: str, xlabel: str, ylabel: str,
+         series: dict[str, tuple[Sequence[float], Sequence[float]]], logx: bool = False) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

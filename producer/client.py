@@ -1,0 +1,536 @@
+"""The Tracker-side client: open sessions, push step jobs, read results, cancel, replay.
+
+A session runs on one route hop (a worker advertising the hop's compatibility key for both phases).
+`open()` pushes the prompt as prefill chunks; every result with a token lets the caller (or
+`generate()` / `run_many()`) push the next decode step, one job in flight per session.
+
+Job ids are deterministic per (session, hop, phase, position, attempt) (`job_id()`), and the worker's
+completion script stores each job id's result once (SET NX), so pushing the same job twice (a retry
+after a network error, an `open()` called twice) never yields two results. The flip side: a job id
+is answered once, so to retry a step after an answer, bump the attempt (that is what `replay()` does).
+
+Replaying after `state_lost`
+----------------------------
+A worker answers `state_lost` (or `rejected` with reason `unknown_session`, which a restarted worker
+says about a session it no longer holds) when the session's state is gone. The handle then has
+`status == "state_lost"` and is not finished. Call `producer.replay(handle)`: it bumps
+`handle.attempt` and re-opens the session on the same hop with `prompt + generated` as the new
+prompt (prefill chunks, the SessionSpec's max_tokens reduced by the tokens already generated). The
+last chunk's result carries the next token exactly as the lost decode step would have (the sampler's
+random stream depends on (seed, position) only), and decoding continues from there. Results of the
+lost attempt that still arrive are ignored (their job ids belong to the old attempt). `generate()`
+and `run_many(replay_state_lost=True)` do this themselves, at most `max_attempts` times per session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+
+from schemas import (
+    GROUP,
+    CompatibilityKey,
+    Phase,
+    Reason,
+    SessionSpec,
+    Status,
+    StepJob,
+    StepResult,
+    WireError,
+    WorkerKeys,
+    job_to_fields,
+    result_from_fields,
+)
+from schemas.keys import WORKERS_INDEX
+from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, MAX_TOKENS_PER_JOB
+
+__all__ = [
+    "Backpressure", "Producer", "ResultTimeout", "SessionFailed", "SessionHandle", "WorkerInfo", "job_id",
+]
+
+CANCEL_MAXLEN = 100_000
+_READ_COUNT = 1_000  # results read per stream per XREAD
+
+
+class Backpressure(RuntimeError):
+    """The target worker's input lag is over the bound."""
+
+
+class ResultTimeout(TimeoutError):
+    """No result arrived within timeout_s."""
+
+
+class SessionFailed(RuntimeError):
+    """A session ended with rejected / failed / an unrecoverable state_lost (generate() raises it)."""
+
+    def __init__(self, handle: SessionHandle) -> None:
+        super().__init__(f"session {handle.session_id} ended with {handle.status}"
+                         + (f" ({handle.reason}: {handle.detail})" if handle.reason else ""))
+        self.handle = handle
+
+
+def job_id(session_id: str, hop: int, phase: Phase, position: int, attempt: int) -> str:
+    """Deterministic job id: 40 hex chars of sha1 over (session, hop, phase, position, attempt)."""
+    raw = f"{session_id}\x1f{hop}\x1f{phase}\x1f{position}\x1f{attempt}".encode()
+    return hashlib.sha1(raw, usedforsecurity=False).hexdigest()
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    keys: list[CompatibilityKey]
+    info: dict[str, Any]
+    alive: bool  # the heartbeat key exists (it expires ~10 s after the last beat)
+    heartbeat_age_s: float | None
+    heartbeat: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def digests(self) -> set[str]:
+        return {k.digest for k in self.keys}
+
+
+@dataclass
+class SessionHandle:
+    """One session as the producer drives it. `status`: "open" while it runs, "finished" when a
+    result said finished, else the Status that ended it ("rejected", "failed", "cancelled"), or
+    "state_lost" (not finished: call `Producer.replay`)."""
+
+    spec: SessionSpec
+    prompt: tuple[int, ...]
+    worker_id: str
+    position: int = 0  # the next position to push
+    generated: list[int] = field(default_factory=list)
+    attempt: int = 0
+    finished: bool = False
+    status: str = "open"
+    last_result_id: str = "0-0"
+    pending_job: str | None = None  # the sampling job whose result (a token) is awaited
+    hop: int = 0
+    reason: str | None = None
+    detail: str = ""
+    jobs: set[str] = field(default_factory=set)  # unanswered job ids of the current attempt
+    last_result: StepResult | None = None
+    opened_at: float = 0.0
+
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
+    @property
+    def results_key(self) -> str:
+        return WorkerKeys(self.worker_id).results(self.spec.session_id)
+
+    def input_stream(self, phase: Phase) -> str:
+        key = self.spec.route[self.hop].key.for_phase(phase)
+        return WorkerKeys(self.worker_id).input_stream(key.digest, phase)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _streams(resp: Any) -> Iterator[tuple[bytes | str, list[tuple[Any, Any]]]]:
+    if not resp:
+        return
+    if isinstance(resp, dict):  # RESP3
+        for name, value in resp.items():
+            yield name, (value[0] if value and isinstance(value[0], list) else value)
+    else:
+        for name, entries in resp:
+            yield name, entries
+
+
+class Producer:
+    """Tracker-side client. Not thread-safe: drive it from one thread (run_many does, for many sessions)."""
+
+    def __init__(self, client: redis.Redis, *, prefill_chunk: int = 512, max_lag: int | None = 10_000,
+                 backpressure: Literal["raise", "wait"] = "raise", timeout_s: float = 60.0,
+                 max_attempts: int = 3, verify_route: bool = True, lag_cache_s: float = 0.1,
+                 discover_cache_s: float = 1.0) -> None:
+        if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
+            raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
+        if backpressure not in ("raise", "wait"):
+            raise ValueError("backpressure must be 'raise' or 'wait'")
+        self.client = client
+        self.prefill_chunk = prefill_chunk
+        self.max_lag = max_lag
+        self.backpressure = backpressure
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.verify_route = verify_route
+        self.lag_cache_s = lag_cache_s
+        self.discover_cache_s = discover_cache_s
+        self._lag: dict[str, tuple[float, int]] = {}
+        self._discovered: dict[str, tuple[float, WorkerInfo]] = {}
+
+    # ---------------------------------------------------------------- discovery
+
+    def discover(self, worker_id: str) -> WorkerInfo:
+        """The worker's advertised keys and info, and its heartbeat. LookupError if it never advertised."""
+        k = WorkerKeys(worker_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(k.spec)
+        pipe.get(k.heartbeat)
+        spec_raw, hb_raw = pipe.execute()
+        info = self._worker_info(worker_id, spec_raw, hb_raw)
+        if info is None:
+            raise LookupError(f"worker {worker_id!r} has not advertised (no {k.spec})")
+        self._discovered[worker_id] = (time.monotonic(), info)
+        return info
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every worker in WORKERS_INDEX that has an advertisement, by id."""
+        ids = sorted(_s(x) for x in self.client.smembers(WORKERS_INDEX))
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for w in ids:
+            pipe.get(WorkerKeys(w).spec)
+            pipe.get(WorkerKeys(w).heartbeat)
+        replies = pipe.execute()
+        out = []
+        for i, w in enumerate(ids):
+            info = self._worker_info(w, replies[2 * i], replies[2 * i + 1])
+            if info is not None:
+                out.append(info)
+        return out
+
+    @staticmethod
+    def _worker_info(worker_id: str, spec_raw: bytes | None, hb_raw: bytes | None) -> WorkerInfo | None:
+        if spec_raw is None:
+            return None
+        spec = json.loads(spec_raw)
+        keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
+        hb = json.loads(hb_raw) if hb_raw is not None else {}
+        age = max(0.0, time.time() - float(hb["ts"])) if "ts" in hb else None
+        return WorkerInfo(worker_id=worker_id, keys=keys, info=dict(spec.get("info", {})),
+                          alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
+
+    def _check_route(self, spec: SessionSpec, hop: int) -> None:
+        worker = spec.route[hop].worker_id
+        cached = self._discovered.get(worker)
+        if cached is None or time.monotonic() - cached[0] > self.discover_cache_s:
+            info = self.discover(worker)
+        else:
+            info = cached[1]
+        key = spec.route[hop].key
+        for phase in ("prefill", "decode"):
+            d = key.for_phase(phase).digest
+            if d not in info.digests:
+                raise ValueError(f"worker {worker!r} does not advertise the route's {phase} key {d}")
+
+    # ---------------------------------------------------------------- backpressure
+
+    def _input_lag(self, stream: str) -> int:
+        now = time.monotonic()
+        cached = self._lag.get(stream)
+        if cached is not None and now - cached[0] < self.lag_cache_s:
+            return cached[1]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        length, groups = pipe.execute(raise_on_error=False)
+        lag = 0 if isinstance(length, Exception) else int(length)
+        if not isinstance(groups, Exception):
+            for g in groups:
+                if _s(g.get("name", b"")) == GROUP and g.get("lag") is not None:
+                    lag = int(g["lag"])
+        self._lag[stream] = (now, lag)
+        return lag
+
+    def _admit(self, stream: str, *, wait: bool) -> bool:
+        """True when the stream's lag is within max_lag. wait=False: answer at once; wait=True:
+        apply the configured policy (raise Backpressure, or wait up to timeout_s then raise)."""
+        if self.max_lag is None:
+            return True
+        if self._input_lag(stream) <= self.max_lag:
+            return True
+        if not wait:
+            return False
+        if self.backpressure == "raise":
+            raise Backpressure(f"{stream}: input lag over {self.max_lag}")
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(max(self.lag_cache_s, 0.01))
+            if self._input_lag(stream) <= self.max_lag:
+                return True
+        raise Backpressure(f"{stream}: input lag over {self.max_lag} for {self.timeout_s} s")
+
+    # ---------------------------------------------------------------- pushing
+
+    def _validate(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
+        if not 0 <= hop < len(spec.route):
+            raise ValueError(f"hop {hop} is not on the route ({len(spec.route)} hops)")
+        toks = tuple(prompt)
+        if not toks:
+            raise ValueError("empty prompt")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t > MAX_TOKEN_ID for t in toks):
+            raise ValueError(f"prompt tokens must be ints in [0, {MAX_TOKEN_ID}]")
+        key = spec.route[hop].key
+        if key.boundary.consumes != "tokens":
+            raise ValueError("this producer drives token-consuming hops only")
+        ctx = key.recipe.ctx_per_session
+        if len(toks) + spec.max_tokens > ctx:
+            raise ValueError(f"prompt ({len(toks)}) + max_tokens ({spec.max_tokens}) over the context "
+                             f"per session ({ctx})")
+        if len(toks) + spec.max_tokens > MAX_POSITION:
+            raise ValueError("session longer than MAX_POSITION")
+        if self.verify_route:
+            self._check_route(spec, hop)
+        return toks
+
+    def _new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> SessionHandle:
+        toks = self._validate(spec, prompt, hop)
+        return SessionHandle(spec=spec, prompt=toks, worker_id=spec.route[hop].worker_id, hop=hop,
+                             opened_at=time.time())
+
+    def _queue_prefill(self, pipe: Any, h: SessionHandle) -> None:
+        """Push prompt + generated as prefill chunks of the handle's attempt (position 0 on)."""
+        tokens = h.prompt + tuple(h.generated)
+        spec = h.spec
+        if h.generated:
+            spec = SessionSpec.model_validate({**h.spec.model_dump(), "max_tokens": h.spec.max_tokens
+                                               - len(h.generated)})
+        stream = h.input_stream("prefill")
+        compat = h.spec.route[h.hop].key.for_phase("prefill").digest
+        now = time.time()
+        h.jobs = set()
+        n = self.prefill_chunk
+        for start in range(0, len(tokens), n):
+            chunk = tokens[start:start + n]
+            last = start + n >= len(tokens)
+            jid = job_id(h.session_id, h.hop, "prefill", start, h.attempt)
+            job = StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="prefill", compat=compat,
+                          start_position=start, tokens=chunk, sample=last, attempt=h.attempt,
+                          created_at=now, session=spec if start == 0 else None)
+            pipe.xadd(stream, job_to_fields(job))
+            h.jobs.add(jid)
+            if last:
+                h.pending_job = jid
+        h.position = len(tokens)
+        h.status = "open"
+        h.reason, h.detail = None, ""
+
+    def _queue_decode(self, pipe: Any, h: SessionHandle, token: int) -> str:
+        if h.finished:
+            raise ValueError(f"session {h.session_id} is {h.status}")
+        key = h.spec.route[h.hop].key.for_phase("decode")
+        jid = job_id(h.session_id, h.hop, "decode", h.position, h.attempt)
+        job = StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="decode", compat=key.digest,
+                      start_position=h.position, tokens=(token,), sample=True, attempt=h.attempt,
+                      created_at=time.time())
+        pipe.xadd(h.input_stream("decode"), job_to_fields(job))
+        h.jobs.add(jid)
+        h.pending_job = jid
+        h.position += 1
+        return jid
+
+    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> SessionHandle:
+        """Validate (hop, tokens, context, the worker advertises the key), check backpressure on the
+        prefill stream, and push the prompt as prefill chunks (<= prefill_chunk tokens each; the
+        SessionSpec on the first, sample=True only on the last) in ONE pipeline (MULTI/EXEC)."""
+        h = self._new_handle(spec, prompt, hop)
+        self._admit(h.input_stream("prefill"), wait=True)
+        pipe = self.client.pipeline(transaction=True)
+        self._queue_prefill(pipe, h)
+        pipe.execute()
+        return h
+
+    def push_decode(self, h: SessionHandle, token: int) -> str:
+        """Push the decode step at h.position feeding `token`; returns its job id. Decode steps are
+        not held back by backpressure: an admitted session has one job in flight at most."""
+        pipe = self.client.pipeline(transaction=False)
+        jid = self._queue_decode(pipe, h, token)
+        pipe.execute()
+        return jid
+
+    def replay(self, h: SessionHandle) -> None:
+        """After state_lost: attempt + 1, re-open with prompt + generated as the prompt, continue.
+        Raises SessionFailed when max_attempts is spent. See the module docstring."""
+        pipe = self.client.pipeline(transaction=True)
+        self._queue_replay(pipe, h)
+        if h.jobs:
+            pipe.execute()
+
+    def _queue_replay(self, pipe: Any, h: SessionHandle) -> None:
+        if h.attempt + 1 > self.max_attempts:
+            h.finished = True
+            raise SessionFailed(h)
+        if len(h.generated) >= h.spec.max_tokens:
+            h.finished, h.status, h.jobs, h.pending_job = True, "finished", set(), None
+            return
+        h.attempt += 1
+        h.finished = False
+        self._queue_prefill(pipe, h)
+
+    def cancel(self, worker_id: str, session_id: str) -> None:
+        """XADD the session id to the worker's cancellation stream (MAXLEN ~)."""
+        self.client.xadd(WorkerKeys(worker_id).cancellations, {"session_id": session_id},
+                         maxlen=CANCEL_MAXLEN, approximate=True)
+
+    # ---------------------------------------------------------------- results
+
+    def read_results(self, handles: Sequence[SessionHandle], block_ms: int = 1000) -> dict[str, list[StepResult]]:
+        """ONE XREAD over the handles' result streams from each handle's last_result_id (BLOCK
+        block_ms; <= 0: do not block). Applies the results to the handles (generated tokens,
+        position, finished, status) and returns the ones of the current attempts, by session id.
+        Results of older attempts and undecodable entries are skipped."""
+        by_key = {h.results_key: h for h in handles}
+        if not by_key:
+            return {}
+        resp = self.client.xread({k: h.last_result_id for k, h in by_key.items()}, count=_READ_COUNT,
+                                 block=block_ms if block_ms > 0 else None)
+        out: dict[str, list[StepResult]] = {}
+        for name, entries in _streams(resp):
+            h = by_key[_s(name)]
+            for entry_id, fields in entries:
+                h.last_result_id = _s(entry_id)
+                try:
+                    r = result_from_fields(fields)
+                except WireError:
+                    continue
+                if self._apply(h, r):
+                    out.setdefault(h.session_id, []).append(r)
+        return out
+
+    @staticmethod
+    def _apply(h: SessionHandle, r: StepResult) -> bool:
+        if r.job_id not in h.jobs or r.session_id != h.session_id:
+            return False
+        h.jobs.discard(r.job_id)
+        h.last_result = r
+        if r.status == Status.OK:
+            if r.job_id == h.pending_job:
+                h.pending_job = None
+                if r.token is not None:
+                    h.generated.append(r.token)
+            if r.finished:
+                h.finished, h.status = True, "finished"
+        else:
+            h.reason, h.detail = (r.reason.value if r.reason else None), r.detail
+            h.jobs, h.pending_job = set(), None
+            if r.status == Status.STATE_LOST or (r.status == Status.REJECTED
+                                                 and r.reason == Reason.UNKNOWN_SESSION):
+                h.status = "state_lost"
+            else:
+                h.finished, h.status = True, r.status.value
+        return True
+
+    def _advance(self, pipe: Any, h: SessionHandle, replay_state_lost: bool) -> bool:
+        """Queue the session's next job, if any. True when something was queued."""
+        if h.finished:
+            return False
+        if h.status == "state_lost":
+            if not replay_state_lost:
+                h.finished = True
+                return False
+            try:
+                self._queue_replay(pipe, h)
+            except SessionFailed:
+                return False
+            return bool(h.jobs)
+        if h.pending_job is None and not h.jobs:
+            if not h.generated:  # an ok sampling result without a token: nothing to feed
+                h.finished, h.status, h.detail = True, "failed", "sampling result carried no token"
+                return False
+            self._queue_decode(pipe, h, h.generated[-1])
+            return True
+        return False
+
+    # ---------------------------------------------------------------- drivers
+
+    def generate(self, spec: SessionSpec, prompt: Sequence[int]) -> Iterator[int]:
+        """Drive one session step by step, yield its tokens as results arrive, stop when finished.
+        Replays after state_lost (up to max_attempts); raises SessionFailed on rejected/failed,
+        ResultTimeout when no result arrives for timeout_s. Tokens are yielded as the worker
+        sampled them (a stop token that ended the session included)."""
+        h = self.open(spec, prompt)
+        last = time.monotonic()
+        while not h.finished:
+            n0 = len(h.generated)
+            got = self.read_results([h], block_ms=self._block_ms(last))
+            yield from h.generated[n0:]
+            if not got:
+                if time.monotonic() - last > self.timeout_s:
+                    raise ResultTimeout(f"session {h.session_id}: no result for {self.timeout_s} s")
+                continue
+            last = time.monotonic()
+            pipe = self.client.pipeline(transaction=False)
+            if self._advance(pipe, h, replay_state_lost=True):
+                pipe.execute()
+            if h.finished and h.status not in ("finished", "cancelled"):
+                raise SessionFailed(h)
+
+    def _block_ms(self, last: float) -> int:
+        left = self.timeout_s - (time.monotonic() - last)
+        return max(1, min(1000, int(left * 1000)))
+
+    def run_many(self, sessions: Sequence[tuple[SessionSpec, Sequence[int]]],
+                 on_result: Callable[[SessionHandle, StepResult], None] | None = None,
+                 replay_state_lost: bool = True, start_times: Sequence[float] | None = None,
+                 ) -> dict[str, SessionHandle]:
+        """Drive many sessions concurrently from this one thread until all are finished.
+
+        Each loop: open the sessions whose start time (seconds from the call; default all at once)
+        has come, one XREAD over all live result streams, then every session's next job (decode
+        step, or a replay after state_lost) in one pipeline. Backpressure on opening: "raise"
+        raises, "wait" defers the open to a later loop. Returns the handles by session id.
+        ResultTimeout when live sessions get no result for timeout_s."""
+        if start_times is not None and len(start_times) != len(sessions):
+            raise ValueError("start_times must give one time per session")
+        ids = [spec.session_id for spec, _ in sessions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate session ids")
+        times = list(start_times) if start_times is not None else [0.0] * len(sessions)
+        waiting = deque(sorted(range(len(sessions)), key=lambda i: times[i]))
+        handles: dict[str, SessionHandle] = {}
+        t0 = last = time.monotonic()
+        while True:
+            pipe = self.client.pipeline(transaction=False)
+            queued = False
+            now = time.monotonic()
+            while waiting and times[waiting[0]] <= now - t0:
+                spec, prompt = sessions[waiting[0]]
+                h = self._new_handle(spec, prompt, 0)
+                # "raise": _admit raises Backpressure; "wait": defer this open to a later loop.
+                if not self._admit(h.input_stream("prefill"), wait=self.backpressure == "raise"):
+                    break
+                self._queue_prefill(pipe, h)
+                handles[h.session_id] = h
+                waiting.popleft()
+                queued = True
+            if queued:
+                pipe.execute()
+                pipe = self.client.pipeline(transaction=False)
+                queued = False
+            live = [h for h in handles.values() if not h.finished]
+            if not live:
+                if not waiting:
+                    return handles
+                time.sleep(max(0.0, min(0.05, times[waiting[0]] - (time.monotonic() - t0))))
+                last = time.monotonic()
+                continue
+            block = self._block_ms(last)
+            if waiting:
+                block = max(1, min(block, int((times[waiting[0]] - (time.monotonic() - t0)) * 1000)))
+            got = self.read_results(live, block_ms=block)
+            if not got:
+                if time.monotonic() - last > self.timeout_s:
+                    raise ResultTimeout(f"{len(live)} sessions: no result for {self.timeout_s} s")
+                continue
+            last = time.monotonic()
+            for sid, results in got.items():
+                h = handles[sid]
+                if on_result is not None:
+                    for r in results:
+                        on_result(h, r)
+                queued |= self._advance(pipe, h, replay_state_lost)
+            if queued:
+                pipe.execute()

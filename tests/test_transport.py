@@ -1,0 +1,667 @@
+"""RedisTransport against fakeredis[lua] and a real redis-server (same bodies via `redis_client`).
+
+Blocking/timing behaviour is asserted on `real_redis` only (fakeredis does not block, see
+shared/notes/redis-streams.md). The helpers at the top are shared with tests/test_producer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+
+from consumer.transport import (
+    Completion,
+    DeadLetter,
+    Delivery,
+    FusedCallStats,
+    RedisTransport,
+    TransportSettings,
+)
+from schemas import (
+    GROUP,
+    Accounting,
+    CompatibilityKey,
+    EngineIdentity,
+    Phase,
+    Reason,
+    Recipe,
+    RouteHop,
+    SessionSpec,
+    StateLayout,
+    Status,
+    StepJob,
+    StepResult,
+    WireError,
+    job_from_fields,
+    job_to_fields,
+    result_from_fields,
+    whole_model_boundary,
+)
+from schemas.keys import WORKERS_INDEX
+
+WORKER = "w1"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def make_key(phase: Phase = "decode", ctx: int = 4096, arch: str = "gemma3") -> CompatibilityKey:
+    return CompatibilityKey(
+        engine=EngineIdentity(architecture=arch, gguf_sha256="ab" * 32),
+        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=ctx, flash_attention=False,
+                      batch_invariant=True, runtime="numpy-reference/1"),
+        phase=phase, boundary=whole_model_boundary(2), state=StateLayout(kind="kv", dims={"n_layer": 2}),
+    )
+
+
+def make_spec(session_id: str, *, worker: str = WORKER, account: str = "acct-1", max_tokens: int = 8,
+              stop_tokens: tuple[int, ...] = (), ctx: int = 4096) -> SessionSpec:
+    return SessionSpec(session_id=session_id, account_id=account,
+                       route=(RouteHop(worker_id=worker, key=make_key("prefill", ctx)),),
+                       max_tokens=max_tokens, stop_tokens=stop_tokens)
+
+
+def make_job(session_id: str, position: int, *, phase: Phase = "decode", job_id: str | None = None,
+             token: int = 1, attempt: int = 0) -> StepJob:
+    opening = phase == "prefill" and position == 0
+    return StepJob(job_id=job_id or f"{session_id}-{phase[0]}{position}-{attempt}", session_id=session_id,
+                   phase=phase, compat=make_key(phase).digest, start_position=position, tokens=(token,),
+                   attempt=attempt, created_at=time.time(), session=make_spec(session_id) if opening else None)
+
+
+def ok_result(job: StepJob, *, token: int = 7, finished: bool = False, prompt: int = 0, generated: int = 1,
+              secs: float = 0.001, batch_size: int = 1, worker: str = WORKER) -> StepResult:
+    return StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.OK,
+                      position=job.end_position, token=token, finished=finished,
+                      accounting=Accounting(prompt_tokens=prompt, generated_tokens=generated, engine_seconds=secs),
+                      worker_id=worker, batch_size=batch_size)
+
+
+def push(client: redis.Redis, stream: str, jobs: Sequence[StepJob]) -> list[str]:
+    pipe = client.pipeline(transaction=False)
+    for j in jobs:
+        pipe.xadd(stream, job_to_fields(j))  # type: ignore[arg-type]
+    return [x.decode() for x in pipe.execute()]
+
+
+def completions_for(ds: Sequence[Delivery], *, account: str | None = "acct-1", **kw: Any) -> list[Completion]:
+    out = []
+    for d in ds:
+        job = job_from_fields(d.fields)
+        out.append(Completion(d, ok_result(job, **kw), account, d.phase))
+    return out
+
+
+class CommandCounter:
+    """Counts client round trips: each execute_command (a script call included) and each pipeline
+    execute is one. Names are recorded, pipelines as 'PIPELINE[<commands>]'."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.calls: list[str] = []
+        self._orig_exec = client.execute_command
+        self._orig_pipe = client.pipeline
+
+    def __enter__(self) -> CommandCounter:
+        def execute_command(*args: Any, **kw: Any) -> Any:
+            self.calls.append(str(args[0]).upper())
+            return self._orig_exec(*args, **kw)
+
+        def pipeline(*args: Any, **kw: Any) -> Any:
+            pipe = self._orig_pipe(*args, **kw)
+            orig_execute = pipe.execute
+
+            def execute(*a: Any, **k: Any) -> Any:
+                names = ",".join(str(c[0][0]).upper() for c in pipe.command_stack)
+                self.calls.append(f"PIPELINE[{names}]")
+                return orig_execute(*a, **k)
+
+            pipe.execute = execute  # type: ignore[method-assign]
+            return pipe
+
+        self.client.execute_command = execute_command  # type: ignore[method-assign]
+        self.client.pipeline = pipeline  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.client.execute_command
+        del self.client.pipeline
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+@contextmanager
+def counting(client: redis.Redis) -> Iterator[CommandCounter]:
+    with CommandCounter(client) as c:
+        yield c
+
+
+def xrange(client: redis.Redis, key: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    entries: Any = client.xrange(key)
+    return list(entries)
+
+
+def hget_all(client: redis.Redis, key: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(key).items()}  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def transport(redis_client: redis.Redis) -> RedisTransport:
+    t = RedisTransport(redis_client, WORKER, "c1")
+    t.register([make_key("prefill"), make_key("decode")], {"slots": 64})
+    return t
+
+
+def streams_of(t: RedisTransport) -> tuple[str, str]:
+    pre, dec = t.streams
+    assert pre.endswith(":prefill") and dec.endswith(":decode")
+    return pre, dec
+
+
+# ------------------------------------------------------------------------------------------ registration
+
+
+def test_register_is_idempotent_and_advertises(redis_client: redis.Redis) -> None:
+    t = RedisTransport(redis_client, WORKER)
+    keys = [make_key("prefill"), make_key("decode")]
+    streams = t.register(keys, {"slots": 8})
+    assert streams == t.register(keys, {"slots": 8})  # BUSYGROUP ignored
+    assert streams == [f"dgr:{{{WORKER}}}:in:{k.digest}:{k.phase}" for k in keys]
+    for s in streams:
+        groups = redis_client.xinfo_groups(s)
+        assert [g["name"] for g in groups] == [GROUP.encode()]
+    spec = json.loads(redis_client.get(t.keys.spec))  # type: ignore[arg-type]
+    assert spec["worker_id"] == WORKER and spec["info"] == {"slots": 8} and spec["streams"] == streams
+    assert [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec["keys"]] == keys
+    assert redis_client.sismember(WORKERS_INDEX, WORKER)
+    t.heartbeat({"free_slots": 3})
+    hb = json.loads(redis_client.get(t.keys.heartbeat))  # type: ignore[arg-type]
+    assert hb["free_slots"] == 3 and hb["consumer"] == "c0" and abs(hb["ts"] - time.time()) < 5
+    assert 0 < redis_client.ttl(t.keys.heartbeat) <= 10
+
+
+def test_rejects_foreign_streams_and_decoded_clients(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    with pytest.raises(ValueError):
+        transport.read({"dgr:{other}:in:0123456789abcdef:decode": 1})
+    with pytest.raises(ValueError):
+        transport.read({"not-a-stream": 1})
+    with pytest.raises(ValueError):
+        RedisTransport(redis.Redis(decode_responses=True), WORKER)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def test_read_caps_each_stream_at_its_count(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 5) for i in range(10)])
+    push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(3)])
+    first = transport.read({dec: 4, pre: 0})
+    assert [d.stream for d in first] == [dec] * 4
+    assert all(isinstance(d.stream, str) and d.phase == "decode" and d.digest == make_key().digest for d in first)
+    second = transport.read({dec: 10, pre: 2}, block_ms=0)
+    assert sum(d.stream == dec for d in second) == 6 and sum(d.stream == pre for d in second) == 2
+    assert [d.stream for d in transport.read({dec: 3, pre: 3}, block_ms=0)] == [pre]  # 1 left
+    got = [job_from_fields(d.fields).session_id for d in first + second if d.stream == dec]
+    assert got == [f"s{i}" for i in range(10)]  # stream order kept
+
+
+def test_read_accepts_bytes_stream_names(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job("s", 1)])
+    ds = transport.read({dec.encode(): 2}, block_ms=0)  # type: ignore[dict-item]
+    assert [d.stream for d in ds] == [dec]
+
+
+def test_read_gathers_up_to_counts_and_respects_more(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 3) for i in range(6)])
+    push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(5)])
+    transport.read({dec: 1}, block_ms=0, gather_ms=0)  # drains the (empty) pending lists
+    calls: list[int] = []
+
+    def more(ds: list[Delivery]) -> bool:
+        calls.append(len(ds))
+        return False
+
+    ds = transport.read({dec: 3, pre: 2}, block_ms=0, gather_ms=50, more=more)
+    assert sum(d.stream == dec for d in ds) == 3 and sum(d.stream == pre for d in ds) == 2
+    assert calls == []  # everything was filled by the first read: no gather
+    ds = transport.read({dec: 5, pre: 5}, block_ms=0, gather_ms=50, more=more)
+    assert len(ds) == 2 + 3 and calls == [5]  # under its counts, but more() said stop
+
+
+def test_at_least_once_pending_reread_after_restart(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
+    held = transport.read({dec: 3}, block_ms=0)  # worker "crashes" holding 3
+    assert len(held) == 3
+    push(redis_client, dec, [make_job("late", 1)])
+    again = RedisTransport(redis_client, WORKER, "c1")  # restart, same consumer name
+    again.register([make_key("prefill"), make_key("decode")], {})
+    first = again.read({dec: 2}, block_ms=0, gather_ms=0)
+    assert [d.entry_id for d in first] == [d.entry_id for d in held[:2]]
+    assert first[0].fields == held[0].fields
+    second = again.read({dec: 2}, block_ms=0, gather_ms=0)
+    assert [d.entry_id for d in second][:1] == [held[2].entry_id]
+    rest = again.read({dec: 10}, block_ms=0, gather_ms=0)
+    names = [job_from_fields(d.fields).session_id for d in second + rest]
+    assert names == ["s2", "s3", "s4", "late"]
+    # every entry was delivered; after completing them all nothing is pending
+    everything = first + second + rest
+    assert all(again.complete(completions_for(everything)))
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+    assert again.input_lag()[dec] == {"length": 6, "lag": 0, "pending": 0}
+
+
+def test_trimmed_pending_entry_returns_with_empty_fields(redis_client: redis.Redis,
+                                                         transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job("s", 1)])
+    (d,) = transport.read({dec: 1}, block_ms=0)
+    redis_client.xtrim(dec, maxlen=0)
+    again = RedisTransport(redis_client, WORKER, "c1")
+    (d2,) = again.read({dec: 1}, block_ms=0)
+    assert d2.entry_id == d.entry_id and d2.fields == {}
+    with pytest.raises(WireError) as e:
+        job_from_fields(d2.fields)
+    again.complete([], [DeadLetter(d2, e.value.reason, str(e.value))])
+    (dl,) = xrange(redis_client, again.keys.dead_letters)
+    assert dl[1][b"reason"] == b"malformed" and dl[1][b"entry_id"] == d.entry_id.encode()
+
+
+def test_read_recreates_a_deleted_group(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    transport.read({dec: 1}, block_ms=0)
+    redis_client.flushall()
+    assert transport.read({dec: 1}, block_ms=0) == []
+    push(redis_client, dec, [make_job("s", 1)])
+    assert len(transport.read({dec: 1}, block_ms=0)) == 1
+
+
+def test_read_blocks_until_an_entry_arrives(real_redis: redis.Redis) -> None:
+    t = RedisTransport(real_redis, WORKER)
+    _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
+    t.read({dec: 1}, block_ms=0)
+    timer = threading.Timer(0.2, lambda: push(real_redis, dec, [make_job("s", 1)]))
+    t0 = time.monotonic()
+    timer.start()
+    ds = t.read({dec: 4}, block_ms=3000, gather_ms=0)
+    elapsed = time.monotonic() - t0
+    timer.join()
+    assert len(ds) == 1 and 0.1 < elapsed < 2.5
+    t0 = time.monotonic()
+    assert t.read({dec: 4}, block_ms=100, gather_ms=0) == []
+    assert 0.05 < time.monotonic() - t0 < 1.0
+
+
+def test_gather_collects_entries_arriving_after_the_wakeup(real_redis: redis.Redis) -> None:
+    t = RedisTransport(real_redis, WORKER)
+    _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
+    t.read({dec: 1}, block_ms=0)
+
+    def producer() -> None:
+        for i in range(4):
+            push(real_redis, dec, [make_job(f"s{i}", 1)])
+            time.sleep(0.01)
+
+    th = threading.Thread(target=producer)
+    th.start()
+    ds = t.read({dec: 4}, block_ms=2000, gather_ms=500)
+    th.join()
+    assert len(ds) == 4  # a blocked read wakes on the first; the bounded gather takes the rest
+
+
+# ------------------------------------------------------------------------------------------ completion
+
+
+def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 4) for i in range(3)])
+    ds = transport.read({dec: 3}, block_ms=0)
+    comps = completions_for(ds, generated=1, secs=0.25)
+    call = FusedCallStats("decode", batch_size=3, tokens=3, engine_seconds=0.75)
+    assert transport.complete(comps, call=call) == [True, True, True]
+    snapshot = {k: hget_all(redis_client, k) for k in (transport.keys.worker_account,
+                                                       transport.keys.session_account("s0"),
+                                                       transport.keys.billing_account("acct-1"))}
+    assert transport.complete(comps, call=call) == [False, False, False]  # replay
+    assert {k: hget_all(redis_client, k) for k in snapshot} == snapshot
+    for i in range(3):
+        entries = xrange(redis_client, transport.keys.results(f"s{i}"))
+        assert len(entries) == 1
+        r = result_from_fields(entries[0][1])
+        assert r == comps[i].result
+        stored = json.loads(redis_client.get(transport.keys.result_record(r.job_id)))  # type: ignore[arg-type]
+        assert result_from_fields(stored) == r
+        assert 0 < redis_client.ttl(transport.keys.result_record(r.job_id)) <= 86_400
+        assert 0 < redis_client.ttl(transport.keys.results(f"s{i}")) <= 86_400
+    w = snapshot[transport.keys.worker_account]
+    assert w["fused_calls"] == "1" and w["batch_size:3"] == "1" and w["tokens:decode"] == "3"
+    assert w["results:ok"] == "3" and w["generated_tokens"] == "3" and float(w["engine_seconds"]) == 0.75
+    assert float(w["engine_seconds_share"]) == pytest.approx(0.75)
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+    assert transport.complete([]) == []
+
+
+def test_same_job_id_pushed_twice_yields_one_result(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    job = make_job("s", 4, job_id="retried-job")
+    push(redis_client, dec, [job, job])  # a producer retry
+    a, b = transport.read({dec: 2}, block_ms=0)
+    assert transport.complete(completions_for([a, b])) == [True, False]  # same batch
+    push(redis_client, dec, [job])  # and once more, completed in a later batch
+    (c,) = transport.read({dec: 2}, block_ms=0)
+    assert transport.complete(completions_for([c])) == [False]
+    assert redis_client.xlen(transport.keys.results("s")) == 1
+    assert hget_all(redis_client, transport.keys.session_account("s"))["steps"] == "1"
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+
+
+def test_per_session_result_order(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    for pos in range(10):
+        push(redis_client, dec, [make_job("a", pos), make_job("b", 100 + pos)])
+        ds = transport.read({dec: 8}, block_ms=0)
+        transport.complete(completions_for(ds, token=pos))
+    for sid, base in (("a", 0), ("b", 100)):
+        rs = [result_from_fields(f) for _id, f in xrange(redis_client, transport.keys.results(sid))]
+        assert [r.position for r in rs] == [base + p + 1 for p in range(10)]
+        assert [r.token for r in rs] == list(range(10))
+
+
+def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    pre, dec = streams_of(transport)
+    sessions = [f"s{i}" for i in range(6)]
+    accounts = {s: f"acct-{i % 2}" for i, s in enumerate(sessions)}
+    total_call_seconds = 0.0
+    for step in range(5):
+        phase: Phase = "prefill" if step == 0 else "decode"
+        stream = pre if step == 0 else dec
+        jobs = [make_job(s, step, phase=phase) for s in sessions[: 6 - step]]
+        push(redis_client, stream, jobs)
+        ds = transport.read({stream: 16}, block_ms=0)
+        call_seconds = 0.01 * (step + 1)
+        share = call_seconds / len(ds)
+        comps = []
+        for d in ds:
+            job = job_from_fields(d.fields)
+            last = job.session_id == sessions[5 - step] and step > 0
+            r = ok_result(job, prompt=7 if phase == "prefill" else 0, generated=1, secs=share, finished=last)
+            comps.append(Completion(d, r, accounts[job.session_id], phase, "finished" if last else None))
+        call = FusedCallStats(phase, len(ds), len(ds), call_seconds)
+        assert all(transport.complete(comps, call=call))
+        transport.complete(comps, call=call)  # replays change nothing
+        total_call_seconds += call_seconds
+    w = hget_all(redis_client, transport.keys.worker_account)
+    per_session = [hget_all(redis_client, transport.keys.session_account(s)) for s in sessions]
+    for field in ("prompt_tokens", "generated_tokens", "steps"):
+        assert sum(int(s[field]) for s in per_session) == int(w[field])
+        by_acct = [hget_all(redis_client, transport.keys.billing_account(a)) for a in ("acct-0", "acct-1")]
+        assert sum(int(a[field]) for a in by_acct) == int(w[field])
+    assert sum(float(s["engine_seconds"]) for s in per_session) == pytest.approx(float(w["engine_seconds_share"]))
+    assert float(w["engine_seconds_share"]) == pytest.approx(total_call_seconds)
+    assert float(w["engine_seconds"]) == pytest.approx(total_call_seconds)
+    assert int(w["fused_calls"]) == 5 and int(w["calls:decode"]) == 4 and int(w["calls:prefill"]) == 1
+    assert int(w["prompt_tokens"]) == 6 * 7
+    assert {k: v for k, v in w.items() if k.startswith("batch_size:")} == {f"batch_size:{n}": "1" for n in
+                                                                          (6, 5, 4, 3, 2)}
+    assert redis_client.smembers(transport.keys.accounts_index) == {b"acct-0", b"acct-1"}
+    assert per_session[0]["account"] == "acct-0" and per_session[4]["closed"] == "finished"
+    assert "closed" not in per_session[0]
+
+
+def test_unknown_session_is_not_charged_to_an_account(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job("ghost", 3)])
+    (d,) = transport.read({dec: 1}, block_ms=0)
+    job = job_from_fields(d.fields)
+    r = StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.REJECTED,
+                   reason=Reason.UNKNOWN_SESSION, position=3, worker_id=WORKER)
+    assert transport.complete([Completion(d, r, None, "decode", "cancelled")]) == [True]
+    assert redis_client.scard(transport.keys.accounts_index) == 0
+    assert hget_all(redis_client, transport.keys.session_account("ghost"))["closed"] == "cancelled"
+    assert hget_all(redis_client, transport.keys.worker_account)["results:rejected"] == "1"
+
+
+def test_malformed_entries_dead_lettered_alongside_completions(redis_client: redis.Redis,
+                                                              transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    good = make_job("good", 2)
+    bad_v = job_to_fields(make_job("v2", 2)) | {"v": "2"}
+    redis_client.xadd(dec, job_to_fields(good))  # type: ignore[arg-type]
+    redis_client.xadd(dec, {b"tokens": b"\xff\xfe", b"v": b"1"})  # not UTF-8
+    redis_client.xadd(dec, {"hello": "world"})  # wrong fields
+    redis_client.xadd(dec, bad_v)  # type: ignore[arg-type]
+    ds = transport.read({dec: 8}, block_ms=0)
+    comps, dead = [], []
+    for d in ds:
+        try:
+            job = job_from_fields(d.fields)
+        except WireError as e:
+            dead.append(DeadLetter(d, e.reason, str(e)))
+        else:
+            comps.append(Completion(d, ok_result(job), "acct", "decode"))
+    assert [dl.reason for dl in dead] == [Reason.MALFORMED, Reason.MALFORMED, Reason.SCHEMA_VERSION]
+    assert transport.complete(comps, dead) == [True]
+    assert transport.complete(comps, dead) == [False]  # replay: no second dead letter either
+    dlq = xrange(redis_client, transport.keys.dead_letters)
+    assert len(dlq) == 3
+    for (_id, f), dl in zip(dlq, dead, strict=True):
+        assert f[b"reason"] == dl.reason.value.encode() and f[b"stream"] == dec.encode()
+        assert f[b"entry_id"] == dl.delivery.entry_id.encode() and f[b"detail"] == dl.detail.encode()
+        assert {k[2:]: v for k, v in f.items() if k.startswith(b"f:")} == dl.delivery.fields
+    assert redis_client.xlen(transport.keys.results("good")) == 1
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+    assert hget_all(redis_client, transport.keys.worker_account)["dead_letters"] == "3"
+
+
+def test_one_delivery_rejected_and_dead_lettered_in_one_call(redis_client: redis.Redis,
+                                                           transport: RedisTransport) -> None:
+    """The worker tells the session (a rejection) and keeps the entry (a dead letter) at once."""
+    _pre, dec = streams_of(transport)
+    redis_client.xadd(dec, job_to_fields(make_job("v9", 2)) | {"v": "9"})  # type: ignore[arg-type]
+    (d,) = transport.read({dec: 1}, block_ms=0)
+    with pytest.raises(WireError) as e:
+        job_from_fields(d.fields)
+    assert e.value.session_id == "v9" and e.value.job_id is not None
+    r = StepResult(job_id=e.value.job_id, session_id="v9", status=Status.REJECTED, reason=e.value.reason,
+                   detail=str(e.value)[:256], position=0, worker_id=WORKER)
+    comp, dead = Completion(d, r, None, "decode"), DeadLetter(d, e.value.reason, str(e.value))
+    assert transport.complete([comp], [dead]) == [True]
+    assert transport.complete([comp], [dead]) == [False]
+    assert redis_client.xlen(transport.keys.results("v9")) == 1
+    ((_id, f),) = xrange(redis_client, transport.keys.dead_letters)
+    assert f[b"reason"] == b"schema_version" and f[b"f:v"] == b"9"
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+
+
+# ------------------------------------------------------------------------------------------ recovery
+
+
+def test_xautoclaim_takeover_by_a_new_consumer(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
+    held = transport.read({dec: 3}, block_ms=0)  # c1 dies holding them
+    fresh = RedisTransport(redis_client, WORKER, "c2", TransportSettings(claim_idle_ms=1))
+    fresh.register([make_key("prefill"), make_key("decode")], {})
+    time.sleep(0.02)
+    taken, dead = fresh.recover()
+    assert dead == [] and [d.entry_id for d in taken] == [d.entry_id for d in held]
+    assert [d.fields for d in taken] == [d.fields for d in held]
+    owners = {p["consumer"] for p in redis_client.xpending_range(dec, GROUP, "-", "+", 10)}
+    assert owners == {b"c2"}
+    assert fresh.complete(completions_for(taken)) == [True] * 3
+    assert transport.complete(completions_for(held)) == [False] * 3  # the zombie's late answer
+    assert all(redis_client.xlen(fresh.keys.results(f"s{i}")) == 1 for i in range(3))
+    assert fresh.recover() == ([], [])
+
+
+def test_recover_into_the_same_consumer_is_not_redelivered_by_the_pending_reread(
+        redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
+    held = transport.read({dec: 2}, block_ms=0)
+    again = RedisTransport(redis_client, WORKER, "c1", TransportSettings(claim_idle_ms=1))
+    again.register([make_key("prefill"), make_key("decode")], {})
+    time.sleep(0.02)
+    taken, _dead = again.recover()  # a restart that sweeps first (the worker's start())
+    assert [d.entry_id for d in taken] == [d.entry_id for d in held]
+    rest = again.read({dec: 8}, block_ms=0)
+    assert [job_from_fields(d.fields).session_id for d in rest] == ["s2"]  # no second copy of s0, s1
+
+
+def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job("s", p) for p in range(5)])
+    transport.complete(completions_for(transport.read({dec: 8}, block_ms=0)))
+    assert transport.trim_results("s", 0) == 5
+    assert redis_client.exists(transport.keys.results("s")) == 0
+
+
+def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> None:
+    settings = TransportSettings(claim_idle_ms=1, max_deliveries=2)
+    a = RedisTransport(redis_client, WORKER, "a", settings)
+    _pre, dec = a.register([make_key("prefill"), make_key("decode")], {})
+    b = RedisTransport(redis_client, WORKER, "b", settings)
+    b.register([make_key("prefill"), make_key("decode")], {})
+    job = make_job("poison", 9)
+    (entry_id,) = push(redis_client, dec, [job])
+    assert len(a.read({dec: 1}, block_ms=0)) == 1  # delivery 1
+    time.sleep(0.01)
+    taken, dead = b.recover()  # delivery 2: still handed out
+    assert [d.entry_id for d in taken] == [entry_id] and dead == []
+    time.sleep(0.01)
+    taken, dead = a.recover()  # delivery 3 > 2: dead-lettered
+    assert taken == [] and len(dead) == 1
+    assert dead[0].reason == Reason.TOO_MANY_DELIVERIES and dead[0].delivery.entry_id == entry_id
+    ((_id, f),) = xrange(redis_client, a.keys.dead_letters)
+    assert f[b"reason"] == b"too_many_deliveries" and f[b"deliveries"] == b"3"
+    assert f[b"stream"] == dec.encode() and f[b"entry_id"] == entry_id.encode()
+    assert job_from_fields({k[2:]: v for k, v in f.items() if k.startswith(b"f:")}) == job
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+
+
+def test_pending_reread_dead_letters_a_poison_entry(redis_client: redis.Redis) -> None:
+    settings = TransportSettings(max_deliveries=2)
+    keys = [make_key("prefill"), make_key("decode")]
+    t = RedisTransport(redis_client, WORKER, "c1", settings)
+    _pre, dec = t.register(keys, {})
+    (entry_id,) = push(redis_client, dec, [make_job("poison", 9)])
+    assert len(t.read({dec: 1}, block_ms=0)) == 1  # delivery 1, then the worker crashes
+    t = RedisTransport(redis_client, WORKER, "c1", settings)
+    assert [d.entry_id for d in t.read({dec: 1}, block_ms=0)] == [entry_id]  # delivery 2, crash again
+    t = RedisTransport(redis_client, WORKER, "c1", settings)
+    assert t.read({dec: 1}, block_ms=0) == []  # delivery 3 > 2
+    assert [dl.delivery.entry_id for dl in t.dead_lettered] == [entry_id]
+    assert redis_client.xlen(t.keys.dead_letters) == 1
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+
+
+# ------------------------------------------------------------------------------------------ cancellations, lag
+
+
+def test_cancellations_are_seen_once(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    assert transport.cancellations() == []
+    for sid in ("a", "b", "c"):
+        redis_client.xadd(transport.keys.cancellations, {"session_id": sid})
+    assert transport.cancellations() == ["a", "b", "c"]
+    assert transport.cancellations() == []
+    redis_client.xadd(transport.keys.cancellations, {"session_id": "d"})
+    assert transport.cancellations() == ["d"]
+    other = RedisTransport(redis_client, WORKER, "c9")  # a restart reads from the beginning
+    assert other.cancellations() == ["a", "b", "c", "d"]
+
+
+def test_input_lag(redis_client: redis.Redis, transport: RedisTransport) -> None:
+    pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
+    transport.read({dec: 2}, block_ms=0)
+    lag = transport.input_lag()
+    assert lag[dec] == {"length": 5, "lag": 3, "pending": 2}
+    assert lag[pre] == {"length": 0, "lag": 0, "pending": 0}
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_round_trips_per_batch_are_constant(redis_client: redis.Redis, transport: RedisTransport,
+                                            batch: int) -> None:
+    pre, dec = streams_of(transport)
+    transport.read({dec: 1, pre: 1}, block_ms=0)  # the pending re-read of a fresh consumer, once
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(batch)])
+    with counting(redis_client) as c:
+        ds = transport.read({dec: batch}, block_ms=10, gather_ms=0)
+        assert len(ds) == batch and c.calls == ["XREADGROUP"]
+        c.reset()
+        transport.cancellations()
+        assert c.calls == ["XREAD"]
+        c.reset()
+        comps = completions_for(ds)
+        dead = [DeadLetter(ds[0], Reason.MALFORMED, "x")] if batch > 1 else []
+        first = transport.complete(comps[1:] if dead else comps, dead,
+                                   FusedCallStats("decode", batch, batch, 0.01))
+        assert c.calls == ["EVALSHA"]
+        assert all(first)
+    assert redis_client.xpending(dec, GROUP)["pending"] == 0
+
+
+def test_round_trips_two_streams_and_first_call_fallback(redis_client: redis.Redis) -> None:
+    t = RedisTransport(redis_client, WORKER, "c1")
+    pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(8)])
+    push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(8)])
+    with counting(redis_client) as c:
+        ds = t.read({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
+        # the first read of a consumer re-reads its own pending list (one script call)
+        assert c.calls == ["EVALSHA", "PIPELINE[XREADGROUP,XREADGROUP]"] and len(ds) == 10
+        c.reset()
+        ds += t.read({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
+        assert c.calls == ["PIPELINE[XREADGROUP,XREADGROUP]"] and len(ds) == 12
+        c.reset()
+        redis_client.script_flush()
+        c.reset()
+        assert all(t.complete(completions_for(ds[:4])))  # NOSCRIPT: EVALSHA, SCRIPT LOAD, EVALSHA
+        assert c.calls[0] == "EVALSHA" and len(c.calls) <= 3
+        c.reset()
+        assert all(t.complete(completions_for(ds[4:])))
+        assert c.calls == ["EVALSHA"]
+        c.reset()
+        assert t.complete([]) == [] and c.calls == []
+
+
+def time_complete(client: redis.Redis, n: int, rounds: int = 30) -> tuple[float, float]:
+    """(median, best) seconds of one complete() of n sessions, on whatever `client` is."""
+    t = RedisTransport(client, "bench")
+    _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
+    samples = []
+    for r in range(rounds):
+        push(client, dec, [make_job(f"b{r}-{i}", 1) for i in range(n)])
+        ds = t.read({dec: n}, block_ms=0, gather_ms=0)
+        comps = completions_for(ds)
+        call = FusedCallStats("decode", n, n, 0.01)
+        t0 = time.perf_counter()
+        t.complete(comps, call=call)
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2], samples[0]
+
+
+def test_measure_complete_wall_time(real_redis: redis.Redis, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a timing assertion: prints the wall time of one complete() (see `pytest -s`)."""
+    lines = []
+    for n in (1, 8, 64):
+        med, best = time_complete(real_redis, n)
+        lines.append(f"complete() of {n:3d} sessions: median {med * 1e3:.3f} ms, best {best * 1e3:.3f} ms")
+        assert med < 1.0
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
