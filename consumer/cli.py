@@ -90,7 +90,7 @@ def demo(
                                            help="Use this Redis instead of starting a private one.")] = "",
     worker_id: Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id of the consumer.")] = "demo",
     external: Annotated[bool, typer.Option(envvar="DGR_DEMO_EXTERNAL",
-                                           help="Use a running consumer (--worker-id) instead of starting one.")] = False,
+                                           help="Use a running consumer (--worker-id), start none.")] = False,
     recipe: RecipeOpt = "invariant",
     n_threads: Annotated[int, typer.Option("--threads", help="CPU threads for the consumer (0: default).")] = 0,
 ) -> None:

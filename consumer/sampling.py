@@ -25,9 +25,9 @@ def rng_for(seed: int, position: int) -> np.random.Generator:
 
 
 def _clean(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
-    x = np.array(logits, dtype=np.float64).reshape(-1)  # always a copy: we write into it
-    if x.shape[0] == 0:
-        raise ValueError("empty logits row")
+    x = np.array(logits, dtype=np.float64)  # always a copy: we write into it
+    if x.ndim != 1 or x.shape[0] == 0:
+        raise ValueError(f"expected one non-empty row of logits, got shape {x.shape}")
     nan = np.isnan(x)
     if nan.any():
         x[nan] = -np.inf
@@ -71,10 +71,7 @@ def sample(logits: npt.ArrayLike, sampling: Sampling, position: int) -> int:
     top = float(vals.max())
     if top == -np.inf:
         return int(np.argmax(x))
-    if top == np.inf:
-        probs = (vals == np.inf).astype(np.float64)
-    else:
-        probs = np.exp(vals - top)
+    probs = (vals == np.inf).astype(np.float64) if top == np.inf else np.exp(vals - top)
     probs /= probs.sum()
     if sampling.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")

@@ -199,6 +199,11 @@ class SessionTable:
         return len(self._free)
 
     @property
+    def busy_slots(self) -> int:
+        """Slots not free: held by a session, or dirty (released, not yet cleared)."""
+        return self.n_slots - len(self._free)
+
+    @property
     def n_dirty(self) -> int:
         return self._n_dirty
 

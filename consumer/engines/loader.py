@@ -59,8 +59,9 @@ def load_engine(model_path: str | os.PathLike[str], kind: EngineKind = "llama", 
     if kind in ("llama", "llama-fast"):
         from .llama import LlamaCppEngine
 
-        recipe = "fast" if kind == "llama-fast" else kwargs.pop("recipe", "invariant")
-        return LlamaCppEngine(model_path, recipe=recipe, **kwargs)
+        if kind == "llama-fast":
+            kwargs["recipe"] = "fast"
+        return LlamaCppEngine(model_path, **kwargs)
     if kind == "reference":
         from .reference import NumpyReferenceEngine
 

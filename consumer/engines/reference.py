@@ -103,7 +103,7 @@ class NumpyReferenceEngine:
         def mat(name: str) -> tuple[F32, bool]:
             t = tensors[name]
             qt = gguf.GGMLQuantizationType(int(t.tensor_type))
-            arr = np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), qt), dtype=np.float32)
+            arr = np.array(gguf.quants.dequantize(np.asarray(t.data), qt), dtype=np.float32, order="C", copy=True)
             return arr, qt == gguf.GGMLQuantizationType.Q8_0
 
         n_embd = int(_field(reader, f"{arch}.embedding_length"))
@@ -141,7 +141,6 @@ class NumpyReferenceEngine:
             ))
         self._out_norm = mat("output_norm.weight")[0]
         self._out, self._out_q8 = mat("output.weight") if "output.weight" in tensors else mat("token_embd.weight")
-        del reader, tensors
 
         self._emulate_q8 = emulate_q8_activations
         self._kv_dtype = np.float16 if kv_dtype == "f16" else np.float32

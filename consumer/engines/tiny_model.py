@@ -50,7 +50,7 @@ TINY = TinyConfig()
 
 # Pieces after the single characters, in priority order (earlier = higher SentencePiece score).
 # Every prefix of length >= 2 of each piece is added first, so llama.cpp's bigram merging can reach it.
-_WORDS = (
+_WORD_TEXT = (
     "er in on an re th he ing ed es en at or is ion ly al ar ou st le nt ve ur it se ic "
     "▁the ▁of ▁and ▁to ▁a ▁in ▁is ▁it ▁that ▁was ▁for ▁on ▁with ▁as ▁he ▁be ▁at ▁by ▁this ▁from "
     "▁I ▁you ▁not ▁are ▁or ▁have ▁one ▁had ▁but ▁what ▁all ▁were ▁when ▁we ▁there ▁can ▁an ▁your "
@@ -59,7 +59,8 @@ _WORDS = (
     "▁first ▁been ▁its ▁who ▁now ▁people ▁my ▁made ▁over ▁did ▁down ▁only ▁way ▁find ▁use ▁may "
     "▁water ▁long ▁little ▁very ▁after ▁words ▁called ▁just ▁where ▁most ▁know ▁The ▁capital ▁France "
     "▁Paris ▁city ▁world ▁once ▁upon ▁story ▁day"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split(" "))
 
 
 def tiny_vocab(n_vocab: int = TINY.n_vocab) -> tuple[list[str], list[float], list[int]]:
