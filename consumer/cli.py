@@ -43,6 +43,7 @@ def consumer(
     prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET", help="Tokens per prefill call.")] = 512,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
     gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
+    heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")] = 2.0,
     n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
                                            help="CPU threads (0: llama.cpp default).")] = 0,
     n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = 0,
@@ -70,7 +71,8 @@ def consumer(
         metrics.serve(metrics_port, metrics_addr)
     client = redis.Redis.from_url(redis_url)
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
-                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms)
+                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms,
+                              heartbeat_s=heartbeat_s)
     worker = Worker(eng, RedisTransport(client, worker_id, consumer_name=worker_id), settings, metrics)
     worker.install_signal_handlers()
     worker.start()

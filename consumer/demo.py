@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import redis
@@ -19,6 +15,7 @@ from rich.table import Table
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
 from .localredis import INSTALL_HINT, LocalRedis, RedisNotFound
+from .process import ConsumerProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -41,39 +38,12 @@ PROMPTS = [
 WORKER_ID = "demo"
 
 
-@contextmanager
-def consumer_process(redis_url: str, model_path: Path, recipe: str, slots: int, n_threads: int,
-                     log_path: Path, worker_id: str = WORKER_ID,
-                     external: bool = False) -> Iterator[subprocess.Popen[bytes] | None]:
-    if external:  # a consumer runs elsewhere (docker compose): nothing to start or stop
-        yield None
-        return
-    args = [sys.executable, "-m", "consumer", "consumer", "--redis-url", redis_url, "--worker-id", worker_id,
-            "--model", str(model_path), "--recipe", recipe, "--slots", str(slots), "--max-batch", str(slots),
-            "--log-format", "text", "--log-level", "INFO", "--threads", str(n_threads)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # SIGTERM: it finishes the in-flight fused call and exits 0
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_for_worker(client: redis.Redis, worker_id: str, proc: subprocess.Popen[bytes] | None, log_path: Path,
-                    timeout_s: float = 300.0) -> None:
+def wait_for_worker(client: redis.Redis, worker_id: str, timeout_s: float = 300.0) -> None:
     keys = WorkerKeys(worker_id)
     deadline = time.monotonic() + timeout_s
     while not (client.exists(keys.heartbeat) and client.exists(keys.spec)):
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the consumer exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the consumer did not advertise within {timeout_s:.0f} s (log: {log_path})")
+            raise TimeoutError(f"worker {worker_id!r} did not advertise within {timeout_s:.0f} s")
         time.sleep(0.1)
 
 
@@ -100,11 +70,13 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
             model_path = resolve_model(model)
         console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   redis: {redis_url}")
         client = redis.Redis.from_url(redis_url)
-        log_path = workdir / "consumer.log"
-        with consumer_process(redis_url, model_path, recipe, max(sessions, 1), n_threads, log_path, worker_id,
-                              external) as proc:
+        with ExitStack() as stack:
             with console.status(f"consumer {worker_id!r}: loading the model"):
-                wait_for_worker(client, worker_id, proc, log_path)
+                if external:
+                    wait_for_worker(client, worker_id)
+                else:
+                    stack.enter_context(ConsumerProcess(redis_url, worker_id, model_path, workdir, recipe=recipe,
+                                                        slots=max(sessions, 1), threads=n_threads))
             producer = Producer(client)
             info = producer.discover(worker_id)
             tok = Tokenizer(model_path)

@@ -49,10 +49,17 @@ class LoopStats:
     engine_seconds: float = 0.0
     overhead_seconds: float = 0.0  # loop time outside the engine and outside blocking reads
     round_trips: int = 0
+    decode_sessions: int = 0  # sessions summed over decode calls (mean decode batch = this / decode calls)
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def __post_init__(self) -> None:
         self.calls_by_phase = {p: 0 for p in PHASES}
+
+    def snapshot(self) -> dict[str, object]:
+        return {"fused_calls": self.fused_calls, "sessions_in_calls": self.sessions_in_calls,
+                "calls_by_phase": dict(self.calls_by_phase or {}), "engine_seconds": self.engine_seconds,
+                "overhead_seconds": self.overhead_seconds, "round_trips": self.round_trips,
+                "decode_sessions": self.decode_sessions}
 
     @property
     def mean_batch(self) -> float:
@@ -86,6 +93,9 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        # A fresh scheduler believes every slot is free: make the engine agree, whatever it held before.
+        for slot in range(self.engine.capacity.n_slots):
+            self.engine.release(slot)
         names = self.transport.register(list(self.keys.values()), self._info())
         for name in names:
             phase: Phase = "decode" if name.endswith(":decode") else "prefill"
@@ -212,6 +222,8 @@ class Worker:
         assert self.stats.calls_by_phase is not None
         self.stats.calls_by_phase[batch.phase] += 1
         self.stats.recent_calls.append((batch.phase, len(batch.session_ids)))
+        if batch.phase == "decode":
+            self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         return self.scheduler.complete(batch, logits, elapsed)
 
@@ -253,9 +265,10 @@ class Worker:
         cap = self.engine.capacity
         return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
                 "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
+                "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
                 "prefill_budget": self.scheduler.config.prefill_budget, "vocab_size": cap.vocab_size,
-                "engine": self.engine.describe(), "fused_calls": self.stats.fused_calls}
+                "engine": self.engine.describe(), "stats": self.stats.snapshot()}
 
     def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,
                  completions: Sequence[Completion], dead: Sequence[DeadLetter]) -> None:

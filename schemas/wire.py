@@ -34,14 +34,18 @@ class WireError(ValueError):
 
 def _text(fields: Fields) -> dict[str, str]:
     out: dict[str, str] = {}
+    problem: str | None = None
     for k, val in fields.items():
         key = k.decode("ascii", "replace") if isinstance(k, bytes) else str(k)
         if len(val) > MAX_FIELD_BYTES:
-            raise WireError(Reason.MALFORMED, f"field {key!r} is {len(val)} bytes, over {MAX_FIELD_BYTES}")
+            problem = problem or f"field {key!r} is {len(val)} bytes, over {MAX_FIELD_BYTES}"
+            continue
         try:
             out[key] = val.decode("utf-8") if isinstance(val, bytes) else str(val)
-        except UnicodeDecodeError as e:
-            raise WireError(Reason.MALFORMED, f"field {key!r} is not UTF-8") from e
+        except UnicodeDecodeError:
+            problem = problem or f"field {key!r} is not UTF-8"
+    if problem:  # the ids may still be readable: then the session can be told
+        raise WireError(Reason.MALFORMED, problem, **_ids(out))
     return out
 
 

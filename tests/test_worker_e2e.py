@@ -226,6 +226,8 @@ def test_bad_input_is_answered_while_other_sessions_run(redis_server: LocalRedis
                                            start_position=0, tokens=(5, 6, 7), created_at=now,
                                            session=victim.model_copy(update={"session_id": sid}))
             base.update(kw)
+            if "compat" not in kw:
+                base["compat"] = key.for_phase(base["phase"]).digest  # type: ignore[arg-type]
             return job_to_fields(StepJob(**base))  # type: ignore[arg-type]
 
         opening = job("victim", tokens=tuple(vprompt), job_id="victim-open")

@@ -1,0 +1,132 @@
+"""`dgr bench e2e`: decode tokens/s through Redis next to the raw fused engine, same batch, same run.
+
+For each batch size B the two sides alternate `repeats` times:
+- raw: B sessions decoded by one fused `engine.step()` per token in this process (no Redis);
+- e2e: B sessions through the whole service: producer here, consumer in a subprocess, real redis-server.
+e2e tokens/s is counted over the window where all B sessions are decoding (after the last first token,
+until the first session finishes), so prefill and ramp-down do not blur the steady state.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+
+from consumer.batch import BatchRow, FusedBatch
+from consumer.engines.base import Engine
+from consumer.localredis import LocalRedis
+from consumer.process import ConsumerProcess
+from consumer.runtime import make_engine, resolve_model
+from producer import Producer
+from schemas import RouteHop, Sampling, SessionSpec, StepResult
+
+from .common import console, markdown, plot, save, table
+
+PROMPT_LEN = 8
+
+
+def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
+    """Aggregate decode tokens/s of B sessions, one fused call per step, greedy."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(3, engine.capacity.vocab_size, size=(b, PROMPT_LEN))
+    for s in range(b):
+        engine.release(s)
+    rows = [BatchRow(s, p, int(prompts[s, p]), p == PROMPT_LEN - 1) for s in range(b) for p in range(PROMPT_LEN)]
+    nxt = np.argmax(engine.step(FusedBatch.from_rows("prefill", rows)), axis=1)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        batch = FusedBatch.from_rows("decode", [BatchRow(s, PROMPT_LEN + k, int(nxt[s]), True) for s in range(b)])
+        nxt = np.argmax(engine.step(batch), axis=1)
+    dt = time.perf_counter() - t0
+    for s in range(b):
+        engine.release(s)
+    return b * steps / dt
+
+
+def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int, tag: str,
+             seed: int = 0) -> dict[str, float]:
+    info = producer.discover(consumer.worker_id)
+    key = info.keys[0]
+    vocab = int(info.info.get("vocab_size", 256))  # type: ignore[call-overload]
+    rng = np.random.default_rng(seed)
+    specs = [(SessionSpec(session_id=f"{tag}-{i}", account_id="bench", route=(RouteHop(worker_id=consumer.worker_id,
+                                                                                     key=key),),
+                          sampling=Sampling(), max_tokens=tokens),
+              [int(t) for t in rng.integers(3, vocab, PROMPT_LEN)]) for i in range(b)]
+    stamps: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
+
+    def on_result(h: object, r: StepResult) -> None:
+        if r.token is not None:
+            stamps[r.session_id].append(time.perf_counter())
+
+    before = consumer.wait_heartbeat(since=time.time())["stats"]
+    producer.run_many(specs, on_result=on_result)
+    after = consumer.wait_heartbeat(since=time.time())["stats"]
+    t_start = max(ts[0] for ts in stamps.values())
+    t_end = min(ts[-1] for ts in stamps.values())
+    n = sum(1 for ts in stamps.values() for t in ts if t_start < t <= t_end)
+    calls = after["calls_by_phase"]["decode"] - before["calls_by_phase"]["decode"]
+    sessions = after["decode_sessions"] - before["decode_sessions"]
+    fused = after["fused_calls"] - before["fused_calls"]
+    return {
+        "tok_s": n / (t_end - t_start) if t_end > t_start else 0.0,
+        "mean_batch": sessions / calls if calls else 0.0,
+        "round_trips_per_call": (after["round_trips"] - before["round_trips"]) / fused if fused else 0.0,
+        "overhead_us_per_call": (1e6 * (after["overhead_seconds"] - before["overhead_seconds"]) / fused
+                                 if fused else 0.0),
+    }
+
+
+def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
+        repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0) -> dict[str, Any]:
+    path = resolve_model(model)
+    slots = max(batch_sizes)
+    ctx = 256 if tokens + PROMPT_LEN <= 256 else 1024
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="dgr-bench-") as tmp, LocalRedis() as server:
+        extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
+        consumer = ConsumerProcess(server.url, "bench-e2e", path, Path(tmp), recipe=recipe, slots=slots,
+                                   threads=threads, extra=extra)
+        engine = make_engine(path, recipe=recipe, n_slots=slots, ctx_per_session=ctx,  # type: ignore[arg-type]
+                             n_threads=threads or None, n_gpu_layers=n_gpu_layers)
+        producer = Producer(redis.Redis.from_url(server.url))
+        try:
+            e2e_rate(producer, consumer, 1, 4, "warm")  # first-call costs out of the way
+            raw_fused_rate(engine, 1, 4)
+            for b in batch_sizes:
+                raws, e2es = [], []
+                for r in range(repeats):  # alternate the two sides: these machines are noisy
+                    raws.append(raw_fused_rate(engine, b, tokens, seed=r))
+                    e2es.append(e2e_rate(producer, consumer, b, tokens, f"b{b}r{r}", seed=r))
+                raw = statistics.median(raws)
+                e2e = statistics.median(e["tok_s"] for e in e2es)
+                row = {"batch": b, "raw_tok_s": raw, "e2e_tok_s": e2e, "efficiency": e2e / raw,
+                       "batch_fill": statistics.median(e["mean_batch"] for e in e2es) / b,
+                       "round_trips_per_call": statistics.median(e["round_trips_per_call"] for e in e2es),
+                       "overhead_us_per_call": statistics.median(e["overhead_us_per_call"] for e in e2es),
+                       "raw_runs": raws, "e2e_runs": [e["tok_s"] for e in e2es]}
+                rows.append(row)
+                console.print(f"B={b}: raw {raw:.1f} tok/s, e2e {e2e:.1f} tok/s, efficiency {e2e / raw:.3f}, "
+                              f"batch fill {row['batch_fill']:.3f}")
+        finally:
+            engine.close()
+            consumer.stop()
+    cols = ["batch", "raw tok/s", "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call"]
+    data = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
+             r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
+    console.print(table(f"e2e vs raw fused decode ({model}, {recipe})", cols, data))
+    payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "tokens": tokens,
+               "repeats": repeats, "threads": threads, "n_gpu_layers": n_gpu_layers, "rows": rows,
+               "markdown": markdown(cols, data)}
+    save(out_dir, f"e2e-{model}-{recipe}", payload)
+    bs = [float(r["batch"]) for r in rows]
+    plot(out_dir, f"e2e-{model}-{recipe}", f"decode tokens/s, {model} ({recipe})", "concurrent sessions",
+         "tokens/s", {"raw fused engine": (bs, [r["raw_tok_s"] for r in rows]),
+                      "end to end through Redis": (bs, [r["e2e_tok_s"] for r in rows])}, logx=True)
+    return payload
