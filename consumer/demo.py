@@ -89,6 +89,7 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
                                    max_tokens=max_tokens, stop_tokens=tuple(tok.stop_tokens))
                 specs.append((spec, tok.encode(prompt, add_bos=True)))
             texts = {s.session_id: "" for s, _ in specs}
+            generated: dict[str, list[int]] = {s.session_id: [] for s, _ in specs}
             prompts = {s.session_id: PROMPTS[i % len(PROMPTS)] for i, (s, _) in enumerate(specs)}
             first: dict[str, float] = {}
             last: dict[str, float] = {}
@@ -105,8 +106,9 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
                 now = time.perf_counter()
                 first.setdefault(r.session_id, now)
                 last[r.session_id] = now
-                if r.token is not None:
-                    texts[r.session_id] += tok.piece(r.token)
+                if r.token is not None:  # decode the whole run: a character may span several tokens
+                    generated[r.session_id].append(r.token)
+                    texts[r.session_id] = tok.decode(generated[r.session_id])
 
             t0 = time.perf_counter()
             with Live(render(), console=console, refresh_per_second=8) as live:
@@ -130,11 +132,7 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
 def worker_batch_stats(client: redis.Redis, worker_id: str) -> dict[str, float]:
     acct = {k.decode(): float(v) for k, v in client.hgetall(WorkerKeys(worker_id).worker_account).items()}
     calls = acct.get("calls:decode", 0.0)
-    hist = {int(k.split(":")[-1]): v for k, v in acct.items() if k.startswith("batch_size:decode:")}
-    if not hist:  # histogram not split by phase: all calls
-        hist = {int(k.split(":")[-1]): v for k, v in acct.items() if k.startswith("batch_size:")}
-    n = sum(hist.values())
-    return {"decode_calls": calls, "mean_batch": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+    return {"decode_calls": calls, "mean_batch": acct.get("sessions:decode", 0.0) / calls if calls else 0.0,
             "fused_calls": acct.get("fused_calls", 0.0), "engine_seconds": acct.get("engine_seconds", 0.0)}
 
 
@@ -154,5 +152,6 @@ def summary_table(client: redis.Redis, worker_id: str, handles: dict, first: dic
                   a.get("generated_tokens", "0"), f"{float(a.get('engine_seconds', 0)):.3f}", a.get("account", "?"))
     s = worker_batch_stats(client, worker_id)
     t.caption = (f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s aggregate; "
-                 f"mean fused batch {s['mean_batch']:.2f} sessions over {int(s['fused_calls'])} calls")
+                 f"mean decode batch {s['mean_batch']:.2f} sessions over {int(s['decode_calls'])} decode calls "
+                 f"({int(s['fused_calls'])} fused calls in all)")
     return t

@@ -525,6 +525,11 @@ class Producer:
                 if time.monotonic() - last > self.timeout_s:
                     raise ResultTimeout(f"{len(live)} sessions: no result for {self.timeout_s} s")
                 continue
+            # Redis 7.0 wakes a client blocked on many streams with the first stream only; the rest
+            # of the fused batch's results were written by the same script: take them now, so every
+            # session's next step is pushed in the same pipeline and the next fused call is full.
+            for sid, more in self.read_results(live, block_ms=0).items():
+                got.setdefault(sid, []).extend(more)
             last = time.monotonic()
             for sid, results in got.items():
                 h = handles[sid]
