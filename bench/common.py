@@ -33,7 +33,8 @@ def machine() -> dict[str, Any]:
         commit = ""
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem, 1), "python": platform.python_version(),
-            "platform": platform.platform(), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "platform": platform.platform(), "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:

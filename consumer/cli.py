@@ -144,6 +144,15 @@ def model_gemma(path: Annotated[Path | None, typer.Argument()] = None) -> None:
     typer.echo(str(assemble_gemma(path)))
 
 
+def _register_ops() -> None:
+    from .ops.cli import register
+
+    register(app)
+
+
+_register_ops()
+
+
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.INFO)
     app()

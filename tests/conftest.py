@@ -1,1 +1,1 @@
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.models"]
+pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.models", "tests.fixtures.cluster"]

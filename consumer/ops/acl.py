@@ -1,0 +1,64 @@
+"""Redis ACL rules for the three kinds of dgr clients (see docs/acl.md).
+
+* a worker (consumer) may touch only its own `dgr:{W}:*` keys, plus SADD itself to `dgr:workers`;
+* the Tracker's producer may read the advertisements and heartbeats, write step jobs and
+  cancellations, read result streams and the input-stream lag, of every worker, and nothing else
+  (no accounting, no stored results, no dead letters);
+* the control plane (`dgr inspect`, `dgr ops`, `rq worker dgr-ops`) reads and writes `dgr:*`
+  and RQ's `rq:*` keys.
+
+`dgr ops acl worker W` / `producer` / `ops` print the `ACL SETUSER` line to paste (or to put in
+an ACL file). Every command a script runs is checked against the caller's ACL too, so the worker's
+list covers what consumer/lua/*.lua call.
+"""
+
+from __future__ import annotations
+
+from schemas.keys import PREFIX, WORKERS_INDEX, WorkerKeys
+
+# Connection upkeep every client needs (HELLO for RESP3). redis-py also sends CLIENT SETINFO on
+# connect and ignores a refusal; Redis 7.0 has no such command (7.2+ does: add "+client|setinfo").
+CONNECTION = ("+ping", "+hello", "+client|setname", "+client|id", "+select")
+
+WORKER_COMMANDS = (
+    # streams: group setup, reads, acks, recovery, dead letters, results, lag
+    "+xgroup|create", "+xreadgroup", "+xread", "+xack", "+xadd", "+xautoclaim", "+xclaim", "+xpending",
+    "+xinfo|groups", "+xinfo|stream", "+xlen", "+xtrim", "+xrange",
+    # result records, advertisement, heartbeat, accounting
+    "+set", "+get", "+del", "+expire", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+sadd",
+    # the completion / pending / recovery scripts
+    "+evalsha", "+eval", "+script|load", "+script|exists",
+)
+
+PRODUCER_COMMANDS = (
+    "+smembers", "+get", "+xadd", "+xread", "+xlen", "+xinfo|groups", "+multi", "+exec", "+discard",
+)
+
+
+def worker_rules(worker_id: str) -> list[str]:
+    """Own keys read/write (`~dgr:{W}:*`), `dgr:workers` write-only (SADD on register)."""
+    base = WorkerKeys(worker_id).base
+    return ["resetkeys", f"~{base}:*", f"%W~{WORKERS_INDEX}", "resetchannels", "-@all",
+            *CONNECTION, *WORKER_COMMANDS]
+
+
+def producer_rules() -> list[str]:
+    anyw = f"{PREFIX}:{{*}}"
+    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{anyw}:spec", f"%R~{anyw}:hb", f"~{anyw}:in:*",
+            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS]
+
+
+def ops_rules() -> list[str]:
+    """The control plane and its RQ worker: every dgr and rq key, no admin commands."""
+    return ["resetkeys", f"~{PREFIX}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
+            "+info", "+client|list", "+client|getname", "+client|setname", "+time"]
+
+
+def setuser(name: str, password: str, rules: list[str]) -> list[str]:
+    """ACL SETUSER argv: `reset` first, so re-running it leaves exactly these rules."""
+    return ["ACL", "SETUSER", name, "reset", "on", f">{password}", *rules]
+
+
+def render(argv: list[str]) -> str:
+    """One line for redis-cli (rules with braces or globs quoted)."""
+    return " ".join(a if all(ch.isalnum() or ch in "-_.:+@" for ch in a) else f"'{a}'" for a in argv)

@@ -1,0 +1,281 @@
+"""`dgr inspect` and `dgr ops ...`: the control plane on the command line.
+
+`register(app)` adds them to the `dgr` Typer app. Every option is also a DGR_* environment variable.
+Imports of the ops modules are lazy, so `dgr --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from .common import Client
+
+RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
+                                       help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
+Cluster = Annotated[bool, typer.Option("--cluster/--no-cluster", envvar="DGR_REDIS_CLUSTER",
+                                       help="The URL names a Redis Cluster node.")]
+Workers = Annotated[list[str] | None, typer.Option("--worker", "-w", envvar="DGR_OPS_WORKERS",
+                                                   help="Only these workers (repeat; default: all in dgr:workers).")]
+Json = Annotated[bool, typer.Option("--json", envvar="DGR_OPS_JSON", help="Print JSON instead of tables.")]
+Who = Annotated[str, typer.Option(envvar="DGR_OPS_WHO", help="Operator name for audit records (default user@host).")]
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+ops_app = typer.Typer(help="Control plane: accounting roll-up, dead letters, idle-session reaper, RQ jobs.",
+                      no_args_is_help=True)
+dlq_app = typer.Typer(help="Dead letters: list, replay (at most once each, audited), audit log.",
+                      no_args_is_help=True)
+ops_app.add_typer(dlq_app, name="dlq")
+
+
+def _client(url: str, cluster: bool) -> Client:
+    from .common import connect
+
+    return connect(url, cluster=cluster)
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def inspect_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+                as_json: Json = False) -> None:
+    """Per worker: advertised keys, heartbeat age, input lag/pending, dead letters, sessions, totals."""
+    from .inspect import inspect_fleet, render, to_json
+
+    client = _client(redis_url, cluster)
+    reports = inspect_fleet(client, worker)
+    if as_json:
+        typer.echo(to_json(reports))
+    else:
+        render(reports)
+
+
+@ops_app.command("rollup")
+def rollup_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+               account: Annotated[list[str] | None, typer.Option("--account", "-a", envvar="DGR_OPS_ACCOUNTS",
+                                                                 help="Only these billing accounts.")] = None,
+               as_json: Json = False) -> None:
+    """Fold every worker's per-account counters into the ledger, exactly once (safe to rerun)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .rollup import read_ledger, rollup
+
+    client = _client(redis_url, cluster)
+    rep = rollup(client, worker_ids=worker, account_ids=account)
+    touched = sorted({f.account_id for f in rep.folds})
+    entries = [read_ledger(client, a) for a in touched]
+    if as_json:
+        _print_json({**rep.as_dict(), "ledger": [e.as_dict() for e in entries]})
+        return
+    c = Console()
+    c.print(f"folded {rep.count('folded')}, unchanged {rep.count('unchanged')}, "
+            f"regressed {rep.count('regressed')} (worker, account) pairs")
+    for f in rep.folds:
+        if f.status == "regressed":
+            c.print(f"[yellow]not folded[/yellow] {f.worker_id}/{f.account_id}: {f.detail}")
+    c.print(_ledger_table(entries, Table))
+
+
+def _ledger_table(entries: list[Any], table_cls: Any) -> Any:
+    t = table_cls(title="ledger (dgr:{ledger}:account:*)", title_justify="left")
+    for col in ("account", "workers", "steps", "prompt tok", "generated tok", "engine s", "folds", "folded at"):
+        t.add_column(col, justify="left" if col == "account" else "right")
+    import datetime as dt
+
+    for e in entries:
+        tot = e.totals
+        when = dt.datetime.fromtimestamp(e.folded_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if e.folded_at else "-"
+        t.add_row(e.account_id, str(len(e.by_worker)), f"{int(tot.get('steps', 0))}",
+                  f"{int(tot.get('prompt_tokens', 0))}", f"{int(tot.get('generated_tokens', 0))}",
+                  f"{tot.get('engine_seconds', 0.0):.3f}", str(e.folds), when)
+    return t
+
+
+@ops_app.command("ledger")
+def ledger_cmd(accounts: Annotated[list[str] | None, typer.Argument(help="Accounts (default: all).")] = None,
+               redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, as_json: Json = False) -> None:
+    """Show the rolled-up ledger (totals per billing account, with each worker's share)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .rollup import ledger_accounts, read_ledger
+
+    client = _client(redis_url, cluster)
+    entries = [read_ledger(client, a) for a in (accounts or ledger_accounts(client))]
+    if as_json:
+        _print_json([e.as_dict() for e in entries])
+    else:
+        Console().print(_ledger_table(entries, Table))
+
+
+@dlq_app.command("list")
+def dlq_list_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+                 count: Annotated[int, typer.Option(envvar="DGR_OPS_COUNT", help="Newest N per worker.")] = 50,
+                 reason: Annotated[str, typer.Option(envvar="DGR_OPS_REASON", help="Only this reason.")] = "",
+                 as_json: Json = False) -> None:
+    """List dead letters (newest first): ref, reason, detail, original stream and fields, replay status."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .deadletters import list_dead_letters
+
+    client = _client(redis_url, cluster)
+    items = list_dead_letters(client, worker, count=count, reason=reason or None)
+    if as_json:
+        _print_json([d.as_dict() for d in items])
+        return
+    t = Table(title="dead letters", title_justify="left")
+    for col in ("ref", "reason", "detail", "stream", "entry", "fields", "replayed as"):
+        t.add_column(col, overflow="fold")
+    for d in items:
+        fields = " ".join(f"{k}={v[:40]}" for k, v in d.fields.items() if k != "session")
+        t.add_row(d.ref, d.reason, d.detail[:120], d.stream, d.entry_id, fields, d.replayed_as or "-")
+    Console().print(t)
+
+
+@dlq_app.command("replay")
+def dlq_replay_cmd(refs: Annotated[list[str], typer.Argument(help="<worker>/<id> (or <id> with --worker).")],
+                   redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False,
+                   worker: Annotated[str, typer.Option("--worker", "-w", envvar="DGR_WORKER_ID",
+                                                       help="Worker of bare ids.")] = "",
+                   who: Who = "",
+                   note: Annotated[str, typer.Option(help="Why (kept in the audit record).")] = "",
+                   marker_ttl_s: Annotated[int, typer.Option(envvar="DGR_OPS_MARKER_TTL_S",
+                                                             help="TTL of the replayed-once marker (0: none).")] = 0,
+                   as_json: Json = False) -> None:
+    """Replay dead letters into their original input streams: each at most once, with an audit record."""
+    from .common import operator
+    from .deadletters import Replay, parse_ref, replay
+
+    client = _client(redis_url, cluster)
+    by_worker: dict[str, list[str]] = {}
+    for ref in refs:
+        try:
+            w, i = parse_ref(ref, worker or None)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        by_worker.setdefault(w, []).append(i)
+    out: list[Replay] = []
+    for w, ids in by_worker.items():
+        out += replay(client, w, ids, who=who or operator(), note=note, marker_ttl_s=marker_ttl_s)
+    if as_json:
+        _print_json([x.as_dict() for x in out])
+    else:
+        for x in out:
+            typer.echo(f"{x.worker_id}/{x.dlq_id}: {x.status}" + (f" as {x.new_id}" if x.new_id else "")
+                       + (f" ({x.detail})" if x.detail else ""))
+    if any(x.status not in ("replayed", "already") for x in out):
+        raise typer.Exit(1)
+
+
+@dlq_app.command("audit")
+def dlq_audit_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+                  count: Annotated[int, typer.Option(envvar="DGR_OPS_COUNT")] = 50, as_json: Json = False) -> None:
+    """The replay audit log (dgr:{W}:dlq:audit), newest first."""
+    from .common import workers
+    from .deadletters import audit_log
+
+    client = _client(redis_url, cluster)
+    rows = [{"worker_id": w, **a} for w in workers(client, worker) for a in audit_log(client, w, count)]
+    if as_json:
+        _print_json(rows)
+    else:
+        for a in rows:
+            typer.echo(f"{a['worker_id']} {a.get('at', '')} {a.get('who', '')}: {a.get('dlq_id', '')} -> "
+                       f"{a.get('stream', '')} {a.get('new_id', '')} ({a.get('reason', '')}) {a.get('note', '')}")
+
+
+@ops_app.command("reap")
+def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S",
+                                                help="Cancel sessions with no result for this many seconds.")],
+             redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+             dry_run: Annotated[bool, typer.Option("--dry-run", envvar="DGR_OPS_DRY_RUN",
+                                                   help="List, do not cancel.")] = False,
+             who: Who = "", as_json: Json = False) -> None:
+    """Cancel sessions idle past --ttl through the normal cancellation stream (the worker frees the slot)."""
+    from .common import operator
+    from .reaper import reap
+
+    client = _client(redis_url, cluster)
+    rows = reap(client, ttl, worker_ids=worker, dry_run=dry_run, who=who or operator())
+    if as_json:
+        _print_json([x.as_dict() for x in rows])
+        return
+    hit = [x for x in rows if x.status in ("cancelled", "idle")]
+    for x in hit:
+        idle = "result stream gone" if x.idle_s is None else f"idle {x.idle_s:.1f}s"
+        typer.echo(f"{x.worker_id}/{x.session_id}: {'would cancel' if x.status == 'idle' else 'cancelled'} ({idle})")
+    typer.echo(f"{len(rows)} open sessions looked at, {len(hit)} {'idle' if dry_run else 'cancelled'}")
+
+
+@ops_app.command("enqueue-rollup")
+def enqueue_rollup_cmd(
+        redis_url: RedisUrl = DEFAULT_URL,
+        queue_url: Annotated[str, typer.Option(envvar="DGR_OPS_QUEUE_URL",
+                                               help="Redis of the RQ queue (default: --redis-url).")] = "",
+        target_url: Annotated[str, typer.Option(envvar="DGR_OPS_TARGET_URL",
+                                                help="Redis the job rolls up (default: the RQ worker's "
+                                                     "DGR_REDIS_URL; a URL given here is stored in the job).")] = "",
+        cluster: Cluster = False,
+        sync: Annotated[bool, typer.Option("--sync", help="Run it here, now (RQ is_async=False).")] = False) -> None:
+    """Enqueue an accounting roll-up on the RQ queue `dgr-ops` (run by `rq worker dgr-ops`)."""
+    from .jobs import QUEUE, enqueue_rollup, queue
+
+    q = queue(queue_url or redis_url, is_async=not sync)
+    job = enqueue_rollup(q, target_url or (redis_url if sync else ""), cluster)
+    status = job.get_status()
+    typer.echo(f"enqueued {job.id} on {QUEUE}: {getattr(status, 'value', status)}")
+    if sync:
+        _print_json(job.return_value())
+
+
+@ops_app.command("acl")
+def acl_cmd(kind: Annotated[str, typer.Argument(help="'worker', 'producer' or 'ops'.")],
+            worker: Annotated[str, typer.Option("--worker", "-w", envvar="DGR_WORKER_ID",
+                                                help="The worker id (kind 'worker').")] = "",
+            user: Annotated[str, typer.Option(help="ACL user name (default dgr-<kind>[-<worker>]).")] = "",
+            password: Annotated[str, typer.Option(envvar="DGR_ACL_PASSWORD",
+                                                  help="Password to set (default: a placeholder).")] = "") -> None:
+    """Print the `ACL SETUSER` line for a worker, the Tracker's producer, or the control plane (docs/acl.md)."""
+    from .acl import ops_rules, producer_rules, render, setuser, worker_rules
+
+    if kind == "worker":
+        if not worker:
+            raise typer.BadParameter("kind 'worker' needs --worker")
+        rules, name = worker_rules(worker), f"dgr-worker-{worker}"
+    elif kind == "producer":
+        rules, name = producer_rules(), "dgr-tracker"
+    elif kind == "ops":
+        rules, name = ops_rules(), "dgr-ops"
+    else:
+        raise typer.BadParameter("kind must be 'worker', 'producer' or 'ops'")
+    typer.echo(render(setuser(user or name, password or "CHANGE-ME", rules)))
+
+
+@ops_app.command("capacity")
+def capacity_cmd(redis_url: RedisUrl = DEFAULT_URL,
+                 clients: Annotated[int, typer.Option(envvar="DGR_CAP_CLIENTS", help="Client processes.")] = 4,
+                 batch: Annotated[int, typer.Option(envvar="DGR_CAP_BATCH", help="Sessions per fused call.")] = 8,
+                 seconds: Annotated[float, typer.Option(envvar="DGR_CAP_SECONDS")] = 10.0,
+                 as_json: Json = False) -> None:
+    """Measure what this Redis sustains on the step path (XADD, XREADGROUP, completion EVALSHA, XREAD)."""
+    from .capacity import measure
+
+    res = measure(redis_url, clients=clients, batch=batch, seconds=seconds)
+    if as_json:
+        _print_json(res.as_dict())
+        return
+    for k, v in res.as_dict().items():
+        typer.echo(f"{k:>24}: {v}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `dgr inspect` and the `dgr ops` group to the dgr app."""
+    app.command("inspect")(inspect_cmd)
+    app.add_typer(ops_app, name="ops")

@@ -1,0 +1,200 @@
+"""`dgr inspect`: the fleet at a glance (like `rq info`), as Rich tables or JSON.
+
+Per worker (ids from `dgr:workers`):
+* its advertisement (`dgr:{W}:spec`): compatibility keys (phase, digest, architecture, quantization,
+  runtime) and capacity (slots, max batch);
+* heartbeat age (`dgr:{W}:hb`, JSON with `ts`; the key expires a few seconds after the last beat, so
+  a missing one means the worker is gone or stuck);
+* every advertised input stream: length, consumer-group lag (XINFO GROUPS `lag`, Redis >= 7) and
+  pending (delivered, not acked) counts, consumers;
+* dead letters (XLEN `dgr:{W}:dlq`);
+* active sessions: `busy_slots` from the heartbeat (or the advertisement), else the number of
+  session accounting hashes that are neither closed nor reaped;
+* accounting totals (`dgr:{W}:acct:worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+from rich.console import Console
+from rich.table import Table
+
+from schemas import GROUP, CompatibilityKey
+from schemas.keys import WorkerKeys, parse_input_stream
+
+from .common import Client, s, scan_worker, sdict, workers
+from .reaper import open_sessions
+
+TOTAL_FIELDS = ("steps", "prompt_tokens", "generated_tokens", "fused_calls", "engine_seconds", "dead_letters")
+
+
+@dataclass
+class StreamReport:
+    stream: str
+    phase: str
+    digest: str
+    length: int
+    lag: int | None
+    pending: int
+    consumers: int
+    last_delivered_id: str
+
+
+@dataclass
+class WorkerReport:
+    worker_id: str
+    advertised: bool
+    alive: bool
+    heartbeat_age_s: float | None
+    keys: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    streams: list[StreamReport] = field(default_factory=list)
+    dead_letters: int = 0
+    active_sessions: int | None = None
+    active_source: str = ""
+    accounting: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _num(v: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        return 0.0
+
+
+def _key_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    try:
+        k = CompatibilityKey.model_validate(raw)
+    except ValueError:
+        return {"phase": raw.get("phase", "?"), "digest": "invalid"}
+    return {"phase": k.phase, "digest": k.digest, "architecture": k.engine.architecture,
+            "quantization": k.recipe.quantization, "kv_cache_type": k.recipe.kv_cache_type,
+            "ctx_per_session": k.recipe.ctx_per_session, "batch_invariant": k.recipe.batch_invariant,
+            "runtime": k.recipe.runtime, "boundary": f"{k.boundary.name}/{k.boundary.version}"}
+
+
+def _json(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) -> WorkerReport:
+    k = WorkerKeys(worker_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(k.spec)
+    pipe.get(k.heartbeat)
+    pipe.xlen(k.dead_letters)
+    pipe.hgetall(k.worker_account)
+    spec_raw, hb_raw, dlq_len, acct = pipe.execute()
+    spec, hb = _json(spec_raw), _json(hb_raw)
+    now = time.time() if now is None else now
+    age = max(0.0, now - float(hb["ts"])) if isinstance(hb.get("ts"), int | float) else None
+    info = dict(spec.get("info") or {})
+    rep = WorkerReport(worker_id=worker_id, advertised=spec_raw is not None, alive=hb_raw is not None,
+                       heartbeat_age_s=age, keys=[_key_summary(x) for x in spec.get("keys", [])], info=info,
+                       dead_letters=int(dlq_len),
+                       accounting={f: _num(v) for f, v in sdict(cast(dict[Any, Any], acct)).items()})
+    streams = [str(x) for x in spec.get("streams", [])]
+    if not streams and spec_raw is None:  # never advertised: look for its streams
+        streams = sorted(scan_worker(client, worker_id, k.input_pattern, type_="stream"))
+    rep.streams = _streams(client, streams)
+    busy = hb.get("busy_slots", info.get("busy_slots"))
+    if isinstance(busy, int) and hb_raw is not None:
+        rep.active_sessions, rep.active_source = busy, "busy_slots"
+    else:
+        rep.active_sessions, rep.active_source = len(open_sessions(client, worker_id)), "open_sessions"
+    return rep
+
+
+def _streams(client: Client, names: list[str]) -> list[StreamReport]:
+    if not names:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.xlen(name)
+        pipe.xinfo_groups(name)
+    replies = pipe.execute(raise_on_error=False)
+    out: list[StreamReport] = []
+    for i, name in enumerate(names):
+        length, groups = replies[2 * i], replies[2 * i + 1]
+        parsed = parse_input_stream(name)
+        phase, digest = (parsed[2], parsed[1]) if parsed else ("?", "?")
+        rep = StreamReport(name, phase, digest, 0 if isinstance(length, Exception) else int(length), None, 0, 0, "")
+        if not isinstance(groups, Exception):
+            for g in groups:
+                g = {s(a): b for a, b in g.items()}
+                if s(g.get("name", "")) == GROUP:
+                    rep.lag = int(g["lag"]) if g.get("lag") is not None else None
+                    rep.pending = int(g.get("pending") or 0)
+                    rep.consumers = int(g.get("consumers") or 0)
+                    rep.last_delivered_id = s(g.get("last-delivered-id", ""))
+        out.append(rep)
+    return out
+
+
+def inspect_fleet(client: Client, worker_ids: Iterable[str] | None = None) -> list[WorkerReport]:
+    return [inspect_worker(client, w) for w in workers(client, worker_ids)]
+
+
+def _fmt_age(age: float | None, alive: bool) -> str:
+    if not alive:
+        return "[red]gone[/red]" if age is None else f"[red]{age:.1f}s[/red]"
+    return "?" if age is None else (f"{age:.1f}s" if age < 5 else f"[yellow]{age:.1f}s[/yellow]")
+
+
+def _fmt_num(x: float) -> str:
+    return f"{x:.3f}" if x != int(x) else f"{int(x)}"
+
+
+def render(reports: list[WorkerReport], console: Console | None = None) -> None:
+    console = console or Console()
+    if not reports:
+        console.print("no workers in dgr:workers")
+        return
+    t = Table(title="dgr workers", title_justify="left")
+    for col in ("worker", "heartbeat", "keys", "slots", "active", "input lag", "pending", "dead letters",
+                "steps", "prompt tok", "generated tok", "fused calls", "engine s"):
+        t.add_column(col, justify="left" if col in ("worker", "keys") else "right")
+    for w in reports:
+        keys = ", ".join(f"{k['phase']}:{k['digest']}" for k in w.keys) or ("-" if w.advertised else "[red]none[/red]")
+        lag = sum(x.lag if x.lag is not None else x.length for x in w.streams)
+        pend = sum(x.pending for x in w.streams)
+        a = w.accounting
+        active = "?" if w.active_sessions is None else str(w.active_sessions)
+        if w.active_source == "open_sessions":
+            active += "*"
+        t.add_row(w.worker_id, _fmt_age(w.heartbeat_age_s, w.alive), keys, str(w.info.get("slots", "?")), active,
+                  str(lag), str(pend), f"[red]{w.dead_letters}[/red]" if w.dead_letters else "0",
+                  _fmt_num(a.get("steps", 0)), _fmt_num(a.get("prompt_tokens", 0)),
+                  _fmt_num(a.get("generated_tokens", 0)), _fmt_num(a.get("fused_calls", 0)),
+                  f"{a.get('engine_seconds', 0.0):.3f}")
+    console.print(t)
+    st = Table(title="input streams", title_justify="left")
+    for col in ("worker", "phase", "digest", "length", "lag", "pending", "consumers", "last delivered"):
+        st.add_column(col, justify="left" if col in ("worker", "phase", "digest", "last delivered") else "right")
+    for w in reports:
+        for x in w.streams:
+            st.add_row(w.worker_id, x.phase, x.digest, str(x.length), "?" if x.lag is None else str(x.lag),
+                       str(x.pending), str(x.consumers), x.last_delivered_id or "-")
+    if st.row_count:
+        console.print(st)
+    if any(w.active_source == "open_sessions" for w in reports):
+        console.print("* active sessions counted from open session accounting hashes (no heartbeat busy_slots)")
+
+
+def to_json(reports: list[WorkerReport]) -> str:
+    return json.dumps({"workers": [w.as_dict() for w in reports], "at": time.time()}, indent=2, default=str)
+
