@@ -378,26 +378,44 @@ class Producer:
     # ---------------------------------------------------------------- results
 
     def read_results(self, handles: Sequence[SessionHandle], block_ms: int = 1000) -> dict[str, list[StepResult]]:
-        """ONE XREAD over the handles' result streams from each handle's last_result_id (BLOCK
-        block_ms; <= 0: do not block). Applies the results to the handles (generated tokens,
-        position, finished, status) and returns the ones of the current attempts, by session id.
-        Results of older attempts and undecodable entries are skipped."""
-        by_key = {h.results_key: h for h in handles}
-        if not by_key:
+        """Read the handles' result streams from each handle's last_result_id: ONE XREAD per worker
+        (its streams share one hash tag, so this is Redis Cluster safe), BLOCK block_ms when every
+        handle is on one worker (<= 0: do not block); with several workers, non-blocking reads in one
+        pipeline, polled until block_ms has passed. Applies the results to the handles (generated
+        tokens, position, finished, status) and returns the ones of the current attempts, by session
+        id. Results of older attempts and undecodable entries are skipped."""
+        by_worker: dict[str, dict[str, SessionHandle]] = {}
+        for h in handles:
+            by_worker.setdefault(h.worker_id, {})[h.results_key] = h
+        if not by_worker:
             return {}
-        resp = self.client.xread({k: h.last_result_id for k, h in by_key.items()}, count=_READ_COUNT,
-                                 block=block_ms if block_ms > 0 else None)
+        if len(by_worker) == 1:
+            (by_key,) = by_worker.values()
+            resps = [self.client.xread({k: h.last_result_id for k, h in by_key.items()}, count=_READ_COUNT,
+                                       block=block_ms if block_ms > 0 else None)]
+        else:
+            deadline = time.monotonic() + max(0, block_ms) / 1000
+            while True:
+                pipe = self.client.pipeline(transaction=False)
+                for by_key in by_worker.values():
+                    pipe.xread({k: h.last_result_id for k, h in by_key.items()}, count=_READ_COUNT)
+                resps = pipe.execute()
+                if any(resps) or time.monotonic() >= deadline:
+                    break
+                time.sleep(min(0.002, max(0.0, deadline - time.monotonic())))
+        all_keys = {k: h for by_key in by_worker.values() for k, h in by_key.items()}
         out: dict[str, list[StepResult]] = {}
-        for name, entries in _streams(resp):
-            h = by_key[_s(name)]
-            for entry_id, fields in entries:
-                h.last_result_id = _s(entry_id)
-                try:
-                    r = result_from_fields(fields)
-                except WireError:
-                    continue
-                if self._apply(h, r):
-                    out.setdefault(h.session_id, []).append(r)
+        for resp in resps:
+            for name, entries in _streams(resp):
+                h = all_keys[_s(name)]
+                for entry_id, fields in entries:
+                    h.last_result_id = _s(entry_id)
+                    try:
+                        r = result_from_fields(fields)
+                    except WireError:
+                        continue
+                    if self._apply(h, r):
+                        out.setdefault(h.session_id, []).append(r)
         return out
 
     @staticmethod

@@ -179,3 +179,37 @@ def test_workers_and_producers_through_the_cluster(redis_cluster: LocalCluster, 
     # The control plane sees both workers' accounting.
     rollup(cluster_client)
     assert read_ledger(cluster_client, "acct-1").totals["generated_tokens"] >= 2 * 2 * max_tokens
+
+
+def test_one_producer_drives_sessions_on_two_workers(redis_cluster: LocalCluster,  # noqa: F811
+                                                     cluster_client: RedisCluster,  # noqa: F811
+                                                     tiny_model_path: Path) -> None:
+    """The Tracker's result reads are grouped per worker (one hash tag each): no CROSSSLOT."""
+    from consumer.engines.reference import NumpyReferenceEngine
+    from consumer.worker import Worker, WorkerSettings
+    from producer import Producer
+    from schemas import RouteHop, SessionSpec
+
+    w1, w2 = two_workers_on_different_nodes(cluster_client)
+    workers = []
+    for w in (w1, w2):
+        wk = Worker(NumpyReferenceEngine(tiny_model_path, n_slots=2, ctx_per_session=64),
+                    RedisTransport(redis_cluster.client(), w, f"{w}-one"),  # type: ignore[arg-type]
+                    WorkerSettings(worker_id=w, heartbeat_s=0.2))
+        wk.start()
+        th = threading.Thread(target=wk.run, daemon=True)
+        th.start()
+        workers.append((wk, th))
+    try:
+        prod = Producer(redis_cluster.client(), timeout_s=60)  # type: ignore[arg-type]
+        specs = [(SessionSpec(session_id=f"one-{w}-{i}", account_id="a",
+                              route=(RouteHop(worker_id=w, key=prod.discover(w).keys[0]),), max_tokens=6),
+                  [7 + i, 8, 9]) for w in (w1, w2) for i in range(2)]
+        hs = prod.run_many(specs)
+        assert all(h.status == "finished" and len(h.generated) == 6 for h in hs.values())
+        for i in range(2):
+            assert hs[f"one-{w1}-{i}"].generated == hs[f"one-{w2}-{i}"].generated
+    finally:
+        for wk, th in workers:
+            wk.request_stop()
+            th.join(30)
