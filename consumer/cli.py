@@ -40,7 +40,12 @@ def consumer(
     slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = 16,
     ctx_per_session: Annotated[int, typer.Option(envvar="DGR_CTX_PER_SESSION")] = 1024,
     max_batch: Annotated[int, typer.Option(envvar="DGR_MAX_BATCH", help="Decode sessions per fused call.")] = 16,
-    prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET", help="Tokens per prefill call.")] = 512,
+    prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET",
+                                                help="Most tokens per prefill call.")] = 512,
+    prefill_ratio: Annotated[float, typer.Option(envvar="DGR_PREFILL_RATIO",
+                                                 help="While sessions decode, size a prefill call to this "
+                                                      "fraction of a decode call's time (0: always the full budget).")
+                             ] = 0.8,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
     gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
     heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")] = 2.0,
@@ -71,6 +76,7 @@ def consumer(
         metrics.serve(metrics_port, metrics_addr)
     client = redis.Redis.from_url(redis_url)
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
+                              prefill_ratio=prefill_ratio,
                               w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms,
                               heartbeat_s=heartbeat_s)
     worker = Worker(eng, RedisTransport(client, worker_id, consumer_name=worker_id), settings, metrics)

@@ -649,6 +649,12 @@ class Scheduler:
 
     # ---- worker-facing queries ------------------------------------------------------------------
 
+    def set_prefill_budget(self, tokens: int) -> None:
+        """Token budget of the next prefill calls (the worker sizes them by time: consumer/pacing.py).
+        Clamped like the configured one; the fairness bounds hold for any budget."""
+        if tokens != self.config.prefill_budget:
+            self.config = replace(self.config, prefill_budget=max(1, tokens))
+
     def want(self) -> dict[Phase, int]:
         """How many new stream entries to read per phase.
 

@@ -20,6 +20,7 @@ from schemas import PHASES, Phase, Reason, Status, StepResult, WireError, job_fr
 
 from .engines.base import Engine, EngineError, engine_key
 from .metrics import Metrics
+from .pacing import PrefillPacer
 from .scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
 from .transport import Completion, DeadLetter, Delivery, FusedCallStats, RedisTransport
 
@@ -30,7 +31,8 @@ log = logging.getLogger("dgr.worker")
 class WorkerSettings:
     worker_id: str
     max_batch: int = 16
-    prefill_budget: int = 512
+    prefill_budget: int = 512  # the most tokens one prefill call may carry
+    prefill_ratio: float = 0.8  # size prefill calls to this fraction of a decode call's time; 0: fixed budget
     w_decode: int = 4
     w_prefill: int = 1
     block_ms: int = 50  # idle wait for the first entry
@@ -83,6 +85,7 @@ class Worker:
                             prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
                             w_decode=settings.w_decode, w_prefill=settings.w_prefill),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
+        self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio)
         self.streams: dict[Phase, str] = {}
         self.stats = LoopStats()
         self._stop = threading.Event()
@@ -139,6 +142,8 @@ class Worker:
         for sid in self.transport.cancellations():
             answers.extend(self.scheduler.cancel(sid))
         self.stats.round_trips += 2
+        decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
+        self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
         batch = self.scheduler.next_batch()
         engine_s = 0.0
         call: FusedCallStats | None = None
@@ -225,6 +230,7 @@ class Worker:
         if batch.phase == "decode":
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
+        self.pacer.observe(batch.phase, len(batch.fused), elapsed)
         return self.scheduler.complete(batch, logits, elapsed)
 
     def _completion(self, a: Answer) -> Completion:
@@ -267,7 +273,8 @@ class Worker:
                 "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
                 "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
-                "prefill_budget": self.scheduler.config.prefill_budget, "vocab_size": cap.vocab_size,
+                "prefill_budget": self.scheduler.config.prefill_budget, "prefill_max": self.pacer.max_tokens,
+                "prefill_ratio": self.pacer.ratio, "vocab_size": cap.vocab_size,
                 "engine": self.engine.describe(), "stats": self.stats.snapshot()}
 
     def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,

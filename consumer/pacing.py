@@ -1,0 +1,44 @@
+"""Sizing prefill calls in seconds rather than tokens.
+
+Phase is part of compatibility, so a prefill chunk never rides in a decode call; while it runs, every
+decoding session waits. A fixed token budget (Sarathi-Serve's knob) is right for one model on one
+machine only: 512 tokens of Gemma on two CPU cores take ~1.5 s, twenty times a decode step. The pacer
+keeps a prefill call at about `ratio` times the current decode call, so with at most one prefill call
+between two decode calls (the default weights) a decoding session's inter-token time grows by at most
+that ratio. It learns both costs online (EMA) and converges whatever the fixed cost of a call is:
+with call(k) = f + c*k and budget k' = ratio*d / (call(k)/k), the fixed point is call(k*) = ratio*d.
+With nothing decoding it returns the full budget, so prompt-only load keeps its throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import Phase
+
+
+@dataclass
+class PrefillPacer:
+    max_tokens: int  # the configured budget: never exceeded
+    ratio: float = 0.8  # target prefill call time / decode call time; <= 0: fixed budget
+    min_tokens: int = 8
+    alpha: float = 0.3  # EMA weight of the newest observation
+    decode_s: float | None = None  # EMA of a decode call's seconds
+    prefill_s_per_token: float | None = None  # EMA of a prefill call's seconds per token
+
+    def observe(self, phase: Phase, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if phase == "decode":
+            self.decode_s = self._ema(self.decode_s, seconds)
+        else:
+            self.prefill_s_per_token = self._ema(self.prefill_s_per_token, seconds / tokens)
+
+    def budget(self, decoding: bool) -> int:
+        if self.ratio <= 0 or not decoding or self.decode_s is None or self.prefill_s_per_token is None:
+            return self.max_tokens
+        tokens = int(self.ratio * self.decode_s / self.prefill_s_per_token)
+        return max(min(self.min_tokens, self.max_tokens), min(self.max_tokens, tokens))
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
