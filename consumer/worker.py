@@ -87,6 +87,7 @@ class Worker:
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio)
         self.streams: dict[Phase, str] = {}
+        self._hot: set[str] = set()  # sessions that got a token in the last fused call, not finished
         self.stats = LoopStats()
         self._stop = threading.Event()
         self._last_heartbeat = 0.0
@@ -170,7 +171,10 @@ class Worker:
         counts = {self.streams[p]: n for p, n in want.items() if n > 0 and p in self.streams}
         if not counts:
             return [], 0.0
-        expected = self.scheduler.awaiting_decode()
+        # Wait only for the sessions the last fused call just answered with a token: their next step is
+        # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
+        expected = min(len(self._hot), self.scheduler.awaiting_decode())
+        self._hot = set()
         busy = self.scheduler.has_work()
 
         def more(got: list[Delivery]) -> bool:
@@ -231,7 +235,9 @@ class Worker:
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        return self.scheduler.complete(batch, logits, elapsed)
+        outcomes = self.scheduler.complete(batch, logits, elapsed)
+        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
+        return outcomes
 
     def _completion(self, a: Answer) -> Completion:
         d: Delivery = a.ref  # type: ignore[assignment]
