@@ -132,6 +132,77 @@ def tracker_sim(
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, json_out=json_out))
 
+Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
+Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]
+Batches = Annotated[str, typer.Option(help="Comma-separated batch sizes.")]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+@bench_app.command("scheduler")
+def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -> None:
+    """One scheduling round for 8, 64 and 1024 active sessions, with and without 10,000 idle ones."""
+    from bench.scheduler import run
+
+    run(out, repeats=repeats)
+
+
+@bench_app.command("engine")
+def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gemma",
+                 recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32,
+                 threads: Annotated[int, typer.Option("--threads")] = 0,
+                 n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
+    """Fused decode tokens/s vs the same sessions one call at a time, per model and recipe."""
+    from bench.engine import run
+
+    run(out, models=tuple(models.split(",")), recipes=tuple(recipes.split(",")), batch_sizes=_ints(batches),
+        steps=steps, threads=threads, n_gpu_layers=n_gpu_layers)
+
+
+@bench_app.command("e2e")
+def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: Batches = "1,2,4,8,16",
+              tokens: int = 64, repeats: int = 2, recipe: RecipeOpt = "invariant",
+              threads: Annotated[int, typer.Option("--threads")] = 0,
+              n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
+    """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating."""
+    from bench.e2e import run
+
+    run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipe,
+        threads=threads, n_gpu_layers=n_gpu_layers)
+
+
+@bench_app.command("interference")
+def bench_interference(out: Out = Path("bench-out/interference"), model: str = "gemma", decoders: int = 4,
+                       tokens: int = 96, prompt_len: int = 2000, recipe: RecipeOpt = "invariant",
+                       threads: Annotated[int, typer.Option("--threads")] = 0) -> None:
+    """Decode p50/p99 inter-token latency with and without a steady stream of long prompts."""
+    from bench.interference import run
+
+    run(out, model=model, decoders=decoders, tokens=tokens, prompt_len=prompt_len, recipe=recipe, threads=threads)
+
+
+@bench_app.command("peer")
+def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int = 64, repeats: int = 3,
+               recipe: RecipeOpt = "fast", threads: Annotated[int, typer.Option("--threads")] = 2,
+               cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
+               ) -> None:
+    """llama.cpp's llama-server (-np, continuous batching) vs dgr on Gemma: same prompts, same tokens."""
+    from bench.peer import run
+
+    run(out, cache_dir=cache_dir, sessions=sessions, tokens=tokens, repeats=repeats, recipe=recipe,
+        threads=threads)
+
+
+@bench_app.command("scale")
+def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
+                repeats: int = 3) -> None:
+    """Worker time per fused call with 10,000 idle sessions known to it vs none."""
+    from bench.scale import run
+
+    run(out, idle=idle, active=active, calls=calls, repeats=repeats)
+
 
 @model_app.command("tiny")
 def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:

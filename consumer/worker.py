@@ -49,7 +49,8 @@ class LoopStats:
     sessions_in_calls: int = 0
     calls_by_phase: dict[str, int] | None = None
     engine_seconds: float = 0.0
-    overhead_seconds: float = 0.0  # loop time outside the engine and outside blocking reads
+    overhead_seconds: float = 0.0  # loop time outside the engine and outside reads, on iterations with a call
+    read_seconds: float = 0.0  # time in transport.read (blocking, gathering: mostly waiting for producers)
     round_trips: int = 0
     decode_sessions: int = 0  # sessions summed over decode calls (mean decode batch = this / decode calls)
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
@@ -60,7 +61,8 @@ class LoopStats:
     def snapshot(self) -> dict[str, object]:
         return {"fused_calls": self.fused_calls, "sessions_in_calls": self.sessions_in_calls,
                 "calls_by_phase": dict(self.calls_by_phase or {}), "engine_seconds": self.engine_seconds,
-                "overhead_seconds": self.overhead_seconds, "round_trips": self.round_trips,
+                "overhead_seconds": self.overhead_seconds, "read_seconds": self.read_seconds,
+                "round_trips": self.round_trips,
                 "decode_sessions": self.decode_sessions}
 
     @property
@@ -134,7 +136,8 @@ class Worker:
     def run_once(self) -> bool:
         t0 = time.perf_counter()
         self._housekeeping()
-        deliveries, blocked_s = self._read()
+        deliveries, read_s = self._read()
+        self.stats.read_seconds += read_s
         answers: list[Answer] = []
         dead: list[DeadLetter] = []
         wire_rejects: list[Completion] = []
@@ -161,7 +164,8 @@ class Worker:
         self._release_slots()
         self._observe(batch, call, completions, dead)
         if call is not None:
-            overhead = time.perf_counter() - t0 - engine_s - blocked_s
+            # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds
+            overhead = time.perf_counter() - t0 - engine_s - read_s
             self.stats.overhead_seconds += overhead
             self.metrics.overhead.labels(self._m).observe(overhead)
         return bool(deliveries or completions or dead or batch)
@@ -185,7 +189,7 @@ class Worker:
         t = time.perf_counter()
         got = self.transport.read(counts, block_ms=0 if busy else self.settings.block_ms,
                                   gather_ms=self.settings.gather_ms if expected else 0.0, more=more)
-        return got, (time.perf_counter() - t) if not got or not busy else 0.0
+        return got, time.perf_counter() - t
 
     def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
                wire_rejects: list[Completion]) -> None:

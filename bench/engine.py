@@ -1,0 +1,69 @@
+"""`dgr bench engine`: fused decode tokens/s at batch 1..16 next to the same sessions decoded one call
+at a time (the batching gain), per model and llama.cpp recipe.
+
+Each (model, recipe) runs in its own process: ggml reads GGML_CPU_TILED_MM once per process, and the
+`invariant` recipe sets it, so a `fast` engine in the same process would not be llama.cpp's default.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from consumer.runtime import resolve_model
+
+from .common import console, markdown, plot, save, table
+
+
+def _measure_here(model_path: str, recipe: str, batch_sizes: list[int], steps: int, threads: int,
+                  n_gpu_layers: int) -> dict[str, Any]:
+    from consumer.engines.llama import LlamaCppEngine, bench_engine_decode
+
+    engine = LlamaCppEngine(model_path, recipe=recipe,  # type: ignore[arg-type]
+                            n_slots=max(batch_sizes), ctx_per_session=max(256, 8 + steps),
+                            n_threads=threads or None, n_gpu_layers=n_gpu_layers)
+    try:
+        rows = bench_engine_decode(engine, batch_sizes, steps)
+        return {"describe": engine.describe(), "batch_invariant": engine.batch_invariant, "rows": rows}
+    finally:
+        engine.close()
+
+
+def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: tuple[str, ...] = ("fast", "invariant"),
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), steps: int = 32, threads: int = 0,
+        n_gpu_layers: int = 0) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    for model in models:
+        path = resolve_model(model)
+        for recipe in recipes:
+            console.print(f"[bold]{model} / {recipe}[/bold]: fused vs one call per session, {steps} steps")
+            args = [sys.executable, "-m", "bench.engine", str(path), recipe, ",".join(map(str, batch_sizes)),
+                    str(steps), str(threads), str(n_gpu_layers)]
+            out = subprocess.run(args, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"engine bench {model}/{recipe} failed:\n{out.stderr[-3000:]}")
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            results.append({"model": model, "recipe": recipe, "model_path": str(path), **res})
+    cols = ["model", "recipe", "batch", "fused tok/s", "one call each tok/s", "gain", "fused step ms"]
+    data = [[r["model"], r["recipe"], int(row["batch"]), row["fused_tok_s"], row["serial_tok_s"], row["speedup"],
+             row["fused_step_ms"]] for r in results for row in r["rows"]]
+    console.print(table("fused decode vs one call per session", cols, data))
+    payload = {"bench": "engine", "steps": steps, "threads": threads, "n_gpu_layers": n_gpu_layers,
+               "results": results, "markdown": markdown(cols, data)}
+    save(out_dir, "engine", payload)
+    series = {}
+    for r in results:
+        bs = [row["batch"] for row in r["rows"]]
+        series[f"{r['model']}/{r['recipe']} fused"] = (bs, [row["fused_tok_s"] for row in r["rows"]])
+        series[f"{r['model']}/{r['recipe']} one call each"] = (bs, [row["serial_tok_s"] for row in r["rows"]])
+    plot(out_dir, "engine", "decode tokens/s", "sessions", "tokens/s", series, logx=True)
+    return payload
+
+
+if __name__ == "__main__":  # one (model, recipe) in this process; prints one JSON line
+    path, recipe, sizes, steps, threads, ngl = sys.argv[1:7]
+    print(json.dumps(_measure_here(path, recipe, [int(x) for x in sizes.split(",")], int(steps), int(threads),
+                                   int(ngl))))

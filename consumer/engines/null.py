@@ -1,0 +1,45 @@
+"""An engine that does no arithmetic: it measures everything around the engine (benchmarks only)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import EngineIdentity, Recipe, StateLayout, whole_model_boundary
+
+from ..batch import FusedBatch
+from .base import EngineCapacity
+
+
+class NullEngine:
+    """Logits are a fixed row (argmax = `token`); positions are tracked per slot like a real engine."""
+
+    def __init__(self, n_slots: int = 64, ctx_per_session: int = 4096, vocab_size: int = 256,
+                 token: int = 7) -> None:
+        self.identity = EngineIdentity(architecture="null", gguf_sha256="0" * 64)
+        self.recipe = Recipe(quantization="none", kv_cache_type="none", ctx_per_session=ctx_per_session,
+                             flash_attention=False, batch_invariant=True, runtime="null/1")
+        self.boundary = whole_model_boundary(0)
+        self.state_layout = StateLayout(kind="kv", dims={})
+        self.capacity = EngineCapacity(n_slots=n_slots, ctx_per_session=ctx_per_session,
+                                       max_tokens_per_call=4096, vocab_size=vocab_size)
+        self._row = np.zeros(vocab_size, np.float32)
+        self._row[token] = 1.0
+        self.calls = 0
+
+    @property
+    def batch_invariant(self) -> bool:
+        return True
+
+    def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
+        self.calls += 1
+        return np.broadcast_to(self._row, (batch.n_logit_rows, self._row.shape[0])).copy()
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def describe(self) -> dict[str, str]:
+        return {"backend": "null (no arithmetic)"}
+
+    def close(self) -> None:
+        pass
