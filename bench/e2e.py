@@ -53,7 +53,7 @@ def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int,
              seed: int = 0) -> dict[str, float]:
     info = producer.discover(consumer.worker_id)
     key = info.keys[0]
-    vocab = int(info.info.get("vocab_size", 256))  # type: ignore[call-overload]
+    vocab = int(info.info.get("vocab_size", 256))
     rng = np.random.default_rng(seed)
     specs = [(SessionSpec(session_id=f"{tag}-{i}", account_id="bench", route=(RouteHop(worker_id=consumer.worker_id,
                                                                                      key=key),),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: 
     payload = {"bench": "engine", "steps": steps, "threads": threads, "n_gpu_layers": n_gpu_layers,
                "results": results, "markdown": markdown(cols, data)}
     save(out_dir, "engine", payload)
-    series = {}
+    series: dict[str, tuple[Sequence[float], Sequence[float]]] = {}
     for r in results:
         bs = [row["batch"] for row in r["rows"]]
         series[f"{r['model']}/{r['recipe']} fused"] = (bs, [row["fused_tok_s"] for row in r["rows"]])

@@ -88,7 +88,7 @@ def run(out_dir: Path, *, model: str = "gemma", decoders: int = 4, tokens: int =
                                  threads=threads, extra=extra) as consumer:
                 client = redis.Redis.from_url(server.url)
                 producer = Producer(client, timeout_s=600)
-                vocab = int(producer.discover(worker).info.get("vocab_size", 256))  # type: ignore[call-overload]
+                vocab = int(producer.discover(worker).info.get("vocab_size", 256))
                 _decoders(producer, worker, decoders, 4, vocab, f"{worker}-warm")
                 quiet = _decoders(producer, worker, decoders, tokens, vocab, f"{worker}-q")
                 stop, done = threading.Event(), []  # type: ignore[var-annotated]

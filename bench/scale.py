@@ -65,9 +65,9 @@ def _measure(url: str, idle: int, active: int, calls: int) -> dict[str, float]:
     def push_next() -> None:
         pipe = client.pipeline(transaction=False)
         for sid in actives:
-            for entry_id, fields in client.xrange(keys.results(sid), min=b"(" + last[sid]):
-                last[sid] = entry_id
-                r = result_from_fields(fields)
+            for entry_id, fields in client.xrange(keys.results(sid), min=b"(" + last[sid]) or []:
+                last[sid] = entry_id  # type: ignore[assignment]
+                r = result_from_fields(fields)  # type: ignore[arg-type]
                 job = StepJob(job_id=f"{sid}-{pos[sid]}", session_id=sid, phase="decode", compat=decode.digest,
                               start_position=pos[sid], tokens=(r.token or 0,), created_at=time.time())
                 pipe.xadd(dstream, job_to_fields(job))  # type: ignore[arg-type]
@@ -99,7 +99,7 @@ def run(out_dir: Path, *, idle: int = 10_000, active: int = 8, calls: int = 300,
                 m = _measure(server.url, n, active, calls)
                 results[n].append(m)
                 console.print(f"repeat {r}: idle {n}: {m['overhead_us_per_call']:.0f} us/call worker overhead")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n, ms in results.items():
         rows.append({"idle_sessions": n, "active_sessions": active,
                      "overhead_us_per_call": statistics.median(m["overhead_us_per_call"] for m in ms),

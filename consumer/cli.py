@@ -204,6 +204,18 @@ def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: 
     run(out, idle=idle, active=active, calls=calls, repeats=repeats)
 
 
+@app.command()
+def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the proofs (for CI).")] = False,
+             out: Annotated[Path | None, typer.Option(help="Write here instead of docs/evidence/DGR-055.md.")] = None,
+             ) -> None:
+    """Run the DGR-055 acceptance checks and quality gates; write docs/evidence/DGR-055.md."""
+    from .evidence import DOC, generate
+
+    _, ok = generate(quick=quick, out=out or DOC)
+    typer.echo(f"wrote {out or DOC}: {'all criteria and gates pass' if ok else 'SOME CRITERIA OR GATES FAIL'}")
+    raise typer.Exit(0 if ok else 1)
+
+
 @model_app.command("tiny")
 def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
     """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""

@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from producer import SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
 from .localredis import INSTALL_HINT, LocalRedis, RedisNotFound
+from .ops.common import sdict
 from .process import ConsumerProcess
 
 PROMPTS = [
@@ -130,13 +132,13 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
 
 
 def worker_batch_stats(client: redis.Redis, worker_id: str) -> dict[str, float]:
-    acct = {k.decode(): float(v) for k, v in client.hgetall(WorkerKeys(worker_id).worker_account).items()}
+    acct = {k: float(v) for k, v in sdict(client.hgetall(WorkerKeys(worker_id).worker_account)).items()}
     calls = acct.get("calls:decode", 0.0)
     return {"decode_calls": calls, "mean_batch": acct.get("sessions:decode", 0.0) / calls if calls else 0.0,
             "fused_calls": acct.get("fused_calls", 0.0), "engine_seconds": acct.get("engine_seconds", 0.0)}
 
 
-def summary_table(client: redis.Redis, worker_id: str, handles: dict, first: dict[str, float],  # type: ignore[type-arg]
+def summary_table(client: redis.Redis, worker_id: str, handles: dict[str, SessionHandle], first: dict[str, float],
                   last: dict[str, float], t0: float, wall: float) -> Table:
     keys = WorkerKeys(worker_id)
     t = Table(title="per session (accounting read back from Redis)")
@@ -144,7 +146,7 @@ def summary_table(client: redis.Redis, worker_id: str, handles: dict, first: dic
         t.add_column(col, justify="right" if col not in ("session", "status", "account") else "left")
     total = 0
     for sid, h in handles.items():
-        a = {k.decode(): v.decode() for k, v in client.hgetall(keys.session_account(sid)).items()}
+        a = sdict(client.hgetall(keys.session_account(sid)))
         n = len(h.generated)
         total += n
         span = last.get(sid, t0) - t0

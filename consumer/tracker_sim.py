@@ -28,7 +28,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
         return 2
     rng = np.random.default_rng(seed)
     lo, hi = (int(x) for x in prompt_len.split(":"))
-    vocab = int(info.info.get("vocab_size", 256))  # type: ignore[call-overload]
+    vocab = int(info.info.get("vocab_size", 256))
     key = info.keys[0]
     specs = []
     for i in range(sessions):
@@ -69,7 +69,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
                      "generated": list(h.generated), "itl_p50_ms": p50, "itl_p99_ms": p99})
         table.add_row(spec.session_id, str(h.status), str(len(prompt)), str(len(h.generated)), f"{p50:.1f}",
                       f"{p99:.1f}")
-    total = sum(len(r["generated"]) for r in rows)  # type: ignore[arg-type]
+    total = sum(len(h.generated) for h in handles.values())
     table.caption = f"{total} tokens in {wall:.2f} s = {total / wall:.1f} tok/s; {n_cancel} cancelled on purpose"
     console.print(table)
     if json_out:

@@ -197,4 +197,3 @@ def render(reports: list[WorkerReport], console: Console | None = None) -> None:
 
 def to_json(reports: list[WorkerReport]) -> str:
     return json.dumps({"workers": [w.as_dict() for w in reports], "at": time.time()}, indent=2, default=str)
-
