@@ -1,0 +1,511 @@
+"""llama.cpp engine (llama-cpp-python==0.3.36, low-level API): one `llama_decode` per fused batch.
+
+One context holds `n_slots` sequences (`n_seq_max = n_slots`, `kv_unified = False`: each slot has its
+own KV stream of `ctx_per_session` cells, rounded up by llama.cpp to a multiple of 256). Slot i is
+seq_id i. One `llama_batch`, allocated once from NumPy arrays, is refilled per step through NumPy
+views; `step()` makes exactly one `llama_decode` call whatever the number of sessions.
+
+Recipes:
+- "invariant" (default): a session's logits are bit-identical alone or in any batch.
+  `kv_unified=False`, `use_extra_bufts=False` (no repacked/AMX weight buffers), and the environment
+  variable `GGML_CPU_TILED_MM=0` (llama.cpp's tiled K-quant matmul picks another kernel when a
+  micro-batch has >= 8 rows). ggml reads that variable ONCE per process, at the first K-quant matmul:
+  the engine sets it if unset and no decode has run yet in this process; a worker that mixes recipes
+  in one process should export `GGML_CPU_TILED_MM=0` before starting. KV cache f16 and flash
+  attention on (llama.cpp's CPU defaults) were measured bit-exact with these settings.
+- "fast": llama.cpp's defaults (tiled matmul allowed), still `use_extra_bufts=False` on CPU: llama.cpp
+  builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs advertise it
+  but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). Pass `extra_bufts=True` to opt into
+  the repacked weight buffers on a machine known to be safe.
+
+Positions are checked here before llama.cpp sees them (llama.cpp silently accepts a first token at
+p > 0 on an empty sequence). llama.cpp's log goes to Python logging, logger "dgr.llama".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
+
+from ..batch import BatchRow, FusedBatch
+from .base import Engine, EngineCapacity, EngineError
+from .loader import ftype_name, gguf_sha256
+
+LLAMA_CPP_PIN = "0.3.36"
+RUNTIME = f"llama-cpp-python=={LLAMA_CPP_PIN}"
+RecipeName = Literal["fast", "invariant"]
+
+log = logging.getLogger("dgr.llama")
+
+# ggml_log_level (ggml.h): NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the last message).
+# llama-cpp-python's own callback uses an older, shifted enum; this one is checked against ggml.h.
+GGML_LOG_LEVELS: dict[int, int] = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
+                                   4: logging.ERROR}
+GGML_LOG_CONT = 5
+
+_lock = threading.Lock()
+_llama_mod: ModuleType | None = None
+_log_cb: Any = None  # the ctypes callback object: must stay referenced while llama.cpp may call it
+_log_buf: list[str] = []
+_log_level = logging.INFO
+_decoded_in_process = False  # a llama_decode ran: ggml's once-per-process env reads are done
+
+
+def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
+    """llama.cpp/ggml log callback: whole lines to `dgr.llama`, CONT chunks joined to their message."""
+    global _log_level
+    try:
+        s = (text or b"").decode("utf-8", errors="replace")
+        if level != GGML_LOG_CONT:
+            if _log_buf:  # a new message starts: flush an unterminated previous one
+                log.log(_log_level, "%s", "".join(_log_buf).rstrip("\n"))
+                _log_buf.clear()
+            _log_level = GGML_LOG_LEVELS.get(level, logging.INFO)
+        _log_buf.append(s)
+        if s.endswith("\n"):
+            msg = "".join(_log_buf).rstrip("\n")
+            _log_buf.clear()
+            if msg:
+                log.log(_log_level, "%s", msg)
+    except Exception:  # never raise into C
+        pass
+
+
+def llama_cpp_module() -> ModuleType:
+    """Import llama_cpp once: routes its log to logging ("dgr.llama") and initialises the backend."""
+    global _llama_mod, _log_cb
+    with _lock:
+        if _llama_mod is None:
+            import llama_cpp
+
+            if llama_cpp.__version__ != LLAMA_CPP_PIN:
+                log.warning("llama-cpp-python %s found, %s pinned: low-level names may differ",
+                            llama_cpp.__version__, LLAMA_CPP_PIN)
+            _log_cb = llama_cpp.llama_log_callback(_on_llama_log)
+            llama_cpp.llama_log_set(_log_cb, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _llama_mod = llama_cpp
+        return _llama_mod
+
+
+def cpu_amx() -> dict[str, bool]:
+    """Does the CPU advertise AMX (/proc/cpuinfo), and was llama.cpp built with AMX kernels?"""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    info = ""
+    if _llama_mod is not None:
+        info = _llama_mod.llama_print_system_info().decode(errors="replace")
+    return {"cpu_advertises_amx": any(f.startswith("amx") for f in flags),
+            "build_has_amx": "AMX" in info}
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _disable_tiled_mm() -> str:
+    """Recipe "invariant": make sure ggml's tiled K-quant matmul is off. Returns what happened."""
+    cur = os.environ.get("GGML_CPU_TILED_MM")
+    if cur is not None and cur.strip() == "0":
+        return "GGML_CPU_TILED_MM=0 (set in the environment)"
+    if _decoded_in_process:
+        return (f"GGML_CPU_TILED_MM={cur!r} and a decode already ran in this process: ggml read it then; "
+                "export GGML_CPU_TILED_MM=0 before starting the worker")
+    os.environ["GGML_CPU_TILED_MM"] = "0"
+    return "GGML_CPU_TILED_MM=0 (set by the engine before the first decode)"
+
+
+class LlamaCppEngine:
+    """The Engine protocol over llama.cpp: `n_slots` sessions, one `llama_decode` per step."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        recipe: RecipeName = "invariant",
+        n_slots: int = 8,
+        ctx_per_session: int = 1024,
+        n_batch: int = 2048,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        kv_cache_type: Literal["f16", "f32"] = "f16",
+        flash_attention: bool = True,
+        extra_bufts: bool = False,
+    ) -> None:
+        if recipe not in ("fast", "invariant"):
+            raise ValueError(f"recipe must be 'fast' or 'invariant', not {recipe!r}")
+        if n_slots < 1 or ctx_per_session < 1 or n_batch < 1:
+            raise ValueError("n_slots, ctx_per_session and n_batch must be >= 1")
+        self.model_path = Path(model_path)
+        if not self.model_path.is_file():
+            raise FileNotFoundError(self.model_path)
+        self._recipe_name = recipe
+        self._tiled_mm = _disable_tiled_mm() if recipe == "invariant" else \
+            f"GGML_CPU_TILED_MM={os.environ.get('GGML_CPU_TILED_MM', 'unset (tiled matmul allowed)')}"
+        # An "invariant" engine that could not switch the tiled matmul off does not claim invariance.
+        invariant = recipe == "invariant" and self._tiled_mm.startswith("GGML_CPU_TILED_MM=0")
+        if recipe == "invariant" and not invariant:
+            log.warning("recipe 'invariant' without GGML_CPU_TILED_MM=0: %s; batch_invariant=False", self._tiled_mm)
+        L = llama_cpp_module()
+        self._L = L
+        self._n_threads = n_threads or _default_threads()
+        amx = cpu_amx()
+        if extra_bufts and n_gpu_layers == 0 and amx["build_has_amx"]:
+            log.warning("extra_bufts=True with a build that has AMX kernels: SIGILL if the CPU cannot run them")
+        self._cpu_path = (
+            f"use_extra_bufts={extra_bufts} ("
+            + ("repacked/AMX weight buffers allowed" if extra_bufts else
+               "plain CPU weight buffers: no repack, no AMX kernels")
+            + f"); CPU advertises AMX: {amx['cpu_advertises_amx']}; build has AMX kernels: "
+            f"{amx['build_has_amx']}; {self._tiled_mm}"
+        )
+
+        self._model: Any = None
+        self._ctx: Any = None
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        mp.use_extra_bufts = extra_bufts
+        model = L.llama_model_load_from_file(str(self.model_path).encode(), mp)
+        if not model:
+            raise EngineError(f"llama.cpp could not load {self.model_path}")
+        self._model = model
+        try:
+            self._init_context(n_slots, ctx_per_session, n_batch, kv_cache_type, flash_attention)
+        except BaseException:
+            self.close()
+            raise
+
+        arch = self._meta("general.architecture") or "unknown"
+        ftype = self._meta("general.file_type")
+        quant = ftype_name(int(ftype)) if ftype and ftype.isdigit() else ftype_name(L.llama_model_ftype(model))
+        n_layer = int(L.llama_model_n_layer(model))
+        n_head = int(L.llama_model_n_head(model))
+        n_head_kv = int(L.llama_model_n_head_kv(model))
+        n_embd = int(L.llama_model_n_embd(model))
+        key_len = self._meta(f"{arch}.attention.key_length")
+        head_dim = int(key_len) if key_len and key_len.isdigit() else n_embd // n_head
+        self._arch, self._quant, self._n_layer = arch, quant, n_layer
+        self._kv_type, self._flash = kv_cache_type, flash_attention
+
+        self.identity = EngineIdentity(architecture=arch, gguf_sha256=gguf_sha256(self.model_path))
+        self.recipe = Recipe(quantization=quant, kv_cache_type=kv_cache_type, ctx_per_session=ctx_per_session,
+                             flash_attention=flash_attention, batch_invariant=invariant,
+                             runtime=RUNTIME)
+        self.boundary: BoundarySchema = whole_model_boundary(n_layer)
+        self.state_layout = StateLayout(kind="kv", dims={
+            "n_layer": n_layer, "n_head_kv": n_head_kv, "head_dim": head_dim,
+            "n_embd_k_gqa": n_head_kv * head_dim, "n_ctx_per_seq": int(self._n_ctx_seq),
+        })
+        self.capacity = EngineCapacity(n_slots=n_slots, ctx_per_session=ctx_per_session,
+                                       max_tokens_per_call=self._n_batch, vocab_size=self._n_vocab)
+
+    # --------------------------------------------------------------------------------- set-up
+    def _init_context(self, n_slots: int, ctx_per_session: int, n_batch: int,
+                      kv_cache_type: str, flash_attention: bool) -> None:
+        L = self._L
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_slots * ctx_per_session
+        cp.n_batch = n_batch
+        cp.n_ubatch = min(n_batch, 512)
+        cp.n_seq_max = n_slots
+        cp.kv_unified = False
+        cp.n_threads = self._n_threads
+        cp.n_threads_batch = self._n_threads
+        cp.no_perf = True
+        kv_type = L.GGML_TYPE_F32 if kv_cache_type == "f32" else L.GGML_TYPE_F16
+        cp.type_k = kv_type
+        cp.type_v = kv_type
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        ctx = L.llama_init_from_model(self._model, cp)
+        if not ctx:
+            raise EngineError("llama_init_from_model failed (see the dgr.llama log)")
+        self._ctx = ctx
+        if int(L.llama_n_seq_max(ctx)) != n_slots:
+            raise EngineError(f"llama.cpp gave n_seq_max {L.llama_n_seq_max(ctx)}, {n_slots} asked")
+        self._mem = L.llama_get_memory(ctx)
+        self._n_ctx_seq = int(L.llama_n_ctx_seq(ctx))
+        if self._n_ctx_seq < ctx_per_session:
+            raise EngineError(f"llama.cpp gives {self._n_ctx_seq} positions per sequence, {ctx_per_session} asked")
+        self._vocab = L.llama_model_get_vocab(self._model)
+        self._n_vocab = int(L.llama_vocab_n_tokens(self._vocab))
+        # llama.cpp caps n_batch at n_ctx: a call may carry no more rows than llama.cpp accepts.
+        self._n_slots, self._ctx_per_session = n_slots, ctx_per_session
+        self._n_batch = min(n_batch, int(L.llama_n_batch(ctx)))
+        self._next = np.zeros(n_slots, dtype=np.int64)  # each slot's next position
+
+        # The one llama_batch, backed by NumPy arrays this object owns (never llama_batch_free'd).
+        self._tok = np.zeros(n_batch, dtype=np.int32)
+        self._pos = np.zeros(n_batch, dtype=np.int32)
+        self._nseq = np.ones(n_batch, dtype=np.int32)
+        self._seq = np.zeros(n_batch, dtype=np.int32)
+        self._out_flags = np.zeros(n_batch, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * n_batch)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n_batch)])
+        b = L.llama_batch()
+        b.n_tokens = 0
+        b.token = self._tok.ctypes.data_as(i32p)
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self._pos.ctypes.data_as(i32p)
+        b.n_seq_id = self._nseq.ctypes.data_as(i32p)
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
+        b.logits = self._out_flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = self._L.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    # ------------------------------------------------------------------------------- protocol
+    @property
+    def batch_invariant(self) -> bool:
+        return self.recipe.batch_invariant
+
+    def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
+        global _decoded_in_process
+        if self._ctx is None:
+            raise EngineError("engine is closed")
+        n = len(batch)
+        if n == 0:
+            raise EngineError("empty batch")
+        if n > self._n_batch:
+            raise EngineError(f"batch of {n} rows exceeds n_batch {self._n_batch}: split it")
+        slots = np.asarray(batch.slots, dtype=np.int64)
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        tokens = np.asarray(batch.tokens, dtype=np.int64)
+        wants = np.asarray(batch.wants_logits, dtype=np.bool_)
+        self._validate(slots, positions, tokens)
+
+        self._tok[:n] = tokens
+        self._pos[:n] = positions
+        self._seq[:n] = slots
+        self._out_flags[:n] = wants
+        self._batch.n_tokens = n
+        _decoded_in_process = True
+        rc = int(self._L.llama_decode(self._ctx, self._batch))
+        if rc != 0:
+            self._rollback(slots, positions)
+            what = {1: "no KV cell free for the batch", 2: "aborted"}.get(rc, "error")
+            raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
+        np.maximum.at(self._next, slots, positions + 1)
+
+        rows = np.flatnonzero(wants)
+        out = np.empty((rows.shape[0], self._n_vocab), dtype=np.float32)
+        for j, i in enumerate(rows):
+            ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
+            if not ptr:
+                raise EngineError(f"llama.cpp has no logits for row {i}")
+            out[j] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return out
+
+    def release(self, slot: int) -> None:
+        if self._ctx is None:
+            return
+        if not 0 <= slot < self._n_slots:
+            raise EngineError(f"slot {slot} out of range [0, {self._n_slots})", (slot,))
+        self._L.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._next[slot] = 0
+
+    def next_position(self, slot: int) -> int:
+        return int(self._next[slot])
+
+    def describe(self) -> dict[str, str]:
+        L = self._L
+        return {
+            "backend": RUNTIME,
+            "recipe": self._recipe_name,
+            "cpu_path": self._cpu_path,
+            "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
+            "model": str(self.model_path),
+            "architecture": self._arch,
+            "gguf_sha256": self.identity.gguf_sha256,
+            "quantization": self._quant,
+            "kv_cache_type": self._kv_type,
+            "flash_attention": str(self._flash),
+            "kv_unified": "False",
+            "n_slots": str(self._n_slots),
+            "ctx_per_session": str(self._ctx_per_session),
+            "n_ctx_seq": str(self._n_ctx_seq),
+            "n_batch": str(self._n_batch),
+            "n_threads": str(self._n_threads),
+            "batch_invariant": str(self.recipe.batch_invariant),
+        }
+
+    def close(self) -> None:
+        L = self._L
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -------------------------------------------------------------------------------- helpers
+    def _validate(self, slots: npt.NDArray[np.int64], positions: npt.NDArray[np.int64],
+                  tokens: npt.NDArray[np.int64]) -> None:
+        bad = np.unique(slots[(slots < 0) | (slots >= self._n_slots)])
+        if bad.size:
+            raise EngineError(f"slots {bad.tolist()} out of range [0, {self._n_slots})", tuple(int(s) for s in bad))
+        bad = np.unique(slots[(tokens < 0) | (tokens >= self._n_vocab)])
+        if bad.size:
+            raise EngineError(f"token out of vocabulary [0, {self._n_vocab}) in slots {bad.tolist()}",
+                              tuple(int(s) for s in bad))
+        if np.unique(slots).shape[0] == slots.shape[0]:  # one row per slot (decode): vectorised check
+            expect = self._next[slots]
+            wrong = positions != expect
+            if wrong.any():
+                i = int(np.flatnonzero(wrong)[0])
+                s = int(slots[i])
+                raise EngineError(f"slot {s}: position {int(positions[i])} given, next position is {int(expect[i])}",
+                                  tuple(int(x) for x in np.unique(slots[wrong])))
+            over = positions >= self._ctx_per_session
+        else:
+            nxt: dict[int, int] = {}
+            for s_, p_ in zip(slots.tolist(), positions.tolist(), strict=True):
+                want = nxt.get(s_, int(self._next[s_]))
+                if p_ != want:
+                    raise EngineError(f"slot {s_}: position {p_} given, next position is {want}", (s_,))
+                nxt[s_] = p_ + 1
+            over = positions >= self._ctx_per_session
+        if over.any():
+            bad = np.unique(slots[over])
+            raise EngineError(f"slots {bad.tolist()}: position beyond ctx_per_session {self._ctx_per_session}",
+                              tuple(int(s) for s in bad))
+
+    def _rollback(self, slots: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
+        """Remove whatever this call may have left in the KV: positions >= each slot's first row."""
+        for s in np.unique(slots).tolist():
+            start = int(positions[slots == s].min())
+            self._L.llama_memory_seq_rm(self._mem, int(s), start, -1)
+            self._next[s] = start
+
+
+# ------------------------------------------------------------------------------------ benchmark
+def bench_engine_decode(engine: Engine, batch_sizes: Sequence[int], steps: int, *,
+                        prompt_len: int = 8, repeats: int = 1, seed: int = 0) -> list[dict[str, float]]:
+    """Decode throughput: fused (one step() for B sessions) vs one step() per session, per batch size.
+
+    For each B: prefill B random prompts of `prompt_len` tokens in slots 0..B-1 (not timed), time
+    `steps` greedy decode steps fused; re-prefill, time the same steps one step() per session. With
+    `repeats` > 1 the two alternate and each keeps its fastest run (shared machines are noisy: compare
+    the ratio of one run, not absolute figures across runs). Slots 0..B-1 are released afterwards.
+    Returns one dict per B: batch, steps, fused_tok_s, serial_tok_s, speedup, fused_step_ms.
+    """
+    rng = np.random.default_rng(seed)
+    vocab = engine.capacity.vocab_size
+    results: list[dict[str, float]] = []
+    for b in batch_sizes:
+        if b > engine.capacity.n_slots:
+            raise ValueError(f"batch {b} > n_slots {engine.capacity.n_slots}")
+        if prompt_len + steps > engine.capacity.ctx_per_session:
+            raise ValueError("prompt_len + steps exceeds ctx_per_session")
+        prompts = rng.integers(3, vocab, size=(b, prompt_len))
+        fused = serial = float("inf")
+        for _ in range(max(1, repeats)):
+            fused = min(fused, _time_decode(engine, prompts, steps, fused=True))
+            serial = min(serial, _time_decode(engine, prompts, steps, fused=False))
+        for s in range(b):
+            engine.release(s)
+        results.append({
+            "batch": float(b), "steps": float(steps),
+            "fused_tok_s": b * steps / fused, "serial_tok_s": b * steps / serial,
+            "speedup": serial / fused, "fused_step_ms": 1000.0 * fused / steps,
+        })
+    return results
+
+
+def _time_decode(engine: Engine, prompts: npt.NDArray[np.int64], steps: int, *, fused: bool) -> float:
+    b, n = prompts.shape
+    nxt = _bench_prefill(engine, prompts)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        if fused:
+            rows = [BatchRow(s, n + k, int(nxt[s]), True) for s in range(b)]
+            nxt = np.argmax(engine.step(FusedBatch.from_rows("decode", rows)), axis=1)
+        else:
+            for s in range(b):
+                lg = engine.step(FusedBatch.from_rows("decode", [BatchRow(s, n + k, int(nxt[s]), True)]))
+                nxt[s] = int(np.argmax(lg[0]))
+    return time.perf_counter() - t0
+
+
+def _bench_prefill(engine: Engine, prompts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    b, n = prompts.shape
+    for s in range(b):
+        engine.release(s)
+    rows = [BatchRow(s, p, int(prompts[s, p]), p == n - 1) for s in range(b) for p in range(n)]
+    return np.argmax(engine.step(FusedBatch.from_rows("prefill", rows)), axis=1)
+
+
+_SYSINFO_RE = re.compile(r"(\w+) = 1")
+
+
+def system_features() -> list[str]:
+    """CPU features llama.cpp was built with ("AVX2", "AVX512", "AMX_INT8"...)."""
+    info = llama_cpp_module().llama_print_system_info().decode(errors="replace")
+    return _SYSINFO_RE.findall(info)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m consumer.engines.llama MODEL [--recipe R] [--batch 1,2,4,8,16] [--steps N]`:
+    print describe() and the fused-vs-serial decode table (the seed of `dgr bench engine`)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m consumer.engines.llama")
+    ap.add_argument("model")
+    ap.add_argument("--recipe", choices=["fast", "invariant"], default="invariant")
+    ap.add_argument("--batch", default="1,2,4,8,16")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--extra-bufts", action="store_true", help="allow repacked/AMX weight buffers (see above)")
+    args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.batch.split(",")]
+    engine = LlamaCppEngine(args.model, recipe=args.recipe, n_slots=max(sizes),
+                            ctx_per_session=max(256, args.prompt_len + args.steps), n_threads=args.threads,
+                            extra_bufts=args.extra_bufts)
+    try:
+        print(json.dumps(engine.describe(), indent=1))
+        print(f"{'batch':>5} {'fused tok/s':>12} {'serial tok/s':>13} {'speedup':>8} {'fused step ms':>14}")
+        for r in bench_engine_decode(engine, sizes, args.steps, prompt_len=args.prompt_len,
+                                     repeats=args.repeats):
+            print(f"{int(r['batch']):>5} {r['fused_tok_s']:>12.1f} {r['serial_tok_s']:>13.1f} "
+                  f"{r['speedup']:>8.2f} {r['fused_step_ms']:>14.2f}")
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
