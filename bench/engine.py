@@ -20,14 +20,15 @@ from .common import console, markdown, plot, save, table
 
 
 def _measure_here(model_path: str, recipe: str, batch_sizes: list[int], steps: int, threads: int,
-                  n_gpu_layers: int) -> dict[str, Any]:
+                  n_gpu_layers: int, repeats: int) -> dict[str, Any]:
     from consumer.engines.llama import LlamaCppEngine, bench_engine_decode
 
     engine = LlamaCppEngine(model_path, recipe=recipe,  # type: ignore[arg-type]
                             n_slots=max(batch_sizes), ctx_per_session=max(256, 8 + steps),
                             n_threads=threads or None, n_gpu_layers=n_gpu_layers)
     try:
-        rows = bench_engine_decode(engine, batch_sizes, steps)
+        bench_engine_decode(engine, [max(batch_sizes)], 2)  # warm-up: first calls allocate and page in
+        rows = bench_engine_decode(engine, batch_sizes, steps, repeats=repeats)
         return {"describe": engine.describe(), "batch_invariant": engine.batch_invariant, "rows": rows}
     finally:
         engine.close()
@@ -35,14 +36,14 @@ def _measure_here(model_path: str, recipe: str, batch_sizes: list[int], steps: i
 
 def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: tuple[str, ...] = ("fast", "invariant"),
         batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), steps: int = 32, threads: int = 0,
-        n_gpu_layers: int = 0) -> dict[str, Any]:
+        n_gpu_layers: int = 0, repeats: int = 3) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     for model in models:
         path = resolve_model(model)
         for recipe in recipes:
             console.print(f"[bold]{model} / {recipe}[/bold]: fused vs one call per session, {steps} steps")
             args = [sys.executable, "-m", "bench.engine", str(path), recipe, ",".join(map(str, batch_sizes)),
-                    str(steps), str(threads), str(n_gpu_layers)]
+                    str(steps), str(threads), str(n_gpu_layers), str(repeats)]
             out = subprocess.run(args, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"engine bench {model}/{recipe} failed:\n{out.stderr[-3000:]}")
@@ -53,6 +54,7 @@ def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: 
              row["fused_step_ms"]] for r in results for row in r["rows"]]
     console.print(table("fused decode vs one call per session", cols, data))
     payload = {"bench": "engine", "steps": steps, "threads": threads, "n_gpu_layers": n_gpu_layers,
+               "repeats (best of)": repeats,
                "results": results, "markdown": markdown(cols, data)}
     save(out_dir, "engine", payload)
     series: dict[str, tuple[Sequence[float], Sequence[float]]] = {}
@@ -65,6 +67,6 @@ def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: 
 
 
 if __name__ == "__main__":  # one (model, recipe) in this process; prints one JSON line
-    path, recipe, sizes, steps, threads, ngl = sys.argv[1:7]
+    path, recipe, sizes, steps, threads, ngl, reps = sys.argv[1:8]
     print(json.dumps(_measure_here(path, recipe, [int(x) for x in sizes.split(",")], int(steps), int(threads),
-                                   int(ngl))))
+                                   int(ngl), int(reps))))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -68,6 +69,8 @@ def consumer(
     from .worker import Worker, WorkerSettings
 
     _logging(log_level, log_format)
+    if recipe == "invariant":  # ggml reads it once, at the first K-quant matmul of the process
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
     eng = make_engine(resolve_model(model), kind=engine, recipe=recipe, n_slots=slots,  # type: ignore[arg-type]
                       ctx_per_session=ctx_per_session, n_threads=n_threads or None, n_gpu_layers=n_gpu_layers)
@@ -151,14 +154,14 @@ def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -
 
 @bench_app.command("engine")
 def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gemma",
-                 recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32,
+                 recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32, repeats: int = 3,
                  threads: Annotated[int, typer.Option("--threads")] = 0,
                  n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
     """Fused decode tokens/s vs the same sessions one call at a time, per model and recipe."""
     from bench.engine import run
 
     run(out, models=tuple(models.split(",")), recipes=tuple(recipes.split(",")), batch_sizes=_ints(batches),
-        steps=steps, threads=threads, n_gpu_layers=n_gpu_layers)
+        steps=steps, threads=threads, n_gpu_layers=n_gpu_layers, repeats=repeats)
 
 
 @bench_app.command("e2e")
