@@ -198,6 +198,17 @@ def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int
         threads=threads)
 
 
+@bench_app.command("report")
+def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JSON is.")] = Path("bench-out"),
+                 out: Annotated[Path, typer.Option(help="The Markdown to write.")] = Path("docs/benchmarks.md"),
+                 command: Annotated[str, typer.Option(help="The commands that produced the JSON.")] = "",
+                 ) -> None:
+    """Write docs/benchmarks.md from the JSON of one benchmark run."""
+    from bench.report import write
+
+    typer.echo(str(write(root, out, command or "dgr bench ... --out bench-out/<name>")))
+
+
 @bench_app.command("scale")
 def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
                 repeats: int = 3) -> None:

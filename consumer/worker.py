@@ -164,6 +164,10 @@ class Worker:
         self._release_slots()
         self._observe(batch, call, completions, dead)
         if call is not None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
+                                               "engine_ms": round(1e3 * engine_s, 2), "read_ms": round(1e3 * read_s, 2),
+                                               "loop_ms": round(1e3 * (time.perf_counter() - t0), 2)})
             # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds
             overhead = time.perf_counter() - t0 - engine_s - read_s
             self.stats.overhead_seconds += overhead

@@ -1,0 +1,84 @@
+"""`dgr bench report`: docs/benchmarks.md from the JSON the benchmarks wrote (one full run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ORDER = ("engine", "e2e", "interference", "peer", "scale", "scheduler")
+TITLES = {
+    "engine": "Engine: fused decode vs one call per session",
+    "e2e": "End to end through Redis vs the raw fused engine",
+    "interference": "Decode inter-token latency under long prompts",
+    "peer": "Peer: llama.cpp's llama-server (continuous batching) vs dgr",
+    "scale": "Scale: worker time per fused call vs idle sessions",
+    "scheduler": "Scheduler: one scheduling round",
+}
+
+
+def _load(root: Path) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(root.rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        name = data.get("bench") or path.stem.split("-")[0]
+        if name in TITLES:
+            found.setdefault(name, []).append({**data, "_path": str(path)})
+    return found
+
+
+def _headline(found: dict[str, list[dict[str, Any]]]) -> list[str]:
+    out = []
+    for run in found.get("e2e", []):
+        for row in run.get("rows", []):
+            if row.get("batch") == 8:
+                out.append(f"- e2e/raw at 8 sessions ({run.get('model')}, {run.get('recipe')}): "
+                           f"**{row['efficiency']:.3f}** (e2e {row['e2e_tok_s']:.1f} tok/s, "
+                           f"raw {row['raw_tok_s']:.1f}); "
+                           f"batch fill {row['batch_fill']:.3f}; {row['round_trips_per_call']:.2f} Redis round trips "
+                           f"per fused call; worker {row['overhead_us_per_call']:.0f} us per call "
+                           "outside engine and reads")
+    for run in found.get("peer", []):
+        ratio = run.get("ratio") or run.get("summary", {}).get("ratio")
+        if ratio is not None:
+            out.append(f"- dgr / llama-server aggregate tokens/s ({run.get('recipe', '')}): **{ratio}**")
+    for run in found.get("interference", []):
+        rows = run.get("rows", [])
+        if rows:
+            r = rows[0]
+            out.append(f"- decode p99 with {run.get('prompt_len')}-token prompts / without, at the defaults "
+                       f"({run.get('model')}): **{r['p99_ratio']:.2f}x** ({r['quiet_p99_ms']:.0f} -> "
+                       f"{r['loaded_p99_ms']:.0f} ms)")
+    for run in found.get("scale", []):
+        rows = run.get("rows", [])
+        if len(rows) > 1:
+            out.append(f"- worker time per fused call with {rows[1]['idle_sessions']:,} idle sessions vs none: "
+                       f"**{rows[1]['vs_no_idle']:.2f}x**")
+    return out or ["- (no benchmark results found)"]
+
+
+def write(root: Path, out: Path, command: str) -> Path:
+    found = _load(root)
+    any_run = next((r for runs in found.values() for r in runs), {})
+    m = any_run.get("machine", {})
+    lines = ["# Benchmarks", "",
+             "Written by `dgr bench report` from the JSON of one benchmark run; every figure below was measured "
+             "by the command shown. These machines are noisy (15-30 % between runs): compare the ratios measured "
+             "within one run, not absolute figures across runs.", "",
+             f"- commands: `{command}`", f"- commit: `{m.get('commit', '?')}`, date: {m.get('date', '?')}",
+             f"- machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('mem_gib', '?')} GiB, "
+             f"Python {m.get('python', '?')}; no GPU", "", "## Headline", "", "<!-- headline -->"]
+    lines += _headline(found)
+    lines += ["<!-- /headline -->", ""]
+    for name in ORDER:
+        for run in found.get(name, []):
+            settings = {k: v for k, v in run.items()
+                        if k not in ("rows", "results", "markdown", "machine", "_path", "bench") and
+                        not isinstance(v, (dict, list))}
+            lines += [f"## {TITLES[name]}", "", f"Settings: `{json.dumps(settings)}`; raw data: `{run['_path']}`", "",
+                      run.get("markdown", "(no table)"), ""]
+    out.write_text("\n".join(lines))
+    return out
