@@ -185,14 +185,20 @@ class Worker:
         self._hot = set()
         busy = self.scheduler.has_work()
 
+        seen = [0]
+
         def more(got: list[Delivery]) -> bool:
-            # A blocked read returns on the first entry: keep gathering while sessions we know are
-            # decoding have not sent their next step yet, so the fused call is as full as it can be.
-            return sum(1 for d in got if d.phase == "decode") < expected
+            # A blocked read returns on the first entry. Keep gathering while sessions the last call
+            # answered have not sent their next step yet; with none expected, while entries are still
+            # arriving (a Tracker opening sessions in one burst). So the fused call is as full as it can be.
+            if expected:
+                return sum(1 for d in got if d.phase == "decode") < expected
+            flowing, seen[0] = len(got) > seen[0], len(got)
+            return flowing
 
         t = time.perf_counter()
         got = self.transport.read(counts, block_ms=0 if busy else self.settings.block_ms,
-                                  gather_ms=self.settings.gather_ms if expected else 0.0, more=more)
+                                  gather_ms=self.settings.gather_ms, more=more)
         return got, time.perf_counter() - t
 
     def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
