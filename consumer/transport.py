@@ -184,6 +184,7 @@ class RedisTransport:
         self._drained: set[str] = set()
         self._recovered: dict[str, set[str]] = {}  # ids recover() handed out, while not drained
         self._cancel_cursor = "0-0"
+        self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
         # Entries read() dead-lettered on its pending re-read (already in the dead-letter stream and
         # acked): for logs and metrics; the newest 1000 are kept, clear it freely.
         self.dead_lettered: deque[DeadLetter] = deque(maxlen=1000)
@@ -327,6 +328,7 @@ class RedisTransport:
         by_count: dict[int, dict[str, str]] = {}
         for s, n in fresh.items():
             by_count.setdefault(n, {})[s] = ">"
+        self.round_trips += 1
         if len(by_count) == 1:
             ((count, ids),) = by_count.items()
             resp = self._xreadgroup(ids, count, block if block > 0 else None)
@@ -373,6 +375,7 @@ class RedisTransport:
 
     def _call(self, script: Any, keys: list[str], args: Sequence[str | int],
               streams: Iterable[str]) -> Any:
+        self.round_trips += 1
         try:
             return script(keys=keys, args=args)
         except redis.ResponseError as e:
@@ -415,6 +418,7 @@ class RedisTransport:
     def cancellations(self) -> list[str]:
         """Session ids cancelled since the last call (one non-blocking XREAD of keys.cancellations).
         The first call reads from the beginning of the (MAXLEN-trimmed) stream."""
+        self.round_trips += 1
         resp = self.client.xread({self.keys.cancellations: self._cancel_cursor},
                                  count=self.settings.cancel_count)
         out: list[str] = []
@@ -475,6 +479,7 @@ class RedisTransport:
             if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
             args += [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+        self.round_trips += 1
         reply = self._complete(keys=keys.keys, args=args)
         return [bool(int(x)) for x in reply]
 

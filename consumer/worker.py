@@ -145,22 +145,21 @@ class Worker:
             self._admit(d, answers, dead, wire_rejects)
         for sid in self.transport.cancellations():
             answers.extend(self.scheduler.cancel(sid))
-        self.stats.round_trips += 2
         decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
         self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
         batch = self.scheduler.next_batch()
         engine_s = 0.0
         call: FusedCallStats | None = None
         if batch is not None:
-            te = time.perf_counter()
+            before = self.stats.engine_seconds
             answers.extend(self._run_batch(batch))
-            engine_s = time.perf_counter() - te
+            engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
         completions = wire_rejects + [self._completion(a) for a in answers]
         if completions or dead or call:
             self.transport.complete(completions, dead, call)
-            self.stats.round_trips += 1
+        self.stats.round_trips = self.transport.round_trips
         self._release_slots()
         self._observe(batch, call, completions, dead)
         if call is not None:
@@ -169,7 +168,7 @@ class Worker:
                                                "engine_ms": round(1e3 * engine_s, 2), "read_ms": round(1e3 * read_s, 2),
                                                "loop_ms": round(1e3 * (time.perf_counter() - t0), 2)})
             # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds
-            overhead = time.perf_counter() - t0 - engine_s - read_s
+            overhead = time.perf_counter() - t0 - engine_s - read_s  # sampling and completion count here
             self.stats.overhead_seconds += overhead
             self.metrics.overhead.labels(self._m).observe(overhead)
         return bool(deliveries or completions or dead or batch)
@@ -222,7 +221,8 @@ class Worker:
         t = time.perf_counter()
         try:
             logits = self.engine.step(batch.fused)
-        except Exception as e:
+        except Exception as e:  # any engine fault must not take the worker down
+            self.stats.engine_seconds += time.perf_counter() - t
             self.metrics.engine_failures.labels(self._m).inc()
             detail = f"{type(e).__name__}: {e}"[:200]
             sessions = batch.session_ids
