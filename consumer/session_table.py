@@ -15,6 +15,7 @@ is forgotten outright: its state is gone, and a later step rightly gets state_lo
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
@@ -92,8 +93,9 @@ class SessionTable:
         self.closed_capacity = closed_capacity
         self._sessions: dict[str, SessionEntry] = {}
         self._by_slot: dict[int, str] = {}
-        # A stack, so slot 0 is handed out first and a cleared slot is reused first.
-        self._free: list[int] = list(range(n_slots - 1, -1, -1))
+        # A min-heap: the lowest free slot is handed out first, so the slots in use stay packed from
+        # 0. llama.cpp runs a per-sequence KV batch as one pass only over consecutive seq ids.
+        self._free: list[int] = list(range(n_slots))
         self._slot_state = bytearray(n_slots)  # _FREE / _HELD / _DIRTY per slot
         self._n_dirty = 0
         self._released: dict[int, None] = {}  # dirty slots not yet drained by the worker (ordered)
@@ -121,7 +123,7 @@ class SessionTable:
             raise ValueError(f"session {spec.session_id!r} is already open")
         if not self._free:
             return None
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._slot_state[slot] = _HELD
         entry = SessionEntry(spec=spec, slot=slot, opening_job_id=opening_job_id)
         self._sessions[spec.session_id] = entry
@@ -192,7 +194,7 @@ class SessionTable:
         self._slot_state[slot] = _FREE
         self._released.pop(slot, None)  # cleared before being drained: never report it afterwards
         self._n_dirty -= 1
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     @property
     def n_free(self) -> int:

@@ -36,6 +36,7 @@ class CountingLlama:
     def llama_decode(self, ctx, batch):
         self.decodes += 1
         self.batch_sizes.append(batch.n_tokens)
+        self.seq_ids = [batch.seq_id[i][0] for i in range(batch.n_tokens)]
         return self._real.llama_decode(ctx, batch)
 
     def __getattr__(self, name):
@@ -120,6 +121,27 @@ def test_logit_rows_in_row_order(eng):
     rows = [BatchRow(0, i, t, i in (1, 4)) for i, t in enumerate(PROMPT)]
     sel = eng.step(FusedBatch.from_rows("prefill", rows))
     assert np.array_equal(sel, out[[1, 4]])
+
+
+def test_rows_in_any_slot_order_come_back_in_row_order(eng):
+    """The engine sorts rows by slot for llama.cpp (one sub-batch per run of consecutive seq ids);
+    the caller still gets logits in its own row order."""
+    for s in (0, 1, 2):
+        eng.release(s)
+    prompts = {0: PROMPT[:4], 1: PROMPT[2:7], 2: PROMPT[1:3]}
+    descending = sorted(prompts.items(), reverse=True)
+    interleaved = [BatchRow(s, i, p[i], i == len(p) - 1) for i in range(5) for s, p in descending if i < len(p)]
+    counter = CountingLlama(eng._L)
+    eng._L = counter
+    mixed = eng.step(FusedBatch.from_rows("prefill", interleaved))
+    assert counter.seq_ids == sorted(counter.seq_ids)  # llama.cpp saw the rows grouped by slot
+    wanted = [r.slot for r in interleaved if r.wants_logits]
+    assert wanted != sorted(wanted) and [r.slot for r in interleaved][:3] == [2, 1, 0]  # really out of order
+    for s in (0, 1, 2):
+        eng.release(s)
+    alone = {s: prefill(eng, s, p)[-1] for s, p in prompts.items()}
+    for row, s in zip(mixed, wanted, strict=True):
+        assert np.allclose(row, alone[s], atol=1e-3), s
 
 
 def test_oversized_batch_is_rejected_before_llama(eng):

@@ -301,10 +301,15 @@ class LlamaCppEngine:
         wants = np.asarray(batch.wants_logits, dtype=np.bool_)
         self._validate(slots, positions, tokens)
 
-        self._tok[:n] = tokens
-        self._pos[:n] = positions
-        self._seq[:n] = slots
-        self._out_flags[:n] = wants
+        # llama.cpp splits a batch for a per-sequence KV cache into sub-batches of *consecutive*
+        # increasing seq ids (split_equal, sequential): rows in any other order cost one forward pass
+        # per run of ids (measured: 8 sessions in descending slot order ran at 0.42x). Fill the batch
+        # sorted by (slot, position); the logits come back in the caller's row order below.
+        order = np.lexsort((positions, slots))
+        self._tok[:n] = tokens[order]
+        self._pos[:n] = positions[order]
+        self._seq[:n] = slots[order]
+        self._out_flags[:n] = wants[order]
         self._batch.n_tokens = n
         _decoded_in_process = True
         rc = int(self._L.llama_decode(self._ctx, self._batch))
@@ -314,7 +319,9 @@ class LlamaCppEngine:
             raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
         np.maximum.at(self._next, slots, positions + 1)
 
-        rows = np.flatnonzero(wants)
+        where = np.empty(n, dtype=np.int64)
+        where[order] = np.arange(n)  # caller's row i sits at llama row where[i]
+        rows = where[np.flatnonzero(wants)]
         out = np.empty((rows.shape[0], self._n_vocab), dtype=np.float32)
         for j, i in enumerate(rows):
             ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
