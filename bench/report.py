@@ -42,9 +42,13 @@ def _headline(found: dict[str, list[dict[str, Any]]]) -> list[str]:
                            f"per fused call; worker {row['overhead_us_per_call']:.0f} us per call "
                            "outside engine and reads")
     for run in found.get("peer", []):
-        ratio = run.get("ratio") or run.get("summary", {}).get("ratio")
-        if ratio is not None:
-            out.append(f"- dgr / llama-server aggregate tokens/s ({run.get('recipe', '')}): **{ratio}**")
+        r = run.get("ratios", {})
+        if "wall_dgr_over_server" in r:
+            out.append(f"- dgr / llama-server, {run.get('sessions')} sessions x {run.get('tokens')} tokens, Gemma "
+                       f"({run.get('recipe')}): **{r['wall_dgr_over_server']:.3f}** aggregate (wall), "
+                       f"{r['decode_dgr_over_server']:.3f} decode-only; vs llama-server --no-repack "
+                       f"{r.get('wall_dgr_over_server_no_repack', float('nan')):.3f}; llama-server reaches "
+                       f"{r['decode_server_over_raw']:.3f} of raw fused decode, dgr {r['decode_dgr_over_raw']:.3f}")
     for run in found.get("interference", []):
         rows = run.get("rows", [])
         if rows:

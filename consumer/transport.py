@@ -189,8 +189,8 @@ class RedisTransport:
         # acked): for logs and metrics; the newest 1000 are kept, clear it freely.
         self.dead_lettered: deque[DeadLetter] = deque(maxlen=1000)
         self._complete = client.register_script(load_lua("complete"))
-        self._pending = client.register_script(load_lua("pending"))
-        self._recover = client.register_script(load_lua("recover"))
+        self._pending = client.register_script(load_lua("deadletter") + load_lua("pending"))
+        self._recover = client.register_script(load_lua("deadletter") + load_lua("recover"))
 
     # ---------------------------------------------------------------- registration, liveness
 

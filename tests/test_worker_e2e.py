@@ -277,3 +277,26 @@ def test_bad_input_is_answered_while_other_sessions_run(redis_server: LocalRedis
         assert proc.proc.poll() is None, "the worker died"
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_tracker_sim_drives_a_consumer_and_cancels_on_purpose(redis_server: LocalRedis, tiny_model_path: Path,
+                                                              tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = ConsumerProcess(redis_server.url, "e2e-sim", tiny_model_path, tmp_path, slots=4)
+    try:
+        out = tmp_path / "sim.json"
+        run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--redis-url", redis_server.url,
+                              "--worker-id", "e2e-sim", "--sessions", "6", "--prompt-len", "4:20", "--max-tokens", "8",
+                              "--rate", "50", "--cancel-fraction", "0.34", "--temperature", "0.8", "--top-k", "20",
+                              "--seed", "3", "--json-out", str(out)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "tok/s" in run.stdout
+        sessions = json.loads(out.read_text())["sessions"]
+        statuses = sorted(s["status"] for s in sessions)
+        assert statuses == ["cancelled"] * 2 + ["finished"] * 4
+        assert all(len(s["generated"]) == 8 for s in sessions if s["status"] == "finished")
+    finally:
+        assert proc.stop() == 0, proc.log()

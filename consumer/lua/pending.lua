@@ -23,18 +23,7 @@ local function entries_of(r)
 end
 
 local function dead_letter(stream, id, deliveries, fields)
-  local args = {'reason', 'too_many_deliveries',
-                'detail', 'delivered ' .. deliveries .. ' times (max ' .. maxd .. ')',
-                'stream', stream, 'entry_id', id, 'deliveries', tostring(deliveries), 'consumer', consumer}
-  local n = 0
-  for j = 1, #fields, 2 do
-    n = n + 1
-    if n > maxf then break end
-    args[#args + 1] = 'f:' .. fields[j]
-    args[#args + 1] = fields[j + 1]
-  end
-  redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', unpack(args))
-  redis.call('XACK', stream, group, id)
+  move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stream, id, deliveries, fields)
 end
 
 local out = {}
