@@ -120,6 +120,7 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
 
                 handles = producer.run_many(specs, on_result=on_result_live)
             wall = time.perf_counter() - t0
+            console.print()
             console.print(summary_table(client, worker_id, handles, first, last, t0, wall))
         return 0
     except KeyboardInterrupt:
@@ -142,8 +143,8 @@ def summary_table(client: redis.Redis, worker_id: str, handles: dict[str, Sessio
                   last: dict[str, float], t0: float, wall: float) -> Table:
     keys = WorkerKeys(worker_id)
     t = Table(title="per session (accounting read back from Redis)")
-    for col in ("session", "status", "tokens", "tokens/s", "prompt tok", "generated", "engine s", "account"):
-        t.add_column(col, justify="right" if col not in ("session", "status", "account") else "left")
+    for col in ("session", "status", "tok", "tok/s", "prompt", "gen", "engine s", "account"):
+        t.add_column(col, justify="right" if col not in ("session", "status", "account") else "left", no_wrap=True)
     total = 0
     for sid, h in handles.items():
         a = sdict(client.hgetall(keys.session_account(sid)))

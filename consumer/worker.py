@@ -130,6 +130,7 @@ class Worker:
                 idle_since = time.monotonic()
             elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
                 break
+        self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
 
     # ---- one iteration ---------------------------------------------------------------------
