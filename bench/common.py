@@ -79,6 +79,13 @@ def plot(out_dir: Path, name: str, title: str, xlabel: str, ylabel: str,
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend()
+    return save_figure(fig, out_dir, name)
+
+
+def save_figure(fig: Any, out_dir: Path, name: str) -> Path:
+    """Write a matplotlib figure as out_dir/name.png and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.png"

@@ -594,6 +594,8 @@ def bar_plot(out_dir: Path, name: str, title: str, groups: dict[str, dict[str, f
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .common import save_figure
+
     sides = list(groups)
     figures = list(next(iter(groups.values()))) if groups else []
     fig, ax = plt.subplots(figsize=(7.0, 4.0), dpi=110)
@@ -608,12 +610,7 @@ def bar_plot(out_dir: Path, name: str, title: str, groups: dict[str, dict[str, f
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, name)
 
 
 def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, tokens: int = 64, repeats: int = 3,
