@@ -49,6 +49,8 @@ def consumer(
                              ] = 0.8,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
     gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
+    await_ms: Annotated[int, typer.Option(envvar="DGR_AWAIT_MS",
+                                          help="Wait this long for the next steps of the sessions just answered.")] = 5,
     heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")] = 2.0,
     n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
                                            help="CPU threads (0: llama.cpp default).")] = 0,
@@ -80,7 +82,7 @@ def consumer(
     client = redis.Redis.from_url(redis_url)
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio,
-                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms,
+                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms, await_ms=await_ms,
                               heartbeat_s=heartbeat_s)
     worker = Worker(eng, RedisTransport(client, worker_id, consumer_name=worker_id), settings, metrics)
     worker.install_signal_handlers()

@@ -37,6 +37,10 @@ class WorkerSettings:
     w_prefill: int = 1
     block_ms: int = 50  # idle wait for the first entry
     gather_ms: float = 2.0  # after a wake-up, how long to wait for the decode steps still expected
+    # How long to wait for the next steps of the sessions the last call answered, even with prefill
+    # work queued: without it a prefill chunk slips into every gap while the Tracker turns a result
+    # into its next step (a few ms), and decode gets one call in two instead of its weighted share.
+    await_ms: int = 5
     heartbeat_s: float = 2.0
     recover_every_s: float = 30.0  # XAUTOCLAIM sweep for entries stuck with a dead consumer name
 
@@ -197,8 +201,8 @@ class Worker:
             return flowing
 
         t = time.perf_counter()
-        got = self.transport.read(counts, block_ms=0 if busy else self.settings.block_ms,
-                                  gather_ms=self.settings.gather_ms, more=more)
+        block_ms = max(0 if busy else self.settings.block_ms, self.settings.await_ms if expected else 0)
+        got = self.transport.read(counts, block_ms=block_ms, gather_ms=self.settings.gather_ms, more=more)
         return got, time.perf_counter() - t
 
     def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
