@@ -74,7 +74,7 @@ def _measure(url: str, idle: int, active: int, calls: int) -> dict[str, float]:
                 pos[sid] += 1
         pipe.execute()
 
-    while worker.stats.calls_by_phase["decode"] == 0:  # type: ignore[index]
+    while worker.stats.calls_by_phase["decode"] == 0:
         worker.run_once()
         push_next()
     st = worker.stats

@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class Metrics:
     def __init__(self, worker_id: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r, w = self.registry, {"worker": worker_id}
+        r = self.registry
         self.batch_size = Histogram("dgr_fused_batch_sessions", "Sessions per fused engine call", ["worker", "phase"],
                                     buckets=BATCH_BUCKETS, registry=r)
         self.tokens = Counter("dgr_tokens", "Tokens run through the engine", ["worker", "phase"], registry=r)
@@ -28,7 +28,6 @@ class Metrics:
                                ["worker", "stream"], registry=r)
         self.busy_slots = Gauge("dgr_busy_slots", "Sequence slots held by sessions", ["worker"], registry=r)
         self.engine_failures = Counter("dgr_engine_failures", "Fused calls that raised", ["worker"], registry=r)
-        self._w = w
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

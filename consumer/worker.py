@@ -51,7 +51,7 @@ class LoopStats:
 
     fused_calls: int = 0
     sessions_in_calls: int = 0
-    calls_by_phase: dict[str, int] | None = None
+    calls_by_phase: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     engine_seconds: float = 0.0
     overhead_seconds: float = 0.0  # loop time outside the engine and outside reads, on iterations with a call
     read_seconds: float = 0.0  # time in transport.read (blocking, gathering: mostly waiting for producers)
@@ -59,12 +59,9 @@ class LoopStats:
     decode_sessions: int = 0  # sessions summed over decode calls (mean decode batch = this / decode calls)
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
-    def __post_init__(self) -> None:
-        self.calls_by_phase = {p: 0 for p in PHASES}
-
     def snapshot(self) -> dict[str, object]:
         return {"fused_calls": self.fused_calls, "sessions_in_calls": self.sessions_in_calls,
-                "calls_by_phase": dict(self.calls_by_phase or {}), "engine_seconds": self.engine_seconds,
+                "calls_by_phase": dict(self.calls_by_phase), "engine_seconds": self.engine_seconds,
                 "overhead_seconds": self.overhead_seconds, "read_seconds": self.read_seconds,
                 "round_trips": self.round_trips,
                 "decode_sessions": self.decode_sessions}
@@ -247,7 +244,6 @@ class Worker:
         elapsed = time.perf_counter() - t
         self.stats.fused_calls += 1
         self.stats.sessions_in_calls += len(batch.session_ids)
-        assert self.stats.calls_by_phase is not None
         self.stats.calls_by_phase[batch.phase] += 1
         self.stats.recent_calls.append((batch.phase, len(batch.session_ids)))
         if batch.phase == "decode":

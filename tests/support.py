@@ -1,4 +1,4 @@
-"""Helpers for the end-to-end tests: solo reference runs, prompts, a consumer subprocess."""
+"""Helpers shared by the tests: a compatibility key, solo reference runs, prompts, a consumer subprocess."""
 
 from __future__ import annotations
 
@@ -11,10 +11,22 @@ import numpy as np
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
 from consumer.process import ConsumerProcess as _ConsumerProcess
+from schemas import CompatibilityKey, EngineIdentity, Phase, Recipe, StateLayout, whole_model_boundary
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tests run the NumPy reference engine unless they ask for llama.cpp.
 ConsumerProcess = partial(_ConsumerProcess, engine="reference", threads=2)
+
+
+def compat_key(phase: Phase = "decode", *, architecture: str = "llama", sha: str = "ab" * 32, ctx: int = 256,
+               runtime: str = "numpy-reference/1") -> CompatibilityKey:
+    """A whole-model, batch-invariant f32 key: what most tests need, with the fields they vary."""
+    return CompatibilityKey(
+        engine=EngineIdentity(architecture=architecture, gguf_sha256=sha),
+        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=ctx, flash_attention=False,
+                      batch_invariant=True, runtime=runtime),
+        phase=phase, boundary=whole_model_boundary(2), state=StateLayout(kind="kv", dims={"n_layer": 2}),
+    )
 
 
 def prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:

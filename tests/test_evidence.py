@@ -33,14 +33,22 @@ def test_committed_evidence_shows_a_passing_proof_for_every_criterion() -> None:
     assert "| mypy |" in text and "| ruff |" in text
 
 
-def test_a_failing_proof_is_reported_as_failing(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_verdicts_follow_the_proofs_outcomes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """PASS only when every proof ran and passed; a failed case or a proof that never ran is not a pass."""
     import consumer.evidence as ev
 
-    probe = tmp_path / "test_probe.py"
-    probe.write_text("def test_fails():\n    assert False\n")
-    crit = ev.Criterion("probe", "A probe that fails.", (f"{probe}::test_fails",))
-    monkeypatch.setattr(ev, "CRITERIA", (crit,))
+    proofs = ("tests/a.py::test_x", "tests/b.py::test_y")
+    monkeypatch.setattr(ev, "CRITERIA", (ev.Criterion("probe", "A probe.", proofs),))
     monkeypatch.setattr(ev, "GATES", ())
-    text, ok = generate(quick=True, out=tmp_path / "ev.md")
-    assert not ok
-    assert "### FAIL: A probe that fails." in text
+
+    def verdict(results: dict[str, list[tuple[str, str]]]) -> str:
+        monkeypatch.setattr(ev, "_pytest", lambda nodes: (results, "summary", 0, "pytest"))
+        text, _ = generate(out=tmp_path / "ev.md")
+        return text.split(": A probe.")[0].rsplit("### ", 1)[-1]
+
+    ok = [("test_x", "passed")], [("test_y[1]", "passed"), ("test_y[2]", "passed")]
+    assert verdict(dict(zip(proofs, ok, strict=True))) == "PASS"
+    assert verdict({proofs[0]: ok[0], proofs[1]: [("test_y[1]", "passed"), ("test_y[2]", "failed")]}) == "PARTIAL"
+    assert verdict({proofs[0]: ok[0]}) == "PARTIAL"  # the second proof never ran
+    assert verdict({proofs[0]: [("test_x", "failed")]}) == "FAIL"
+    assert verdict({proofs[0]: [("test_x", "skipped")], proofs[1]: [("test_y", "skipped")]}) == "FAIL"

@@ -16,7 +16,6 @@ from consumer.batch import BatchRow, FusedBatch
 from consumer.engines import Engine, EngineError
 from consumer.engines import llama as llama_mod
 from consumer.engines.llama import LlamaCppEngine, bench_engine_decode
-from consumer.engines.loader import load_engine
 from consumer.engines.reference import NumpyReferenceEngine
 from consumer.engines.tiny_model import TINY, file_sha256
 
@@ -87,8 +86,8 @@ def test_contract_fields(eng, tiny_model_path):
 
 
 def test_fast_recipe_is_labelled(tiny_model_path):
-    e = load_engine(tiny_model_path, "llama-fast", n_slots=2, ctx_per_session=256, kv_cache_type="f32",
-                    flash_attention=False)
+    e = LlamaCppEngine(tiny_model_path, recipe="fast", n_slots=2, ctx_per_session=256, kv_cache_type="f32",
+                       flash_attention=False)
     try:
         assert e.capacity.max_tokens_per_call == 512  # llama.cpp caps n_batch (2048) at n_ctx = 2 x 256
         assert e.recipe.batch_invariant is False and not e.batch_invariant

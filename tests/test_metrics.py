@@ -29,7 +29,7 @@ def test_metrics_count_calls_tokens_results_and_slots(fake_redis: redis.Redis, t
         v = reg.get_sample_value(name, {"worker": "inproc", **labels})
         return 0.0 if v is None else v
 
-    assert value("dgr_fused_batch_sessions_count", phase="decode") == worker.stats.calls_by_phase["decode"]  # type: ignore[index]
+    assert value("dgr_fused_batch_sessions_count", phase="decode") == worker.stats.calls_by_phase["decode"]
     assert value("dgr_fused_batch_sessions_sum", phase="decode") == worker.stats.decode_sessions
     assert value("dgr_tokens_total", phase="prefill") == sum(len(p) for p in prompts(3, 300, seed=4))
     assert value("dgr_results_total", status="ok", reason="") == 3 * 4

@@ -17,33 +17,25 @@ from consumer.transport import Completion, DeadLetter, Delivery, RedisTransport
 from schemas import (
     Accounting,
     CompatibilityKey,
-    EngineIdentity,
     Phase,
     Reason,
-    Recipe,
     RouteHop,
     SessionSpec,
-    StateLayout,
     Status,
     StepJob,
     StepResult,
     WorkerKeys,
     job_from_fields,
     job_to_fields,
-    whole_model_boundary,
 )
 from schemas.keys import WORKERS_INDEX
+from tests.support import compat_key
 
 # ------------------------------------------------------------------------------------------ helpers
 
 
 def make_key(phase: Phase = "decode") -> CompatibilityKey:
-    return CompatibilityKey(
-        engine=EngineIdentity(architecture="llama", gguf_sha256="cd" * 32),
-        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=256, flash_attention=False,
-                      batch_invariant=True, runtime="numpy-reference/1"),
-        phase=phase, boundary=whole_model_boundary(2), state=StateLayout(kind="kv", dims={"n_layer": 2}),
-    )
+    return compat_key(phase, sha="cd" * 32)
 
 
 def register(client: redis.Redis, worker: str, *, busy_slots: int | None = None) -> RedisTransport:

@@ -15,31 +15,21 @@ from consumer.engines.base import EngineCapacity
 from consumer.scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
 from consumer.session_table import SessionState
 from schemas import (
-    CompatibilityKey,
-    EngineIdentity,
     Phase,
     Reason,
-    Recipe,
     RouteHop,
     Sampling,
     SessionSpec,
-    StateLayout,
     Status,
     StepJob,
 )
-from schemas.compat import whole_model_boundary
+from tests.support import compat_key
 
 # ---- helpers (also used by test_scheduler_properties) ---------------------------------------------
 
 DIGESTS: dict[Phase, str] = {"prefill": "00000000000000aa", "decode": "00000000000000dd"}
 WORKER = "worker-1"
-_KEY = CompatibilityKey(
-    engine=EngineIdentity(architecture="llama", gguf_sha256="0" * 64),
-    recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=64, flash_attention=False,
-                  batch_invariant=True, runtime="test"),
-    phase="prefill", boundary=whole_model_boundary(2),
-    state=StateLayout(kind="kv", dims={"n_layer": 2}),
-)
+_KEY = compat_key("prefill", sha="0" * 64, ctx=64, runtime="test")
 _ids = itertools.count()
 
 

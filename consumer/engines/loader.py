@@ -10,9 +10,6 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Any, Literal
-
-from .base import Engine
 
 _SHA_CACHE: dict[tuple[str, int, int], str] = {}
 _SHA_LOCK = threading.Lock()
@@ -49,21 +46,3 @@ def gguf_sha256(path: str | os.PathLike[str]) -> str:
     with _SHA_LOCK:
         _SHA_CACHE[key] = digest
     return digest
-
-
-EngineKind = Literal["llama", "llama-fast", "reference"]
-
-
-def load_engine(model_path: str | os.PathLike[str], kind: EngineKind = "llama", **kwargs: Any) -> Engine:
-    """Build an engine by name: "llama" (llama.cpp, invariant recipe), "llama-fast", or "reference"."""
-    if kind in ("llama", "llama-fast"):
-        from .llama import LlamaCppEngine
-
-        if kind == "llama-fast":
-            kwargs["recipe"] = "fast"
-        return LlamaCppEngine(model_path, **kwargs)
-    if kind == "reference":
-        from .reference import NumpyReferenceEngine
-
-        return NumpyReferenceEngine(model_path, **kwargs)
-    raise ValueError(f"unknown engine kind {kind!r}: 'llama', 'llama-fast' or 'reference'")
