@@ -13,13 +13,15 @@ from schemas import Phase, StepJob, StepResult
 
 from .batch import FusedBatch
 from .engines.base import EngineCapacity
+from .prefill_shape import MIN_BUDGET
 from .session_table import SessionTable
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """`max_batch` is clamped to n_slots and max_tokens_per_call, `prefill_budget` to
-    max_tokens_per_call, so a config with defaults fits any engine."""
+    max_tokens_per_call, so a config with defaults fits any engine. `prefill_budget` is at least
+    MIN_BUDGET (3): a prompt is never computed one row at a time (consumer/prefill_shape.py)."""
 
     capacity: EngineCapacity  # n_slots, ctx_per_session, max_tokens_per_call, vocab_size
     max_batch: int = 16  # decode sessions per fused call
@@ -39,7 +41,8 @@ class SchedulerConfig:
         if self.closed_capacity < 0:
             raise ValueError("closed_capacity must be >= 0")
         object.__setattr__(self, "max_batch", min(self.max_batch, cap.n_slots, cap.max_tokens_per_call))
-        object.__setattr__(self, "prefill_budget", min(self.prefill_budget, cap.max_tokens_per_call))
+        object.__setattr__(self, "prefill_budget",
+                           min(max(self.prefill_budget, MIN_BUDGET), cap.max_tokens_per_call))
 
 
 AnswerClose = Literal["finished", "cancelled"]  # what an answer's `close` can say (transport contract)

@@ -70,6 +70,7 @@ import numpy.typing as npt
 from schemas import Accounting, Phase, Reason, Status, StepJob, StepResult
 from schemas.limits import ID_PATTERN, MAX_REASON_LEN, MAX_TOKENS_PER_JOB
 
+from .prefill_shape import MIN_BUDGET, piece_rows
 from .sampling import argmax_rows, sample
 from .schedule_output import AnswerClose, BatchItem, Outcome, Reply, ScheduledBatch, SchedulerConfig, SchedulerStats
 from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
@@ -297,10 +298,17 @@ class Scheduler:
 
     def next_batch(self) -> ScheduledBatch | None:
         """The next fused call, or None when nothing is ready. See the module docstring."""
-        phase = self._pick_phase()
-        if phase is None:
-            return None
-        items = self._take_decode() if phase == "decode" else self._take_prefill()
+        while True:
+            before = dict(self._current)
+            phase = self._pick_phase()
+            if phase is None:
+                return None
+            items = self._take_decode() if phase == "decode" else self._take_prefill()
+            if items:
+                break
+            # Every ready prefill session waits for more of its prompt (and left the ready heap): the
+            # round did not happen, so the weights are as they were; pick again.
+            self._current = before
         batch = ScheduledBatch.build(phase, items)
         if phase == "decode":
             self.stats.calls_decode += 1
@@ -328,39 +336,74 @@ class Scheduler:
         return items
 
     def _take_prefill(self) -> list[BatchItem]:
+        """Prefill pieces in admission order up to the budget. Each session takes one piece, which may
+        span several of its queued jobs and is sized by consumer/prefill_shape.py (no single prompt row
+        left behind, replayed generated tokens one at a time), so its numbers do not depend on how the
+        prompt was cut. A session that cannot take a piece until more of its prompt arrives waits out of
+        the ready heap (admit() puts it back)."""
         items: list[BatchItem] = []
-        budget = self.config.prefill_budget
+        full = self.config.prefill_budget
+        budget = full
         rows = 0
-        continued: list[_Lane] = []
         while budget > 0:
             lane = self._pop_ready("prefill")
             if lane is None:
                 break
+            start, queued_end, prompt_end = self._prefill_extent(lane)
+            if full < MIN_BUDGET:  # an engine that takes fewer rows per call: no shape rule possible
+                n = min(budget, queued_end - start)
+            else:
+                n = piece_rows(start, budget, queued_end, prompt_end)
+            if n == 0:
+                if piece_rows(start, full, queued_end, prompt_end) > 0:
+                    self._push_ready(lane)  # it fits a call of its own: first in the next one
+                    break
+                continue  # waits for more of its prompt
+            rows = self._take_piece(lane, n, rows, items)
+            budget -= n
+        return items
+
+    def _prefill_extent(self, lane: _Lane) -> tuple[int, int, int | None]:
+        """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
+        head = lane.jobs[0]
+        start = head.job.start_position + head.consumed
+        queued_end = start
+        sampled_end: int | None = None  # where a sampling job (or a decode step) ends the prefill
+        for q in lane.jobs:
+            if q.job.start_position + q.consumed != queued_end:
+                break
+            if q.job.phase != "prefill":  # a decode step follows on: the prompt ends here
+                sampled_end = queued_end
+                break
+            queued_end = q.job.end_position
+            if q.job.sample:
+                sampled_end = queued_end
+                break
+        prompt_end = lane.entry.spec.prompt_len
+        if sampled_end is not None:
+            prompt_end = sampled_end if prompt_end is None else min(prompt_end, sampled_end)
+        return start, queued_end, prompt_end
+
+    def _take_piece(self, lane: _Lane, n: int, rows: int, items: list[BatchItem]) -> int:
+        """Hand the lane's next n prefill tokens to the call, across its jobs; returns the rows so far."""
+        while n > 0:
             q = lane.jobs[0]
             offset = q.consumed
-            n = min(len(q.job.tokens) - offset, budget)
-            done = offset + n == len(q.job.tokens)
-            samples = done and q.job.sample
-            q.consumed = offset + n
-            q.in_flight = (offset, n)
-            self._queued_tokens["prefill"] -= n
+            k = min(len(q.job.tokens) - offset, n)
+            done = offset + k == len(q.job.tokens)
+            q.consumed = offset + k
+            q.in_flight = (offset, k)
+            self._queued_tokens["prefill"] -= k
             if done:
                 lane.jobs.popleft()
                 self._queued_jobs["prefill"] -= 1
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
-            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=n,
-                                   row_start=rows, samples=samples))
-            rows += n
-            budget -= n
-            # The session's next prefill job continues its positions: it may join this call, in
-            # admission order with everyone else's, unless a token is sampled before it.
-            if done and not samples and lane.jobs and lane.jobs[0].job.phase == "prefill":
-                self._push_ready(lane)
-                continued.append(lane)
-        for lane in continued:  # busy now: whatever did not make it waits for this call's report
-            self._unready(lane)
-        return items
+            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=k,
+                                   row_start=rows, samples=done and q.job.sample))
+            rows += k
+            n -= k
+        return rows
 
     # ---- reports --------------------------------------------------------------------------------
 
@@ -480,7 +523,7 @@ class Scheduler:
         """Token budget of the next prefill calls (the worker sizes them by time: consumer/pacing.py).
         Clamped like the configured one; the fairness bounds hold for any budget."""
         if tokens != self.config.prefill_budget:
-            self.config = replace(self.config, prefill_budget=max(1, tokens))
+            self.config = replace(self.config, prefill_budget=max(MIN_BUDGET, tokens))
 
     def want(self) -> dict[Phase, int]:
         """How many new stream entries to read per phase.

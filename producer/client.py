@@ -294,10 +294,10 @@ class Producer:
     def _queue_prefill(self, pipe: Any, h: SessionHandle) -> None:
         """Push prompt + generated as prefill chunks of the handle's attempt (position 0 on)."""
         tokens = h.prompt + tuple(h.generated)
-        spec = h.spec
-        if h.generated:
-            spec = SessionSpec.model_validate({**h.spec.model_dump(), "max_tokens": h.spec.max_tokens
-                                               - len(h.generated)})
+        # prompt_len tells the worker where the prompt ends: a replay's generated tokens are then computed
+        # one row per call, as when they were decoded, so the replay is exact (docs/invariance.md).
+        spec = SessionSpec.model_validate({**h.spec.model_dump(), "prompt_len": len(h.prompt),
+                                           "max_tokens": h.spec.max_tokens - len(h.generated)})
         stream = h.input_stream("prefill")
         compat = h.spec.route[h.hop].key.for_phase("prefill").digest
         now = time.time()

@@ -10,6 +10,7 @@ from .compat import CompatibilityKey
 from .limits import (
     ID_PATTERN,
     MAX_GENERATE,
+    MAX_POSITION,
     MAX_ROUTE_HOPS,
     MAX_STOP_TOKENS,
     MAX_TOKEN_ID,
@@ -54,6 +55,11 @@ class SessionSpec(BaseModel):
     sampling: Sampling = Sampling()
     max_tokens: int = Field(default=128, ge=1, le=MAX_GENERATE)
     stop_tokens: tuple[int, ...] = Field(default=(), max_length=MAX_STOP_TOKENS)
+    # The session's own prompt length. A replay after state_lost re-sends prompt + generated tokens as
+    # prefill; the worker computes the positions from prompt_len on one row per call, as they were
+    # computed when they were decoded, so the replay gives the same bits (docs/invariance.md).
+    # None: every prefilled token is prompt.
+    prompt_len: int | None = Field(default=None, ge=1, le=MAX_POSITION)
 
     @model_validator(mode="after")
     def _check(self) -> SessionSpec:

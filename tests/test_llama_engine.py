@@ -68,7 +68,7 @@ def test_contract_fields(eng, tiny_model_path):
     assert eng.identity.gguf_sha256 == file_sha256(tiny_model_path)
     r = eng.recipe
     assert (r.quantization, r.kv_cache_type, r.ctx_per_session, r.flash_attention, r.batch_invariant, r.runtime) == \
-        ("Q8_0", "f16", 256, True, True, "llama-cpp-python==0.3.36")
+        ("Q8_0", "f16", 256, False, True, "llama-cpp-python==0.3.36")
     assert eng.batch_invariant
     assert eng.state_layout.kind == "kv"
     assert eng.state_layout.dims == {"n_layer": 2, "n_head_kv": 2, "head_dim": 32, "n_embd_k_gqa": 64,

@@ -41,9 +41,10 @@ def make(n_slots: int = 4, ctx: int = 64, max_tokens_per_call: int = 32, vocab: 
 
 
 def spec(sid: str, *, max_tokens: int = 100, stop: tuple[int, ...] = (), sampling: Sampling | None = None,
-         account: str = "acct") -> SessionSpec:
+         account: str = "acct", prompt_len: int | None = None) -> SessionSpec:
     return SessionSpec(session_id=sid, account_id=account, route=(RouteHop(worker_id=WORKER, key=_KEY),),
-                       sampling=sampling or Sampling(), max_tokens=max_tokens, stop_tokens=stop)
+                       sampling=sampling or Sampling(), max_tokens=max_tokens, stop_tokens=stop,
+                       prompt_len=prompt_len)
 
 
 def opening(sid: str, tokens: tuple[int, ...] | int, *, job_id: str | None = None, sample: bool = True,
@@ -338,9 +339,25 @@ def test_a_session_may_continue_in_the_same_call_unless_it_samples_first() -> No
     assert b2 is not None and b2.fused.positions.tolist() == [6, 7, 8]
 
 
-def test_prefill_without_sample_answers_without_a_token() -> None:
+def test_prefill_without_sample_holds_one_token_back_until_the_prompt_end_is_known() -> None:
+    """No prompt_len, no sampling job yet: the worker cannot know whether one prompt token is still to
+    come, so it keeps the last queued one back (a later 1-row piece would change the numbers)."""
     s = make()
     assert admit(s, opening("a", 5, sample=False)) is None
+    b = s.next_batch()
+    assert b is not None and len(b.fused) == 4 and b.fused.n_logit_rows == 0
+    assert s.complete(b, np.empty((0, 50), dtype=np.float32), 0.1) == []  # the job is not done yet
+    assert s.next_batch() is None  # waits for the rest of the prompt
+    assert admit(s, prefill("a", 5, 1)) is None
+    b = s.next_batch()
+    assert b is not None and b.fused.positions.tolist() == [4, 5] and b.fused.n_logit_rows == 1
+    out = run(s, b)
+    assert [(o.result.position, o.result.token) for o in out] == [(5, None), (6, 7)]
+
+
+def test_prefill_without_sample_answers_without_a_token() -> None:
+    s = make()
+    assert admit(s, opening("a", 5, sample=False, prompt_len=5)) is None
     b = s.next_batch()
     assert b is not None and b.fused.n_logit_rows == 0
     (o,) = s.complete(b, np.empty((0, 50), dtype=np.float32), 0.2)

@@ -16,6 +16,7 @@ import numpy as np
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from consumer.prefill_shape import MIN_BUDGET
 from consumer.scheduler import Outcome, Reply, ScheduledBatch
 from schemas import Reason, Sampling, Status
 from tests.test_scheduler import admit, decode, make, opening, prefill
@@ -225,7 +226,7 @@ class Sim:
             assert len(b.items) <= min(self.sc.max_batch, self.sc.n_slots) and len(f) == len(b.items)
             assert f.wants_logits.all()
         else:
-            assert len(f) <= min(self.sc.budget, cfg.capacity.max_tokens_per_call)
+            assert len(f) <= min(max(self.sc.budget, MIN_BUDGET), cfg.capacity.max_tokens_per_call)
         assert f.n_logit_rows == sum(it.samples for it in b.items)
         # Rows match items; per slot one session, positions contiguous and continuing the session.
         nxt: dict[int, int] = {}

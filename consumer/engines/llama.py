@@ -5,16 +5,22 @@ own KV stream of `ctx_per_session` cells, rounded up by llama.cpp to a multiple 
 seq_id i. One `llama_batch`, allocated once from NumPy arrays, is refilled per step through NumPy
 views; `step()` makes exactly one `llama_decode` call whatever the number of sessions.
 
-Recipes:
-- "invariant" (default): a session's logits are bit-identical alone or in any batch.
-  `kv_unified=False`, `use_extra_bufts=False` (no repacked/AMX weight buffers), and the environment
-  variable `GGML_CPU_TILED_MM=0` (llama.cpp's tiled K-quant matmul picks another kernel when a
-  micro-batch has >= 8 rows). ggml reads that variable ONCE per process, at the first K-quant matmul:
-  the engine sets it if unset and no decode has run yet in this process; a worker that mixes recipes
-  in one process should export `GGML_CPU_TILED_MM=0` before starting. KV cache f16 and flash
-  attention on (llama.cpp's CPU defaults) were measured bit-exact with these settings.
-- "fast": llama.cpp's defaults (tiled matmul allowed), still `use_extra_bufts=False` on CPU: llama.cpp
-  builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs advertise it
+Recipes (why each setting: docs/invariance.md):
+- "invariant" (default): a session's logits are bit-identical alone or in any batch, however its prompt
+  was cut. `kv_unified=False`, `use_extra_bufts=False` (no repacked/AMX weight buffers), flash
+  attention off (CPU flash attention sums in an order that depends on the query rows of the call and on
+  the KV length the whole micro-batch attends over), and the environment variable `GGML_CPU_TILED_MM=0`
+  (llama.cpp's tiled K-quant matmul picks another kernel when a micro-batch has >= 8 rows). ggml reads
+  that variable ONCE per process, at the first K-quant matmul: the engine sets it if unset and no decode
+  has run yet in this process; a worker that mixes recipes in one process should export
+  `GGML_CPU_TILED_MM=0` before starting. Prefill rows keep their session's piece whole: llama.cpp
+  computes a row with another kernel when its session has one row in a micro-batch than with two or
+  more, and with a per-sequence KV it cuts a call's rows into micro-batches of equal rows per sequence,
+  so a call carrying unequal pieces is run as one `llama_decode` per group of equal pieces (decode calls,
+  one row per session, stay one `llama_decode`). The scheduler sizes the pieces
+  (consumer/prefill_shape.py).
+- "fast": llama.cpp's defaults (flash attention on, tiled matmul allowed), still `use_extra_bufts=False`
+  on CPU: llama.cpp builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs advertise it
   but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). Pass `extra_bufts=True` to opt into
   the repacked weight buffers on a machine known to be safe.
 
@@ -153,23 +159,30 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         kv_cache_type: Literal["f16", "f32"] = "f16",
-        flash_attention: bool = True,
+        flash_attention: bool | None = None,
         extra_bufts: bool = False,
     ) -> None:
         if recipe not in ("fast", "invariant"):
             raise ValueError(f"recipe must be 'fast' or 'invariant', not {recipe!r}")
         if n_slots < 1 or ctx_per_session < 1 or n_batch < 1:
             raise ValueError("n_slots, ctx_per_session and n_batch must be >= 1")
+        if flash_attention is None:  # the recipe's choice
+            flash_attention = recipe == "fast"
         self.model_path = Path(model_path)
         if not self.model_path.is_file():
             raise FileNotFoundError(self.model_path)
         self._recipe_name = recipe
         self._tiled_mm = _disable_tiled_mm() if recipe == "invariant" else \
             f"GGML_CPU_TILED_MM={os.environ.get('GGML_CPU_TILED_MM', 'unset (tiled matmul allowed)')}"
-        # An "invariant" engine that could not switch the tiled matmul off does not claim invariance.
-        invariant = recipe == "invariant" and self._tiled_mm.startswith("GGML_CPU_TILED_MM=0")
+        # An "invariant" engine that could not switch the tiled matmul off, or was asked for flash
+        # attention, does not claim invariance.
+        invariant = recipe == "invariant" and self._tiled_mm.startswith("GGML_CPU_TILED_MM=0") \
+            and not flash_attention
         if recipe == "invariant" and not invariant:
-            log.warning("recipe 'invariant' without GGML_CPU_TILED_MM=0: %s; batch_invariant=False", self._tiled_mm)
+            log.warning("recipe 'invariant' with %s, flash_attention=%s; batch_invariant=False",
+                        self._tiled_mm, flash_attention)
+        # Keep each session's prefill piece in one micro-batch (see the module docstring).
+        self._whole_pieces = recipe == "invariant"
         L = llama_cpp_module()
         self._L = L
         self._n_threads = n_threads or _default_threads()
@@ -255,6 +268,7 @@ class LlamaCppEngine:
         # llama.cpp caps n_batch at n_ctx: a call may carry no more rows than llama.cpp accepts.
         self._n_slots, self._ctx_per_session = n_slots, ctx_per_session
         self._n_batch = min(n_batch, int(L.llama_n_batch(ctx)))
+        self._n_ubatch = int(L.llama_n_ubatch(ctx))
         self._next = np.zeros(n_slots, dtype=np.int64)  # each slot's next position
 
         # The one llama_batch, backed by NumPy arrays this object owns (never llama_batch_free'd).
@@ -306,29 +320,67 @@ class LlamaCppEngine:
         # per run of ids (measured: 8 sessions in descending slot order ran at 0.42x). Fill the batch
         # sorted by (slot, position); the logits come back in the caller's row order below.
         order = np.lexsort((positions, slots))
-        self._tok[:n] = tokens[order]
-        self._pos[:n] = positions[order]
-        self._seq[:n] = slots[order]
-        self._out_flags[:n] = wants[order]
-        self._batch.n_tokens = n
-        _decoded_in_process = True
-        rc = int(self._L.llama_decode(self._ctx, self._batch))
-        if rc != 0:
-            self._rollback(slots, positions)
-            what = {1: "no KV cell free for the batch", 2: "aborted"}.get(rc, "error")
-            raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
-        np.maximum.at(self._next, slots, positions + 1)
-
+        s_slots, s_pos, s_tok, s_wants = slots[order], positions[order], tokens[order], wants[order]
         where = np.empty(n, dtype=np.int64)
-        where[order] = np.arange(n)  # caller's row i sits at llama row where[i]
-        rows = where[np.flatnonzero(wants)]
-        out = np.empty((rows.shape[0], self._n_vocab), dtype=np.float32)
-        for j, i in enumerate(rows):
-            ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
-            if not ptr:
-                raise EngineError(f"llama.cpp has no logits for row {i}")
-            out[j] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        where[order] = np.arange(n)  # caller's row i sits at sorted row where[i]
+        out_row = np.full(n, -1, dtype=np.int64)  # sorted row -> row of `out`
+        wanted_sorted = where[np.flatnonzero(wants)]
+        out_row[wanted_sorted] = np.arange(wanted_sorted.shape[0])
+        out = np.empty((wanted_sorted.shape[0], self._n_vocab), dtype=np.float32)
+        _decoded_in_process = True
+        for rows in self._plan(s_slots):
+            m = rows.shape[0]
+            self._tok[:m] = s_tok[rows]
+            self._pos[:m] = s_pos[rows]
+            self._seq[:m] = s_slots[rows]
+            self._out_flags[:m] = s_wants[rows]
+            self._batch.n_tokens = m
+            rc = int(self._L.llama_decode(self._ctx, self._batch))
+            if rc != 0:
+                self._rollback(slots, positions)
+                what = {1: "no KV cell free for the batch", 2: "aborted"}.get(rc, "error")
+                raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
+            for i in np.flatnonzero(s_wants[rows]).tolist():
+                ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
+                if not ptr:
+                    self._rollback(slots, positions)
+                    raise EngineError(f"llama.cpp has no logits for row {i}")
+                out[out_row[rows[i]]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        np.maximum.at(self._next, slots, positions + 1)
         return out
+
+    def _plan(self, s_slots: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
+        """The llama_decode calls for rows sorted by (slot, position): lists of sorted-row indices.
+
+        One call when every session has the same number of rows and they fit a micro-batch (every
+        decode call), or for the "fast" recipe. Otherwise ("invariant" prefill) each session's rows are
+        cut into pieces of at most n_ubatch rows, never leaving a piece of one row, and pieces of equal
+        length are run together, so llama.cpp keeps each piece in one micro-batch: a row's kernel then
+        depends only on its own session's piece (see the module docstring)."""
+        n = s_slots.shape[0]
+        starts = np.flatnonzero(np.r_[True, s_slots[1:] != s_slots[:-1]])
+        counts = np.diff(np.r_[starts, n])
+        u = self._n_ubatch
+        if not self._whole_pieces or (counts.min() == counts.max() and n <= u):
+            return [np.arange(n)]
+        pieces: list[list[tuple[int, int]]] = []  # per session: (first sorted row, rows) in order
+        for b, c in zip(starts.tolist(), counts.tolist(), strict=True):
+            sizes = [u] * (c // u) + ([c % u] if c % u else [])
+            if len(sizes) > 1 and sizes[-1] == 1:
+                sizes[-2:] = [u - 1, 2]
+            cut = np.cumsum([0, *sizes]).tolist()
+            pieces.append([(b + cut[k], sizes[k]) for k in range(len(sizes))])
+        calls: list[npt.NDArray[np.int64]] = []
+        for k in range(max(len(p) for p in pieces)):  # a session's k-th piece runs after its (k-1)-th
+            by_len: dict[int, list[int]] = {}
+            for p in pieces:
+                if k < len(p):
+                    by_len.setdefault(p[k][1], []).append(p[k][0])
+            for length, firsts in sorted(by_len.items()):
+                per_call = max(1, u // length)
+                for i in range(0, len(firsts), per_call):
+                    calls.append(np.concatenate([np.arange(f, f + length) for f in firsts[i:i + per_call]]))
+        return calls
 
     def release(self, slot: int) -> None:
         if self._ctx is None:

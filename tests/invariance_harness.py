@@ -1,0 +1,182 @@
+"""The whole service path under drawn conditions, checked against each session run alone.
+
+`run_scenario` drives producer -> real Redis -> worker loop (in a thread) -> engine -> results for a
+drawn set of sessions, consumer settings, producer chunk size, arrival times, cancellations and a
+worker crash (the worker and its engine are dropped at a drawn completion, before or after its Lua
+call, and a fresh worker with a fresh engine takes over the same consumer name, as after kill -9). It
+returns every session whose tokens differ from `oracle`: the session alone on an engine of its own,
+prompt in one call, one row per decode step. Used by tests/test_invariance_property.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import redis
+
+from consumer.batch import BatchRow, FusedBatch
+from consumer.engines.base import Engine, engine_key
+from consumer.sampling import argmax_rows, sample
+from consumer.transport import RedisTransport
+from consumer.worker import Worker, WorkerSettings
+from producer import Producer
+from schemas import RouteHop, Sampling, SessionSpec
+
+_worker_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Session:
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    max_tokens: int
+    stop_at: int | None = None  # stop on the oracle's token number stop_at (a stop token that is hit)
+    start_s: float = 0.0
+    cancel_after: int | None = None  # cancel once this many tokens arrived
+
+
+@dataclass(frozen=True)
+class Conditions:
+    n_slots: int = 8
+    max_batch: int = 16
+    prefill_budget: int = 512
+    prefill_ratio: float = 0.8
+    w_decode: int = 4
+    w_prefill: int = 1
+    prefill_chunk: int = 512
+    crash_at: int | None = None  # crash at this completion of the first worker
+    crash_before_lua: bool = True
+
+
+@dataclass
+class Outcome:
+    mismatches: list[str] = field(default_factory=list)
+    crashed: bool = False
+    replays: int = 0
+
+
+class _Crash(BaseException):
+    """Stands for kill -9: raised inside the worker loop, never caught by it."""
+
+
+def oracle(engine: Engine, s: Session, stops: tuple[int, ...] = ()) -> list[int]:
+    """The session alone: prompt in one call (the engine cuts it only above a micro-batch, never to
+    one row), then one decode row per call; today's sampler."""
+    engine.release(0)
+    prompt = s.prompt
+    rows = [BatchRow(0, i, t, i == len(prompt) - 1) for i, t in enumerate(prompt)]
+    logits = engine.step(FusedBatch.from_rows("prefill", rows))[0]
+    pos, tokens = len(prompt), []
+    while True:
+        t = int(argmax_rows(logits[None])[0]) if s.sampling.greedy else sample(logits, s.sampling, pos)
+        tokens.append(t)
+        if len(tokens) >= s.max_tokens or t in stops:
+            break
+        logits = engine.step(FusedBatch.from_rows("decode", [BatchRow(0, pos, t, True)]))[0]
+        pos += 1
+    engine.release(0)
+    return tokens
+
+
+class _Supervised:
+    """The worker in a thread; after a simulated crash a fresh worker and engine take over."""
+
+    def __init__(self, client: redis.Redis, wid: str, make_engine: Callable[[int], Engine], c: Conditions) -> None:
+        self.client, self.wid, self.make_engine, self.c = client, wid, make_engine, c
+        self.settings = WorkerSettings(worker_id=wid, max_batch=c.max_batch, prefill_budget=c.prefill_budget,
+                                       prefill_ratio=c.prefill_ratio, w_decode=c.w_decode, w_prefill=c.w_prefill,
+                                       block_ms=5, await_ms=2, gather_ms=1.0)
+        self.crashed = False
+        self.worker = self._new_worker(crash_at=c.crash_at)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _new_worker(self, crash_at: int | None) -> Worker:
+        transport = RedisTransport(self.client, self.wid, consumer_name=self.wid)
+        if crash_at is not None:
+            real = transport.complete
+            n = itertools.count(1)
+
+            def complete(*a: Any, **k: Any) -> Any:
+                if next(n) >= crash_at:
+                    if self.c.crash_before_lua:
+                        raise _Crash
+                    real(*a, **k)
+                    raise _Crash
+                return real(*a, **k)
+
+            transport.complete = complete  # type: ignore[method-assign]
+        w = Worker(self.make_engine(self.c.n_slots), transport, self.settings)
+        w.start()
+        return w
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except _Crash:
+            self.crashed = True
+            self.worker.engine.close()  # type: ignore[attr-defined]
+            self.worker = self._new_worker(crash_at=None)
+            self.worker.run()
+
+    def stop(self) -> None:
+        self.worker.request_stop()
+        self.thread.join(timeout=30)
+        self.worker.engine.close()  # type: ignore[attr-defined]
+
+
+def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
+                 make_engine: Callable[[int], Engine], solo: Callable[[Session, tuple[int, ...]], list[int]],
+                 ) -> Outcome:
+    wid = f"inv{next(_worker_ids)}"
+    sup = _Supervised(client, wid, make_engine, c)
+    key = engine_key(sup.worker.engine, "prefill")
+    specs: list[tuple[SessionSpec, list[int]]] = []
+    stops: dict[str, tuple[int, ...]] = {}
+    for i, s in enumerate(sessions):
+        sid = f"s{i}"
+        stop: tuple[int, ...] = ()
+        if s.stop_at is not None:
+            full = solo(s, ())
+            if s.stop_at < len(full):
+                stop = (full[s.stop_at],)
+        stops[sid] = stop
+        specs.append((SessionSpec(session_id=sid, account_id=f"acct{i % 2}",
+                                  route=(RouteHop(worker_id=wid, key=key),), sampling=s.sampling,
+                                  max_tokens=s.max_tokens, stop_tokens=stop), list(s.prompt)))
+    producer = Producer(client, prefill_chunk=c.prefill_chunk, timeout_s=60, backpressure="wait",
+                        max_attempts=5)
+    cancelled: set[str] = set()
+    by_sid = {f"s{i}": s for i, s in enumerate(sessions)}
+
+    def on_result(h: Any, _r: Any) -> None:
+        s = by_sid[h.session_id]
+        if s.cancel_after is not None and h.session_id not in cancelled and len(h.generated) >= s.cancel_after:
+            cancelled.add(h.session_id)
+            producer.cancel(wid, h.session_id)
+
+    sup.thread.start()
+    try:
+        handles = producer.run_many(specs, on_result=on_result, start_times=[s.start_s for s in sessions])
+    finally:
+        sup.stop()
+    out = Outcome(crashed=sup.crashed)
+    for sid, h in handles.items():
+        s = by_sid[sid]
+        want = solo(s, stops[sid])
+        got = list(h.generated)
+        out.replays += h.attempt
+        if sid in cancelled:
+            if got != want[:len(got)]:
+                out.mismatches.append(f"{sid} (cancelled): {got} is not a prefix of {want}")
+        elif h.status != "finished" or got != want:
+            out.mismatches.append(f"{sid}: status {h.status} ({h.reason} {h.detail}), tokens {got}, alone {want}")
+    return out
+
+
+def random_prompt(rng: np.random.Generator, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(int(t) for t in rng.integers(3, vocab, n))

@@ -1,0 +1,208 @@
+"""Batch invariance searched for, not confirmed: hypothesis draws sessions, arrivals, consumer and
+producer settings, cancellations and a worker crash, runs the whole service path on real Redis and
+llama.cpp "invariant" (tiny model), and compares every session with the same session alone.
+
+Two engines: the tiny model as it is, and the tiny model under `ShapeProbeEngine`, which makes the
+one-row / several-rows kernel difference that Gemma shows (and the tiny model hides) visible, so a
+scheduler that computes a prompt row alone, or a replay that computes generated tokens together, fails
+here. A corrupting engine must fail the same check. Examples: a few per run in the default suite;
+DGR_SOAK=1 runs many more (and Gemma with DGR_SLOW=1). Minimal counterexamples found by the search are
+kept as plain tests below.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.engines.base import Engine
+from consumer.engines.corrupt import CorruptingEngine
+from consumer.engines.llama import LlamaCppEngine
+from schemas import Sampling
+from tests.fixtures.shape_probe import ShapeProbeEngine
+from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
+
+SOAK = os.environ.get("DGR_SOAK") == "1"
+EXAMPLES = 200 if SOAK else 8
+CTX = 1024
+MAX_PROMPT = 700
+
+pytestmark = pytest.mark.llama
+
+
+class Engines:
+    """Engine factories for the service and a solo engine for the oracle (cached per session)."""
+
+    def __init__(self, path: Path, probe: bool) -> None:
+        self.path, self.probe = path, probe
+        self.solo_engine = self.make(1)
+        self._cache: dict[tuple[object, ...], list[int]] = {}
+
+    def make(self, n_slots: int) -> Engine:
+        eng: Engine = LlamaCppEngine(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=CTX)
+        return ShapeProbeEngine(eng) if self.probe else eng  # type: ignore[return-value]
+
+    def solo(self, s: Session, stops: tuple[int, ...]) -> list[int]:
+        key = (s.prompt, s.sampling, s.max_tokens, stops)
+        if key not in self._cache:
+            self._cache[key] = oracle(self.solo_engine, s, stops)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_path: Path) -> Engines:
+    return Engines(tiny_model_path, probe=False)
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model_path: Path) -> Engines:
+    return Engines(tiny_model_path, probe=True)
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: object) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
+    yield c
+    c.close()
+
+
+# ---- what hypothesis draws -------------------------------------------------------------------------
+
+_SAMPLINGS = [Sampling(), Sampling(temperature=0.9, seed=3), Sampling(temperature=0.6, top_k=40, top_p=0.95, seed=11),
+              Sampling(temperature=1.3, top_p=0.9, seed=7)]
+
+
+@st.composite
+def sessions(draw: st.DrawFn, vocab: int = 512) -> list[Session]:
+    n = draw(st.integers(1, 6))
+    out = []
+    for _ in range(n):
+        length = draw(st.one_of(st.integers(1, 40), st.integers(41, 140), st.integers(141, MAX_PROMPT)))
+        seed = draw(st.integers(0, 2**20))
+        out.append(Session(
+            prompt=random_prompt(np.random.default_rng(seed), length, vocab),
+            sampling=draw(st.sampled_from(_SAMPLINGS)),
+            max_tokens=draw(st.integers(1, 10)),
+            stop_at=draw(st.none() | st.integers(0, 9)),
+            start_s=draw(st.sampled_from([0.0, 0.0, 0.005, 0.02, 0.08])),
+            cancel_after=draw(st.none() | st.none() | st.integers(0, 4)),
+        ))
+    return out
+
+
+@st.composite
+def conditions(draw: st.DrawFn, n_sessions: int) -> Conditions:
+    return Conditions(
+        n_slots=draw(st.integers(n_sessions, 8)),
+        max_batch=draw(st.integers(1, 8)),
+        prefill_budget=draw(st.sampled_from([3, 4, 7, 16, 63, 64, 100, 512])),
+        prefill_ratio=draw(st.sampled_from([0.0, 0.8, 0.05])),
+        w_decode=draw(st.integers(1, 4)),
+        w_prefill=draw(st.integers(1, 4)),
+        prefill_chunk=draw(st.sampled_from([1, 2, 3, 16, 64, 99, 512])),
+        crash_at=draw(st.none() | st.integers(1, 25)),
+        crash_before_lua=draw(st.booleans()),
+    )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
+    ss = draw(sessions())
+    return ss, draw(conditions(len(ss)))
+
+
+_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not SOAK, database=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                            HealthCheck.function_scoped_fixture])
+
+
+def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditions) -> None:
+    out = run_scenario(client, ss, c, engines.make, engines.solo)
+    assert out.mismatches == [], f"{c}\n" + "\n".join(out.mismatches)
+
+
+@_SETTINGS
+@given(scenario=scenarios())
+def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
+                                        scenario: tuple[list[Session], Conditions]) -> None:
+    _check(plain, client, *scenario)
+
+
+@_SETTINGS
+@given(scenario=scenarios())
+def test_service_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
+                                               scenario: tuple[list[Session], Conditions]) -> None:
+    _check(probe, client, *scenario)
+
+
+# ---- the check bites ---------------------------------------------------------------------------------
+
+def test_corrupting_engine_is_caught(tiny_model_path: Path, plain: Engines, client: redis.Redis) -> None:
+    made: list[CorruptingEngine] = []
+
+    def make(n_slots: int) -> Engine:
+        e = CorruptingEngine(LlamaCppEngine(tiny_model_path, recipe="invariant", n_slots=n_slots,
+                                            ctx_per_session=CTX), "swap_tokens", at=1, every=1)
+        made.append(e)
+        return e  # type: ignore[return-value]
+
+    rng = np.random.default_rng(0)
+    ss = [Session(prompt=random_prompt(rng, 12 + i, 512), sampling=Sampling(), max_tokens=8) for i in range(3)]
+    out = run_scenario(client, ss, Conditions(), make, plain.solo)
+    assert sum(e.corruptions for e in made) > 0 and out.mismatches
+
+
+# ---- minimal counterexamples, kept (each failed before the fix, on the shape probe) --------------------
+
+def _one(engines: Engines, client: redis.Redis, length: int, c: Conditions, max_tokens: int = 6,
+         sampling: Sampling | None = None) -> None:
+    s = Session(prompt=random_prompt(np.random.default_rng(length), length, 512),
+                sampling=sampling or Sampling(), max_tokens=max_tokens)
+    _check(engines, client, [s], c)
+
+
+@pytest.mark.parametrize(("length", "chunk", "budget", "max_batch"), [
+    (65, 64, 64, 16),  # the producer's last chunk is one token, the budget takes one chunk per call
+    (100, 512, 99, 16),  # the worker's budget leaves one prompt token for the next call
+    (3, 1, 512, 1),  # one-token chunks read one entry at a time
+])
+def test_regression_no_single_prompt_row(probe: Engines, client: redis.Redis, length: int, chunk: int,
+                                          budget: int, max_batch: int) -> None:
+    _one(probe, client, length, Conditions(prefill_chunk=chunk, prefill_budget=budget, prefill_ratio=0.0,
+                                           max_batch=max_batch))
+
+
+@pytest.mark.parametrize("before_lua", [True, False])
+def test_regression_replay_computes_generated_tokens_one_row_each(probe: Engines, client: redis.Redis,
+                                                                  before_lua: bool) -> None:
+    _one(probe, client, 50, Conditions(crash_at=8, crash_before_lua=before_lua), max_tokens=12,
+         sampling=Sampling(temperature=0.9, seed=1))
+
+
+def test_shape_probe_sees_a_single_prompt_row(probe: Engines) -> None:
+    """The probe is not blind: 99 + 1 differs from one call of 100, 64 + 36 does not."""
+    from consumer.batch import BatchRow, FusedBatch
+
+    eng = probe.solo_engine
+    prompt = random_prompt(np.random.default_rng(1), 100, 512)
+
+    def last_logits(cuts: list[int]) -> np.ndarray:
+        eng.release(0)
+        pos, out = 0, None
+        for c in cuts:
+            rows = [BatchRow(0, pos + i, prompt[pos + i], pos + i == 99) for i in range(c)]
+            out = eng.step(FusedBatch.from_rows("prefill", rows))
+            pos += c
+        assert out is not None
+        return out[0]
+
+    whole = last_logits([100])
+    assert np.array_equal(whole, last_logits([64, 36]))
+    assert not np.array_equal(whole, last_logits([99, 1]))
