@@ -204,10 +204,10 @@ class Scheduler:
                                 f"job compat {job.compat}, stream {stream_digest}, engine "
                                 f"{job.phase} {engine_digest}")
         spec = entry.spec if entry is not None else job.session if closed is None else None
-        if spec is not None:
-            if job.hop >= len(spec.route) or spec.route[job.hop].worker_id != self.worker_id:
-                return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
-                                    f"hop {job.hop} is not this worker's on the session's route")
+        route = spec.route if spec is not None else None
+        if route is not None and (job.hop >= len(route) or route[job.hop].worker_id != self.worker_id):
+            return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
+                                f"hop {job.hop} is not this worker's on the session's route")
 
         known = entry if entry is not None else closed
         if known is not None:
