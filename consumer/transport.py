@@ -528,13 +528,18 @@ class RedisTransport:
             "entry_id", d.delivery.entry_id, "consumer", self.consumer_name,
         ]
         room = MAX_DEAD_LETTER_BYTES
+        cut = False
         for i, (k, v) in enumerate(d.delivery.fields.items()):
             if i >= MAX_DEAD_LETTER_FIELDS or room <= 0:
-                out += ["truncated", "1"]
+                cut = True
                 break
-            name, value = b"f:" + _b(k)[:256], _b(v)[:min(MAX_FIELD_BYTES, room)]
+            raw = _b(v)
+            name, value = b"f:" + _b(k)[:256], raw[:min(MAX_FIELD_BYTES, room)]
+            cut = cut or len(value) < len(raw) or len(name) < len(_b(k)) + 2
             room -= len(name) + len(value)
             out += [name, value]
+        if cut:  # the copy is not the whole entry: never replay it as if it were
+            out += ["truncated", "1"]
         return out
 
     # ---------------------------------------------------------------- observability, upkeep
