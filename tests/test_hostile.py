@@ -346,3 +346,17 @@ def test_idle_sessions_are_cancelled_through_the_normal_path(redis_client: redis
     worker.run_once()
     h.poll(push_next=False)
     assert h.results["idle"][-1].status == Status.CANCELLED
+
+
+def test_a_dead_letter_keeps_at_most_128_kib_of_a_huge_entry(redis_client: redis.Redis,
+                                                             engine: NumpyReferenceEngine) -> None:
+    worker = make_worker(redis_client, engine)
+    stream = WorkerKeys(WID).input_stream(worker.keys["decode"].digest, "decode")
+    redis_client.xadd(stream, {f"f{i}": "x" * 60_000 for i in range(5)})  # 300 KB, no version
+    redis_client.xadd(stream, {"v": "2"})
+    for _ in range(2):
+        worker.run_once()
+    big, small = dead_letters(redis_client)
+    copied = sum(len(v) for k, v in big.items() if k.startswith(b"f:"))
+    assert 128 * 1024 - 60_000 < copied <= 128 * 1024 and big[b"truncated"] == b"1"
+    assert small[b"reason"] == b"schema_version" and b"truncated" not in small and small[b"f:v"] == b"2"
