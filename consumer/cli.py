@@ -23,6 +23,9 @@ Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or
 EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
 RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE",
                                         help="'invariant' (bit-identical in any batch) or 'fast'.")]
+HmacKeyFile = Annotated[Path | None, typer.Option(
+    envvar="DGR_HMAC_KEY_FILE",
+    help="HMAC keys, one per line (docs/security.md): sign every entry written / require it on every entry read.")]
 
 
 def _logging(level: str, fmt: str) -> None:
@@ -59,18 +62,30 @@ def consumer(
     metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = "127.0.0.1",
     max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S",
                                               help="Exit after this long idle (0: never).")] = 0,
+    max_slots_per_account: Annotated[int, typer.Option(
+        envvar="DGR_MAX_SLOTS_PER_ACCOUNT", help="Most open sessions one billing account may hold (0: no limit).")] = 0,
+    idle_session_s: Annotated[float, typer.Option(
+        envvar="DGR_IDLE_SESSION_S", help="Cancel an open session with no step for this long (0: never).")] = 0,
+    max_read_entries: Annotated[int, typer.Option(
+        envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")] = 1024,
+    reject_ttl_s: Annotated[int, typer.Option(
+        envvar="DGR_REJECT_TTL_S", help="How long answers to sessions this worker does not hold are kept.")] = 300,
+    hmac_key_file: HmacKeyFile = None,
     log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = "INFO",
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = "json",
 ) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
     import redis
 
+    from schemas import Signer
+
     from .metrics import Metrics
     from .runtime import make_engine, resolve_model
-    from .transport import RedisTransport
+    from .transport import RedisTransport, TransportSettings
     from .worker import Worker, WorkerSettings
 
     _logging(log_level, log_format)
+    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
     if recipe == "invariant":  # ggml reads it once, at the first K-quant matmul of the process
         os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
@@ -83,8 +98,11 @@ def consumer(
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio,
                               w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms, await_ms=await_ms,
-                              heartbeat_s=heartbeat_s)
-    worker = Worker(eng, RedisTransport(client, worker_id, consumer_name=worker_id), settings, metrics)
+                              heartbeat_s=heartbeat_s, max_slots_per_account=max_slots_per_account,
+                              idle_session_s=idle_session_s, max_read_entries=max_read_entries)
+    transport = RedisTransport(client, worker_id, consumer_name=worker_id,
+                               settings=TransportSettings(reject_ttl_s=reject_ttl_s), signer=signer)
+    worker = Worker(eng, transport, settings, metrics)
     worker.install_signal_handlers()
     worker.start()
     try:
@@ -128,6 +146,7 @@ def tracker_sim(
     top_p: float = 1.0,
     seed: int = 0,
     json_out: Annotated[Path | None, typer.Option(help="Write per-session results as JSON here.")] = None,
+    hmac_key_file: HmacKeyFile = None,
 ) -> None:
     """A load generator on the producer API: drives sessions against a running consumer."""
     from .tracker_sim import run_tracker_sim
@@ -135,7 +154,7 @@ def tracker_sim(
     raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, json_out=json_out))
+                                     top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file))
 
 Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
 Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]

@@ -29,6 +29,9 @@ class SchedulerConfig:
     w_decode: int = 4
     w_prefill: int = 1
     closed_capacity: int = SessionTable.DEFAULT_CLOSED_CAPACITY  # closed sessions remembered
+    # Most sessions one billing account may hold open on this worker at once (0: no limit), so one
+    # account cannot take every slot (docs/security.md, "Fair use of slots").
+    max_slots_per_account: int = 0
 
     def __post_init__(self) -> None:
         cap = self.capacity
@@ -40,6 +43,8 @@ class SchedulerConfig:
             raise ValueError("w_decode and w_prefill must be >= 1")
         if self.closed_capacity < 0:
             raise ValueError("closed_capacity must be >= 0")
+        if self.max_slots_per_account < 0:
+            raise ValueError("max_slots_per_account must be >= 0")
         object.__setattr__(self, "max_batch", min(self.max_batch, cap.n_slots, cap.max_tokens_per_call))
         object.__setattr__(self, "prefill_budget",
                            min(max(self.prefill_budget, MIN_BUDGET), cap.max_tokens_per_call))

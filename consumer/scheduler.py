@@ -169,18 +169,23 @@ class Scheduler:
         and no effect on any other session:
 
         1. job.compat == stream_digest == engine_digests[job.phase] (INCOMPATIBLE). Digests include
-           the phase, so this also checks that the stream is the job's phase;
+           the phase, so this also checks that the stream is the job's phase; with the session's
+           spec known (the opening job's, or the open session's): job.hop is on its route and that
+           hop's worker is this worker (WRONG_HOP);
         2. position against the session's next position counting queued jobs: lower DUPLICATE,
            higher POSITION_GAP; a prefill at 0 for a known session: DUPLICATE if it is the opening
            job again, ALREADY_OPEN if the session is open (a closed one goes on to check 5);
         3. every token < vocab_size (BAD_TOKEN);
         4. end position <= ctx_per_session and len(tokens) <= MAX_TOKENS_PER_JOB (TOO_LONG);
         5. recently cancelled: status CANCELLED; recently finished: REJECTED FINISHED;
-        6. a prefill at 0 opens the session (CAPACITY when no slot is free); any other step for a
-           session this worker does not hold: STATE_LOST UNKNOWN_SESSION.
+        6. a prefill at 0 opens the session (ACCOUNT_LIMIT when its billing account holds
+           config.max_slots_per_account open sessions, CAPACITY when no slot is free); any other step
+           for a session this worker does not hold: STATE_LOST UNKNOWN_SESSION.
 
         result.position is the session's next position counting queued jobs (job.start_position
-        for a session it does not know).
+        for a session it does not know). A reply for a session this worker never held names no
+        billing account: a rejected opening costs nothing and must leave no per-account record
+        (otherwise any writer could mint accounts without bound).
         """
         sid = job.session_id
         entry = self.table.get(sid)
@@ -192,14 +197,18 @@ class Scheduler:
         elif closed is not None:
             next_pos, account = closed.position, closed.account_id
         else:
-            next_pos = job.start_position
-            account = job.session.account_id if job.session is not None else None
+            next_pos, account = job.start_position, None
 
         engine_digest = self.engine_digests.get(job.phase)
         if engine_digest is None or not (job.compat == stream_digest == engine_digest):
             return self._reject(job, ref, Reason.INCOMPATIBLE, next_pos, account,
                                 f"job compat {job.compat}, stream {stream_digest}, engine "
                                 f"{job.phase} {engine_digest}")
+        spec = entry.spec if entry is not None else job.session if closed is None else None
+        route = spec.route if spec is not None else None
+        if route is not None and (job.hop >= len(route) or route[job.hop].worker_id != self.worker_id):
+            return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
+                                f"hop {job.hop} is not this worker's on the session's route")
 
         known = entry if entry is not None else closed
         if known is not None:
@@ -239,6 +248,10 @@ class Scheduler:
                 return self._reject(job, ref, Reason.UNKNOWN_SESSION, next_pos, account,
                                     "this worker does not hold the session", status=Status.STATE_LOST)
             assert job.session is not None  # StepJob guarantees it on the opening prefill
+            limit = self.config.max_slots_per_account
+            if limit and self.table.account_sessions(job.session.account_id) >= limit:
+                return self._reject(job, ref, Reason.ACCOUNT_LIMIT, next_pos, account,
+                                    f"account {job.session.account_id} holds {limit} sessions on this worker")
             entry = self.table.open(job.session, job.job_id)
             if entry is None:
                 return self._reject(job, ref, Reason.CAPACITY, next_pos, account,
@@ -542,6 +555,11 @@ class Scheduler:
         else:
             prefill = max(1, cfg.max_batch - self._queued_jobs["prefill"])
         return {"decode": decode, "prefill": prefill}
+
+    def session_busy(self, session_id: str) -> bool:
+        """Whether the open session has a step queued or in a call (so it is not idle)."""
+        lane = self._lanes.get(session_id)
+        return lane is not None and bool(lane.jobs or lane.inflight)
 
     def awaiting_decode(self) -> int:
         """Decoding sessions with no step queued nor in flight."""

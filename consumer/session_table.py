@@ -100,6 +100,7 @@ class SessionTable:
         self._n_dirty = 0
         self._released: dict[int, None] = {}  # dirty slots not yet drained by the worker (ordered)
         self._closed: OrderedDict[str, ClosedSession] = OrderedDict()
+        self._per_account: dict[str, int] = {}  # open sessions per billing account
 
     # ---- sessions -------------------------------------------------------------------------------
 
@@ -129,7 +130,12 @@ class SessionTable:
         self._sessions[spec.session_id] = entry
         self._by_slot[slot] = spec.session_id
         self._closed.pop(spec.session_id, None)
+        self._per_account[spec.account_id] = self._per_account.get(spec.account_id, 0) + 1
         return entry
+
+    def account_sessions(self, account_id: str) -> int:
+        """Open sessions of one billing account."""
+        return self._per_account.get(account_id, 0)
 
     def close(self, session_id: str, kind: CloseKind, *, release_slot: bool = True) -> ClosedSession:
         """Close an open session. Finished / cancelled ones go to the LRU; failed ones are forgotten.
@@ -138,6 +144,11 @@ class SessionTable:
         the caller passes it to `release_slot`."""
         entry = self._sessions.pop(session_id)
         del self._by_slot[entry.slot]
+        left = self._per_account[entry.account_id] - 1
+        if left:
+            self._per_account[entry.account_id] = left
+        else:
+            del self._per_account[entry.account_id]
         closed = ClosedSession(
             session_id=session_id, account_id=entry.account_id, kind=kind, slot=entry.slot,
             position=entry.queued_position, opening_job_id=entry.opening_job_id,

@@ -16,12 +16,13 @@ from schemas import RouteHop, Sampling, SessionSpec, StepResult
 
 def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len: str, max_tokens: int,
                     rate: float, cancel_fraction: float, temperature: float, top_k: int, top_p: float, seed: int,
-                    json_out: Path | None) -> int:
+                    json_out: Path | None, hmac_key_file: Path | None = None) -> int:
     from producer import Producer
+    from schemas import Signer
 
     console = Console()
     client = redis.Redis.from_url(redis_url)
-    producer = Producer(client)
+    producer = Producer(client, signer=Signer.from_file(hmac_key_file) if hmac_key_file else None)
     info = producer.discover(worker_id)
     if not info.alive:
         console.print(f"[red]worker {worker_id!r} has no live heartbeat at {redis_url}[/red]")

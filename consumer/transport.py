@@ -35,10 +35,20 @@ from typing import Any, Literal
 
 import redis
 
-from schemas import GROUP, CompatibilityKey, Phase, Reason, StepResult, WorkerKeys, parse_input_stream
+from schemas import (
+    GROUP,
+    CompatibilityKey,
+    Phase,
+    Reason,
+    Signer,
+    StepResult,
+    WireError,
+    WorkerKeys,
+    parse_input_stream,
+)
 from schemas.keys import WORKERS_INDEX
 from schemas.limits import MAX_FIELD_BYTES
-from schemas.wire import result_to_fields
+from schemas.wire import cancel_from_fields, result_to_fields
 
 __all__ = [
     "Completion", "DeadLetter", "Delivery", "FusedCallStats", "RedisTransport", "TransportSettings",
@@ -46,6 +56,10 @@ __all__ = [
 ]
 
 MAX_DEAD_LETTER_FIELDS = 64  # original fields copied into a dead letter (a malformed entry may have many)
+# Bytes of the original entry a dead letter written by complete() keeps, all fields together: more
+# than any valid entry (4096 tokens + a SessionSpec), so a dead letter can still be replayed, yet a
+# flood of huge malformed entries costs the dead-letter stream at most this much per entry.
+MAX_DEAD_LETTER_BYTES = 2 * MAX_FIELD_BYTES
 _DETAIL_MAX = 1024
 
 
@@ -100,6 +114,9 @@ class TransportSettings:
     claim_idle_ms: int = 30_000  # XAUTOCLAIM min idle
     max_deliveries: int = 5  # past this, dead-letter
     result_ttl_s: int = 86_400  # TTL of stored results (SET NX EX) and of the result streams
+    # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
+    # its result stream, unless that lives longer): long enough for a caller to read it.
+    reject_ttl_s: int = 300
     result_maxlen: int = 10_000  # MAXLEN ~ of each result stream
     dlq_maxlen: int = 100_000
     cancel_maxlen: int = 100_000
@@ -170,13 +187,14 @@ class RedisTransport:
     """
 
     def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str = "c0",
-                 settings: TransportSettings = TransportSettings()) -> None:
+                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None) -> None:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("RedisTransport needs a client with decode_responses=False")
         self.client = client
         self.worker_id = worker_id
         self.consumer_name = consumer_name
         self.settings = settings
+        self.signer = signer  # set: every input and cancel entry must carry a valid HMAC (schemas/signing.py)
         self.keys = WorkerKeys(worker_id)
         self.streams: list[str] = []  # registered input streams
         self._meta: dict[str, tuple[str, Phase]] = {}  # stream -> (digest, phase)
@@ -188,6 +206,9 @@ class RedisTransport:
         # Entries read() dead-lettered on its pending re-read (already in the dead-letter stream and
         # acked): for logs and metrics; the newest 1000 are kept, clear it freely.
         self.dead_lettered: deque[DeadLetter] = deque(maxlen=1000)
+        # Cancellation entries cancellations() could not take (undecodable, unsigned): the worker passes
+        # them to complete() as dead letters (drain_rejected_cancellations).
+        self._rejected_cancels: list[DeadLetter] = []
         self._complete = client.register_script(load_lua("complete"))
         self._pending = client.register_script(load_lua("deadletter") + load_lua("pending"))
         self._recover = client.register_script(load_lua("deadletter") + load_lua("recover"))
@@ -422,12 +443,28 @@ class RedisTransport:
         resp = self.client.xread({self.keys.cancellations: self._cancel_cursor},
                                  count=self.settings.cancel_count)
         out: list[str] = []
+        stream = self.keys.cancellations
         for _name, entries in _streams(resp):
-            for entry_id, fields in entries:
+            for entry_id, raw in entries:
                 self._cancel_cursor = _s(entry_id)
-                sid = (fields or {}).get(b"session_id")
-                if sid:
-                    out.append(_s(sid))
+                fields = _fields(raw)
+                reason, detail = Reason.MALFORMED, ""
+                try:
+                    if self.signer is not None and not self.signer.verify(stream, fields):
+                        reason, detail = Reason.BAD_SIGNATURE, "missing or wrong HMAC"
+                    else:
+                        out.append(cancel_from_fields(fields))
+                        continue
+                except WireError as e:
+                    detail = str(e)
+                # No consumer group on this stream: phase and digest mean nothing for this dead letter.
+                d = Delivery(stream=stream, entry_id=self._cancel_cursor, fields=fields, digest="", phase="decode")
+                self._rejected_cancels.append(DeadLetter(d, reason, f"cancellation: {detail}"))
+        return out
+
+    def drain_rejected_cancellations(self) -> list[DeadLetter]:
+        """The cancellation entries the last cancellations() calls refused, to pass to complete()."""
+        out, self._rejected_cancels = self._rejected_cancels, []
         return out
 
     # ---------------------------------------------------------------- completion
@@ -457,7 +494,8 @@ class RedisTransport:
         keys(self.keys.accounts_index)
         keys(self.keys.dead_letters)
         args: list[str | int | bytes] = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen,
-                                 len(completions), len(dead_letters), 1 if call is not None else 0]
+                                         len(completions), len(dead_letters), 1 if call is not None else 0,
+                                         st.reject_ttl_s]
         for c in completions:
             r = c.result
             fields = result_to_fields(r)
@@ -474,7 +512,8 @@ class RedisTransport:
                 args += [k, v]
         for d in dead_letters:
             flat = self._dead_letter_fields(d)
-            args += [keys(d.delivery.stream), d.delivery.entry_id, len(flat) // 2, *flat]
+            sk = 0 if d.delivery.stream == self.keys.cancellations else keys(d.delivery.stream)
+            args += [sk, d.delivery.entry_id, len(flat) // 2, *flat]
         if call is not None:
             if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
@@ -488,10 +527,19 @@ class RedisTransport:
             "reason", d.reason.value, "detail", d.detail[:_DETAIL_MAX], "stream", d.delivery.stream,
             "entry_id", d.delivery.entry_id, "consumer", self.consumer_name,
         ]
+        room = MAX_DEAD_LETTER_BYTES
+        cut = False
         for i, (k, v) in enumerate(d.delivery.fields.items()):
-            if i >= MAX_DEAD_LETTER_FIELDS:
+            if i >= MAX_DEAD_LETTER_FIELDS or room <= 0:
+                cut = True
                 break
-            out += [b"f:" + _b(k)[:256], _b(v)[:MAX_FIELD_BYTES]]
+            raw = _b(v)
+            name, value = b"f:" + _b(k)[:256], raw[:min(MAX_FIELD_BYTES, room)]
+            cut = cut or len(value) < len(raw) or len(name) < len(_b(k)) + 2
+            room -= len(name) + len(value)
+            out += [name, value]
+        if cut:  # the copy is not the whole entry: never replay it as if it were
+            out += ["truncated", "1"]
         return out
 
     # ---------------------------------------------------------------- observability, upkeep
@@ -520,6 +568,28 @@ class RedisTransport:
             out[s] = {"length": length, "lag": lag, "pending": pending}
         return out
 
+    def trim(self) -> None:
+        """Drop what no consumer needs any more, so hostile or merely old entries cannot pile up:
+        input entries the group has delivered and acked (XTRIM MINID ~ below the oldest pending
+        entry, or just past the last delivered one; only while `dgr-workers` is the stream's only
+        group, since another group's reader would lose entries), and cancellations beyond
+        cancel_maxlen (writers other than the producer may not trim). Two round trips."""
+        if not self.streams:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for s in self.streams:
+            pipe.xinfo_groups(s)
+            pipe.xpending(s, GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        pipe = self.client.pipeline(transaction=False)
+        for i, s in enumerate(self.streams):
+            upto = _trim_point(replies[2 * i], replies[2 * i + 1])
+            if upto is not None:
+                pipe.xtrim(s, minid=upto, approximate=True)
+        pipe.xtrim(self.keys.cancellations, maxlen=self.settings.cancel_maxlen, approximate=True)
+        self.round_trips += 2
+        pipe.execute(raise_on_error=False)
+
     def trim_results(self, session_id: str, maxlen: int = 0) -> int:
         """Trim one session's result stream to about `maxlen` entries (0: drop it). Returns the
         number of entries removed."""
@@ -529,3 +599,16 @@ class RedisTransport:
             self.client.delete(key)
             return n
         return int(self.client.xtrim(key, maxlen=maxlen, approximate=True))
+
+
+def _trim_point(groups: Any, pending: Any) -> str | None:
+    """The MINID below which every entry of an input stream is delivered and acked, or None."""
+    if isinstance(groups, Exception) or isinstance(pending, Exception) or len(groups) != 1:
+        return None
+    g = groups[0]
+    if _s(g.get("name", b"")) != GROUP:
+        return None
+    if int(pending.get("pending") or 0) > 0 and pending.get("min"):
+        return _s(pending["min"])
+    ms, _, seq = _s(g.get("last-delivered-id") or b"0-0").partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"

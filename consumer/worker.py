@@ -12,13 +12,14 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
 from schemas import PHASES, Phase, Reason, Status, StepResult, WireError, job_from_fields
 
 from .engines.base import Engine, EngineError, engine_key
+from .idle import IdleSessions
 from .metrics import Metrics
 from .pacing import PrefillPacer
 from .scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
@@ -43,6 +44,13 @@ class WorkerSettings:
     await_ms: int = 5
     heartbeat_s: float = 2.0
     recover_every_s: float = 30.0  # XAUTOCLAIM sweep for entries stuck with a dead consumer name
+    # Entries one iteration may read in all. When entries read are refused at admission (malformed,
+    # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
+    # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
+    # of junk in front of honest steps costs one iteration, not one per `want` entries.
+    max_read_entries: int = 1024
+    max_slots_per_account: int = 0  # most open sessions per billing account (0: no limit)
+    idle_session_s: float = 0.0  # cancel an open session with no step for this long (0: never)
 
 
 @dataclass
@@ -57,6 +65,9 @@ class LoopStats:
     read_seconds: float = 0.0  # time in transport.read (blocking, gathering: mostly waiting for producers)
     round_trips: int = 0
     decode_sessions: int = 0  # sessions summed over decode calls (mean decode batch = this / decode calls)
+    reads: int = 0  # transport.read calls (a burst read past in one iteration counts each read)
+    refused: int = 0  # entries answered or dead-lettered at admission without being queued
+    sessions_idle_cancelled: int = 0
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def snapshot(self) -> dict[str, object]:
@@ -64,7 +75,8 @@ class LoopStats:
                 "calls_by_phase": dict(self.calls_by_phase), "engine_seconds": self.engine_seconds,
                 "overhead_seconds": self.overhead_seconds, "read_seconds": self.read_seconds,
                 "round_trips": self.round_trips,
-                "decode_sessions": self.decode_sessions}
+                "decode_sessions": self.decode_sessions, "reads": self.reads, "refused": self.refused,
+                "sessions_idle_cancelled": self.sessions_idle_cancelled}
 
     @property
     def mean_batch(self) -> float:
@@ -76,7 +88,7 @@ Answer = Reply | Outcome
 
 class Worker:
     def __init__(self, engine: Engine, transport: RedisTransport, settings: WorkerSettings,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.transport = transport
         self.settings = settings
@@ -86,10 +98,12 @@ class Worker:
         self.scheduler = Scheduler(
             SchedulerConfig(capacity=cap, max_batch=min(settings.max_batch, cap.n_slots),
                             prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
-                            w_decode=settings.w_decode, w_prefill=settings.w_prefill),
+                            w_decode=settings.w_decode, w_prefill=settings.w_prefill,
+                            max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio)
         self.streams: dict[Phase, str] = {}
+        self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
         self._hot: set[str] = set()  # sessions that got a token in the last fused call, not finished
         self.stats = LoopStats()
         self._stop = threading.Event()
@@ -138,15 +152,15 @@ class Worker:
     def run_once(self) -> bool:
         t0 = time.perf_counter()
         self._housekeeping()
-        deliveries, read_s = self._read()
-        self.stats.read_seconds += read_s
         answers: list[Answer] = []
         dead: list[DeadLetter] = []
         wire_rejects: list[Completion] = []
-        for d in deliveries:
-            self._admit(d, answers, dead, wire_rejects)
-        for sid in self.transport.cancellations():
-            answers.extend(self.scheduler.cancel(sid))
+        deliveries, read_s = self._read_and_admit(answers, dead, wire_rejects)
+        self.stats.read_seconds += read_s
+        cancelled = self.transport.cancellations()
+        dead.extend(self.transport.drain_rejected_cancellations())
+        for sid in cancelled + self._idle_sessions():
+            self._cancel(sid, answers)
         decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
         self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
         batch = self.scheduler.next_batch()
@@ -175,11 +189,48 @@ class Worker:
             self.metrics.overhead.labels(self._m).observe(overhead)
         return bool(deliveries or completions or dead or batch)
 
-    def _read(self) -> tuple[list[Delivery], float]:
+    def _read_and_admit(self, answers: list[Answer], dead: list[DeadLetter],
+                        wire_rejects: list[Completion]) -> tuple[int, float]:
+        """Read what the scheduler wants and admit it; while entries read are refused (and the streams
+        they came from gave all that was asked), read past them at once, doubling each read, until
+        the entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
+        got, want, read_s = self._read()
+        queued = dict.fromkeys(want, 0)
+        asked = dict(want)
+        total = 0
+        while got:
+            total += len(got)
+            took: dict[str, int] = {}
+            refused: dict[str, int] = {}
+            for d in got:
+                took[d.stream] = took.get(d.stream, 0) + 1
+                if self._admit(d, answers, dead, wire_rejects):
+                    queued[d.stream] = queued.get(d.stream, 0) + 1
+                else:
+                    refused[d.stream] = refused.get(d.stream, 0) + 1
+            self.stats.refused += sum(refused.values())
+            more: dict[str, int] = {}
+            room = self.settings.max_read_entries - total
+            for s, n in asked.items():
+                if room <= 0:
+                    break
+                if refused.get(s) and took.get(s, 0) >= n and queued.get(s, 0) < want.get(s, 0):
+                    more[s] = min(2 * n, room)
+                    room -= more[s]
+            if not more:
+                break
+            asked = more
+            t = time.perf_counter()
+            got = self.transport.read(more, block_ms=0, gather_ms=0)
+            self.stats.reads += 1
+            read_s += time.perf_counter() - t
+        return total, read_s
+
+    def _read(self) -> tuple[list[Delivery], dict[str, int], float]:
         want = self.scheduler.want()
         counts = {self.streams[p]: n for p, n in want.items() if n > 0 and p in self.streams}
         if not counts:
-            return [], 0.0
+            return [], counts, 0.0
         # Wait only for the sessions the last fused call just answered with a token: their next step is
         # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
         expected = min(len(self._hot), self.scheduler.awaiting_decode())
@@ -200,22 +251,69 @@ class Worker:
         t = time.perf_counter()
         block_ms = max(0 if busy else self.settings.block_ms, self.settings.await_ms if expected else 0)
         got = self.transport.read(counts, block_ms=block_ms, gather_ms=self.settings.gather_ms, more=more)
-        return got, time.perf_counter() - t
+        self.stats.reads += 1
+        return got, counts, time.perf_counter() - t
 
     def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
-               wire_rejects: list[Completion]) -> None:
+               wire_rejects: list[Completion]) -> bool:
+        """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
+        per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
+        on every redelivery."""
+        try:
+            return self._admit_entry(d, answers, dead, wire_rejects)
+        except Exception as e:
+            log.warning("entry refused by the per-entry guard", exc_info=True,
+                        extra={"stream": d.stream, "entry_id": d.entry_id})
+            dead.append(DeadLetter(d, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
+            return False
+
+    def _admit_entry(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
+                     wire_rejects: list[Completion]) -> bool:
+        signer = self.transport.signer
+        if signer is not None and not signer.verify(d.stream, d.fields):
+            # Never answered: the answer would go to whichever session the forger named.
+            dead.append(DeadLetter(d, Reason.BAD_SIGNATURE, "missing or wrong HMAC"))
+            return False
         try:
             job = job_from_fields(d.fields)
         except WireError as e:
             dead.append(DeadLetter(d, e.reason, str(e)))
-            if e.session_id and e.job_id:  # tell the session too, so its caller is not left waiting
-                res = StepResult(job_id=e.job_id, session_id=e.session_id, status=Status.REJECTED, reason=e.reason,
-                                 detail=str(e)[:256], position=0, worker_id=self._m)
-                wire_rejects.append(Completion(d, res, None, d.phase))
-            return
+            if e.session_id is not None:  # tell the session too, so its caller is not left waiting
+                wire_rejects.append(self._wire_reject(d, e, e.session_id))
+            return False
         reply = self.scheduler.admit(job, d.digest, d)
         if reply is not None:
             answers.append(reply)
+            return False
+        if self.idle is not None:
+            self.idle.touch(job.session_id)
+        return True
+
+    def _wire_reject(self, d: Delivery, e: WireError, session_id: str) -> Completion:
+        """The answer to an undecodable entry that names its session. With no readable job id it is
+        answered under `<phase>.<entry id>`, unique per stream entry. It names no billing account, so it
+        charges nothing and its keys live the transport's reject ttl, not the session's."""
+        entry = self.scheduler.table.get(session_id)
+        res = StepResult(job_id=e.job_id or f"{d.phase}.{d.entry_id}", session_id=session_id,
+                         status=Status.REJECTED, reason=e.reason, detail=str(e)[:256],
+                         position=entry.queued_position if entry is not None else 0, worker_id=self._m)
+        return Completion(d, res, None, d.phase)
+
+    def _cancel(self, session_id: str, answers: list[Answer]) -> None:
+        try:
+            answers.extend(self.scheduler.cancel(session_id))
+        except Exception:  # a valid id reaching a scheduler bug must not stop the loop; say so loudly
+            log.exception("cancellation failed", extra={"session": session_id})
+
+    def _idle_sessions(self) -> list[str]:
+        """Open sessions with no step admitted or served for idle_session_s: cancelled like any other."""
+        if self.idle is None:
+            return []
+        due = self.idle.due(self.scheduler.table.__contains__, self.scheduler.session_busy)
+        for sid in due:
+            self.stats.sessions_idle_cancelled += 1
+            log.info("idle session cancelled", extra={"session": sid, "idle_s": self.idle.idle_s})
+        return due
 
     def _run_batch(self, batch: ScheduledBatch) -> list[Outcome]:
         """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
@@ -251,6 +349,9 @@ class Worker:
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
         outcomes = self.scheduler.complete(batch, logits, elapsed)
+        if self.idle is not None:
+            for o in outcomes:
+                self.idle.touch(o.result.session_id)
         self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
         return outcomes
 
@@ -272,6 +373,7 @@ class Worker:
             self.transport.heartbeat(self._info())
             for stream, lag in self.transport.input_lag().items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
+            self.transport.trim()
         if now - self._last_recover >= self.settings.recover_every_s:
             self._last_recover = now
             self._recover()

@@ -40,16 +40,20 @@ from schemas import (
     Phase,
     Reason,
     SessionSpec,
+    Signer,
     Status,
     StepJob,
     StepResult,
     WireError,
     WorkerKeys,
+    cancel_to_fields,
     job_to_fields,
     result_from_fields,
 )
 from schemas.keys import WORKERS_INDEX
-from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, MAX_TOKENS_PER_JOB
+from schemas.limits import MAX_POSITION, MAX_TOKENS_PER_JOB
+
+from .validate import check_id, check_token, check_tokens, vocab_size
 
 __all__ = [
     "Backpressure", "Producer", "ResultTimeout", "SessionFailed", "SessionHandle", "WorkerInfo", "job_id",
@@ -78,6 +82,7 @@ class SessionFailed(RuntimeError):
 
 def job_id(session_id: str, hop: int, phase: Phase, position: int, attempt: int) -> str:
     """Deterministic job id: 40 hex chars of sha1 over (session, hop, phase, position, attempt)."""
+    check_id(session_id, "session_id")
     raw = f"{session_id}\x1f{hop}\x1f{phase}\x1f{position}\x1f{attempt}".encode()
     return hashlib.sha1(raw, usedforsecurity=False).hexdigest()
 
@@ -153,7 +158,8 @@ class Producer:
     def __init__(self, client: redis.Redis, *, prefill_chunk: int = 512, max_lag: int | None = 10_000,
                  backpressure: Literal["raise", "wait"] = "raise", timeout_s: float = 60.0,
                  max_attempts: int = 3, verify_route: bool = True, lag_cache_s: float = 0.1,
-                 discover_cache_s: float = 1.0) -> None:
+                 discover_cache_s: float = 1.0, signer: Signer | None = None) -> None:
+        """`signer`: sign every entry written (schemas/signing.py), for workers that require it."""
         if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
             raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
         if backpressure not in ("raise", "wait"):
@@ -167,6 +173,7 @@ class Producer:
         self.verify_route = verify_route
         self.lag_cache_s = lag_cache_s
         self.discover_cache_s = discover_cache_s
+        self.signer = signer
         self._lag: dict[str, tuple[float, int]] = {}
         self._discovered: dict[str, tuple[float, WorkerInfo]] = {}
 
@@ -174,7 +181,7 @@ class Producer:
 
     def discover(self, worker_id: str) -> WorkerInfo:
         """The worker's advertised keys and info, and its heartbeat. LookupError if it never advertised."""
-        k = WorkerKeys(worker_id)
+        k = WorkerKeys(check_id(worker_id, "worker_id"))
         pipe = self.client.pipeline(transaction=False)
         pipe.get(k.spec)
         pipe.get(k.heartbeat)
@@ -265,14 +272,22 @@ class Producer:
 
     # ---------------------------------------------------------------- pushing
 
+    def _vocab(self, worker_id: str) -> int | None:
+        """The vocabulary the worker advertised, when this producer has discovered it."""
+        cached = self._discovered.get(worker_id)
+        return vocab_size(cached[1].info) if cached is not None else None
+
+    def _entry(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
+        return self.signer.signed(stream, fields) if self.signer is not None else fields
+
     def _validate(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
-        if not 0 <= hop < len(spec.route):
-            raise ValueError(f"hop {hop} is not on the route ({len(spec.route)} hops)")
-        toks = tuple(prompt)
+        if not isinstance(spec, SessionSpec):
+            raise TypeError(f"spec must be a SessionSpec, not {type(spec).__name__}")
+        if isinstance(hop, bool) or not isinstance(hop, int) or not 0 <= hop < len(spec.route):
+            raise ValueError(f"hop {hop!r} is not on the route ({len(spec.route)} hops)")
+        toks = check_tokens(prompt, None)
         if not toks:
             raise ValueError("empty prompt")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t > MAX_TOKEN_ID for t in toks):
-            raise ValueError(f"prompt tokens must be ints in [0, {MAX_TOKEN_ID}]")
         key = spec.route[hop].key
         if key.boundary.consumes != "tokens":
             raise ValueError("this producer drives token-consuming hops only")
@@ -284,7 +299,7 @@ class Producer:
             raise ValueError("session longer than MAX_POSITION")
         if self.verify_route:
             self._check_route(spec, hop)
-        return toks
+        return check_tokens(toks, self._vocab(spec.route[hop].worker_id))
 
     def _new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> SessionHandle:
         toks = self._validate(spec, prompt, hop)
@@ -310,7 +325,7 @@ class Producer:
             job = StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="prefill", compat=compat,
                           start_position=start, tokens=chunk, sample=last, attempt=h.attempt,
                           created_at=now, session=spec if start == 0 else None)
-            pipe.xadd(stream, job_to_fields(job))
+            pipe.xadd(stream, self._entry(stream, job_to_fields(job)))
             h.jobs.add(jid)
             if last:
                 h.pending_job = jid
@@ -326,7 +341,8 @@ class Producer:
         job = StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="decode", compat=key.digest,
                       start_position=h.position, tokens=(token,), sample=True, attempt=h.attempt,
                       created_at=time.time())
-        pipe.xadd(h.input_stream("decode"), job_to_fields(job))
+        stream = h.input_stream("decode")
+        pipe.xadd(stream, self._entry(stream, job_to_fields(job)))
         h.jobs.add(jid)
         h.pending_job = jid
         h.position += 1
@@ -346,6 +362,9 @@ class Producer:
     def push_decode(self, h: SessionHandle, token: int) -> str:
         """Push the decode step at h.position feeding `token`; returns its job id. Decode steps are
         not held back by backpressure: an admitted session has one job in flight at most."""
+        if not isinstance(h, SessionHandle):
+            raise TypeError(f"h must be a SessionHandle, not {type(h).__name__}")
+        token = check_token(token, self._vocab(h.worker_id))
         pipe = self.client.pipeline(transaction=False)
         jid = self._queue_decode(pipe, h, token)
         pipe.execute()
@@ -354,6 +373,8 @@ class Producer:
     def replay(self, h: SessionHandle) -> None:
         """After state_lost: attempt + 1, re-open with prompt + generated as the prompt, continue.
         Raises SessionFailed when max_attempts is spent. See the module docstring."""
+        if not isinstance(h, SessionHandle):
+            raise TypeError(f"h must be a SessionHandle, not {type(h).__name__}")
         pipe = self.client.pipeline(transaction=True)
         self._queue_replay(pipe, h)
         if h.jobs:
@@ -371,9 +392,11 @@ class Producer:
         self._queue_prefill(pipe, h)
 
     def cancel(self, worker_id: str, session_id: str) -> None:
-        """XADD the session id to the worker's cancellation stream (MAXLEN ~)."""
-        self.client.xadd(WorkerKeys(worker_id).cancellations, {"session_id": session_id},
-                         maxlen=CANCEL_MAXLEN, approximate=True)
+        """XADD the session id to the worker's cancellation stream (MAXLEN ~). Both ids must be ids
+        (docs/wire-format.md): anything else is refused here, before a key is built from it."""
+        stream = WorkerKeys(check_id(worker_id, "worker_id")).cancellations
+        fields = self._entry(stream, cancel_to_fields(check_id(session_id, "session_id")))
+        self.client.xadd(stream, fields, maxlen=CANCEL_MAXLEN, approximate=True)  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- results
 
@@ -384,6 +407,11 @@ class Producer:
         pipeline, polled until block_ms has passed. Applies the results to the handles (generated
         tokens, position, finished, status) and returns the ones of the current attempts, by session
         id. Results of older attempts and undecodable entries are skipped."""
+        if isinstance(block_ms, bool) or not isinstance(block_ms, int):
+            raise TypeError(f"block_ms must be an int, not {type(block_ms).__name__}")
+        for h in handles:
+            if not isinstance(h, SessionHandle):
+                raise TypeError(f"handles must be SessionHandles, not {type(h).__name__}")
         by_worker: dict[str, dict[str, SessionHandle]] = {}
         for h in handles:
             by_worker.setdefault(h.worker_id, {})[h.results_key] = h

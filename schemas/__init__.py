@@ -13,8 +13,17 @@ from .compat import (
 from .keys import GROUP, PREFIX, WorkerKeys, parse_input_stream
 from .limits import SCHEMA_VERSION
 from .session import RouteHop, Sampling, SessionSpec
+from .signing import Signer
 from .step import Accounting, Reason, Status, StepJob, StepResult
-from .wire import WireError, job_from_fields, job_to_fields, result_from_fields, result_to_fields
+from .wire import (
+    WireError,
+    cancel_from_fields,
+    cancel_to_fields,
+    job_from_fields,
+    job_to_fields,
+    result_from_fields,
+    result_to_fields,
+)
 
 __all__ = [
     "GROUP",
@@ -31,12 +40,15 @@ __all__ = [
     "RouteHop",
     "Sampling",
     "SessionSpec",
+    "Signer",
     "StateLayout",
     "Status",
     "StepJob",
     "StepResult",
     "WireError",
     "WorkerKeys",
+    "cancel_from_fields",
+    "cancel_to_fields",
     "job_from_fields",
     "job_to_fields",
     "parse_input_stream",

@@ -1,10 +1,13 @@
-"""Size limits every wire model enforces. One place, so producer and consumer agree."""
+"""Size limits and lexical rules every wire model enforces. One place, so producer and consumer agree."""
 
+import re
 from typing import Final
 
 SCHEMA_VERSION: Final = 1
 
 MAX_ID_LEN: Final = 64  # session, job, account and worker ids
+# Pydantic (Rust regex) reads `$` as the end of the text. Python's `re` lets `$` match before a final
+# "\n": never use this pattern with re.match/re.search, use `is_id` (a full match) instead.
 ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
 MAX_TOKENS_PER_JOB: Final = 4096  # one prefill chunk at most; a decode job carries exactly one
 MAX_TOKEN_ID: Final = 2**31 - 1
@@ -16,3 +19,13 @@ MAX_NAME_LEN: Final = 128  # architecture, quantization, runtime pin and other s
 MAX_REASON_LEN: Final = 256  # free-text detail of a rejection
 MAX_DIMS: Final = 16  # entries of a state layout's dimension map
 MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire
+
+_ID_FULL: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+def is_id(value: object) -> bool:
+    """Whether `value` is a str that is a whole id (session, job, account, worker): ASCII letters,
+    digits, `_`, `.`, `-`, starting with a letter or digit, at most 64 characters. Nothing else: no
+    trailing newline, no glob or hash-tag characters (`*`, `{`, `}`), so an id can never build a key
+    outside its worker's hash tag or widen an ACL pattern."""
+    return isinstance(value, str) and _ID_FULL.fullmatch(value) is not None

@@ -82,6 +82,9 @@ class Reason(StrEnum):
     MALFORMED = "malformed"  # not a valid StepJob (dead-lettered when no session can be told)
     SCHEMA_VERSION = "schema_version"
     TOO_MANY_DELIVERIES = "too_many_deliveries"
+    WRONG_HOP = "wrong_hop"  # the hop is not on the session's route, or the hop's worker is not this worker
+    ACCOUNT_LIMIT = "account_limit"  # the billing account holds its most slots on this worker
+    BAD_SIGNATURE = "bad_signature"  # signing is on and the entry's HMAC is missing or wrong (dead letter only)
 
 
 class Accounting(BaseModel):

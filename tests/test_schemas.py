@@ -131,13 +131,13 @@ def test_unknown_schema_version_rejected_by_name() -> None:
 
 @pytest.mark.parametrize("mutate, reason, message", [
     (lambda f: f.pop("v"), Reason.MALFORMED, "no schema version"),
-    (lambda f: f.update(pos="x"), Reason.MALFORMED, "'pos' is not an integer"),
+    (lambda f: f.update(pos="x"), Reason.MALFORMED, "'pos' is not a plain decimal integer"),
     (lambda f: f.update(tokens="1,a"), Reason.MALFORMED, "comma-separated"),
     (lambda f: f.update(phase="train"), Reason.MALFORMED, "phase"),
     (lambda f: f.update(tokens=",".join(["1"] * (MAX_TOKENS_PER_JOB + 1))), Reason.TOO_LONG, "tokens"),
-    (lambda f: f.update(extra="1"), Reason.MALFORMED, "unknown fields"),
+    (lambda f: f.update(extra="1"), Reason.MALFORMED, "unknown StepJob fields"),
     (lambda f: f.update(session_id="bad id!"), Reason.MALFORMED, "session_id"),
-    (lambda f: f.update(tokens="-1"), Reason.MALFORMED, "tokens must be"),
+    (lambda f: f.update(tokens="-1"), Reason.MALFORMED, "comma-separated"),
     (lambda f: f.update(session="{not json"), Reason.MALFORMED, "session"),
     (lambda f: f.update(job_id="x" * (MAX_FIELD_BYTES + 1)), Reason.MALFORMED, "over"),
 ])

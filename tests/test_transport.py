@@ -420,7 +420,11 @@ def test_unknown_session_is_not_charged_to_an_account(redis_client: redis.Redis,
                    reason=Reason.UNKNOWN_SESSION, position=3, worker_id=WORKER)
     assert transport.complete([Completion(d, r, None, "decode", "cancelled")]) == [True]
     assert redis_client.scard(transport.keys.accounts_index) == 0
-    assert hget_all(redis_client, transport.keys.session_account("ghost"))["closed"] == "cancelled"
+    # no per-session key outlives the reject ttl: no session hash at all, the answer expires soon
+    assert not redis_client.exists(transport.keys.session_account("ghost"))
+    reject_ttl = transport.settings.reject_ttl_s
+    assert 0 < redis_client.ttl(transport.keys.result_record(job.job_id)) <= reject_ttl
+    assert 0 < redis_client.ttl(transport.keys.results("ghost")) <= reject_ttl
     assert hget_all(redis_client, transport.keys.worker_account)["results:rejected"] == "1"
 
 

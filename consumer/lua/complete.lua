@@ -5,18 +5,28 @@
 -- For each completion: XACK; only when XACK returned 1 (this delivery is the first to finish):
 -- SET the result record NX EX; only when that SET succeeded: XADD the result to the session's
 -- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session, billing account, worker).
--- For each dead letter: XACK; only when it returned 1: XADD the dead-letter entry (MAXLEN ~).
+-- An answer with a billing account is one of a session this worker holds (or held): record and
+-- result stream live `result ttl`, the session hash is counted and lives `result ttl` after its last
+-- step. An answer without one (a session this worker does not hold: rejected before it opened,
+-- state_lost, an undecodable entry) touches no session hash, its record lives `reject ttl`, and its
+-- result stream lives at least `reject ttl` (a longer TTL is never shortened): so a flood of entries
+-- naming made-up sessions leaves nothing behind once `reject ttl` has passed.
+-- For each dead letter: XACK; only when it returned 1: XADD the dead-letter entry (MAXLEN ~). A dead
+-- letter with stream index 0 is a cancellation entry (no consumer group, nothing to ack): it is
+-- added only when its id is above the worker hash's `cancel_dead_letters_upto` (a restarted worker
+-- re-reads the cancel stream and must not dead-letter the same entry twice), which it then moves.
 -- If a fused-call record is given (and the batch is not a pure replay): per-worker call counters.
 -- A replayed batch changes nothing. Every key comes in KEYS; no key name is built here.
 --
 -- KEYS[1] worker account hash, KEYS[2] billing accounts index set, KEYS[3] dead-letter stream,
 -- KEYS[4..] the other keys, each once, referred to from ARGV by index.
 -- ARGV[1] group, [2] result ttl s, [3] result maxlen, [4] dead-letter maxlen,
--- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows.
+-- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows,
+-- [8] reject ttl s.
 -- Completion (15 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
 --   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
 --   engine_seconds, close ('' for none), nf, then nf field/value pairs.
--- Dead letter (3 + 2*nf): stream_k, entry_id, nf, then nf field/value pairs.
+-- Dead letter (3 + 2*nf): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
 -- Fused call (4): phase, batch_size, tokens, engine_seconds.
 -- Returns one integer per completion: 1 when it was the first to finish, else 0.
 
@@ -28,6 +38,7 @@ local dmax = ARGV[4]
 local nc = tonumber(ARGV[5])
 local nd = tonumber(ARGV[6])
 local has_call = ARGV[7] == '1'
+local rttl = ARGV[8]
 local worker, index, dlq = KEYS[1], KEYS[2], KEYS[3]
 
 local function fmt(x)
@@ -36,6 +47,22 @@ end
 
 local function int(x)
   return string.format('%d', x)
+end
+
+-- Stream id a is above stream id b ('ms-seq').
+local function id_above(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if am == nil then return false end
+  if bm == nil then return true end
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
+
+local function expire_at_least(key, secs)
+  if redis.call('TTL', key) < tonumber(secs) then
+    redis.call('EXPIRE', key, secs)
+  end
 end
 
 local acked = {}
@@ -54,7 +81,7 @@ local any_first = false
 local w_prompt, w_generated, w_steps, w_share = 0, 0, 0, 0.0
 local by_status, by_phase = {}, {}
 local accounts, account_order = {}, {}
-local i = 8
+local i = 9
 for c = 1, nc do
   local sk = ARGV[i]
   local stream = KEYS[tonumber(sk)]
@@ -73,23 +100,28 @@ for c = 1, nc do
   local close = ARGV[i + 13]
   local nf = tonumber(ARGV[i + 14])
   local first = 0
-  if ack(sk, stream, entry) and redis.call('SET', record, value, 'NX', 'EX', ttl) then
+  if ack(sk, stream, entry) and redis.call('SET', record, value, 'NX', 'EX', ak > 0 and ttl or rttl) then
     first = 1
     any_first = true
     if nf > 0 then
       redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 15, i + 14 + 2 * nf))
-      redis.call('EXPIRE', results, ttl)
+      if ak > 0 then
+        redis.call('EXPIRE', results, ttl)
+      else
+        expire_at_least(results, rttl)
+      end
     end
-    redis.call('HINCRBY', session, 'prompt_tokens', ARGV[i + 10])
-    redis.call('HINCRBY', session, 'generated_tokens', ARGV[i + 11])
-    redis.call('HINCRBY', session, 'steps', 1)
-    redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
     if ak > 0 then
+      redis.call('HINCRBY', session, 'prompt_tokens', ARGV[i + 10])
+      redis.call('HINCRBY', session, 'generated_tokens', ARGV[i + 11])
+      redis.call('HINCRBY', session, 'steps', 1)
+      redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
       if close ~= '' then
         redis.call('HSET', session, 'account', account_id, 'closed', close)
       else
         redis.call('HSET', session, 'account', account_id)
       end
+      redis.call('EXPIRE', session, ttl)
       local a = accounts[ak]
       if a == nil then
         a = {id = account_id, prompt = 0, generated = 0, steps = 0, secs = 0.0}
@@ -100,8 +132,6 @@ for c = 1, nc do
       a.generated = a.generated + generated
       a.steps = a.steps + 1
       a.secs = a.secs + tonumber(secs)
-    elseif close ~= '' then
-      redis.call('HSET', session, 'closed', close)
     end
     w_prompt = w_prompt + prompt
     w_generated = w_generated + generated
@@ -116,10 +146,17 @@ end
 
 for d = 1, nd do
   local sk = ARGV[i]
-  local stream = KEYS[tonumber(sk)]
+  local stream = sk ~= '0' and KEYS[tonumber(sk)] or nil
   local entry = ARGV[i + 1]
   local nf = tonumber(ARGV[i + 2])
-  if ack(sk, stream, entry) then
+  local fresh
+  if sk == '0' then
+    fresh = id_above(entry, redis.call('HGET', worker, 'cancel_dead_letters_upto') or '0-0')
+    if fresh then redis.call('HSET', worker, 'cancel_dead_letters_upto', entry) end
+  else
+    fresh = ack(sk, stream, entry)
+  end
+  if fresh then
     redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', unpack(ARGV, i + 3, i + 2 + 2 * nf))
     redis.call('HINCRBY', worker, 'dead_letters', 1)
   end

@@ -25,7 +25,7 @@ WORKER_COMMANDS = (
     "+xgroup|create", "+xreadgroup", "+xread", "+xack", "+xadd", "+xautoclaim", "+xclaim", "+xpending",
     "+xinfo|groups", "+xinfo|stream", "+xlen", "+xtrim", "+xrange",
     # result records, advertisement, heartbeat, accounting
-    "+set", "+get", "+del", "+expire", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+sadd",
+    "+set", "+get", "+del", "+expire", "+ttl", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+sadd",
     # the completion / pending / recovery scripts
     "+evalsha", "+eval", "+script|load", "+script|exists",
 )

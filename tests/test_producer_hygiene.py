@@ -1,0 +1,82 @@
+"""Every public producer method refuses bad arguments with a clear error, before writing anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from consumer.transport import RedisTransport
+from producer import Producer, job_id
+from tests.test_transport import WORKER, make_key, make_spec
+
+VOCAB = 100
+
+
+@pytest.fixture
+def producer(fake_redis: redis.Redis) -> Producer:
+    t = RedisTransport(fake_redis, WORKER, "c0")
+    t.register([make_key("prefill"), make_key("decode")], {"vocab_size": VOCAB})
+    t.heartbeat()
+    return Producer(fake_redis)
+
+
+def written(client: redis.Redis) -> int:
+    return sum(int(client.xlen(k)) for k in client.keys("*") if client.type(k) == b"stream")
+
+
+@pytest.mark.parametrize("worker_id", ["a}{b", "w1\n", "", "*", "w 1", "x" * 65])
+def test_cancel_refuses_worker_ids_that_are_not_ids(producer: Producer, worker_id: str) -> None:
+    before = producer.client.dbsize()
+    with pytest.raises(ValueError, match="worker_id"):
+        producer.cancel(worker_id, "s-1")
+    assert producer.client.dbsize() == before  # no key built from it
+
+
+@pytest.mark.parametrize("session_id", ["s-1\n", "a}{b", "", "é"])
+def test_cancel_refuses_session_ids_that_are_not_ids(producer: Producer, session_id: str) -> None:
+    with pytest.raises(ValueError, match="session_id"):
+        producer.cancel(WORKER, session_id)
+    with pytest.raises(TypeError):
+        producer.cancel(WORKER, b"s-1")  # type: ignore[arg-type]
+
+
+def test_tokens_must_be_in_the_advertised_vocabulary(producer: Producer) -> None:
+    before = written(producer.client)
+    with pytest.raises(ValueError, match=rf"outside \[0, {VOCAB}\)"):
+        producer.open(make_spec("s-1"), [1, 2, VOCAB])
+    with pytest.raises(TypeError, match="integer"):
+        producer.open(make_spec("s-1"), [1, 2.0])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="integer"):
+        producer.open(make_spec("s-1"), [True])
+    with pytest.raises(TypeError, match="sequence"):
+        producer.open(make_spec("s-1"), "123")  # type: ignore[arg-type]
+    assert written(producer.client) == before
+    h = producer.open(make_spec("s-1"), [1, 2, 3])
+    with pytest.raises(ValueError, match="token"):
+        producer.push_decode(h, VOCAB + 1)
+    with pytest.raises(TypeError):
+        producer.push_decode(h, "7")  # type: ignore[arg-type]
+
+
+def test_numpy_integer_tokens_are_accepted(producer: Producer) -> None:
+    h = producer.open(make_spec("s-np"), np.array([4, 5, 6], dtype=np.int64))  # type: ignore[arg-type]
+    assert h.prompt == (4, 5, 6) and all(type(t) is int for t in h.prompt)
+    producer.open(make_spec("s-np2"), [np.int32(4), np.uint16(5)])  # type: ignore[list-item]
+    producer.push_decode(h, np.int64(9))  # type: ignore[arg-type]
+    assert h.position == 4
+
+
+def test_other_entry_points(producer: Producer) -> None:
+    with pytest.raises(ValueError, match="worker_id"):
+        producer.discover("a}{b")
+    with pytest.raises(TypeError, match="SessionSpec"):
+        producer.open({"session_id": "s"}, [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hop"):
+        producer.open(make_spec("s"), [1], hop=True)
+    with pytest.raises(TypeError, match="SessionHandle"):
+        producer.read_results(["s-1"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="SessionHandle"):
+        producer.replay("s-1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="session_id"):
+        job_id("s\n", 0, "decode", 1, 0)
