@@ -32,6 +32,7 @@ class Criterion:
 
 
 E2E = "tests/test_worker_e2e.py"
+INV = "tests/test_invariance_property.py"
 CRITERIA = (
     Criterion("compatible", "Batch only sessions with compatible engine, recipe, phase, boundary schema, and state "
               "layout.", (
@@ -70,6 +71,12 @@ CRITERIA = (
         "tests/test_concurrency.py::test_corruption_is_detected_on_reference",
         "tests/test_concurrency.py::test_corruption_is_detected_on_llama",
         f"{E2E}::test_concurrent_sessions_equal_their_solo_runs",
+        f"{INV}::test_service_tokens_equal_solo_tiny",
+        f"{INV}::test_service_tokens_equal_solo_shape_probe",
+        f"{INV}::test_corrupting_engine_is_caught",
+        f"{INV}::test_regression_no_single_prompt_row",
+        f"{INV}::test_regression_replay_computes_generated_tokens_one_row_each",
+        f"{INV}::test_shape_probe_sees_a_single_prompt_row",
     ), quick=("tests/test_concurrency.py::test_reference_batched_equals_solo_exactly",
               "tests/test_concurrency.py::test_llama_invariant_batched_equals_solo_exactly",
               "tests/test_concurrency.py::test_corruption_is_detected_on_llama")),

@@ -15,9 +15,11 @@ A worker answers `state_lost` (or `rejected` with reason `unknown_session`, whic
 says about a session it no longer holds) when the session's state is gone. The handle then has
 `status == "state_lost"` and is not finished. Call `producer.replay(handle)`: it bumps
 `handle.attempt` and re-opens the session on the same hop with `prompt + generated` as the new
-prompt (prefill chunks, the SessionSpec's max_tokens reduced by the tokens already generated). The
-last chunk's result carries the next token exactly as the lost decode step would have (the sampler's
-random stream depends on (seed, position) only), and decoding continues from there. Results of the
+prompt (prefill chunks, the SessionSpec's max_tokens reduced by the tokens already generated, its
+prompt_len the original prompt's length, so the worker computes the generated positions one row per
+call as they were decoded: docs/invariance.md). The last chunk's result carries the next token exactly
+as the lost decode step would have (the sampler's random stream depends on (seed, position) only), and
+decoding continues from there. Results of the
 lost attempt that still arrive are ignored (their job ids belong to the old attempt). `generate()`
 and `run_many(replay_state_lost=True)` do this themselves, at most `max_attempts` times per session.
 """
