@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import time
 import uuid
@@ -62,6 +61,7 @@ import redis
 from schemas import GROUP, CompatibilityKey, Phase, Reason, StepResult, WorkerKeys, parse_input_stream
 from schemas.keys import WORKERS_INDEX
 from schemas.limits import MAX_FIELD_BYTES
+from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import result_to_fields
 
 __all__ = [
@@ -86,17 +86,6 @@ class LeaseHeld(RuntimeError):
     def __init__(self, holder: str) -> None:
         super().__init__(f"another consumer holds this worker id's lease: {holder}")
         self.holder = holder
-
-
-# Replies that mean "this server cannot take the command right now" rather than "the command is wrong":
-# a replica that was just demoted (failover), a server loading its data set, a cluster resharding.
-_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
-
-
-def _transient(e: Exception) -> bool:
-    if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
-        return True
-    return isinstance(e, redis.ResponseError) and str(e).startswith(_TRANSIENT_REPLIES)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -259,9 +248,8 @@ class RedisTransport:
         # Entries handed out (read, recovered) and not yet passed back to complete(), per stream: what
         # the worker holds. recover() re-delivers own pending entries that are not in here.
         self._outstanding: dict[str, set[str]] = {}
-        self.outages = 0  # Redis outages ridden through (connection lost, then back)
-        self._outage_since: float | None = None
-        self._outage_retries = 0
+        self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
+                                  log, f"worker {worker_id}")
         self.lease_token: str | None = None
         self.lease_epoch = ""
         self.instance_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -280,38 +268,13 @@ class RedisTransport:
     # ---------------------------------------------------------------- riding through outages
 
     def _io(self, fn: Callable[[], T]) -> T:
-        """fn(), retried through a Redis outage (see the module docstring)."""
-        st = self.settings
-        delay = st.retry_base_s
-        while True:
-            try:
-                out = fn()
-            except Exception as e:
-                if not _transient(e):
-                    raise
-                now = time.monotonic()
-                if self._outage_since is None:
-                    self._outage_since = now
-                    self._outage_retries = 0
-                    log.warning("redis unreachable, retrying", extra={
-                        "worker": self.worker_id, "error": f"{type(e).__name__}: {e}"[:200],
-                        "give_up_after_s": st.outage_max_s})
-                if now - self._outage_since > st.outage_max_s:
-                    log.error("redis unreachable for too long, giving up", extra={
-                        "worker": self.worker_id, "down_s": round(now - self._outage_since, 2),
-                        "retries": self._outage_retries})
-                    raise
-                self._outage_retries += 1
-                time.sleep(delay * random.uniform(0.5, 1.0))  # jitter: a fleet does not reconnect in step
-                delay = min(st.retry_cap_s, delay * 2)
-                continue
-            if self._outage_since is not None:
-                log.warning("redis reachable again", extra={
-                    "worker": self.worker_id, "down_s": round(time.monotonic() - self._outage_since, 2),
-                    "retries": self._outage_retries})
-                self._outage_since = None
-                self.outages += 1
-            return out
+        """fn(), retried through a Redis outage (see the module docstring and schemas/retry.py)."""
+        return self._rider.call(fn)
+
+    @property
+    def outages(self) -> int:
+        """Redis outages ridden through (unavailable, then back)."""
+        return self._rider.outages
 
     # ---------------------------------------------------------------- the lease
 
