@@ -27,9 +27,17 @@ T = TypeVar("T")
 _TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
 
 
+# redis-py turns some of those replies into classes (and drops the code from the message); a cluster
+# client raises SlotNotCoveredError while no node owns the slot during a failover.
+_TRANSIENT_CLASSES: tuple[type[BaseException], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+)
+
+
 def transient(e: BaseException) -> bool:
     """Whether `e` says Redis is (momentarily) unavailable rather than that the request is wrong."""
-    if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(e, _TRANSIENT_CLASSES):
         return True
     return isinstance(e, redis.ResponseError) and str(e).startswith(_TRANSIENT_REPLIES)
 
