@@ -71,6 +71,18 @@ def consumer(
     reject_ttl_s: Annotated[int, typer.Option(
         envvar="DGR_REJECT_TTL_S", help="How long answers to sessions this worker does not hold are kept.")] = 300,
     hmac_key_file: HmacKeyFile = None,
+    on_lease_held: Annotated[str, typer.Option(envvar="DGR_ON_LEASE_HELD",
+                                               help="Another live consumer has this worker id: 'wait' as a "
+                                                    "standby and take over when its lease lapses, or 'refuse' "
+                                                    "(exit 3).")] = "wait",
+    lease_ms: Annotated[int, typer.Option(envvar="DGR_LEASE_MS",
+                                          help="Worker-id lease; a standby takes over this long after the "
+                                               "holder stops renewing.")] = 10_000,
+    recover_every_s: Annotated[float, typer.Option(envvar="DGR_RECOVER_EVERY_S",
+                                                   help="Ownership sweep period.")] = 5.0,
+    outage_max_s: Annotated[float, typer.Option(envvar="DGR_OUTAGE_MAX_S",
+                                                help="Ride through a Redis outage (and wait for Redis at "
+                                                     "start) this long, then exit 1.")] = 120.0,
     log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = "INFO",
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = "json",
 ) -> None:
@@ -81,8 +93,11 @@ def consumer(
 
     from .metrics import Metrics
     from .runtime import make_engine, resolve_model
-    from .transport import RedisTransport, TransportSettings
+    from .transport import LeaseHeld, LeaseLost, RedisTransport, TransportSettings
     from .worker import Worker, WorkerSettings
+
+    if on_lease_held not in ("wait", "refuse"):
+        raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
 
     _logging(log_level, log_format)
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
@@ -94,19 +109,29 @@ def consumer(
     metrics = Metrics(worker_id)
     if metrics_port:
         metrics.serve(metrics_port, metrics_addr)
-    client = redis.Redis.from_url(redis_url)
+    # Timeouts so that a dead or unreachable Redis is noticed (and ridden through) instead of hanging
+    # a socket; the read timeout stays far above the blocking read's BLOCK.
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30)
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio,
                               w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms, await_ms=await_ms,
-                              heartbeat_s=heartbeat_s, max_slots_per_account=max_slots_per_account,
+                              heartbeat_s=min(heartbeat_s, lease_ms / 4000), recover_every_s=recover_every_s,
+                              standby=on_lease_held == "wait", max_slots_per_account=max_slots_per_account,
                               idle_session_s=idle_session_s, max_read_entries=max_read_entries)
     transport = RedisTransport(client, worker_id, consumer_name=worker_id,
-                               settings=TransportSettings(reject_ttl_s=reject_ttl_s), signer=signer)
+                               settings=TransportSettings(lease_ms=lease_ms, outage_max_s=outage_max_s,
+                                                          reject_ttl_s=reject_ttl_s), signer=signer)
     worker = Worker(eng, transport, settings, metrics)
     worker.install_signal_handlers()
-    worker.start()
     try:
+        worker.start()
         worker.run(max_idle_s=max_idle_s or None)
+    except LeaseHeld as e:
+        logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": worker_id})
+        raise typer.Exit(3) from None
+    except LeaseLost as e:
+        logging.getLogger("dgr.worker").error("stopped: %s", e, extra={"worker": worker_id})
+        raise typer.Exit(3) from None
     finally:
         eng.close()
 

@@ -171,7 +171,8 @@ class Scheduler:
         1. job.compat == stream_digest == engine_digests[job.phase] (INCOMPATIBLE). Digests include
            the phase, so this also checks that the stream is the job's phase; with the session's
            spec known (the opening job's, or the open session's): job.hop is on its route and that
-           hop's worker is this worker (WRONG_HOP);
+           hop's worker is this worker (WRONG_HOP); then, for a recently cancelled session, any job
+           but its opening again: status CANCELLED (a cancel is final);
         2. position against the session's next position counting queued jobs: lower DUPLICATE,
            higher POSITION_GAP; a prefill at 0 for a known session: DUPLICATE if it is the opening
            job again, ALREADY_OPEN if the session is open (a closed one goes on to check 5);
@@ -211,6 +212,11 @@ class Scheduler:
                                 f"hop {job.hop} is not this worker's on the session's route")
 
         known = entry if entry is not None else closed
+        if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
+            # A cancel is final whatever the step's position: a later prompt chunk or a replay's new
+            # attempt of a cancelled session is answered CANCELLED, never POSITION_GAP or a fresh open.
+            return self._reject(job, ref, Reason.CANCELLED, next_pos, account, "session was cancelled",
+                                status=Status.CANCELLED)
         if known is not None:
             if opening:
                 if job.job_id == known.opening_job_id:
@@ -294,6 +300,22 @@ class Scheduler:
         if replies:
             replies[-1] = replace(replies[-1], close="cancelled")
         return replies
+
+    def refuse_cancelled(self, job: StepJob, ref: object) -> Reply:
+        """Answer the opening prefill of a session whose cancellation was recorded before it was
+        admitted (a cancel marker): CANCELLED with close='cancelled', no slot taken, and the session
+        remembered as closed-cancelled, so its other steps are answered CANCELLED too."""
+        account = job.session.account_id if job.session is not None else ""
+        if self.table.get(job.session_id) is None:
+            self.table.remember_closed(ClosedSession(
+                session_id=job.session_id, account_id=account, kind="cancelled", slot=-1,
+                position=job.end_position, opening_job_id=job.job_id, generated=0, prompt_tokens=0,
+                generated_tokens=0, engine_seconds=0.0))
+            self.stats.sessions_cancelled += 1
+        self.stats.jobs_cancelled += 1
+        result = self._result(job, Status.CANCELLED, Reason.CANCELLED, job.start_position,
+                              detail="session was cancelled before this step was admitted")
+        return Reply(ref=ref, job=job, result=result, account_id=account or None, close="cancelled")
 
     # ---- scheduling -----------------------------------------------------------------------------
 

@@ -166,6 +166,17 @@ class SessionTable:
             self.release_slot(entry.slot)
         return closed
 
+    def remember_closed(self, closed: ClosedSession) -> None:
+        """Record a session closed without ever holding a slot (cancelled before it opened), so its
+        later steps are answered like those of any closed session."""
+        if closed.session_id in self._sessions:
+            raise ValueError(f"session {closed.session_id!r} is open")
+        if self.closed_capacity > 0:
+            self._closed[closed.session_id] = closed
+            self._closed.move_to_end(closed.session_id)
+            if len(self._closed) > self.closed_capacity:
+                self._closed.popitem(last=False)
+
     def closed(self, session_id: str) -> ClosedSession | None:
         """The closed record of a recently closed session (refreshes its place in the LRU)."""
         rec = self._closed.get(session_id)

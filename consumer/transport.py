@@ -13,6 +13,24 @@ entry that carries an already answered job id, changes nothing.
 Every key a script touches is passed in KEYS and all of them share the worker's hash tag, so the
 scripts are Redis Cluster safe. Scripts live in `consumer/lua/*.lua`.
 
+Riding through Redis faults: every Redis call goes through `_io`, which retries connection errors,
+timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with exponential backoff
+and jitter for at most `outage_max_s`, logging one line when an outage starts and one when it ends
+(then re-raises). The caller's state is untouched by an outage: a read is simply late, a completion is
+re-sent as is (the completion script is idempotent by job id). `outages` counts the outages seen, so
+the worker can re-advertise and sweep once Redis is back (a restarted Redis may have lost the tail of
+its data set).
+
+One live consumer per worker id: `acquire_lease()` takes `keys.lease` (SET NX PX through a script that
+also bumps `keys.lease_epoch`), `renew_lease()` keeps it, `release_lease()` gives it back. While a
+lease is held, every completion checks it in the same script (`lease.lua`): a process that lost the
+lease to another (paused, partitioned) writes nothing and gets `LeaseLost`.
+
+Recovery by ownership (`recover()`): the pending entries of every other consumer name of the group
+are claimed (the lease holder is the only live consumer), this consumer's own entries are never
+taken away however long they wait, and own pending entries that the worker does not hold (a reply
+lost in a reconnect, a fenced predecessor's read under the same name) are handed out again.
+
 Pending re-read (what the worker author must know): the first `read()` calls after a
 `RedisTransport` is made re-read this consumer's own pending entries (XREADGROUP id `0`, then the last
 id seen) before any new entry, until each stream's pending list is drained; only then do reads switch
@@ -25,13 +43,18 @@ cannot crash it forever. A pending entry whose stream entry was trimmed comes ba
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import redis
 
@@ -48,12 +71,16 @@ from schemas import (
 )
 from schemas.keys import WORKERS_INDEX
 from schemas.limits import MAX_FIELD_BYTES
+from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, result_to_fields
 
 __all__ = [
-    "Completion", "DeadLetter", "Delivery", "FusedCallStats", "RedisTransport", "TransportSettings",
-    "load_lua",
+    "Completion", "DeadLetter", "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport",
+    "TransportSettings", "load_lua",
 ]
+
+log = logging.getLogger("dgr.transport")
+T = TypeVar("T")
 
 MAX_DEAD_LETTER_FIELDS = 64  # original fields copied into a dead letter (a malformed entry may have many)
 # Bytes of the original entry a dead letter written by complete() keeps, all fields together: more
@@ -61,6 +88,33 @@ MAX_DEAD_LETTER_FIELDS = 64  # original fields copied into a dead letter (a malf
 # flood of huge malformed entries costs the dead-letter stream at most this much per entry.
 MAX_DEAD_LETTER_BYTES = 2 * MAX_FIELD_BYTES
 _DETAIL_MAX = 1024
+
+
+class LeaseLost(RuntimeError):
+    """Another process acquired this worker id's lease: this one must stop writing (and exit)."""
+
+
+class LeaseHeld(RuntimeError):
+    """The lease is held by another live process and the caller chose not to wait for it."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"another consumer holds this worker id's lease: {holder}")
+        self.holder = holder
+
+
+def _pid_gone(pid: int) -> bool:
+    """The process is gone (or a zombie waiting to be reaped) on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def load_lua(name: str) -> str:
@@ -86,6 +140,8 @@ class Completion:
     account_id: str | None  # billing account to charge (None: session unknown -> no account counters)
     phase: Phase
     close: Literal["finished", "cancelled"] | None = None  # marks the session's accounting closed
+    start: int = 0  # the job's first position (for the recomputation rule of a replay)
+    replay: bool = False  # a prefill job of attempt > 0: positions already charged count as recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +167,6 @@ class TransportSettings:
 
     block_ms: int = 50  # idle blocking read (<= 0: never block)
     gather_ms: float = 2.0  # bounded gather window after a wake-up (<= 0: no gather)
-    claim_idle_ms: int = 30_000  # XAUTOCLAIM min idle
     max_deliveries: int = 5  # past this, dead-letter
     result_ttl_s: int = 86_400  # TTL of stored results (SET NX EX) and of the result streams
     # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
@@ -121,8 +176,14 @@ class TransportSettings:
     dlq_maxlen: int = 100_000
     cancel_maxlen: int = 100_000
     heartbeat_ttl_s: int = 10
-    claim_count: int = 1_000  # entries XAUTOCLAIMed per stream per recover()
+    claim_count: int = 1_000  # entries claimed per stream per recover()
     cancel_count: int = 10_000  # cancellations read per check
+    # The lease: keep it well above the longest fused call plus the heartbeat period (it is renewed
+    # with the heartbeat); a standby takes over this long after the holder stopped renewing.
+    lease_ms: int = 10_000
+    outage_max_s: float = 120.0  # give up (re-raise) after Redis was unreachable this long
+    retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
+    retry_cap_s: float = 2.0
 
 
 @dataclass(slots=True)
@@ -202,6 +263,14 @@ class RedisTransport:
         self._drained: set[str] = set()
         self._recovered: dict[str, set[str]] = {}  # ids recover() handed out, while not drained
         self._cancel_cursor = "0-0"
+        # Entries handed out (read, recovered) and not yet passed back to complete(), per stream: what
+        # the worker holds. recover() re-delivers own pending entries that are not in here.
+        self._outstanding: dict[str, set[str]] = {}
+        self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
+                                  log, f"worker {worker_id}")
+        self.lease_token: str | None = None
+        self.lease_epoch = ""
+        self.instance_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
         # Entries read() dead-lettered on its pending re-read (already in the dead-letter stream and
         # acked): for logs and metrics; the newest 1000 are kept, clear it freely.
@@ -209,9 +278,80 @@ class RedisTransport:
         # Cancellation entries cancellations() could not take (undecodable, unsigned): the worker passes
         # them to complete() as dead letters (drain_rejected_cancellations).
         self._rejected_cancels: list[DeadLetter] = []
-        self._complete = client.register_script(load_lua("complete"))
+        self._complete = client.register_script(load_lua("lease") + load_lua("complete"))
         self._pending = client.register_script(load_lua("deadletter") + load_lua("pending"))
         self._recover = client.register_script(load_lua("deadletter") + load_lua("recover"))
+        self._acquire = client.register_script(load_lua("acquire"))
+        self._renew = client.register_script(load_lua("lease") + load_lua("renew"))
+        self._release = client.register_script(load_lua("release"))
+        self._close = client.register_script(load_lua("close"))
+
+    # ---------------------------------------------------------------- riding through outages
+
+    def _io(self, fn: Callable[[], T]) -> T:
+        """fn(), retried through a Redis outage (see the module docstring and schemas/retry.py)."""
+        return self._rider.call(fn)
+
+    @property
+    def outages(self) -> int:
+        """Redis outages ridden through (unavailable, then back)."""
+        return self._rider.outages
+
+    # ---------------------------------------------------------------- the lease
+
+    def acquire_lease(self, *, wait: bool = True) -> str:
+        """Take this worker id's lease. Held by a live process: wait=True polls as a standby (one log
+        line) until it is free; wait=False raises LeaseHeld. A holder on this host whose process is
+        gone (kill -9, then a restart) is replaced at once rather than after the lease lapses."""
+        st = self.settings
+        keys = [self.keys.lease, self.keys.lease_epoch]
+        steal = ""
+        waiting_logged = False
+        while True:
+            ok, value = self._io(partial(self._acquire, keys=keys, args=[self.instance_id, st.lease_ms, steal]))
+            value = _s(value)
+            if int(ok) == 1:
+                self.lease_token = value
+                self.lease_epoch = value.split(":", 1)[0]
+                log.info("lease acquired", extra={"worker": self.worker_id, "lease": value,
+                                                  "replaced": steal or None})
+                return value
+            if self._holder_gone(value):
+                steal = value
+                continue
+            steal = ""
+            if not wait:
+                raise LeaseHeld(value)
+            if not waiting_logged:
+                log.warning("another consumer holds this worker id: waiting as standby", extra={
+                    "worker": self.worker_id, "holder": value, "lease_ms": st.lease_ms})
+                waiting_logged = True
+            time.sleep(min(1.0, st.lease_ms / 4000))
+
+    @staticmethod
+    def _holder_gone(token: str) -> bool:
+        parts = token.split(":")
+        if len(parts) != 4 or parts[1] != socket.gethostname() or not parts[2].isdigit():
+            return False
+        pid = int(parts[2])
+        # Our own pid under another token: a container restarted with the same pid.
+        return pid == os.getpid() or _pid_gone(pid)
+
+    def renew_lease(self) -> None:
+        """Extend the lease (taking it back if it lapsed and nobody took it). LeaseLost if another did."""
+        if self.lease_token is None:
+            return
+        keys = [self.keys.lease, self.keys.lease_epoch]
+        args: list[str | int] = [self.lease_token, self.lease_epoch, self.settings.lease_ms]
+        if int(self._io(partial(self._renew, keys=keys, args=args))) != 1:
+            raise LeaseLost(f"worker {self.worker_id}: the lease was taken over by another consumer")
+
+    def release_lease(self) -> None:
+        """Give the lease back (clean exit), if still ours."""
+        if self.lease_token is None:
+            return
+        token, self.lease_token = self.lease_token, None
+        self._io(lambda: self._release(keys=[self.keys.lease], args=[token]))
 
     # ---------------------------------------------------------------- registration, liveness
 
@@ -230,12 +370,17 @@ class RedisTransport:
             "info": dict(info),
             "registered_at": time.time(),
         }
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.spec, json.dumps(spec, default=str, separators=(",", ":")))
-        pipe.sadd(WORKERS_INDEX, self.worker_id)
-        pipe.execute()
-        for script in (self._complete, self._pending, self._recover):
-            self.client.script_load(script.script)  # so the first complete() is one EVALSHA
+        body = json.dumps(spec, default=str, separators=(",", ":"))
+
+        def advertise() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.keys.spec, body)
+            pipe.sadd(WORKERS_INDEX, self.worker_id)
+            pipe.execute()
+            for script in (self._complete, self._pending, self._recover):
+                self.client.script_load(script.script)  # so the first complete() is one EVALSHA
+
+        self._io(advertise)
         for s in streams:
             if s not in self.streams:
                 self.streams.append(s)
@@ -245,16 +390,21 @@ class RedisTransport:
         """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s."""
         body = {"ts": time.time(), "worker_id": self.worker_id, "consumer": self.consumer_name,
                 **(info or {})}
-        self.client.set(self.keys.heartbeat, json.dumps(body, default=str, separators=(",", ":")),
-                        ex=self.settings.heartbeat_ttl_s)
+        raw = json.dumps(body, default=str, separators=(",", ":"))
+        self._io(lambda: self.client.set(self.keys.heartbeat, raw, ex=self.settings.heartbeat_ttl_s))
 
     def _create_groups(self, streams: Iterable[str]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for s in streams:
-            pipe.xgroup_create(s, GROUP, id="0", mkstream=True)
-        for r in pipe.execute(raise_on_error=False):
-            if isinstance(r, Exception) and "BUSYGROUP" not in str(r):
-                raise r
+        names = list(streams)
+
+        def create() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for s in names:
+                pipe.xgroup_create(s, GROUP, id="0", mkstream=True)
+            for r in pipe.execute(raise_on_error=False):
+                if isinstance(r, Exception) and "BUSYGROUP" not in str(r):
+                    raise r
+
+        self._io(create)
 
     def _stream_meta(self, stream: str) -> tuple[str, Phase]:
         m = self._meta.get(stream)
@@ -265,9 +415,19 @@ class RedisTransport:
             m = self._meta[stream] = (parsed[1], parsed[2])
         return m
 
-    def _delivery(self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes]) -> Delivery:
+    def _delivery(self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes], *,
+                  held: bool = True) -> Delivery:
+        """held: handed to the worker, which will pass it back to complete() (False: already acked)."""
         digest, phase = self._meta[stream]
-        return Delivery(stream=stream, entry_id=_s(entry_id), fields=fields, digest=digest, phase=phase)
+        eid = _s(entry_id)
+        if held:
+            self._outstanding.setdefault(stream, set()).add(eid)
+        return Delivery(stream=stream, entry_id=eid, fields=fields, digest=digest, phase=phase)
+
+    @property
+    def outstanding(self) -> int:
+        """Entries handed out and not yet passed back to complete()."""
+        return sum(len(v) for v in self._outstanding.values())
 
     # ---------------------------------------------------------------- reading
 
@@ -329,7 +489,7 @@ class RedisTransport:
                     out.append(d)
                     remaining[s] -= 1
             for entry_id, n, flat in dead:
-                d = self._delivery(s, entry_id, _pairs(flat))
+                d = self._delivery(s, entry_id, _pairs(flat), held=False)
                 self.dead_lettered.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES,
                                                      f"delivered {_s(n)} times (max {self.settings.max_deliveries})"))
             if int(scanned) < asked[s]:
@@ -354,12 +514,16 @@ class RedisTransport:
             ((count, ids),) = by_count.items()
             resp = self._xreadgroup(ids, count, block if block > 0 else None)
             return self._take(resp, remaining)
-        pipe = self.client.pipeline(transaction=False)
-        for count, ids in by_count.items():
-            pipe.xreadgroup(GROUP, self.consumer_name, ids, count=count)  # type: ignore[arg-type]
+
+        def read_all() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for count, ids in by_count.items():
+                pipe.xreadgroup(GROUP, self.consumer_name, ids, count=count)  # type: ignore[arg-type]
+            return pipe.execute(raise_on_error=False)
+
         out: list[Delivery] = []
         lost_group = False
-        for resp in pipe.execute(raise_on_error=False):  # the replies that worked count, entries were taken
+        for resp in self._io(read_all):  # the replies that worked count, entries were taken
             if isinstance(resp, redis.ResponseError) and _no_group(resp):
                 lost_group = True
             elif isinstance(resp, Exception):
@@ -376,14 +540,15 @@ class RedisTransport:
 
     def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None) -> Any:
         try:
-            return self.client.xreadgroup(GROUP, self.consumer_name, ids, count=count,  # type: ignore[arg-type]
-                                          block=block)
+            return self._io(lambda: self.client.xreadgroup(GROUP, self.consumer_name, ids,  # type: ignore[arg-type]
+                                                           count=count, block=block))
         except redis.ResponseError as e:
             if not _no_group(e):
                 raise
-            self._create_groups(ids)  # the stream was deleted under us (FLUSHALL, DEL): recreate
-            return self.client.xreadgroup(GROUP, self.consumer_name, ids, count=count,  # type: ignore[arg-type]
-                                          block=None)
+            # The stream or the group is gone (FLUSHALL, DEL, a Redis restarted without its data): recreate.
+            self._create_groups(ids)
+            return self._io(lambda: self.client.xreadgroup(GROUP, self.consumer_name, ids,  # type: ignore[arg-type]
+                                                           count=count, block=None))
 
     def _take(self, resp: Any, remaining: dict[str, int]) -> list[Delivery]:
         out: list[Delivery] = []
@@ -398,50 +563,114 @@ class RedisTransport:
               streams: Iterable[str]) -> Any:
         self.round_trips += 1
         try:
-            return script(keys=keys, args=args)
+            return self._io(lambda: script(keys=keys, args=args))
         except redis.ResponseError as e:
             if not _no_group(e):
                 raise
             self._create_groups(streams)
-            return script(keys=keys, args=args)
+            return self._io(lambda: script(keys=keys, args=args))
 
     # ---------------------------------------------------------------- recovery, cancellations
 
     def recover(self) -> tuple[list[Delivery], list[DeadLetter]]:
-        """XAUTOCLAIM entries idle > claim_idle_ms on every registered stream into this consumer, in
-        one script call for all streams. Entries delivered more than max_deliveries times (the claim
-        counts) are dead-lettered (reason too_many_deliveries, original fields kept) and acked in
-        the same script; the rest are returned as deliveries.
+        """Recovery by ownership, in one script call for all streams (plus one call per stream where
+        this consumer's own pending list holds entries the worker does not):
 
-        An entry this very consumer holds for longer than claim_idle_ms is claimed (and returned)
-        again too: keep steps far shorter than claim_idle_ms."""
+        * the pending entries of every other consumer name are claimed into this one (XCLAIM, min
+          idle 0): the lease holder is the only live consumer of this worker id;
+        * this consumer's own pending entries are never claimed by idle time; those the worker does
+          not hold (handed out, not yet completed) are handed out again: a read whose reply was lost
+          in a reconnect, or a fenced predecessor's read under the same consumer name. Streams
+          whose start-up pending re-read (read()) is not finished are left to it.
+
+        Entries delivered more than max_deliveries times (the claim counts) are dead-lettered (reason
+        too_many_deliveries, original fields kept) and acked in the same script; the rest are
+        returned as deliveries, in stream order per stream."""
         streams = list(self.streams)
         if not streams:
             return [], []
         st = self.settings
-        args: list[str | int] = [GROUP, self.consumer_name, st.claim_idle_ms, st.claim_count,
+        args: list[str | int] = [GROUP, self.consumer_name, st.claim_count,
                                  st.max_deliveries, st.dlq_maxlen, MAX_DEAD_LETTER_FIELDS]
         reply = self._call(self._recover, [self.keys.dead_letters, *streams], args, streams)
         kept_out: list[Delivery] = []
         dead_out: list[DeadLetter] = []
-        for s, (kept, dead) in zip(streams, reply, strict=True):
+        for s, (kept, dead, own) in zip(streams, reply, strict=True):
+            held = self._outstanding.get(s, set())
+            if s in self._drained and int(own) > len(held):
+                kept_out += self._orphans(s, held)
             for entry_id, _n, flat in kept:
                 d = self._delivery(s, entry_id, _pairs(flat))
                 kept_out.append(d)
                 if s not in self._drained:
                     self._recovered.setdefault(s, set()).add(d.entry_id)
             for entry_id, n, flat in dead:
-                d = self._delivery(s, entry_id, _pairs(flat))
+                d = self._delivery(s, entry_id, _pairs(flat), held=False)
                 dead_out.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES,
                                            f"delivered {_s(n)} times (max {st.max_deliveries})"))
         return kept_out, dead_out
+
+    def _orphans(self, stream: str, held: set[str]) -> list[Delivery]:
+        """Own pending entries of `stream` that the worker does not hold, handed out again."""
+        count = self.settings.claim_count
+        self.round_trips += 1
+        pending: Any = self._io(lambda: self.client.xpending_range(stream, GROUP, "-", "+", count,
+                                                                   consumername=self.consumer_name))
+        ids: list[Any] = [_s(p["message_id"]) for p in pending if _s(p["message_id"]) not in held]
+        if not ids:
+            return []
+        self.round_trips += 1
+        claimed: Any = self._io(lambda: self.client.xclaim(stream, GROUP, self.consumer_name, 0, ids))
+        out: list[Delivery] = []
+        for entry in claimed:
+            if entry and entry[0] is not None:
+                out.append(self._delivery(stream, entry[0], _fields(entry[1])))
+        if out:
+            log.warning("own pending entries the worker did not hold: handed out again", extra={
+                "worker": self.worker_id, "stream": stream, "entries": len(out)})
+        return out
+
+    def checks(self, job_ids: Sequence[str], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(the job ids already answered: their result record exists, the session ids with a cancel
+        marker), in one round trip. The worker asks this for the openings of sessions it does not
+        hold, before admitting them: a session's cancel recorded while the worker was down or before
+        its first job was read wins, and a re-pushed opening that was answered long ago (by an
+        earlier process) does not open a ghost session."""
+        if not job_ids and not session_ids:
+            return set(), set()
+        jobs, sids = list(job_ids), list(session_ids)
+
+        def ask() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for j in jobs:
+                pipe.exists(self.keys.result_record(j))
+            for sid in sids:
+                pipe.exists(self.keys.cancel_marker(sid))
+            return pipe.execute()
+
+        self.round_trips += 1
+        replies = self._io(ask)
+        answered = {j for j, r in zip(jobs, replies[:len(jobs)], strict=True) if int(r)}
+        cancelled = {sid for sid, r in zip(sids, replies[len(jobs):], strict=True) if int(r)}
+        return answered, cancelled
+
+    def close_sessions(self, closures: Sequence[tuple[str, str]]) -> int:
+        """Mark (session id, kind) accounting hashes closed when they exist and are open (no hash is
+        created). For closures no answer carried: a cancel with nothing queued, a cancel of a session
+        this worker does not hold, an engine failure. Returns how many were closed."""
+        if not closures:
+            return 0
+        keys = [self.keys.session_account(sid) for sid, _ in closures]
+        kinds = [kind for _, kind in closures]
+        self.round_trips += 1
+        return int(self._io(lambda: self._close(keys=keys, args=kinds)))
 
     def cancellations(self) -> list[str]:
         """Session ids cancelled since the last call (one non-blocking XREAD of keys.cancellations).
         The first call reads from the beginning of the (MAXLEN-trimmed) stream."""
         self.round_trips += 1
-        resp = self.client.xread({self.keys.cancellations: self._cancel_cursor},
-                                 count=self.settings.cancel_count)
+        resp = self._io(lambda: self.client.xread({self.keys.cancellations: self._cancel_cursor},
+                                                  count=self.settings.cancel_count))
         out: list[str] = []
         stream = self.keys.cancellations
         for _name, entries in _streams(resp):
@@ -474,10 +703,12 @@ class RedisTransport:
         """Answer a batch in ONE EVALSHA (none when all three are empty). Returns, per completion,
         whether it was the first to finish (False: a replay, or the job id was already answered).
 
-        Per completion: XACK; if it returned 1, SET the result record NX EX; if that succeeded,
-        XADD the result to the session's result stream and count the accounting (session: prompt
-        and generated tokens, steps, engine_seconds, account, closed; billing account: the same
-        sums; worker: steps, tokens, results:<status>, steps:<phase>, engine_seconds_share).
+        Per completion: XACK; then SET the result record NX EX; if that succeeded (the job id was
+        never answered), XADD the result to the session's result stream and count the accounting
+        (when the account is known: session: prompt, generated and recomputed tokens, steps,
+        engine_seconds, account, closed; billing account: the same sums; always: worker: steps,
+        tokens, results:<status>, steps:<phase>, engine_seconds_share). With a lease held, the
+        script checks it first: LeaseLost when another process holds it (nothing written).
         Per dead letter: XACK; if it returned 1, XADD it to the dead-letter stream (reason,
         detail, stream, entry_id, the original fields prefixed 'f:'). "XACK returned 1" holds for
         every item of one call naming the same entry (a malformed delivery may be answered with a
@@ -493,9 +724,11 @@ class RedisTransport:
         keys(self.keys.worker_account)
         keys(self.keys.accounts_index)
         keys(self.keys.dead_letters)
+        keys(self.keys.lease)
+        keys(self.keys.lease_epoch)
         args: list[str | int | bytes] = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen,
                                          len(completions), len(dead_letters), 1 if call is not None else 0,
-                                         st.reject_ttl_s]
+                                         st.reject_ttl_s, self.lease_token or "", self.lease_epoch, st.lease_ms]
         for c in completions:
             r = c.result
             fields = result_to_fields(r)
@@ -506,7 +739,7 @@ class RedisTransport:
                 keys(self.keys.results(r.session_id)), keys(self.keys.session_account(r.session_id)),
                 keys(self.keys.billing_account(c.account_id)) if c.account_id else 0, c.account_id or "",
                 r.status.value, c.phase, acct.prompt_tokens, acct.generated_tokens,
-                repr(float(acct.engine_seconds)), c.close or "", len(fields),
+                repr(float(acct.engine_seconds)), c.close or "", c.start, 1 if c.replay else 0, len(fields),
             ]
             for k, v in fields.items():
                 args += [k, v]
@@ -519,7 +752,17 @@ class RedisTransport:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
             args += [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
         self.round_trips += 1
-        reply = self._complete(keys=keys.keys, args=args)
+        try:
+            # Re-sent as is after a reconnect: the script is idempotent by job id.
+            reply = self._io(lambda: self._complete(keys=keys.keys, args=args))
+        except redis.ResponseError as e:
+            if str(e).startswith("DGRFENCED"):
+                raise LeaseLost(f"worker {self.worker_id}: {e}") from None
+            raise
+        for c in completions:
+            self._outstanding.get(c.delivery.stream, set()).discard(c.delivery.entry_id)
+        for d in dead_letters:
+            self._outstanding.get(d.delivery.stream, set()).discard(d.delivery.entry_id)
         return [bool(int(x)) for x in reply]
 
     def _dead_letter_fields(self, d: DeadLetter) -> list[str | bytes]:
@@ -549,11 +792,15 @@ class RedisTransport:
         tell), pending. One round trip."""
         if not self.streams:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for s in self.streams:
-            pipe.xlen(s)
-            pipe.xinfo_groups(s)
-        replies = pipe.execute(raise_on_error=False)
+
+        def ask() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for s in self.streams:
+                pipe.xlen(s)
+                pipe.xinfo_groups(s)
+            return pipe.execute(raise_on_error=False)
+
+        replies = self._io(ask)
         out: dict[str, dict[str, int]] = {}
         for i, s in enumerate(self.streams):
             length, groups = replies[2 * i], replies[2 * i + 1]

@@ -2,6 +2,14 @@
 
 It joins three parts that know nothing of each other: the transport (all Redis I/O), the scheduler
 (pure decisions) and the engine (one forward pass per call). Nothing here speaks Redis.
+
+Delivery (issue 12): every step gets exactly one real answer. A job id delivered again while the
+worker still holds it (queued or in a call: a producer retry, `open()` twice, a re-push after an
+outage) is held as a *twin* and completed with the original's answer; one delivered again after it
+was answered gets the same completion re-sent (a no-op unless Redis lost the first one). The opening
+of a session this worker does not hold is checked first against Redis (one round trip per read that
+has any): already answered (by an earlier process) -> acked, no ghost session; a cancel marker ->
+answered CANCELLED without taking a slot.
 """
 
 from __future__ import annotations
@@ -11,19 +19,19 @@ import os
 import signal
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason, Status, StepResult, WireError, job_from_fields
+from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult, WireError, job_from_fields
 
 from .engines.base import Engine, EngineError, engine_key
 from .idle import IdleSessions
 from .metrics import Metrics
 from .pacing import PrefillPacer
 from .scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
-from .transport import Completion, DeadLetter, Delivery, FusedCallStats, RedisTransport
+from .transport import Completion, DeadLetter, Delivery, FusedCallStats, LeaseLost, RedisTransport
 
 log = logging.getLogger("dgr.worker")
 
@@ -42,8 +50,10 @@ class WorkerSettings:
     # work queued: without it a prefill chunk slips into every gap while the Tracker turns a result
     # into its next step (a few ms), and decode gets one call in two instead of its weighted share.
     await_ms: int = 5
-    heartbeat_s: float = 2.0
-    recover_every_s: float = 30.0  # XAUTOCLAIM sweep for entries stuck with a dead consumer name
+    heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
+    recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
+    standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
+    answered_memory: int = 65_536  # completions remembered per job id, re-sent for a late duplicate
     # Entries one iteration may read in all. When entries read are refused at admission (malformed,
     # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
     # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
@@ -111,9 +121,17 @@ class Worker:
         self._last_recover = 0.0
         self._started = time.time()
         self._m = settings.worker_id
+        self._held: dict[str, Delivery] = {}  # job id -> the delivery admitted (queued or in a call)
+        self._twins: dict[str, list[Delivery]] = {}  # job id -> more deliveries of it, while held
+        self._answered: OrderedDict[str, Completion] = OrderedDict()  # job id -> its completion (LRU)
+        self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
+        self._outages_seen = 0
+        self._fenced = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        # One live consumer per worker id: wait as a standby (or refuse) while another holds the lease.
+        self.transport.acquire_lease(wait=self.settings.standby)
         # A fresh scheduler believes every slot is free: make the engine agree, whatever it held before.
         for slot in range(self.engine.capacity.n_slots):
             self.engine.release(slot)
@@ -123,6 +141,7 @@ class Worker:
             self.streams[phase] = name
         log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
         self._last_recover = time.monotonic()
+        self._outages_seen = self.transport.outages
         self._recover()
 
     def request_stop(self, *_: object) -> None:
@@ -140,12 +159,19 @@ class Worker:
         if not self.streams:
             self.start()
         idle_since = time.monotonic()
-        while not self._stop.is_set():
-            if self.run_once():
-                idle_since = time.monotonic()
-            elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
-                break
+        try:
+            while not self._stop.is_set():
+                if self.run_once():
+                    idle_since = time.monotonic()
+                elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
+                    break
+        except LeaseLost:
+            # Another process serves this worker id now: write nothing more (no heartbeat, no release).
+            self._fenced = True
+            log.error("lease lost to another consumer: stopping without writing", extra={"worker": self._m})
+            raise
         self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
+        self.transport.release_lease()
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
 
     # ---- one iteration ---------------------------------------------------------------------
@@ -159,7 +185,10 @@ class Worker:
         self.stats.read_seconds += read_s
         cancelled = self.transport.cancellations()
         dead.extend(self.transport.drain_rejected_cancellations())
+        not_held: list[str] = []
         for sid in cancelled + self._idle_sessions():
+            if self.scheduler.table.get(sid) is None:
+                not_held.append(sid)
             self._cancel(sid, answers)
         decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
         self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
@@ -172,9 +201,10 @@ class Worker:
             engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
-        completions = wire_rejects + [self._completion(a) for a in answers]
+        completions = wire_rejects + self._completions(answers)
         if completions or dead or call:
             self.transport.complete(completions, dead, call)
+        self._close_uncarried(completions, not_held)
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
         self._observe(batch, call, completions, dead)
@@ -202,6 +232,7 @@ class Worker:
             total += len(got)
             took: dict[str, int] = {}
             refused: dict[str, int] = {}
+            self._precheck_openings(got)
             for d in got:
                 took[d.stream] = took.get(d.stream, 0) + 1
                 if self._admit(d, answers, dead, wire_rejects):
@@ -281,10 +312,13 @@ class Worker:
             if e.session_id is not None:  # tell the session too, so its caller is not left waiting
                 wire_rejects.append(self._wire_reject(d, e, e.session_id))
             return False
+        if self._duplicate(job, d, wire_rejects):
+            return False
         reply = self.scheduler.admit(job, d.digest, d)
         if reply is not None:
             answers.append(reply)
             return False
+        self._held[job.job_id] = d
         if self.idle is not None:
             self.idle.touch(job.session_id)
         return True
@@ -314,6 +348,79 @@ class Worker:
             self.stats.sessions_idle_cancelled += 1
             log.info("idle session cancelled", extra={"session": sid, "idle_s": self.idle.idle_s})
         return due
+
+    # ---- exactly one real answer per step ----------------------------------------------------
+    def _precheck_openings(self, deliveries: Sequence[Delivery]) -> None:
+        """One round trip for the openings (prefill at position 0) of sessions this worker does not
+        hold and whose job it has not seen: answered already? cancel marker?"""
+        jobs: list[str] = []
+        sids: list[str] = []
+        for d in deliveries:
+            f = d.fields
+            if d.phase != "prefill" or f.get(b"pos") != b"0":
+                continue
+            try:
+                jid, sid = f[b"job_id"].decode(), f[b"session_id"].decode()
+            except (KeyError, UnicodeDecodeError):
+                continue  # not a job: _admit answers it
+            if jid in self._held or jid in self._answered or self.scheduler.table.get(sid) is not None:
+                continue
+            jobs.append(jid)
+            sids.append(sid)
+        self._precheck = self.transport.checks(jobs, sids) if jobs else (set(), set())
+
+    def _duplicate(self, job: StepJob, d: Delivery, out: list[Completion]) -> bool:
+        """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
+        session cancelled before it opened). True when the job must not reach the scheduler."""
+        jid = job.job_id
+        if jid in self._held:  # queued or in a call: complete it with the original's answer
+            self._twins.setdefault(jid, []).append(d)
+            return True
+        done = self._answered.get(jid)
+        if done is not None:  # answered: re-send the same completion (no-op unless Redis lost it)
+            self._answered.move_to_end(jid)
+            out.append(replace(done, delivery=d))
+            return True
+        answered, cancelled = self._precheck
+        if jid in answered:  # answered by an earlier process: the stored result stands, ack this one
+            res = StepResult(job_id=jid, session_id=job.session_id, status=Status.REJECTED, reason=Reason.DUPLICATE,
+                             detail="already answered", position=job.start_position, worker_id=self._m)
+            out.append(Completion(d, res, None, d.phase))
+            return True
+        if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None:
+            reply = self.scheduler.refuse_cancelled(job, d)
+            out.append(self._remember(self._completion(reply)))
+            return True
+        return False
+
+    def _completions(self, answers: Sequence[Answer]) -> list[Completion]:
+        """The completion of every answer, plus one per twin delivery of its job (same result)."""
+        out: list[Completion] = []
+        for a in answers:
+            c = self._remember(self._completion(a))
+            out.append(c)
+            if a.job is not None:
+                self._held.pop(a.job.job_id, None)
+                for twin in self._twins.pop(a.job.job_id, ()):
+                    out.append(replace(c, delivery=twin))
+        return out
+
+    def _remember(self, c: Completion) -> Completion:
+        self._answered[c.result.job_id] = c
+        self._answered.move_to_end(c.result.job_id)
+        while len(self._answered) > self.settings.answered_memory:
+            self._answered.popitem(last=False)
+        return c
+
+    def _close_uncarried(self, completions: Sequence[Completion], cancelled_not_held: Sequence[str]) -> None:
+        """Close the accounting of sessions whose closure no answer carried: a cancel with nothing
+        queued, a failed engine call, a cancel of a session this worker does not hold (an earlier
+        process may have charged it)."""
+        carried = {c.result.session_id for c in completions if c.close is not None}
+        todo = [(cs.session_id, cs.kind) for cs in self.scheduler.drain_closed() if cs.session_id not in carried]
+        todo += [(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
+        if todo:
+            self.transport.close_sessions(todo)
 
     def _run_batch(self, batch: ScheduledBatch) -> list[Outcome]:
         """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
@@ -357,8 +464,11 @@ class Worker:
 
     def _completion(self, a: Answer) -> Completion:
         d: Delivery = a.ref  # type: ignore[assignment]
-        phase = a.job.phase if a.job is not None else d.phase
-        return Completion(d, a.result, a.account_id, phase, a.close)
+        job = a.job
+        phase = job.phase if job is not None else d.phase
+        start = job.start_position if job is not None else 0
+        replay = job is not None and job.phase == "prefill" and job.attempt > 0
+        return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
 
     def _release_slots(self) -> None:
         for slot in self.scheduler.drain_released():
@@ -368,8 +478,11 @@ class Worker:
     # ---- periodic --------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if self.transport.outages != self._outages_seen:
+            self._after_outage()
         if now - self._last_heartbeat >= self.settings.heartbeat_s:
             self._last_heartbeat = now
+            self.transport.renew_lease()  # LeaseLost when another process took over (a long pause)
             self.transport.heartbeat(self._info())
             for stream, lag in self.transport.input_lag().items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
@@ -378,13 +491,26 @@ class Worker:
             self._last_recover = now
             self._recover()
 
+    def _after_outage(self) -> None:
+        """Redis was unreachable and is back: it may have restarted, lost the tail of its data set or
+        failed over. Re-advertise (spec, groups, scripts), check the lease, and sweep: own pending
+        entries the worker does not hold (a read whose reply was lost) are handed out again. The
+        engine state and the session table are untouched."""
+        self._outages_seen = self.transport.outages
+        log.info("re-registering after a redis outage", extra={"worker": self._m, "outages": self._outages_seen})
+        self.transport.renew_lease()
+        self.transport.register(list(self.keys.values()), self._info())
+        self._last_recover = time.monotonic()
+        self._recover()
+
     def _recover(self) -> None:
         deliveries, dead = self.transport.recover()
         answers: list[Answer] = []
         wire_rejects: list[Completion] = []
+        self._precheck_openings(deliveries)
         for d in deliveries:
             self._admit(d, answers, dead, wire_rejects)
-        completions = wire_rejects + [self._completion(a) for a in answers]
+        completions = wire_rejects + self._completions(answers)
         if completions or dead:
             self.transport.complete(completions, dead, None)
         for dl in dead:

@@ -70,6 +70,24 @@ class WorkerKeys:
     def heartbeat(self) -> str:
         return f"{self.base}:hb"
 
+    @property
+    def lease(self) -> str:
+        """'<epoch>:<instance>' of the one consumer process serving this worker id (SET NX PX)."""
+        return f"{self.base}:lease"
+
+    @property
+    def lease_epoch(self) -> str:
+        """Counts lease acquisitions: a holder whose epoch is no longer current is fenced."""
+        return f"{self.base}:lease:epoch"
+
+    def cancel_marker(self, session_id: str) -> str:
+        """Set (with a TTL) by whoever cancels the session: a cancellation as state, not only an event."""
+        return f"{self.base}:cancelled:{session_id}"
+
+    def session_record(self, session_id: str) -> str:
+        """The Tracker's record of a session (spec, prompt, attempt): rebuilds a handle in any process."""
+        return f"{self.base}:sess:{session_id}"
+
 
 def parse_input_stream(name: str) -> tuple[str, str, Phase] | None:
     """(worker_id, digest, phase) of an input stream key, or None if it is not one."""

@@ -188,9 +188,10 @@ def test_check_order() -> None:
     assert reason(admit(s, prefill("a", 9, (99,) * 10)))[1] == Reason.POSITION_GAP
     # token beats length
     assert reason(admit(s, prefill("a", 4, (99,) * 20)))[1] == Reason.BAD_TOKEN
-    # length beats cancelled
+    # a cancel is final: it beats position and length (issue 12: durable cancellation)
     s.cancel("a")
-    assert reason(admit(s, prefill("a", 4, 20)))[1] == Reason.TOO_LONG
+    assert reason(admit(s, prefill("a", 4, 20))) == (Status.CANCELLED, Reason.CANCELLED, 4)
+    assert reason(admit(s, prefill("a", 9, 3))) == (Status.CANCELLED, Reason.CANCELLED, 4)
     assert reason(admit(s, decode("a", 4))) == (Status.CANCELLED, Reason.CANCELLED, 4)
     # unknown session: token check still before state_lost
     assert reason(admit(s, decode("zz", 3, token=99)))[1] == Reason.BAD_TOKEN

@@ -483,36 +483,64 @@ def test_one_delivery_rejected_and_dead_lettered_in_one_call(redis_client: redis
 # ------------------------------------------------------------------------------------------ recovery
 
 
-def test_xautoclaim_takeover_by_a_new_consumer(redis_client: redis.Redis, transport: RedisTransport) -> None:
+def test_takeover_claims_a_dead_consumers_entries_at_once(redis_client: redis.Redis,
+                                                          transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
     held = transport.read({dec: 3}, block_ms=0)  # c1 dies holding them
-    fresh = RedisTransport(redis_client, WORKER, "c2", TransportSettings(claim_idle_ms=1))
+    fresh = RedisTransport(redis_client, WORKER, "c2")
     fresh.register([make_key("prefill"), make_key("decode")], {})
-    time.sleep(0.02)
-    taken, dead = fresh.recover()
+    taken, dead = fresh.recover()  # by ownership: no idle time to wait for
     assert dead == [] and [d.entry_id for d in taken] == [d.entry_id for d in held]
     assert [d.fields for d in taken] == [d.fields for d in held]
     owners = {p["consumer"] for p in redis_client.xpending_range(dec, GROUP, "-", "+", 10)}
     assert owners == {b"c2"}
+    assert {c["name"] for c in redis_client.xinfo_consumers(dec, GROUP)} == {b"c2"}  # the dead name is gone
     assert fresh.complete(completions_for(taken)) == [True] * 3
     assert transport.complete(completions_for(held)) == [False] * 3  # the zombie's late answer
     assert all(redis_client.xlen(fresh.keys.results(f"s{i}")) == 1 for i in range(3))
     assert fresh.recover() == ([], [])
 
 
-def test_recover_into_the_same_consumer_is_not_redelivered_by_the_pending_reread(
+def test_own_entries_are_never_claimed_however_long_they_wait(real_redis: redis.Redis) -> None:
+    t = RedisTransport(real_redis, WORKER, "c1")
+    _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
+    push(real_redis, dec, [make_job(f"s{i}", 1) for i in range(3)])
+    held = t.read({dec: 3}, block_ms=0)
+    time.sleep(0.05)  # idle far longer than the old 1 ms claim setting: idle time decides nothing now
+    assert t.recover() == ([], [])
+    deliveries = [p["times_delivered"] for p in real_redis.xpending_range(dec, GROUP, "-", "+", 10)]
+    assert deliveries == [1, 1, 1]
+    assert t.complete(completions_for(held)) == [True] * 3
+
+
+def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client: redis.Redis,
+                                                                    transport: RedisTransport) -> None:
+    """A read whose reply was lost in a reconnect: the entries sit in our pending list, unheld."""
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
+    held = transport.read({dec: 1}, block_ms=0)
+    assert transport.read({dec: 1}, block_ms=0) != []  # drains the pending re-read, reads s1
+    lost = redis_client.xreadgroup(GROUP, "c1", {dec: ">"}, count=1)  # s2: read, reply "lost"
+    assert lost
+    taken, dead = transport.recover()
+    assert dead == [] and [job_from_fields(d.fields).session_id for d in taken] == ["s2"]
+    assert transport.recover() == ([], [])  # now held: not handed out twice
+    assert transport.outstanding == 3
+    transport.complete(completions_for(held))
+    assert transport.outstanding == 2
+
+
+def test_recover_leaves_own_entries_to_the_pending_reread_after_a_restart(
         redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
-    held = transport.read({dec: 2}, block_ms=0)
-    again = RedisTransport(redis_client, WORKER, "c1", TransportSettings(claim_idle_ms=1))
+    transport.read({dec: 2}, block_ms=0)
+    again = RedisTransport(redis_client, WORKER, "c1")  # a restart under the same consumer name
     again.register([make_key("prefill"), make_key("decode")], {})
-    time.sleep(0.02)
-    taken, _dead = again.recover()  # a restart that sweeps first (the worker's start())
-    assert [d.entry_id for d in taken] == [d.entry_id for d in held]
+    assert again.recover() == ([], [])  # the worker's start(): nothing of its own is claimed
     rest = again.read({dec: 8}, block_ms=0)
-    assert [job_from_fields(d.fields).session_id for d in rest] == ["s2"]  # no second copy of s0, s1
+    assert [job_from_fields(d.fields).session_id for d in rest] == ["s0", "s1", "s2"]  # each once
 
 
 def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> None:
@@ -524,7 +552,7 @@ def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> N
 
 
 def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> None:
-    settings = TransportSettings(claim_idle_ms=1, max_deliveries=2)
+    settings = TransportSettings(max_deliveries=2)
     a = RedisTransport(redis_client, WORKER, "a", settings)
     _pre, dec = a.register([make_key("prefill"), make_key("decode")], {})
     b = RedisTransport(redis_client, WORKER, "b", settings)
@@ -532,11 +560,9 @@ def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> Non
     job = make_job("poison", 9)
     (entry_id,) = push(redis_client, dec, [job])
     assert len(a.read({dec: 1}, block_ms=0)) == 1  # delivery 1
-    time.sleep(0.01)
-    taken, dead = b.recover()  # delivery 2: still handed out
+    taken, dead = b.recover()  # delivery 2 (a is gone, b holds the lease): still handed out
     assert [d.entry_id for d in taken] == [entry_id] and dead == []
-    time.sleep(0.01)
-    taken, dead = a.recover()  # delivery 3 > 2: dead-lettered
+    taken, dead = a.recover()  # delivery 3 > 2 (a is back, b is gone): dead-lettered
     assert taken == [] and len(dead) == 1
     assert dead[0].reason == Reason.TOO_MANY_DELIVERIES and dead[0].delivery.entry_id == entry_id
     ((_id, f),) = xrange(redis_client, a.keys.dead_letters)

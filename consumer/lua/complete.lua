@@ -1,10 +1,18 @@
 -- complete.lua: answer a batch of step jobs in one round trip (see consumer/transport.py).
 --
+-- Runs after lease.lua. When a lease token is given, the script first checks that this process
+-- still holds the worker's lease (or takes it back if it lapsed and nobody took it since); a fenced
+-- process gets the error DGRFENCED and nothing is written.
+--
+-- The job id decides, not the delivery: for each completion, XACK the entry, then SET the result
+-- record NX EX; only when that SET succeeded (this job id was never answered, or Redis lost the
+-- answer together with everything else the answering call wrote): XADD the result to the session's
+-- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session and billing account when
+-- the account is known, worker always). So a completion re-sent after a reconnect, a second delivery
+-- of the same entry, or a second entry carrying an answered job id changes nothing, and an entry whose
+-- delivery record Redis lost (restart) still gets its one answer.
 -- "XACK returned 1" below means: XACK returned 1 for this entry in this call, here or earlier in the
 -- same call (the worker may answer one malformed delivery with a rejection AND a dead letter).
--- For each completion: XACK; only when XACK returned 1 (this delivery is the first to finish):
--- SET the result record NX EX; only when that SET succeeded: XADD the result to the session's
--- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session, billing account, worker).
 -- An answer with a billing account is one of a session this worker holds (or held): record and
 -- result stream live `result ttl`, the session hash is counted and lives `result ttl` after its last
 -- step. An answer without one (a session this worker does not hold: rejected before it opened,
@@ -16,16 +24,20 @@
 -- added only when its id is above the worker hash's `cancel_dead_letters_upto` (a restarted worker
 -- re-reads the cancel stream and must not dead-letter the same entry twice), which it then moves.
 -- If a fused-call record is given (and the batch is not a pure replay): per-worker call counters.
--- A replayed batch changes nothing. Every key comes in KEYS; no key name is built here.
+-- Recomputation (docs/accounting.md): a replayed prefill (attempt > 0) re-feeds positions this
+-- session was already charged for; those (below the session's prompt + generated tokens so far)
+-- count as recomputed_tokens, not prompt_tokens.
+-- Every key comes in KEYS; no key name is built here.
 --
 -- KEYS[1] worker account hash, KEYS[2] billing accounts index set, KEYS[3] dead-letter stream,
--- KEYS[4..] the other keys, each once, referred to from ARGV by index.
+-- KEYS[4] lease, KEYS[5] lease epoch, KEYS[6..] the other keys, each once, referred to from ARGV by index.
 -- ARGV[1] group, [2] result ttl s, [3] result maxlen, [4] dead-letter maxlen,
 -- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows,
--- [8] reject ttl s.
--- Completion (15 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
+-- [8] reject ttl s, [9] lease token ('' : no lease check), [10] lease epoch, [11] lease ms.
+-- Completion (17 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
 --   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
---   engine_seconds, close ('' for none), nf, then nf field/value pairs.
+--   engine_seconds, close ('' for none), start position, replay ('1' for a prefill of attempt > 0),
+--   nf, then nf field/value pairs.
 -- Dead letter (3 + 2*nf): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
 -- Fused call (4): phase, batch_size, tokens, engine_seconds.
 -- Returns one integer per completion: 1 when it was the first to finish, else 0.
@@ -40,6 +52,10 @@ local nd = tonumber(ARGV[6])
 local has_call = ARGV[7] == '1'
 local rttl = ARGV[8]
 local worker, index, dlq = KEYS[1], KEYS[2], KEYS[3]
+
+if ARGV[9] ~= '' and not hold_lease(KEYS[4], KEYS[5], ARGV[9], ARGV[10], ARGV[11]) then
+  return redis.error_reply('DGRFENCED the lease of this worker is held by ' .. tostring(redis.call('GET', KEYS[4])))
+end
 
 local function fmt(x)
   return string.format('%.17g', x)
@@ -78,10 +94,10 @@ end
 
 local out = {}
 local any_first = false
-local w_prompt, w_generated, w_steps, w_share = 0, 0, 0, 0.0
+local w_prompt, w_generated, w_recomputed, w_steps, w_share = 0, 0, 0, 0, 0.0
 local by_status, by_phase = {}, {}
 local accounts, account_order = {}, {}
-local i = 9
+local i = 12
 for c = 1, nc do
   local sk = ARGV[i]
   local stream = KEYS[tonumber(sk)]
@@ -98,22 +114,35 @@ for c = 1, nc do
   local generated = tonumber(ARGV[i + 11])
   local secs = ARGV[i + 12]
   local close = ARGV[i + 13]
-  local nf = tonumber(ARGV[i + 14])
+  local start = tonumber(ARGV[i + 14])
+  local replay = ARGV[i + 15] == '1'
+  local nf = tonumber(ARGV[i + 16])
   local first = 0
-  if ack(sk, stream, entry) and redis.call('SET', record, value, 'NX', 'EX', ak > 0 and ttl or rttl) then
+  ack(sk, stream, entry)
+  if redis.call('SET', record, value, 'NX', 'EX', ak > 0 and ttl or rttl) then
     first = 1
     any_first = true
     if nf > 0 then
-      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 15, i + 14 + 2 * nf))
+      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 17, i + 16 + 2 * nf))
       if ak > 0 then
         redis.call('EXPIRE', results, ttl)
       else
         expire_at_least(results, rttl)
       end
     end
+    local recomputed = 0
     if ak > 0 then
-      redis.call('HINCRBY', session, 'prompt_tokens', ARGV[i + 10])
-      redis.call('HINCRBY', session, 'generated_tokens', ARGV[i + 11])
+      if replay and prompt > 0 then
+        local done = (tonumber(redis.call('HGET', session, 'prompt_tokens')) or 0)
+                     + (tonumber(redis.call('HGET', session, 'generated_tokens')) or 0)
+        recomputed = math.max(0, math.min(prompt, done - start))
+        prompt = prompt - recomputed
+      end
+      redis.call('HINCRBY', session, 'prompt_tokens', int(prompt))
+      redis.call('HINCRBY', session, 'generated_tokens', int(generated))
+      if recomputed > 0 then
+        redis.call('HINCRBY', session, 'recomputed_tokens', int(recomputed))
+      end
       redis.call('HINCRBY', session, 'steps', 1)
       redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
       if close ~= '' then
@@ -124,24 +153,28 @@ for c = 1, nc do
       redis.call('EXPIRE', session, ttl)
       local a = accounts[ak]
       if a == nil then
-        a = {id = account_id, prompt = 0, generated = 0, steps = 0, secs = 0.0}
+        a = {id = account_id, prompt = 0, generated = 0, recomputed = 0, steps = 0, secs = 0.0}
         accounts[ak] = a
         account_order[#account_order + 1] = ak
       end
       a.prompt = a.prompt + prompt
       a.generated = a.generated + generated
+      a.recomputed = a.recomputed + recomputed
       a.steps = a.steps + 1
       a.secs = a.secs + tonumber(secs)
+    elseif close ~= '' and redis.call('EXISTS', session) == 1 then
+      redis.call('HSETNX', session, 'closed', close)  -- no account: close what exists, create nothing
     end
     w_prompt = w_prompt + prompt
     w_generated = w_generated + generated
+    w_recomputed = w_recomputed + recomputed
     w_steps = w_steps + 1
     w_share = w_share + tonumber(secs)
     by_status[status] = (by_status[status] or 0) + 1
     by_phase[phase] = (by_phase[phase] or 0) + 1
   end
   out[c] = first
-  i = i + 15 + 2 * nf
+  i = i + 17 + 2 * nf
 end
 
 for d = 1, nd do
@@ -167,6 +200,9 @@ if w_steps > 0 then
   redis.call('HINCRBY', worker, 'steps', int(w_steps))
   redis.call('HINCRBY', worker, 'prompt_tokens', int(w_prompt))
   redis.call('HINCRBY', worker, 'generated_tokens', int(w_generated))
+  if w_recomputed > 0 then
+    redis.call('HINCRBY', worker, 'recomputed_tokens', int(w_recomputed))
+  end
   redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
   for status, n in pairs(by_status) do
     redis.call('HINCRBY', worker, 'results:' .. status, int(n))
@@ -180,6 +216,9 @@ if w_steps > 0 then
     redis.call('HINCRBY', key, 'prompt_tokens', int(a.prompt))
     redis.call('HINCRBY', key, 'generated_tokens', int(a.generated))
     redis.call('HINCRBY', key, 'steps', int(a.steps))
+    if a.recomputed > 0 then
+      redis.call('HINCRBY', key, 'recomputed_tokens', int(a.recomputed))
+    end
     redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(a.secs))
     redis.call('SADD', index, a.id)
   end

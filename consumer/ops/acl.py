@@ -22,16 +22,21 @@ CONNECTION = ("+ping", "+hello", "+client|setname", "+client|id", "+select")
 
 WORKER_COMMANDS = (
     # streams: group setup, reads, acks, recovery, dead letters, results, lag
-    "+xgroup|create", "+xreadgroup", "+xread", "+xack", "+xadd", "+xautoclaim", "+xclaim", "+xpending",
+    "+xgroup|create", "+xgroup|delconsumer", "+xreadgroup", "+xread", "+xack", "+xadd", "+xautoclaim", "+xclaim",
+    "+xpending",
     "+xinfo|groups", "+xinfo|stream", "+xlen", "+xtrim", "+xrange",
     # result records, advertisement, heartbeat, accounting
     "+set", "+get", "+del", "+expire", "+ttl", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+sadd",
+    # the lease (incr: its epoch), cancel markers and result records checked, closures (hsetnx)
+    "+incr", "+pexpire", "+exists", "+hsetnx",
     # the completion / pending / recovery scripts
     "+evalsha", "+eval", "+script|load", "+script|exists",
 )
 
 PRODUCER_COMMANDS = (
-    "+smembers", "+get", "+xadd", "+xread", "+xlen", "+xinfo|groups", "+multi", "+exec", "+discard",
+    "+smembers", "+get", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec", "+discard",
+    # cancel markers (set with a TTL, checked by a replay), the session record a handle is rebuilt from
+    "+set", "+exists", "+hset", "+hgetall", "+expire",
 )
 
 
@@ -45,7 +50,8 @@ def worker_rules(worker_id: str) -> list[str]:
 def producer_rules() -> list[str]:
     anyw = f"{PREFIX}:{{*}}"
     return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{anyw}:spec", f"%R~{anyw}:hb", f"~{anyw}:in:*",
-            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS]
+            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", f"~{anyw}:cancelled:*", f"~{anyw}:sess:*",
+            "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS]
 
 
 def ops_rules() -> list[str]:

@@ -16,7 +16,8 @@ else a session waiting behind a backlog is cancelled.
 How: one Lua call per candidate, on the worker's slot, re-checks all of the above against the
 server's TIME and only then XADDs `{session_id}` to `dgr:{W}:cancel` (what `Producer.cancel` does)
 and marks the hash `reaped` (so the session is cancelled once, even if the worker no longer holds
-it). The worker frees the slot when it reads the cancellation, and answers the session `cancelled`.
+it), and sets the session's cancel marker, as `Producer.cancel` does (a replay does not revive it).
+The worker frees the slot when it reads the cancellation, and answers the session `cancelled`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from schemas.keys import WorkerKeys
 from .common import Client, OpsKeys, load_script, s, scan_worker, workers
 
 CANCEL_MAXLEN = 10_000
+CANCEL_MARKER_TTL_S = 86_400
 
 REAP_LUA = r"""
 -- reap.lua: cancel one session if it is still open and idle past the TTL.
--- KEYS[1] session accounting hash, KEYS[2] its result stream, KEYS[3] the cancellation stream.
--- ARGV[1] session id, [2] ttl ms, [3] cancellation maxlen, [4] who, [5] '1' for a dry run.
+-- KEYS[1] session accounting hash, KEYS[2] its result stream, KEYS[3] the cancellation stream,
+-- KEYS[4] the session's cancel marker (a cancel is state: it wins over a replay, see producer/client.py).
+-- ARGV[1] session id, [2] ttl ms, [3] cancellation maxlen, [4] who, [5] '1' for a dry run,
+-- [6] cancel marker ttl s.
 -- Returns {status, idle_ms}: status 'cancelled' | 'idle' (dry run) | 'active' | 'closed' | 'reaped'
 -- | 'unknown' (never held: no account) | 'gone'; idle_ms -1 when the result stream is gone.
 local session, results, cancel = KEYS[1], KEYS[2], KEYS[3]
@@ -58,6 +62,7 @@ end
 if ARGV[5] == '1' then
   return {'idle', idle}
 end
+redis.call('SET', KEYS[4], '1', 'EX', ARGV[6])
 redis.call('XADD', cancel, 'MAXLEN', '~', ARGV[3], '*', 'session_id', ARGV[1])
 redis.call('HSET', session, 'reaped', t[1], 'reaped_by', ARGV[4])
 return {'cancelled', idle}
@@ -102,8 +107,9 @@ def reap(client: Client, ttl_s: float, *, worker_ids: Iterable[str] | None = Non
     for w in workers(client, worker_ids):
         keys = WorkerKeys(w)
         for sid in open_sessions(client, w):
-            res = script(keys=[keys.session_account(sid), keys.results(sid), keys.cancellations],
-                         args=[sid, ttl_ms, CANCEL_MAXLEN, who, "1" if dry_run else "0"])
+            res = script(keys=[keys.session_account(sid), keys.results(sid), keys.cancellations,
+                               keys.cancel_marker(sid)],
+                         args=[sid, ttl_ms, CANCEL_MAXLEN, who, "1" if dry_run else "0", CANCEL_MARKER_TTL_S])
             idle_ms = int(res[1])
             out.append(Reaped(w, sid, s(res[0]), None if idle_ms < 0 else idle_ms / 1000.0))  # type: ignore[arg-type]
     return out

@@ -1,0 +1,105 @@
+"""Riding through a Redis outage: one policy for both sides (the worker's transport, the producer).
+
+A call that fails because Redis is unreachable or momentarily unable to serve (connection refused or
+reset, a timeout, a server still loading its data set, a replica just demoted by a failover, a
+cluster resharding) is retried with exponential backoff and jitter for at most `max_s` seconds; any
+other error is raised at once. One log line when an outage starts, one when it ends, one when it is
+given up. What a retried call must be: idempotent. dgr's are: pushes carry deterministic job ids the
+worker answers once, the completion script is idempotent by job id, reads resume from the last id.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis
+
+__all__ = ["OutageRider", "RetryPolicy", "transient"]
+
+T = TypeVar("T")
+
+# Replies that mean "this server cannot take the command right now", not "the command is wrong".
+_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+
+
+# redis-py turns some of those replies into classes (and drops the code from the message); a cluster
+# client raises SlotNotCoveredError while no node owns the slot during a failover.
+_TRANSIENT_CLASSES: tuple[type[BaseException], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+)
+
+
+def transient(e: BaseException) -> bool:
+    """Whether `e` says Redis is (momentarily) unavailable rather than that the request is wrong."""
+    if isinstance(e, _TRANSIENT_CLASSES):
+        return True
+    return isinstance(e, redis.ResponseError) and str(e).startswith(_TRANSIENT_REPLIES)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_s: float = 120.0  # give up (re-raise) after Redis was unavailable this long
+    base_s: float = 0.05  # first delay; doubles up to cap_s; each delay drawn in [d/2, d] (jitter)
+    cap_s: float = 2.0
+
+
+class OutageRider:
+    """Runs calls through outages under one policy; counts the outages it rode through."""
+
+    def __init__(self, policy: RetryPolicy, log: logging.Logger, who: str) -> None:
+        self.policy = policy
+        self.log = log
+        self.who = who
+        self.outages = 0  # outages that ended (Redis came back)
+        self._since: float | None = None
+        self._retries = 0
+        self._delay = policy.base_s
+
+    @property
+    def down(self) -> bool:
+        return self._since is not None
+
+    def failed(self, e: BaseException) -> None:
+        """Account for a transient failure: log the outage start, sleep the next backoff delay, or
+        re-raise `e` once the outage is older than max_s."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since, self._retries, self._delay = now, 0, self.policy.base_s
+            self.log.warning("redis unreachable, retrying", extra={
+                "who": self.who, "error": f"{type(e).__name__}: {e}"[:200], "give_up_after_s": self.policy.max_s})
+        if now - self._since > self.policy.max_s:
+            self.log.error("redis unreachable for too long, giving up", extra={
+                "who": self.who, "down_s": round(now - self._since, 2), "retries": self._retries})
+            self._since = None
+            raise e
+        self._retries += 1
+        time.sleep(self._delay * random.uniform(0.5, 1.0))  # jitter: a fleet does not reconnect in step
+        self._delay = min(self.policy.cap_s, self._delay * 2)
+
+    def succeeded(self) -> bool:
+        """Account for a call that worked. True when it ended an outage (logged)."""
+        if self._since is None:
+            return False
+        self.log.warning("redis reachable again", extra={
+            "who": self.who, "down_s": round(time.monotonic() - self._since, 2), "retries": self._retries})
+        self._since = None
+        self.outages += 1
+        return True
+
+    def call(self, fn: Callable[[], T]) -> T:
+        while True:
+            try:
+                out = fn()
+            except Exception as e:
+                if not transient(e):
+                    raise
+                self.failed(e)
+                continue
+            self.succeeded()
+            return out

@@ -1,0 +1,251 @@
+"""Chaos suite: real redis-server, real consumer processes (reference engine, tiny model), real faults.
+
+Each scenario ends with `check_exact` (tests/chaos_support.py): every session finished or cancelled
+with its solo tokens, no gap or duplicate in any result stream, accounting exact by
+docs/accounting.md, no leaked slot. Fault points are drawn at random (the seed is in every failure
+message; DGR_CHAOS_SEED=N replays one); DGR_SOAK=1 runs more faults and the real durations
+(a 60 s pause, the default 10 s lease).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from consumer.process import ConsumerProcess
+from producer import Producer
+from schemas import WorkerKeys
+
+from .chaos_support import (
+    SOAK,
+    Drive,
+    RestartableRedis,
+    bare_consumer,
+    bare_log,
+    check_exact,
+    consumer,
+    pause,
+    specs_for,
+    wait_idle_heartbeat,
+)
+from .support import prompts
+
+pytestmark = pytest.mark.timeout(900 if SOAK else 180)
+SEED = int(os.environ.get("DGR_CHAOS_SEED", str(time.time_ns() % 2**31)))
+N_SESSIONS = 6
+TOKENS = 12
+
+
+@pytest.fixture
+def redis_srv(tmp_path: Path) -> RestartableRedis:
+    srv = RestartableRedis(tmp_path / "redis")
+    srv.start()
+    yield srv  # type: ignore[misc]
+    srv.stop()
+
+
+def _producer(url: str, **kw: object) -> Producer:
+    return Producer(redis.Redis.from_url(url), prefill_chunk=8, timeout_s=90 if SOAK else 45,
+                    outage_max_s=60, **kw)  # type: ignore[arg-type]
+
+
+def _log_tail(p: ConsumerProcess) -> str:
+    return p.log(3000)
+
+
+def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, tiny_model_path: Path,
+                                                tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    worker = "chaos-k9"
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, "k9", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=40), TOKENS)
+    drive = Drive(_producer(redis_srv.url), specs).start()
+    kills = 5 if SOAK else 2
+    marks = sorted(rng.sample(range(2, N_SESSIONS * TOKENS // 2), kills))
+    for mark in marks:
+        drive.wait_results(mark)
+        time.sleep(rng.uniform(0, 0.03))  # land anywhere in a fused call, a completion, a read
+        c.kill()
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+        assert isinstance(c, ConsumerProcess)
+    handles = drive.join()
+    summary = check_exact(client, worker, specs, handles, tiny_model_path)
+    assert summary["finished"] == N_SESSIONS, (SEED, summary)
+    wait_idle_heartbeat(client, worker)
+    assert c.stop() == 0, _log_tail(c)
+
+
+@pytest.mark.parametrize("how", ["shutdown", "kill9"])
+def test_redis_restart_mid_run(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path,
+                               how: str) -> None:
+    """Redis goes away (clean shutdown, or kill -9 losing up to a second of AOF) and comes back on the
+    same port and data dir 1.5 s later: the consumer and the producer ride through."""
+    rng = random.Random(SEED)
+    worker = f"chaos-r{how}"
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, f"r{how}", prompts(N_SESSIONS, 300, seed=SEED % 1000 + 1), TOKENS)
+    producer = _producer(redis_srv.url)
+    drive = Drive(producer, specs).start()
+    for _ in range(3 if SOAK else 1):
+        drive.wait_results(rng.randint(drive.results + 3, drive.results + 20))
+        redis_srv.kill9() if how == "kill9" else redis_srv.shutdown()
+        time.sleep(1.5)
+        redis_srv.start()
+    handles = drive.join()
+    assert producer.outages >= 1, "the producer never saw the outage: the test did not test it"
+    check_exact(client, worker, specs, handles, tiny_model_path)
+    wait_idle_heartbeat(client, worker)
+    assert c.proc.poll() is None, "the consumer died with Redis"
+    log = c.log(100_000)
+    assert "redis unreachable, retrying" in log and "redis reachable again" in log, log[-3000:]
+    assert c.stop() == 0, _log_tail(c)
+
+
+def test_consumer_started_before_redis(tmp_path: Path, tiny_model_path: Path) -> None:
+    srv = RestartableRedis(tmp_path / "redis")
+    worker = "chaos-early"
+    proc = bare_consumer(srv.url, worker, tiny_model_path, tmp_path / "logs")
+    try:
+        time.sleep(1.0)
+        assert proc.poll() is None, "the consumer gave up before Redis came"
+        srv.start()
+        client = redis.Redis.from_url(srv.url)
+        deadline = time.monotonic() + 60
+        while client.get(WorkerKeys(worker).heartbeat) is None:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        specs = specs_for(client, worker, "early", prompts(3, 300, seed=5), TOKENS)
+        handles = _producer(srv.url).run_many(specs)
+        check_exact(client, worker, specs, handles, tiny_model_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        srv.stop()
+    log = bare_log(tmp_path / "logs")
+    assert "redis unreachable, retrying" in log and "redis reachable again" in log, log[-3000:]
+
+
+def test_a_pause_longer_than_the_lease_and_the_sweep(redis_srv: RestartableRedis, tiny_model_path: Path,
+                                                     tmp_path: Path) -> None:
+    """SIGSTOP far past the lease (1 s here, 10 s in the soak) and many sweep periods: nobody else
+    took the worker id, so it takes its lease back and every session finishes with its own tokens
+    (none is claimed from under it, none answered twice)."""
+    rng = random.Random(SEED)
+    worker = "chaos-stop"
+    extra = ("--lease-ms", "10000") if SOAK else ()
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=extra)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, "stop", prompts(N_SESSIONS, 300, seed=SEED % 1000 + 2), TOKENS)
+    producer = _producer(redis_srv.url)
+    producer.timeout_s = 120 if SOAK else 45
+    drive = Drive(producer, specs).start()
+    drive.wait_results(rng.randint(3, 25))
+    pause(c, 60.0 if SOAK else 3.0)
+    handles = drive.join()
+    check_exact(client, worker, specs, handles, tiny_model_path)
+    assert all(h.attempt == 0 for h in handles.values()), "a session was lost although nobody took over"
+    wait_idle_heartbeat(client, worker)
+    assert c.stop() == 0, _log_tail(c)
+
+
+def test_duplicate_pushes_of_every_job_and_open_twice(redis_srv: RestartableRedis, tiny_model_path: Path,
+                                                      tmp_path: Path) -> None:
+    class Doubling(Producer):
+        """Sends every pipeline twice: each job arrives twice, often while the first is unanswered."""
+
+        def _send(self, batch, *, transaction=False):  # type: ignore[no-untyped-def]
+            super()._send(batch, transaction=transaction)
+            super()._send(batch, transaction=transaction)
+
+    worker = "chaos-dup"
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, "dup", prompts(N_SESSIONS, 300, seed=SEED % 1000 + 3), TOKENS)
+    producer = Doubling(client, prefill_chunk=8, timeout_s=45)
+    producer.open(*specs[0])  # open() called twice for one session: here and in run_many
+    handles = producer.run_many(specs)
+    check_exact(client, worker, specs, handles, tiny_model_path)
+    wait_idle_heartbeat(client, worker)
+    acct = client.hgetall(WorkerKeys(worker).worker_account)
+    assert int(acct[b"results:ok"]) == sum(len(p) // 8 + (len(p) % 8 > 0) + TOKENS - 1 for _, p in specs)
+    assert c.stop() == 0, _log_tail(c)
+
+
+def test_two_consumers_with_one_worker_id(redis_srv: RestartableRedis, tiny_model_path: Path,
+                                          tmp_path: Path) -> None:
+    """A second consumer with the same id waits as a standby (logged), takes over when the holder's
+    lease lapses (SIGSTOP), and the old holder, resumed, is fenced and exits 3 without writing. A
+    consumer told to refuse exits 3 at once."""
+    rng = random.Random(SEED)
+    worker = "chaos-two"
+    a = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    logs = tmp_path / "standby"
+    b = bare_consumer(redis_srv.url, worker, tiny_model_path, logs)
+    refuse = bare_consumer(redis_srv.url, worker, tiny_model_path, tmp_path / "refuse",
+                           extra=("--on-lease-held", "refuse"))
+    try:
+        assert refuse.wait(60) == 3
+        refused = bare_log(tmp_path / "refuse")
+        assert "refusing to start" in refused and "another consumer holds this worker id" in refused, refused
+        client = redis.Redis.from_url(redis_srv.url)
+        deadline = time.monotonic() + 30
+        while "waiting as standby" not in bare_log(logs):
+            assert time.monotonic() < deadline and b.poll() is None
+            time.sleep(0.05)
+        specs = specs_for(client, worker, "two", prompts(N_SESSIONS, 300, seed=SEED % 1000 + 4), TOKENS)
+        drive = Drive(_producer(redis_srv.url), specs).start()
+        drive.wait_results(rng.randint(3, 25))
+        a.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while "lease acquired" not in bare_log(logs):
+            assert time.monotonic() < deadline and b.poll() is None, "the standby never took over"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        a.proc.send_signal(signal.SIGCONT)
+        assert a.proc.wait(30) == 3, a.log()
+        assert "lease lost to another consumer" in a.log(100_000) or "taken over" in a.log(100_000), a.log()
+        handles = drive.join()
+        check_exact(client, worker, specs, handles, tiny_model_path)
+        wait_idle_heartbeat(client, worker)
+    finally:
+        for p in (b, refuse):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        assert b.wait(30) == 0
+        a.kill()
+
+
+def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: RestartableRedis,
+                                                                     tiny_model_path: Path,
+                                                                     tmp_path: Path) -> None:
+    """Session 1 is mid-run when the consumer dies; session 4 is opened while it is down; both are
+    cancelled while it is down. The restarted consumer must not run either: 1 ends cancelled (the
+    replay honours the cancel marker), 4 ends cancelled (its opening meets the marker), both
+    closed in accounting; the others finish exactly."""
+    worker = "chaos-cancel"
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, "cx", prompts(6, 300, seed=SEED % 1000 + 5), 20)
+    producer = _producer(redis_srv.url)
+    # sessions 4 and 5 open 2 s in: while the consumer is down (below)
+    drive = Drive(producer, specs, start_times=[0.0] * 4 + [2.0] * 2).start()
+    drive.wait_results(8)
+    c.kill()
+    time.sleep(2.5)  # sessions 4 and 5 are pushed while nobody reads
+    producer_b = Producer(redis.Redis.from_url(redis_srv.url))  # another process's producer cancels
+    producer_b.cancel(worker, "cx-1")
+    producer_b.cancel(worker, "cx-4")
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    handles = drive.join()
+    check_exact(client, worker, specs, handles, tiny_model_path, must_cancel={"cx-1", "cx-4"})
+    assert handles["cx-4"].generated == []
+    wait_idle_heartbeat(client, worker)
+    assert c.stop() == 0, _log_tail(c)

@@ -1,0 +1,273 @@
+"""Delivery semantics in-process (the worker loop stepped by hand, fakeredis[lua] and real Redis):
+one real answer per job id whatever is delivered twice and when, durable cancellation, accounting
+you can bill from, a handle resumed from Redis in another producer. No timing is asserted.
+
+The duplicate test searches (hypothesis): which jobs are pushed again, and when (in the same
+pipeline, a few loop iterations later while the first is queued or running, or long after it was
+answered), over random sessions and chunk sizes; every example ends with `check_exact`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.engines.reference import NumpyReferenceEngine
+from consumer.transport import RedisTransport
+from consumer.worker import Worker, WorkerSettings
+from producer import Producer, SessionHandle
+from producer.client import _Batch
+from schemas import Status, WorkerKeys
+
+from .chaos_support import check_exact, solo, specs_for, stream_results
+from .support import prompts
+
+WID = "deliv"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
+    eng = NumpyReferenceEngine(tiny_model_path, n_slots=4, ctx_per_session=1024)
+    yield eng
+    eng.close()
+
+
+def make_worker(client: redis.Redis, engine: NumpyReferenceEngine) -> Worker:
+    w = Worker(engine, RedisTransport(client, WID, consumer_name=WID),
+               WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0))
+    w.start()
+    return w
+
+
+class Stepper:
+    """The producer's run_many loop, one iteration at a time, interleaved with the worker's."""
+
+    def __init__(self, producer: Producer, worker: Worker) -> None:
+        self.producer, self.worker = producer, worker
+        self.handles: dict[str, SessionHandle] = {}
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.worker.run_once()
+            live = [h for h in self.handles.values() if not h.finished]
+            if not live:
+                continue
+            got = self.producer.read_results(live, block_ms=0)
+            batch = _Batch()
+            for sid in got:
+                self.producer._advance(batch, self.handles[sid], True)
+            self.producer._send(batch)
+
+    def run(self, limit: int = 400) -> None:
+        for _ in range(limit):
+            if all(h.finished for h in self.handles.values()):
+                self.step(3)  # let late duplicates and closures land
+                return
+            self.step()
+        raise AssertionError("sessions did not finish")
+
+
+def assert_clean(worker: Worker) -> None:
+    assert worker.scheduler.table.busy_slots == 0, "a slot leaked"
+    assert worker._held == {} and worker._twins == {}, (worker._held, worker._twins)
+    assert worker.transport.outstanding == 0
+
+
+class Echo(Producer):
+    """Sends some pipelines again: at once, or `delay` loop iterations later (see the test)."""
+
+    def __init__(self, client: redis.Redis, plan: list[int], **kw: Any) -> None:
+        super().__init__(client, **kw)
+        self.plan = plan  # per pipeline sent: -1 never again, 0 at once, k > 0 after k iterations
+        self.later: list[tuple[int, _Batch]] = []
+        self.sent = 0
+        self.tick = 0
+
+    def _send(self, batch: _Batch, *, transaction: bool = False) -> None:
+        super()._send(batch, transaction=transaction)
+        if not batch.ops:
+            return
+        again = self.plan[self.sent % len(self.plan)]
+        self.sent += 1
+        if again == 0:
+            super()._send(batch, transaction=transaction)
+        elif again > 0:
+            self.later.append((self.tick + again, batch))
+
+    def advance_clock(self) -> None:
+        self.tick += 1
+        due = [b for t, b in self.later if t <= self.tick]
+        self.later = [(t, b) for t, b in self.later if t > self.tick]
+        for b in due:
+            super()._send(b)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 4), chunk=st.integers(3, 16), max_tokens=st.integers(2, 6),
+       plan=st.lists(st.sampled_from([-1, -1, 0, 1, 2, 5, 30]), min_size=1, max_size=8),
+       open_twice=st.booleans())
+def test_any_job_pushed_twice_gets_exactly_one_real_answer(tiny_model_path: Path, engine: NumpyReferenceEngine,
+                                                            seed: int, n: int, chunk: int, max_tokens: int,
+                                                            plan: list[int], open_twice: bool) -> None:
+    client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    worker = make_worker(client, engine)
+    producer = Echo(client, plan, prefill_chunk=chunk)
+    specs = specs_for(client, WID, f"d{seed}", prompts(n, 300, seed=seed, lo=2, hi=30), max_tokens)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    if open_twice:
+        producer.open(*specs[0])  # a second handle pushing the same jobs: open() called twice
+    for _ in range(400):
+        if all(h.finished for h in stepper.handles.values()) and not producer.later:
+            break
+        stepper.step()
+        producer.advance_clock()
+    stepper.step(3)
+    check_exact(client, WID, specs, stepper.handles, tiny_model_path)
+    assert_clean(worker)
+    # every job id answered once, by one ok result (a duplicate never published a rejection)
+    acct = client.hgetall(WorkerKeys(WID).worker_account)
+    assert int(acct.get(b"results:rejected", 0)) == 0
+
+
+def test_a_duplicate_decode_while_queued_is_held_and_acked_with_the_original(
+        redis_client: redis.Redis, tiny_model_path: Path, engine: NumpyReferenceEngine) -> None:
+    """The issue's case: two sessions waiting, a decode delivered twice before it is answered."""
+    worker = make_worker(redis_client, engine)
+    producer = Producer(redis_client, prefill_chunk=64)
+    specs = specs_for(redis_client, WID, "twin", prompts(2, 300, seed=3), 4)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    h = stepper.handles["twin-0"]
+    stepper.step(2)
+    assert h.generated and h.pending_job is not None
+    batch = _Batch()
+    assert producer._queue_unanswered(batch, h) == 1  # the decode in flight, pushed again
+    producer._send(batch)
+    worker.run_once()  # reads the twin while the original is queued or answered in this very call
+    stepper.run()
+    check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+    assert_clean(worker)
+
+
+def test_cancel_before_the_first_read_takes_no_slot(redis_client: redis.Redis, engine: NumpyReferenceEngine,
+                                                     tiny_model_path: Path) -> None:
+    worker = make_worker(redis_client, engine)
+    producer = Producer(redis_client, prefill_chunk=4)
+    (spec, prompt), = specs_for(redis_client, WID, "early", prompts(1, 300, seed=4, lo=12, hi=12), 5)
+    h = producer.open(spec, prompt)  # three chunks
+    producer.cancel(WID, spec.session_id)
+    stepper = Stepper(producer, worker)
+    stepper.handles[h.session_id] = h
+    stepper.run()
+    assert h.status == "cancelled" and h.generated == []
+    assert worker.scheduler.stats.sessions_opened == 0  # never took a slot
+    results = stream_results(redis_client, WID, spec.session_id)
+    assert {r.status for r in results} == {Status.CANCELLED}
+    acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
+    assert acct[b"closed"] == b"cancelled" and int(acct[b"prompt_tokens"]) == 0
+    check_exact(redis_client, WID, [(spec, prompt)], stepper.handles, tiny_model_path, must_cancel={h.session_id})
+    assert_clean(worker)
+
+
+def test_cancel_with_nothing_queued_closes_the_accounting(redis_client: redis.Redis, engine: NumpyReferenceEngine,
+                                                          tiny_model_path: Path) -> None:
+    worker = make_worker(redis_client, engine)
+    producer = Producer(redis_client)
+    (spec, prompt), = specs_for(redis_client, WID, "idle", prompts(1, 300, seed=5), 8)
+    h = producer.open(spec, prompt)
+    for _ in range(5):
+        worker.run_once()
+    producer.read_results([h], block_ms=0)
+    assert len(h.generated) == 1 and worker.scheduler.table.busy_slots == 1  # decoding, nothing queued
+    producer.cancel(WID, spec.session_id)
+    worker.run_once()
+    acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
+    assert acct[b"closed"] == b"cancelled"
+    assert worker.scheduler.table.busy_slots == 0
+    stepper = Stepper(producer, worker)
+    stepper.handles[h.session_id] = h
+    batch = _Batch()
+    producer._advance(batch, h, True)  # the Tracker's next step arrives after the cancel
+    producer._send(batch)
+    stepper.run()
+    assert h.status == "cancelled"
+    check_exact(redis_client, WID, [(spec, prompt)], stepper.handles, tiny_model_path, must_cancel={h.session_id})
+    assert_clean(worker)
+
+
+def _crash(client: redis.Redis, engine: NumpyReferenceEngine) -> Worker:
+    """A new worker process on the same id: the old one's sessions are gone (kill -9 and restart)."""
+    return make_worker(client, engine)
+
+
+def test_replay_after_a_crash_counts_recomputation_apart_and_honours_a_cancel(
+        redis_client: redis.Redis, engine: NumpyReferenceEngine, tiny_model_path: Path) -> None:
+    producer = Producer(redis_client, prefill_chunk=8)
+    worker = make_worker(redis_client, engine)
+    specs = specs_for(redis_client, WID, "rp", prompts(2, 300, seed=6, lo=20, hi=20), 12)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    for _ in range(50):
+        stepper.step()
+        if all(len(h.generated) >= 2 for h in stepper.handles.values()):
+            break
+    assert not any(h.finished for h in stepper.handles.values())
+    before = {sid: len(h.generated) for sid, h in stepper.handles.items()}
+    stepper.worker = _crash(redis_client, engine)
+    producer.cancel(WID, "rp-1")  # cancelled while its state is lost: the replay must not revive it
+    stepper.run()
+    a, b = stepper.handles["rp-0"], stepper.handles["rp-1"]
+    assert a.attempt == 1 and a.status == "finished"
+    assert b.status == "cancelled"
+    check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path, must_cancel={"rp-1"})
+    keys = WorkerKeys(WID)
+    acct = {k.decode(): v for k, v in redis_client.hgetall(keys.session_account("rp-0")).items()}
+    # the replay re-fed 20 prompt + (generated at the crash) tokens: all recomputation, none billed
+    assert int(acct["prompt_tokens"]) == 20
+    assert int(acct["recomputed_tokens"]) == 20 + before["rp-0"]
+    assert int(acct["generated_tokens"]) == 12
+    worker_acct = redis_client.hgetall(keys.worker_account)
+    assert int(worker_acct[b"recomputed_tokens"]) == int(acct["recomputed_tokens"])
+
+
+def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine: NumpyReferenceEngine,
+                                              tiny_model_path: Path) -> None:
+    """The first Tracker dies mid-session (its handle gone); another rebuilds it from Redis and
+    finishes it. Also across a replay (the history holds a state_lost and attempt 1)."""
+    rng = random.Random(7)
+    worker = make_worker(redis_client, engine)
+    first = Producer(redis_client, prefill_chunk=8)
+    specs = specs_for(redis_client, WID, "rs", prompts(2, 300, seed=8, lo=10, hi=25), 8)
+    stepper = Stepper(first, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = first.open(spec, prompt)
+    stepper.step(rng.randint(3, 6))
+    stepper.worker = worker = _crash(redis_client, engine)  # rs-* get state_lost and replay (attempt 1)
+    stepper.step(rng.randint(4, 8))
+    old = dict(stepper.handles)
+    assert any(h.attempt == 1 for h in old.values())
+    second = Producer(redis.Redis(connection_pool=redis_client.connection_pool), prefill_chunk=8)
+    resumed = {spec.session_id: second.resume(WID, spec.session_id) for spec, _ in specs}
+    for sid, h in resumed.items():
+        o = old[sid]
+        assert (h.attempt, h.generated, h.status) == (o.attempt, o.generated, o.status), sid
+        assert h.jobs == o.jobs and h.last_result_id == o.last_result_id, sid
+    stepper.producer, stepper.handles = second, resumed
+    stepper.run()
+    check_exact(redis_client, WID, specs, resumed, tiny_model_path)
+    for spec, prompt in specs:
+        assert resumed[spec.session_id].generated == solo(tiny_model_path, prompt, 8)
+    with pytest.raises(LookupError):
+        second.resume(WID, "never-opened")
