@@ -322,8 +322,12 @@ class RedisTransport:
             return
         keys = [self.keys.lease, self.keys.lease_epoch]
         args: list[str | int] = [self.lease_token, self.lease_epoch, self.settings.lease_ms]
-        if int(self._io(partial(self._renew, keys=keys, args=args))) != 1:
+        got = int(self._io(partial(self._renew, keys=keys, args=args)))
+        if got == 0:
             raise LeaseLost(f"worker {self.worker_id}: the lease was taken over by another consumer")
+        if got == 2:
+            log.warning("lease had lapsed (a pause or an outage longer than the lease); nobody took it: "
+                        "taken back", extra={"worker": self.worker_id, "lease": self.lease_token})
 
     def release_lease(self) -> None:
         """Give the lease back (clean exit), if still ours."""

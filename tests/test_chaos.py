@@ -63,7 +63,7 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
                                                 tmp_path: Path) -> None:
     rng = random.Random(SEED)
     worker = "chaos-k9"
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     client = redis.Redis.from_url(redis_srv.url)
     specs = specs_for(client, worker, "k9", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=40), TOKENS)
     drive = Drive(_producer(redis_srv.url), specs).start()
@@ -73,7 +73,7 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
         drive.wait_results(mark)
         time.sleep(rng.uniform(0, 0.03))  # land anywhere in a fused call, a completion, a read
         c.kill()
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
         assert isinstance(c, ConsumerProcess)
     handles = drive.join()
     summary = check_exact(client, worker, specs, handles, tiny_model_path)
