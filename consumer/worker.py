@@ -52,7 +52,7 @@ class WorkerSettings:
     heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
     recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
-    answered_memory: int = 65_536  # completions remembered per job id, re-sent for a late duplicate
+    answered_memory: int = 16_384  # answers remembered by job id, re-sent for a late duplicate (~1 KB each)
 
 
 @dataclass
@@ -309,7 +309,9 @@ class Worker:
         return out
 
     def _remember(self, c: Completion) -> Completion:
-        self._answered[c.result.job_id] = c
+        # Kept without the entry's fields (a prompt chunk, a session spec): a re-send names its own entry.
+        d = c.delivery
+        self._answered[c.result.job_id] = replace(c, delivery=replace(d, fields={}))
         self._answered.move_to_end(c.result.job_id)
         while len(self._answered) > self.settings.answered_memory:
             self._answered.popitem(last=False)

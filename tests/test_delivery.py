@@ -271,3 +271,32 @@ def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine:
         assert resumed[spec.session_id].generated == solo(tiny_model_path, prompt, 8)
     with pytest.raises(LookupError):
         second.resume(WID, "never-opened")
+
+
+def test_generate_rides_through_an_outage(real_redis: redis.Redis, engine: NumpyReferenceEngine,
+                                          tiny_model_path: Path) -> None:
+    import threading
+
+    from tests.test_lease import Flaky
+
+    worker = make_worker(real_redis, engine)
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    try:
+        (spec, prompt), = specs_for(real_redis, WID, "gen", prompts(1, 300, seed=9), 8)
+        flaky = Flaky(real_redis, "xread", 0, redis.ConnectionError("connection refused"))
+        producer = Producer(flaky)  # type: ignore[arg-type]
+        producer._rider.policy = type(producer._rider.policy)(max_s=30, base_s=0.001, cap_s=0.002)
+        gen = producer.generate(spec, prompt)
+        tokens = [next(gen), next(gen)]
+        flaky.fail = 3  # the next reads fail: an outage in the middle of the session
+        tokens += list(gen)
+        assert producer.outages == 1
+        assert tokens == solo(tiny_model_path, prompt, 8)
+        results = stream_results(real_redis, WID, spec.session_id)
+        assert len({r.job_id for r in results}) == len(results)  # the re-push answered nothing twice
+        assert [r.token for r in results if r.token is not None] == tokens
+    finally:
+        worker.request_stop()
+        runner.join(10)
+    assert_clean(worker)
