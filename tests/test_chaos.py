@@ -114,8 +114,13 @@ def test_consumer_started_before_redis(tmp_path: Path, tiny_model_path: Path) ->
     worker = "chaos-early"
     proc = bare_consumer(srv.url, worker, tiny_model_path, tmp_path / "logs")
     try:
-        time.sleep(1.0)
-        assert proc.poll() is None, "the consumer gave up before Redis came"
+        deadline = time.monotonic() + 60
+        while "redis unreachable, retrying" not in bare_log(tmp_path / "logs"):  # it is waiting for Redis
+            assert proc.poll() is None, "the consumer gave up before Redis came"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.poll() is None
         srv.start()
         client = redis.Redis.from_url(srv.url)
         deadline = time.monotonic() + 60
