@@ -107,7 +107,8 @@ class Worker:
         self._last_recover = 0.0
         self._started = time.time()
         self._m = settings.worker_id
-        self._held: dict[str, Delivery] = {}  # job id -> the delivery admitted (queued or in a call)
+        # job id -> (session id, position) of the job admitted under it, while queued or in a call
+        self._held: dict[str, tuple[str, int]] = {}
         self._twins: dict[str, list[Delivery]] = {}  # job id -> more deliveries of it, while held
         self._answered: OrderedDict[str, Completion] = OrderedDict()  # job id -> its completion (LRU)
         self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
@@ -250,7 +251,7 @@ class Worker:
         if reply is not None:
             answers.append(reply)
         else:
-            self._held[job.job_id] = d
+            self._held[job.job_id] = (job.session_id, job.start_position)
 
     # ---- exactly one real answer per step ----------------------------------------------------
     def _precheck_openings(self, deliveries: Sequence[Delivery]) -> None:
@@ -276,7 +277,8 @@ class Worker:
         """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
         session cancelled before it opened). True when the job must not reach the scheduler."""
         jid = job.job_id
-        if jid in self._held:  # queued or in a call: complete it with the original's answer
+        if self._held.get(jid) == (job.session_id, job.start_position):
+            # queued or in a call: complete it with the original's answer
             self._twins.setdefault(jid, []).append(d)
             return True
         done = self._answered.get(jid)
