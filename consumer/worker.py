@@ -113,7 +113,6 @@ class Worker:
         self._answered: OrderedDict[str, Completion] = OrderedDict()  # job id -> its completion (LRU)
         self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
         self._outages_seen = 0
-        self._fenced = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,7 +153,6 @@ class Worker:
                     break
         except LeaseLost:
             # Another process serves this worker id now: write nothing more (no heartbeat, no release).
-            self._fenced = True
             log.error("lease lost to another consumer: stopping without writing", extra={"worker": self._m})
             raise
         self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit

@@ -27,7 +27,7 @@ from producer import Producer, SessionHandle
 from producer.client import _Batch
 from schemas import Status, WorkerKeys
 
-from .chaos_support import check_exact, solo, specs_for, stream_results
+from .chaos_support import SOAK, check_exact, solo, specs_for, stream_results
 from .support import prompts
 
 WID = "deliv"
@@ -110,7 +110,7 @@ class Echo(Producer):
             super()._send(b)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300 if SOAK else 12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 4), chunk=st.integers(3, 16), max_tokens=st.integers(2, 6),
        plan=st.lists(st.sampled_from([-1, -1, 0, 1, 2, 5, 30]), min_size=1, max_size=8),
        open_twice=st.booleans())
