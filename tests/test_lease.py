@@ -75,6 +75,21 @@ def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> 
     assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"1"
 
 
+def test_an_epoch_lost_by_redis_does_not_fence_its_holder(redis_client: redis.Redis) -> None:
+    """kill -9 of Redis with AOF everysec can lose the last second: the lease and the epoch's INCR."""
+    transport(redis_client, "host-0:1:w").acquire_lease(wait=False)
+    redis_client.delete(WorkerKeys(WORKER).lease)
+    a = transport(redis_client, "host-a:1:x")
+    assert a.acquire_lease(wait=False).startswith("2:")
+    redis_client.set(WorkerKeys(WORKER).lease_epoch, 1)  # the INCR to 2 was lost...
+    redis_client.delete(WorkerKeys(WORKER).lease)  # ...and the lease with it
+    a.renew_lease()  # restores epoch 2 and takes its lease back
+    assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"2"
+    b = transport(redis_client, "host-b:1:y")
+    with pytest.raises(LeaseHeld):
+        b.acquire_lease(wait=False)
+
+
 def test_a_dead_holder_on_this_host_is_replaced_at_once(redis_client: redis.Redis) -> None:
     import socket
 
