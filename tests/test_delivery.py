@@ -300,3 +300,24 @@ def test_generate_rides_through_an_outage(real_redis: redis.Redis, engine: Numpy
         worker.request_stop()
         runner.join(10)
     assert_clean(worker)
+
+
+def test_a_sweep_every_iteration_never_takes_a_queued_entry_away(redis_client: redis.Redis,
+                                                                   engine: NumpyReferenceEngine,
+                                                                   tiny_model_path: Path) -> None:
+    """The issue's no-fault case: prompts queued behind a slow prefill backlog while the recovery
+    sweep runs. Idle time no longer decides: a sweep on every loop iteration claims nothing of the
+    worker's own, and every session gets exactly its tokens."""
+    worker = Worker(engine, RedisTransport(redis_client, WID, consumer_name=WID),
+                    WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0, prefill_budget=4,
+                                   prefill_ratio=0.0, recover_every_s=0.0))
+    worker.start()
+    producer = Producer(redis_client, prefill_chunk=16)
+    specs = specs_for(redis_client, WID, "sweep", prompts(4, 300, seed=11, lo=30, hi=40), 4)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    stepper.run()
+    check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+    assert_clean(worker)
+    assert worker.scheduler.stats.calls_prefill >= 30  # the backlog was real: many small prefill calls
