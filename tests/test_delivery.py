@@ -53,6 +53,7 @@ class Stepper:
     def __init__(self, producer: Producer, worker: Worker) -> None:
         self.producer, self.worker = producer, worker
         self.handles: dict[str, SessionHandle] = {}
+        self.outages = producer.outages
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
@@ -60,6 +61,9 @@ class Stepper:
             live = [h for h in self.handles.values() if not h.finished]
             if not live:
                 continue
+            if self.producer.outages != self.outages:  # as run_many does after an outage
+                self.outages = self.producer.outages
+                self.producer._after_outage(live, True)
             got = self.producer.read_results(live, block_ms=0)
             batch = _Batch()
             for sid in got:
@@ -321,3 +325,40 @@ def test_a_sweep_every_iteration_never_takes_a_queued_entry_away(redis_client: r
     check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
     assert_clean(worker)
     assert worker.scheduler.stats.calls_prefill >= 30  # the backlog was real: many small prefill calls
+
+
+def test_a_redis_that_lost_its_data_set_mid_run(real_redis: redis.Redis, engine: NumpyReferenceEngine,
+                                                tiny_model_path: Path) -> None:
+    """Redis restarts empty (no persistence) mid-run: both sides see a connection error, then a blank
+    server. The worker keeps its sessions, re-advertises, takes its lease back (epoch restored) and
+    re-publishes what was lost when the producer re-pushes its unanswered jobs; every session
+    finishes with its solo tokens and no result stream holds a job twice."""
+    from tests.test_lease import Flaky
+
+    worker = make_worker(real_redis, engine)
+    producer = Producer(real_redis, prefill_chunk=8)
+    specs = specs_for(real_redis, WID, "lost", prompts(3, 300, seed=12, lo=10, hi=30), 24)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    for _ in range(100):
+        stepper.step()
+        if all(len(h.generated) >= 1 for h in stepper.handles.values()):
+            break
+    assert not any(h.finished for h in stepper.handles.values())
+    real_redis.flushall()
+    for side, name in ((worker.transport, "xread"), (producer, "xread")):  # a read each loop, both sides
+        side.client = Flaky(real_redis, name, 1, redis.ConnectionError("connection reset"))  # type: ignore[assignment]
+    for rider in (worker.transport._rider, producer._rider):
+        rider.policy = type(rider.policy)(max_s=30, base_s=0.001, cap_s=0.002)
+    stepper.run()
+    assert worker.transport.outages == 1 and producer.outages == 1
+    for spec, prompt in specs:
+        h = stepper.handles[spec.session_id]
+        assert h.status == "finished" and h.attempt == 0, (spec.session_id, h.status, h.attempt)
+        assert h.generated == solo(tiny_model_path, prompt, 24), spec.session_id
+        results = stream_results(real_redis, WID, spec.session_id)  # what was written after the loss
+        assert len({r.job_id for r in results}) == len(results)
+        tail = [r.token for r in results if r.token is not None]
+        assert tail and h.generated[-len(tail):] == tail
+    assert_clean(worker)
