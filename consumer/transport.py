@@ -2,7 +2,8 @@
 
 The worker loop calls `RedisTransport` and knows no Redis command. One fused batch costs one read
 (plus a bounded gather of non-blocking reads), one `complete()` (exactly one EVALSHA whatever the
-batch size) and at most one `cancellations()` check.
+batch size) and at most one `cancellations()` check; a read that brought openings of sessions the
+worker does not hold costs one `checks()` more (answered already? cancel marker?).
 
 Delivery is at least once: an entry stays in this consumer's pending list until `complete()` acks
 it. Exactly-once *effects* come from the completion script: it acks the entry, and the result record
