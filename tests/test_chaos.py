@@ -254,3 +254,42 @@ def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: 
     assert handles["cx-4"].generated == []
     wait_idle_heartbeat(client, worker)
     assert c.stop() == 0, _log_tail(c)
+
+
+def test_a_random_schedule_of_faults(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Faults drawn at random and combined: consumer kill -9, Redis shutdown or kill -9 with restart,
+    a pause past the lease, a cancel from another producer, at random result counts. One schedule of
+    three faults by default; ten schedules of five under DGR_SOAK=1."""
+    rng = random.Random(SEED)
+    faults = ("kill_consumer", "redis_shutdown", "redis_kill9", "pause", "cancel")
+    for round_ in range(10 if SOAK else 1):
+        worker = f"chaos-mix{round_}"
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+        client = redis.Redis.from_url(redis_srv.url)
+        specs = specs_for(client, worker, f"mix{round_}", prompts(N_SESSIONS, 300, seed=rng.randint(0, 9999)),
+                          TOKENS)
+        drive = Drive(_producer(redis_srv.url), specs).start()
+        schedule = [rng.choice(faults) for _ in range(5 if SOAK else 3)]
+        cancelled: set[str] = set()
+        for fault in schedule:
+            drive.wait_results(rng.randint(drive.results + 1, drive.results + 15), timeout_s=90)
+            if fault == "kill_consumer":
+                c.kill()
+                c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+            elif fault in ("redis_shutdown", "redis_kill9"):
+                redis_srv.kill9() if fault == "redis_kill9" else redis_srv.shutdown()
+                time.sleep(rng.uniform(0.2, 1.5))
+                redis_srv.start()
+            elif fault == "pause":
+                pause(c, rng.uniform(1.5, 3.0))
+            else:
+                sid = rng.choice([s.session_id for s, _ in specs])
+                Producer(redis.Redis.from_url(redis_srv.url)).cancel(worker, sid)
+                cancelled.add(sid)
+        handles = drive.join(180)
+        try:
+            check_exact(client, worker, specs, handles, tiny_model_path, allow_cancel=cancelled)
+            wait_idle_heartbeat(client, worker)
+        except AssertionError as e:
+            raise AssertionError(f"seed {SEED}, round {round_}, schedule {schedule}: {e}") from e
+        assert c.stop() == 0, _log_tail(c)
