@@ -6,10 +6,11 @@ It joins three parts that know nothing of each other: the transport (all Redis I
 Delivery (issue 12): every step gets exactly one real answer. A job id delivered again while the
 worker still holds it (queued or in a call: a producer retry, `open()` twice, a re-push after an
 outage) is held as a *twin* and completed with the original's answer; one delivered again after it
-was answered gets the same completion re-sent (a no-op unless Redis lost the first one). The opening
-of a session this worker does not hold is checked first against Redis (one round trip per read that
-has any): already answered (by an earlier process) -> acked, no ghost session; a cancel marker ->
-answered CANCELLED without taking a slot.
+was answered gets the same completion re-sent (a no-op unless Redis lost the first one). A step of a
+session this worker does not hold is checked first against Redis (one round trip per read that has
+any): an opening already answered (by an earlier process) -> acked, no ghost session; a cancel
+marker -> answered CANCELLED without taking a slot (not state_lost: a cancelled session is not
+replayed).
 """
 
 from __future__ import annotations
@@ -253,23 +254,23 @@ class Worker:
 
     # ---- exactly one real answer per step ----------------------------------------------------
     def _precheck_openings(self, deliveries: Sequence[Delivery]) -> None:
-        """One round trip for the openings (prefill at position 0) of sessions this worker does not
-        hold and whose job it has not seen: answered already? cancel marker?"""
+        """One round trip for the steps of sessions this worker does not hold (an opening, or a step
+        it would answer state_lost after a restart): is the opening answered already (by an earlier
+        process)? is there a cancel marker? Nothing when every step's session is held."""
         jobs: list[str] = []
         sids: list[str] = []
         for d in deliveries:
             f = d.fields
-            if d.phase != "prefill" or f.get(b"pos") != b"0":
-                continue
             try:
                 jid, sid = f[b"job_id"].decode(), f[b"session_id"].decode()
             except (KeyError, UnicodeDecodeError):
                 continue  # not a job: _admit answers it
             if jid in self._held or jid in self._answered or self.scheduler.table.get(sid) is not None:
                 continue
-            jobs.append(jid)
+            if d.phase == "prefill" and f.get(b"pos") == b"0":
+                jobs.append(jid)
             sids.append(sid)
-        self._precheck = self.transport.checks(jobs, sids) if jobs else (set(), set())
+        self._precheck = self.transport.checks(jobs, sids) if sids else (set(), set())
 
     def _duplicate(self, job: StepJob, d: Delivery, out: list[Completion]) -> bool:
         """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
@@ -290,7 +291,8 @@ class Worker:
                              detail="already answered", position=job.start_position, worker_id=self._m)
             out.append(Completion(d, res, None, d.phase))
             return True
-        if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None:
+        if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None \
+                and self.scheduler.table.closed(job.session_id) is None:
             reply = self.scheduler.refuse_cancelled(job, d)
             out.append(self._remember(self._completion(reply)))
             return True

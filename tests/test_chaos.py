@@ -20,7 +20,7 @@ import redis
 
 from consumer.process import ConsumerProcess
 from producer import Producer
-from schemas import WorkerKeys
+from schemas import Status, WorkerKeys
 
 from .chaos_support import (
     SOAK,
@@ -32,6 +32,7 @@ from .chaos_support import (
     consumer,
     pause,
     specs_for,
+    stream_results,
     wait_idle_heartbeat,
 )
 from .support import prompts
@@ -232,9 +233,9 @@ def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: 
                                                                      tiny_model_path: Path,
                                                                      tmp_path: Path) -> None:
     """Session 1 is mid-run when the consumer dies; session 4 is opened while it is down; both are
-    cancelled while it is down. The restarted consumer must not run either: 1 ends cancelled (the
-    replay honours the cancel marker), 4 ends cancelled (its opening meets the marker), both
-    closed in accounting; the others finish exactly."""
+    cancelled while it is down. The restarted consumer must not run either: both end cancelled (their
+    next step meets the cancel marker), closed in accounting, neither replayed; the others finish
+    exactly."""
     worker = "chaos-cancel"
     c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     client = redis.Redis.from_url(redis_srv.url)
@@ -252,6 +253,9 @@ def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: 
     handles = drive.join()
     check_exact(client, worker, specs, handles, tiny_model_path, must_cancel={"cx-1", "cx-4"})
     assert handles["cx-4"].generated == []
+    # answered cancelled by the restarted worker (the marker), not state_lost: nothing was replayed
+    assert handles["cx-1"].attempt == 0 and handles["cx-4"].attempt == 0
+    assert Status.STATE_LOST not in {r.status for r in stream_results(client, worker, "cx-1")}
     wait_idle_heartbeat(client, worker)
     assert c.stop() == 0, _log_tail(c)
 

@@ -362,3 +362,28 @@ def test_a_redis_that_lost_its_data_set_mid_run(real_redis: redis.Redis, engine:
         tail = [r.token for r in results if r.token is not None]
         assert h.generated[len(h.generated) - len(tail):] == tail
     assert_clean(worker)
+
+
+def test_a_replay_honours_a_cancel_recorded_after_the_state_was_lost(redis_client: redis.Redis,
+                                                                     engine: NumpyReferenceEngine) -> None:
+    worker = make_worker(redis_client, engine)
+    producer = Producer(redis_client)
+    (spec, prompt), = specs_for(redis_client, WID, "late", prompts(1, 300, seed=13), 8)
+    stepper = Stepper(producer, worker)
+    h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    while len(h.generated) < 2:
+        stepper.step()
+    worker = _crash(redis_client, engine)
+    for _ in range(3):
+        worker.run_once()
+    producer.read_results([h], block_ms=0)
+    assert h.status == "state_lost"  # the decode in flight met a worker that lost the session
+    producer.cancel(WID, spec.session_id)  # the cancel comes after the state_lost answer
+    keys = WorkerKeys(WID)
+    pre = keys.input_stream(spec.route[0].key.for_phase("prefill").digest, "prefill")
+    before = redis_client.xlen(pre)
+    producer.replay(h)
+    assert h.status == "cancelled" and h.finished and h.attempt == 0
+    assert redis_client.xlen(pre) == before  # nothing pushed: the session stays cancelled
+    worker.run_once()  # the worker reads the cancel of a session it does not hold: closes its accounting
+    assert redis_client.hget(keys.session_account(spec.session_id), "closed") == b"cancelled"
