@@ -302,15 +302,18 @@ class Scheduler:
         return replies
 
     def refuse_cancelled(self, job: StepJob, ref: object) -> Reply:
-        """Answer the opening prefill of a session whose cancellation was recorded before it was
-        admitted (a cancel marker): CANCELLED with close='cancelled', no slot taken, and the session
-        remembered as closed-cancelled, so its other steps are answered CANCELLED too."""
+        """Answer a step of a session this scheduler does not hold whose cancellation was recorded
+        before the step was admitted (a cancel marker): its opening (cancelled before it was read), or
+        any later step (cancelled while an earlier worker held it). CANCELLED with close='cancelled',
+        no slot taken, and the session remembered as closed-cancelled, so its other steps are
+        answered CANCELLED too."""
         account = job.session.account_id if job.session is not None else ""
+        opening = job.phase == "prefill" and job.start_position == 0
         if self.table.get(job.session_id) is None:
             self.table.remember_closed(ClosedSession(
                 session_id=job.session_id, account_id=account, kind="cancelled", slot=-1,
-                position=job.end_position, opening_job_id=job.job_id, generated=0, prompt_tokens=0,
-                generated_tokens=0, engine_seconds=0.0))
+                position=job.end_position, opening_job_id=job.job_id if opening else "", generated=0,
+                prompt_tokens=0, generated_tokens=0, engine_seconds=0.0))
             self.stats.sessions_cancelled += 1
         self.stats.jobs_cancelled += 1
         result = self._result(job, Status.CANCELLED, Reason.CANCELLED, job.start_position,

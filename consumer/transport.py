@@ -2,22 +2,25 @@
 
 The worker loop calls `RedisTransport` and knows no Redis command. One fused batch costs one read
 (plus a bounded gather of non-blocking reads), one `complete()` (exactly one EVALSHA whatever the
-batch size) and at most one `cancellations()` check.
+batch size) and at most one `cancellations()` check; a read that brought openings of sessions the
+worker does not hold costs one `checks()` more (answered already? cancel marker?).
 
 Delivery is at least once: an entry stays in this consumer's pending list until `complete()` acks
-it. Exactly-once *effects* come from the completion script: XACK says whether this delivery is the
-first to finish, the result record `SET NX` says whether this job id was ever answered, and only then
-are the result published and the counters moved. Replaying a completion, or completing a second
-entry that carries an already answered job id, changes nothing.
+it. Exactly-once *effects* come from the completion script: it acks the entry, and the result record
+`SET NX` says whether this job id was ever answered; only then are the result published and the
+counters moved. Replaying a completion, or completing a second entry that carries an already
+answered job id, changes nothing; a completion whose entry Redis no longer lists as pending (a
+restart lost it) still publishes its answer once.
 
 Every key a script touches is passed in KEYS and all of them share the worker's hash tag, so the
 scripts are Redis Cluster safe. Scripts live in `consumer/lua/*.lua`.
 
-Riding through Redis faults: every Redis call goes through `_io`, which retries connection errors,
-timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with exponential backoff
-and jitter for at most `outage_max_s`, logging one line when an outage starts and one when it ends
-(then re-raises). The caller's state is untouched by an outage: a read is simply late, a completion is
-re-sent as is (the completion script is idempotent by job id). `outages` counts the outages seen, so
+Riding through Redis faults: every Redis call goes through `_io` (schemas/retry.py), which retries
+connection errors, timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with
+exponential backoff and jitter for at most `outage_max_s`, logging one line when an outage starts and
+one when it ends (past the bound it logs and re-raises). The caller's state is untouched by an
+outage: a read is simply late, a completion is re-sent as is (the completion script is idempotent by
+job id). `outages` counts the outages seen, so
 the worker can re-advertise and sweep once Redis is back (a restarted Redis may have lost the tail of
 its data set).
 
@@ -343,8 +346,12 @@ class RedisTransport:
             return
         keys = [self.keys.lease, self.keys.lease_epoch]
         args: list[str | int] = [self.lease_token, self.lease_epoch, self.settings.lease_ms]
-        if int(self._io(partial(self._renew, keys=keys, args=args))) != 1:
+        got = int(self._io(partial(self._renew, keys=keys, args=args)))
+        if got == 0:
             raise LeaseLost(f"worker {self.worker_id}: the lease was taken over by another consumer")
+        if got == 2:
+            log.warning("lease had lapsed (a pause or an outage longer than the lease); nobody took it: "
+                        "taken back", extra={"worker": self.worker_id, "lease": self.lease_token})
 
     def release_lease(self) -> None:
         """Give the lease back (clean exit), if still ours."""

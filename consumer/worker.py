@@ -6,10 +6,11 @@ It joins three parts that know nothing of each other: the transport (all Redis I
 Delivery (issue 12): every step gets exactly one real answer. A job id delivered again while the
 worker still holds it (queued or in a call: a producer retry, `open()` twice, a re-push after an
 outage) is held as a *twin* and completed with the original's answer; one delivered again after it
-was answered gets the same completion re-sent (a no-op unless Redis lost the first one). The opening
-of a session this worker does not hold is checked first against Redis (one round trip per read that
-has any): already answered (by an earlier process) -> acked, no ghost session; a cancel marker ->
-answered CANCELLED without taking a slot.
+was answered gets the same completion re-sent (a no-op unless Redis lost the first one). A step of a
+session this worker does not hold is checked first against Redis (one round trip per read that has
+any): an opening already answered (by an earlier process) -> acked, no ghost session; a cancel
+marker -> answered CANCELLED without taking a slot (not state_lost: a cancelled session is not
+replayed).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class WorkerSettings:
     heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
     recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
-    answered_memory: int = 65_536  # completions remembered per job id, re-sent for a late duplicate
+    answered_memory: int = 16_384  # answers remembered by job id, re-sent for a late duplicate (~1 KB each)
     # Entries one iteration may read in all. When entries read are refused at admission (malformed,
     # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
     # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
@@ -121,12 +122,12 @@ class Worker:
         self._last_recover = 0.0
         self._started = time.time()
         self._m = settings.worker_id
-        self._held: dict[str, Delivery] = {}  # job id -> the delivery admitted (queued or in a call)
+        # job id -> (session id, position) of the job admitted under it, while queued or in a call
+        self._held: dict[str, tuple[str, int]] = {}
         self._twins: dict[str, list[Delivery]] = {}  # job id -> more deliveries of it, while held
         self._answered: OrderedDict[str, Completion] = OrderedDict()  # job id -> its completion (LRU)
         self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
         self._outages_seen = 0
-        self._fenced = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,7 +168,6 @@ class Worker:
                     break
         except LeaseLost:
             # Another process serves this worker id now: write nothing more (no heartbeat, no release).
-            self._fenced = True
             log.error("lease lost to another consumer: stopping without writing", extra={"worker": self._m})
             raise
         self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
@@ -318,7 +318,7 @@ class Worker:
         if reply is not None:
             answers.append(reply)
             return False
-        self._held[job.job_id] = d
+        self._held[job.job_id] = (job.session_id, job.start_position)
         if self.idle is not None:
             self.idle.touch(job.session_id)
         return True
@@ -351,29 +351,30 @@ class Worker:
 
     # ---- exactly one real answer per step ----------------------------------------------------
     def _precheck_openings(self, deliveries: Sequence[Delivery]) -> None:
-        """One round trip for the openings (prefill at position 0) of sessions this worker does not
-        hold and whose job it has not seen: answered already? cancel marker?"""
+        """One round trip for the steps of sessions this worker does not hold (an opening, or a step
+        it would answer state_lost after a restart): is the opening answered already (by an earlier
+        process)? is there a cancel marker? Nothing when every step's session is held."""
         jobs: list[str] = []
         sids: list[str] = []
         for d in deliveries:
             f = d.fields
-            if d.phase != "prefill" or f.get(b"pos") != b"0":
-                continue
             try:
                 jid, sid = f[b"job_id"].decode(), f[b"session_id"].decode()
             except (KeyError, UnicodeDecodeError):
                 continue  # not a job: _admit answers it
             if jid in self._held or jid in self._answered or self.scheduler.table.get(sid) is not None:
                 continue
-            jobs.append(jid)
+            if d.phase == "prefill" and f.get(b"pos") == b"0":
+                jobs.append(jid)
             sids.append(sid)
-        self._precheck = self.transport.checks(jobs, sids) if jobs else (set(), set())
+        self._precheck = self.transport.checks(jobs, sids) if sids else (set(), set())
 
     def _duplicate(self, job: StepJob, d: Delivery, out: list[Completion]) -> bool:
         """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
         session cancelled before it opened). True when the job must not reach the scheduler."""
         jid = job.job_id
-        if jid in self._held:  # queued or in a call: complete it with the original's answer
+        if self._held.get(jid) == (job.session_id, job.start_position):
+            # queued or in a call: complete it with the original's answer
             self._twins.setdefault(jid, []).append(d)
             return True
         done = self._answered.get(jid)
@@ -387,7 +388,8 @@ class Worker:
                              detail="already answered", position=job.start_position, worker_id=self._m)
             out.append(Completion(d, res, None, d.phase))
             return True
-        if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None:
+        if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None \
+                and self.scheduler.table.closed(job.session_id) is None:
             reply = self.scheduler.refuse_cancelled(job, d)
             out.append(self._remember(self._completion(reply)))
             return True
@@ -406,7 +408,9 @@ class Worker:
         return out
 
     def _remember(self, c: Completion) -> Completion:
-        self._answered[c.result.job_id] = c
+        # Kept without the entry's fields (a prompt chunk, a session spec): a re-send names its own entry.
+        d = c.delivery
+        self._answered[c.result.job_id] = replace(c, delivery=replace(d, fields={}))
         self._answered.move_to_end(c.result.job_id)
         while len(self._answered) > self.settings.answered_memory:
             self._answered.popitem(last=False)

@@ -162,7 +162,8 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
                 must_cancel: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
     """THE check (see the module docstring). Returns a summary for the report."""
     keys = WorkerKeys(worker)
-    summary: dict[str, Any] = {"finished": 0, "cancelled": 0, "recomputed": 0}
+    summary: dict[str, Any] = {"sessions": len(specs), "finished": 0, "cancelled": 0, "recomputed": 0,
+                               "replays": sum(h.attempt for h in handles.values()), "results": 0}
     by_account: dict[str, dict[str, float]] = {}
     for spec, prompt in specs:
         sid = spec.session_id
@@ -179,6 +180,7 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
             assert h.generated == want, (sid, h.generated, want)
             summary["finished"] += 1
         results = stream_results(client, worker, sid)
+        summary["results"] += len(results)
         ids = [r.job_id for r in results]
         assert len(ids) == len(set(ids)), f"{sid}: a job answered twice in its result stream"
         ok_tokens = [r.token for r in results if r.status == Status.OK and r.token is not None]
@@ -202,7 +204,18 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
         for counter, total in tally.items():
             assert abs(got.get(counter, 0.0) - total) <= 1e-6 * max(1.0, total), (account, counter, got, tally)
         assert set(got) <= set(tally) | {"engine_seconds"}, (account, got, tally)
+    report(summary)
     return summary
+
+
+def report(summary: dict[str, Any]) -> None:
+    """With DGR_CHAOS_REPORT=path: append the scenario's measured outcome (JSON line) there."""
+    path = os.environ.get("DGR_CHAOS_REPORT")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], **summary}) + "\n")
 
 
 def wait_idle_heartbeat(client: redis.Redis, worker: str, timeout_s: float = 20.0) -> dict[str, Any]:

@@ -97,6 +97,10 @@ def test_producer_user_drives_sessions_but_reads_no_accounting(acl_server: Local
     admin_w1.xack(d.stream, "dgr-workers", d.entry_id)
     prod.cancel("w1", "ps1")
     assert "ps1" in t1.cancellations()
+    assert prod.cancelled("w1", "ps1")  # the cancel marker: the Tracker may set and read it
+    dec = WorkerKeys("w1").input_stream(make_key("decode").digest, "decode")
+    with pytest.raises(NoPermissionError):
+        p.set(dec, "clobbered")  # ...but SET only there: never over a stream
     assert p.xread({WorkerKeys("w1").results("s1"): "0"}, count=1)  # results of any session
     for cmd in (lambda: p.hgetall(WorkerKeys("w1").worker_account), lambda: p.get(WorkerKeys("w1").result_record("x")),
                 lambda: p.xrange(WorkerKeys("w1").dead_letters), lambda: p.delete(WorkerKeys("w1").spec),

@@ -20,7 +20,7 @@ import redis
 
 from consumer.process import ConsumerProcess
 from producer import Producer
-from schemas import WorkerKeys
+from schemas import Status, WorkerKeys
 
 from .chaos_support import (
     SOAK,
@@ -32,6 +32,7 @@ from .chaos_support import (
     consumer,
     pause,
     specs_for,
+    stream_results,
     wait_idle_heartbeat,
 )
 from .support import prompts
@@ -63,7 +64,7 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
                                                 tmp_path: Path) -> None:
     rng = random.Random(SEED)
     worker = "chaos-k9"
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     client = redis.Redis.from_url(redis_srv.url)
     specs = specs_for(client, worker, "k9", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=40), TOKENS)
     drive = Drive(_producer(redis_srv.url), specs).start()
@@ -73,7 +74,7 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
         drive.wait_results(mark)
         time.sleep(rng.uniform(0, 0.03))  # land anywhere in a fused call, a completion, a read
         c.kill()
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, slots=4)
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
         assert isinstance(c, ConsumerProcess)
     handles = drive.join()
     summary = check_exact(client, worker, specs, handles, tiny_model_path)
@@ -114,8 +115,13 @@ def test_consumer_started_before_redis(tmp_path: Path, tiny_model_path: Path) ->
     worker = "chaos-early"
     proc = bare_consumer(srv.url, worker, tiny_model_path, tmp_path / "logs")
     try:
-        time.sleep(1.0)
-        assert proc.poll() is None, "the consumer gave up before Redis came"
+        deadline = time.monotonic() + 60
+        while "redis unreachable, retrying" not in bare_log(tmp_path / "logs"):  # it is waiting for Redis
+            assert proc.poll() is None, "the consumer gave up before Redis came"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert proc.poll() is None
         srv.start()
         client = redis.Redis.from_url(srv.url)
         deadline = time.monotonic() + 60
@@ -227,9 +233,9 @@ def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: 
                                                                      tiny_model_path: Path,
                                                                      tmp_path: Path) -> None:
     """Session 1 is mid-run when the consumer dies; session 4 is opened while it is down; both are
-    cancelled while it is down. The restarted consumer must not run either: 1 ends cancelled (the
-    replay honours the cancel marker), 4 ends cancelled (its opening meets the marker), both
-    closed in accounting; the others finish exactly."""
+    cancelled while it is down. The restarted consumer must not run either: both end cancelled (their
+    next step meets the cancel marker), closed in accounting, neither replayed; the others finish
+    exactly."""
     worker = "chaos-cancel"
     c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     client = redis.Redis.from_url(redis_srv.url)
@@ -247,5 +253,47 @@ def test_cancel_while_the_consumer_is_down_and_before_the_first_read(redis_srv: 
     handles = drive.join()
     check_exact(client, worker, specs, handles, tiny_model_path, must_cancel={"cx-1", "cx-4"})
     assert handles["cx-4"].generated == []
+    # answered cancelled by the restarted worker (the marker), not state_lost: nothing was replayed
+    assert handles["cx-1"].attempt == 0 and handles["cx-4"].attempt == 0
+    assert Status.STATE_LOST not in {r.status for r in stream_results(client, worker, "cx-1")}
     wait_idle_heartbeat(client, worker)
     assert c.stop() == 0, _log_tail(c)
+
+
+def test_a_random_schedule_of_faults(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Faults drawn at random and combined: consumer kill -9, Redis shutdown or kill -9 with restart,
+    a pause past the lease, a cancel from another producer, at random result counts. One schedule of
+    three faults by default; ten schedules of five under DGR_SOAK=1."""
+    rng = random.Random(SEED)
+    faults = ("kill_consumer", "redis_shutdown", "redis_kill9", "pause", "cancel")
+    for round_ in range(10 if SOAK else 1):
+        worker = f"chaos-mix{round_}"
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+        client = redis.Redis.from_url(redis_srv.url)
+        specs = specs_for(client, worker, f"mix{round_}", prompts(N_SESSIONS, 300, seed=rng.randint(0, 9999)),
+                          TOKENS)
+        drive = Drive(_producer(redis_srv.url), specs).start()
+        schedule = [rng.choice(faults) for _ in range(5 if SOAK else 3)]
+        cancelled: set[str] = set()
+        for fault in schedule:
+            drive.wait_results(rng.randint(drive.results + 1, drive.results + 15), timeout_s=90)
+            if fault == "kill_consumer":
+                c.kill()
+                c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+            elif fault in ("redis_shutdown", "redis_kill9"):
+                redis_srv.kill9() if fault == "redis_kill9" else redis_srv.shutdown()
+                time.sleep(rng.uniform(0.2, 1.5))
+                redis_srv.start()
+            elif fault == "pause":
+                pause(c, rng.uniform(1.5, 3.0))
+            else:
+                sid = rng.choice([s.session_id for s, _ in specs])
+                Producer(redis.Redis.from_url(redis_srv.url)).cancel(worker, sid)
+                cancelled.add(sid)
+        handles = drive.join(180)
+        try:
+            check_exact(client, worker, specs, handles, tiny_model_path, allow_cancel=cancelled)
+            wait_idle_heartbeat(client, worker)
+        except AssertionError as e:
+            raise AssertionError(f"seed {SEED}, round {round_}, schedule {schedule}: {e}") from e
+        assert c.stop() == 0, _log_tail(c)

@@ -17,7 +17,7 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from consumer.engines.reference import NumpyReferenceEngine
@@ -27,7 +27,7 @@ from producer import Producer, SessionHandle
 from producer.client import _Batch
 from schemas import Status, WorkerKeys
 
-from .chaos_support import check_exact, solo, specs_for, stream_results
+from .chaos_support import SOAK, check_exact, solo, specs_for, stream_results
 from .support import prompts
 
 WID = "deliv"
@@ -53,6 +53,7 @@ class Stepper:
     def __init__(self, producer: Producer, worker: Worker) -> None:
         self.producer, self.worker = producer, worker
         self.handles: dict[str, SessionHandle] = {}
+        self.outages = producer.outages
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
@@ -60,6 +61,9 @@ class Stepper:
             live = [h for h in self.handles.values() if not h.finished]
             if not live:
                 continue
+            if self.producer.outages != self.outages:  # as run_many does after an outage
+                self.outages = self.producer.outages
+                self.producer._after_outage(live, True)
             got = self.producer.read_results(live, block_ms=0)
             batch = _Batch()
             for sid in got:
@@ -110,7 +114,7 @@ class Echo(Producer):
             super()._send(b)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300 if SOAK else 12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 4), chunk=st.integers(3, 16), max_tokens=st.integers(2, 6),
        plan=st.lists(st.sampled_from([-1, -1, 0, 1, 2, 5, 30]), min_size=1, max_size=8),
        open_twice=st.booleans())
@@ -271,3 +275,115 @@ def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine:
         assert resumed[spec.session_id].generated == solo(tiny_model_path, prompt, 8)
     with pytest.raises(LookupError):
         second.resume(WID, "never-opened")
+
+
+def test_generate_rides_through_an_outage(real_redis: redis.Redis, engine: NumpyReferenceEngine,
+                                          tiny_model_path: Path) -> None:
+    import threading
+
+    from tests.test_lease import Flaky
+
+    worker = make_worker(real_redis, engine)
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    try:
+        (spec, prompt), = specs_for(real_redis, WID, "gen", prompts(1, 300, seed=9), 8)
+        flaky = Flaky(real_redis, "xread", 0, redis.ConnectionError("connection refused"))
+        producer = Producer(flaky)  # type: ignore[arg-type]
+        producer._rider.policy = type(producer._rider.policy)(max_s=30, base_s=0.001, cap_s=0.002)
+        gen = producer.generate(spec, prompt)
+        tokens = [next(gen), next(gen)]
+        flaky.fail = 3  # the next reads fail: an outage in the middle of the session
+        tokens += list(gen)
+        assert producer.outages == 1
+        assert tokens == solo(tiny_model_path, prompt, 8)
+        results = stream_results(real_redis, WID, spec.session_id)
+        assert len({r.job_id for r in results}) == len(results)  # the re-push answered nothing twice
+        assert [r.token for r in results if r.token is not None] == tokens
+    finally:
+        worker.request_stop()
+        runner.join(10)
+    assert_clean(worker)
+
+
+def test_a_sweep_every_iteration_never_takes_a_queued_entry_away(redis_client: redis.Redis,
+                                                                   engine: NumpyReferenceEngine,
+                                                                   tiny_model_path: Path) -> None:
+    """The issue's no-fault case: prompts queued behind a slow prefill backlog while the recovery
+    sweep runs. Idle time no longer decides: a sweep on every loop iteration claims nothing of the
+    worker's own, and every session gets exactly its tokens."""
+    worker = Worker(engine, RedisTransport(redis_client, WID, consumer_name=WID),
+                    WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0, prefill_budget=4,
+                                   prefill_ratio=0.0, recover_every_s=0.0))
+    worker.start()
+    producer = Producer(redis_client, prefill_chunk=16)
+    specs = specs_for(redis_client, WID, "sweep", prompts(4, 300, seed=11, lo=30, hi=40), 4)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    stepper.run()
+    check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+    assert_clean(worker)
+    assert worker.scheduler.stats.calls_prefill >= 30  # the backlog was real: many small prefill calls
+
+
+@settings(max_examples=60 if SOAK else 6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), steps=st.integers(0, 40))
+def test_a_redis_that_lost_its_data_set_mid_run(real_redis: redis.Redis, engine: NumpyReferenceEngine,
+                                                tiny_model_path: Path, seed: int, steps: int) -> None:
+    """Redis restarts empty (no persistence) mid-run: both sides see a connection error, then a blank
+    server. The worker keeps its sessions, re-advertises, takes its lease back (epoch restored) and
+    re-publishes what was lost when the producer re-pushes its unanswered jobs; every session
+    finishes with its solo tokens and no result stream holds a job twice."""
+    from tests.test_lease import Flaky
+
+    real_redis.flushall()  # each example starts blank
+    worker = make_worker(real_redis, engine)
+    producer = Producer(real_redis, prefill_chunk=8)
+    specs = specs_for(real_redis, WID, "lost", prompts(3, 300, seed=seed, lo=2, hi=30), 24)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    stepper.step(steps)  # lose the data set anywhere: mid-prefill, mid-decode
+    assume(not any(h.finished for h in stepper.handles.values()))
+    real_redis.flushall()
+    for side, name in ((worker.transport, "xread"), (producer, "xread")):  # a read each loop, both sides
+        side.client = Flaky(real_redis, name, 1, redis.ConnectionError("connection reset"))  # type: ignore[assignment]
+    for rider in (worker.transport._rider, producer._rider):
+        rider.policy = type(rider.policy)(max_s=30, base_s=0.001, cap_s=0.002)
+    stepper.run()
+    assert worker.transport.outages == 1 and producer.outages == 1
+    for spec, prompt in specs:
+        h = stepper.handles[spec.session_id]
+        assert h.status == "finished" and h.attempt == 0, (spec.session_id, h.status, h.attempt)
+        assert h.generated == solo(tiny_model_path, prompt, 24), spec.session_id
+        results = stream_results(real_redis, WID, spec.session_id)  # what was written after the loss
+        assert len({r.job_id for r in results}) == len(results)
+        tail = [r.token for r in results if r.token is not None]
+        assert h.generated[len(h.generated) - len(tail):] == tail
+    assert_clean(worker)
+
+
+def test_a_replay_honours_a_cancel_recorded_after_the_state_was_lost(redis_client: redis.Redis,
+                                                                     engine: NumpyReferenceEngine) -> None:
+    worker = make_worker(redis_client, engine)
+    producer = Producer(redis_client)
+    (spec, prompt), = specs_for(redis_client, WID, "late", prompts(1, 300, seed=13), 8)
+    stepper = Stepper(producer, worker)
+    h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    while len(h.generated) < 2:
+        stepper.step()
+    worker = _crash(redis_client, engine)
+    for _ in range(3):
+        worker.run_once()
+    producer.read_results([h], block_ms=0)
+    assert h.status == "state_lost"  # the decode in flight met a worker that lost the session
+    producer.cancel(WID, spec.session_id)  # the cancel comes after the state_lost answer
+    keys = WorkerKeys(WID)
+    pre = keys.input_stream(spec.route[0].key.for_phase("prefill").digest, "prefill")
+    before = redis_client.xlen(pre)
+    producer.replay(h)
+    assert h.status == "cancelled" and h.finished and h.attempt == 0
+    assert redis_client.xlen(pre) == before  # nothing pushed: the session stays cancelled
+    worker.run_once()  # the worker reads the cancel of a session it does not hold: closes its accounting
+    assert redis_client.hget(keys.session_account(spec.session_id), "closed") == b"cancelled"

@@ -75,6 +75,21 @@ def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> 
     assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"1"
 
 
+def test_an_epoch_lost_by_redis_does_not_fence_its_holder(redis_client: redis.Redis) -> None:
+    """kill -9 of Redis with AOF everysec can lose the last second: the lease and the epoch's INCR."""
+    transport(redis_client, "host-0:1:w").acquire_lease(wait=False)
+    redis_client.delete(WorkerKeys(WORKER).lease)
+    a = transport(redis_client, "host-a:1:x")
+    assert a.acquire_lease(wait=False).startswith("2:")
+    redis_client.set(WorkerKeys(WORKER).lease_epoch, 1)  # the INCR to 2 was lost...
+    redis_client.delete(WorkerKeys(WORKER).lease)  # ...and the lease with it
+    a.renew_lease()  # restores epoch 2 and takes its lease back
+    assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"2"
+    b = transport(redis_client, "host-b:1:y")
+    with pytest.raises(LeaseHeld):
+        b.acquire_lease(wait=False)
+
+
 def test_a_dead_holder_on_this_host_is_replaced_at_once(redis_client: redis.Redis) -> None:
     import socket
 
@@ -171,3 +186,27 @@ def test_not_transient_errors_are_raised_at_once_and_outages_are_bounded() -> No
     with pytest.raises(redis.ResponseError):
         rider.call(wrong)
     assert calls[0] == 1
+
+
+def test_a_completion_whose_reply_was_lost_is_resent_without_effect(redis_client: redis.Redis) -> None:
+    t = RedisTransport(redis_client, WORKER, WORKER, TransportSettings(retry_base_s=0.001, retry_cap_s=0.002))
+    t.acquire_lease(wait=False)
+    _pre, dec = t.register(KEYS, {})
+    push(redis_client, dec, [make_job("s", 1)])
+    held = t.read({dec: 1}, block_ms=0)
+    real = t._complete
+    calls = [0]
+
+    def reply_lost(**kw: Any) -> Any:
+        calls[0] += 1
+        out = real(**kw)  # Redis ran it...
+        if calls[0] == 1:
+            raise redis.ConnectionError("connection reset")  # ...but the reply never came
+        return out
+
+    t._complete = reply_lost  # type: ignore[assignment]
+    assert t.complete(completions_for(held)) == [False]  # re-sent: the first call had answered it
+    assert calls[0] == 2 and t.outages == 1
+    assert redis_client.xlen(t.keys.results("s")) == 1
+    assert redis_client.hget(t.keys.worker_account, "steps") == b"1"
+    assert t.outstanding == 0

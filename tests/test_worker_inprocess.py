@@ -161,6 +161,8 @@ def test_engine_failure_fails_only_the_offending_session(fake_redis: redis.Redis
             break
     assert [r.status for r in d.results["s2"]] == [Status.FAILED]
     assert d.results["s2"][0].reason is not None and d.results["s2"][0].reason.value == "engine_error"
+    # a failed session's accounting is closed too (docs/accounting.md, rule 6)
+    assert fake_redis.hget(WorkerKeys(WID).session_account("s2"), "closed") == b"failed"
     for i in (0, 1, 3):
         assert d.tokens[f"s{i}"] == solo_generate(ref_engine, ps[i], 6), f"s{i}"
 

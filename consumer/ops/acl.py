@@ -35,9 +35,10 @@ WORKER_COMMANDS = (
 
 PRODUCER_COMMANDS = (
     "+smembers", "+get", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec", "+discard",
-    # cancel markers (set with a TTL, checked by a replay), the session record a handle is rebuilt from
-    "+set", "+exists", "+hset", "+hgetall", "+expire",
 )
+# A selector (Redis 7): these commands on these keys only, so the Tracker cannot SET over a stream.
+# Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.
+PRODUCER_STATE_SELECTOR = "(~dgr:{*}:cancelled:* ~dgr:{*}:sess:* +set +exists +hset +hgetall +expire)"
 
 
 def worker_rules(worker_id: str) -> list[str]:
@@ -50,8 +51,8 @@ def worker_rules(worker_id: str) -> list[str]:
 def producer_rules() -> list[str]:
     anyw = f"{PREFIX}:{{*}}"
     return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{anyw}:spec", f"%R~{anyw}:hb", f"~{anyw}:in:*",
-            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", f"~{anyw}:cancelled:*", f"~{anyw}:sess:*",
-            "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS]
+            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
+            PRODUCER_STATE_SELECTOR]
 
 
 def ops_rules() -> list[str]:
