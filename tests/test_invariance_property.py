@@ -27,7 +27,7 @@ from consumer.engines.corrupt import CorruptingEngine
 from consumer.engines.llama import LlamaCppEngine
 from schemas import Sampling
 from tests.fixtures.shape_probe import ShapeProbeEngine
-from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
+from tests.invariance_harness import Conditions, Outcome, Session, oracle, random_prompt, run_scenario
 
 SOAK = os.environ.get("DGR_SOAK") == "1"
 EXAMPLES = 200 if SOAK else 8
@@ -123,9 +123,10 @@ _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not SOAK,
                                             HealthCheck.function_scoped_fixture])
 
 
-def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditions) -> None:
+def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditions) -> Outcome:
     out = run_scenario(client, ss, c, engines.make, engines.solo)
     assert out.mismatches == [], f"{c}\n" + "\n".join(out.mismatches)
+    return out
 
 
 @_SETTINGS
@@ -162,10 +163,10 @@ def test_corrupting_engine_is_caught(tiny_model_path: Path, plain: Engines, clie
 # ---- minimal counterexamples, kept (each failed before the fix, on the shape probe) --------------------
 
 def _one(engines: Engines, client: redis.Redis, length: int, c: Conditions, max_tokens: int = 6,
-         sampling: Sampling | None = None) -> None:
+         sampling: Sampling | None = None) -> Outcome:
     s = Session(prompt=random_prompt(np.random.default_rng(length), length, 512),
                 sampling=sampling or Sampling(), max_tokens=max_tokens)
-    _check(engines, client, [s], c)
+    return _check(engines, client, [s], c)
 
 
 @pytest.mark.parametrize(("length", "chunk", "budget", "max_batch"), [
@@ -182,8 +183,9 @@ def test_regression_no_single_prompt_row(probe: Engines, client: redis.Redis, le
 @pytest.mark.parametrize("before_lua", [True, False])
 def test_regression_replay_computes_generated_tokens_one_row_each(probe: Engines, client: redis.Redis,
                                                                   before_lua: bool) -> None:
-    _one(probe, client, 50, Conditions(crash_at=8, crash_before_lua=before_lua), max_tokens=12,
-         sampling=Sampling(temperature=0.9, seed=1))
+    out = _one(probe, client, 50, Conditions(crash_at=8, crash_before_lua=before_lua), max_tokens=12,
+               sampling=Sampling(temperature=0.9, seed=1))
+    assert out.crashed and out.replays >= 1  # the worker died mid-run and the session was replayed
 
 
 def test_shape_probe_sees_a_single_prompt_row(probe: Engines) -> None:
