@@ -483,9 +483,9 @@ class AsyncProducer(CoreSettings):
         follow = self._follow(h)
         try:
             async for _results in follow:
-                for t in h.generated[sent:]:
-                    yield t
-                sent = len(h.generated)
+                while sent < len(h.generated):  # it may grow while we are suspended in a yield
+                    sent += 1
+                    yield h.generated[sent - 1]
         finally:
             await follow.aclose()
         if h.status not in ("finished", "cancelled"):

@@ -18,6 +18,8 @@ import fakeredis
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from producer import Producer
 from producer.aio import AsyncProducer
@@ -34,8 +36,10 @@ def async_client_for(client: redis.Redis) -> aioredis.Redis:
         server = client.connection_pool.connection_kwargs["server"]
         return fakeredis.FakeAsyncRedis(server=server)
     kw = client.connection_pool.connection_kwargs
+    # No retries inside redis-py (redis.asyncio retries 10 times by default, the sync client built from a
+    # URL does not): the driver's own ride-through (schemas/retry.py) is what the tests see.
     return aioredis.Redis(host=kw.get("host", "localhost"), port=kw.get("port", 6379), db=kw.get("db", 0),
-                          username=kw.get("username"), password=kw.get("password"))
+                          username=kw.get("username"), password=kw.get("password"), retry=Retry(NoBackoff(), 0))
 
 
 class _Loop:
