@@ -172,6 +172,8 @@ def tracker_sim(
     seed: int = 0,
     json_out: Annotated[Path | None, typer.Option(help="Write per-session results as JSON here.")] = None,
     hmac_key_file: HmacKeyFile = None,
+    use_async: Annotated[bool, typer.Option("--async", help="Drive the sessions with one AsyncProducer on "
+                                                              "asyncio (one task per session).")] = False,
 ) -> None:
     """A load generator on the producer API: drives sessions against a running consumer."""
     from .tracker_sim import run_tracker_sim
@@ -179,7 +181,8 @@ def tracker_sim(
     raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file))
+                                     top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file,
+                                     use_async=use_async))
 
 Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
 Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]

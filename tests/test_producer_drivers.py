@@ -4,6 +4,9 @@ through a real Redis restart, and (AsyncProducer) serve many tasks at once with 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,9 +16,11 @@ from typing import Any
 import pytest
 import redis
 
+from consumer.localredis import LocalRedis
 from producer.aio import AsyncProducer
 from tests.chaos_support import RestartableRedis
 from tests.producer_drivers import MakeProducer, async_client_for, make_producer
+from tests.support import ConsumerProcess
 from tests.test_producer import FakeWorker, expected_tokens, results_of
 from tests.test_transport import WORKER, make_spec
 
@@ -107,3 +112,22 @@ def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> No
         assert got[f"t{i}"] == expected_tokens(f"t{i}", 1 + i % 7, 5)
     assert peak == 1
     assert max(streams_per_read) > 1
+
+
+def test_tracker_sim_async_drives_a_consumer_and_cancels_on_purpose(redis_server: LocalRedis, tiny_model_path: Path,
+                                                                    tmp_path: Path) -> None:
+    proc = ConsumerProcess(redis_server.url, "sim-async", tiny_model_path, tmp_path, slots=4)
+    try:
+        out = tmp_path / "sim.json"
+        run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--async", "--redis-url",
+                              redis_server.url, "--worker-id", "sim-async", "--sessions", "6", "--prompt-len", "4:20",
+                              "--max-tokens", "8", "--rate", "50", "--cancel-fraction", "0.34", "--seed", "4",
+                              "--json-out", str(out)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "(asyncio)" in run.stdout and "tok/s" in run.stdout
+        sessions = json.loads(out.read_text())["sessions"]
+        assert sorted(s["status"] for s in sessions) == ["cancelled"] * 2 + ["finished"] * 4
+        assert all(len(s["generated"]) == 8 for s in sessions if s["status"] == "finished")
+        assert all(len(s["generated"]) < 8 for s in sessions if s["status"] == "cancelled")
+    finally:
+        assert proc.stop() == 0, proc.log()
