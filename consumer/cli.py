@@ -267,6 +267,16 @@ def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: 
     run(out, idle=idle, active=active, calls=calls, repeats=repeats)
 
 
+@bench_app.command("producer")
+def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
+                   repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
+                   model: str = "tiny") -> None:
+    """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
+    from bench.producer import run
+
+    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
+
+
 @app.command()
 def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the proofs (for CI).")] = False,
              out: Annotated[Path | None, typer.Option(help="Write here instead of docs/evidence/DGR-055.md.")] = None,
