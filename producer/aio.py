@@ -82,14 +82,20 @@ class _Outbox:
         self.producer = producer
         self.pending: list[tuple[Batch, asyncio.Future[None]]] = []
         self.transaction = False
+        self.flushing: set[asyncio.Task[None]] = set()
 
     async def send(self, batch: Batch, transaction: bool) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        if not self.pending:  # the first push of this loop turn: flush once the other tasks had theirs queued
+            asyncio.get_running_loop().call_soon(self._start_flush)
         self.pending.append((batch, fut))
         self.transaction |= transaction
         await fut
+
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush())
+        self.flushing.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self.flushing.discard)
 
     async def _flush(self) -> None:
         pending, transaction = self.pending, self.transaction
@@ -423,7 +429,8 @@ class AsyncProducer(CoreSettings):
     async def read_results(self, handles: Sequence[SessionHandle],
                            block_ms: int = 1000) -> dict[str, list[StepResult]]:
         """Producer.read_results (handles you drive by hand): one XREAD per worker, the workers' reads
-        concurrent; BLOCK block_ms (<= 0: do not block)."""
+        concurrent; BLOCK block_ms (<= 0: do not block), returning as soon as one worker's read has results
+        (the others are cancelled: a read starts from each handle's last seen id, so nothing is lost)."""
         if isinstance(block_ms, bool) or not isinstance(block_ms, int):
             raise TypeError(f"block_ms must be an int, not {type(block_ms).__name__}")
         self.core.check_handles(handles)
@@ -434,7 +441,18 @@ class AsyncProducer(CoreSettings):
             return await self._io(lambda: self.client.xread(streams, count=READ_COUNT,  # type: ignore[arg-type]
                                                              block=block_ms if block_ms > 0 else None))
 
-        resps = await asyncio.gather(*(one(bk) for bk in by_worker.values()))
+        reads = [asyncio.ensure_future(one(bk)) for bk in by_worker.values()]
+        pending = set(reads)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(t.result() for t in done):
+                    break
+        finally:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        resps = [t.result() for t in reads if t.done() and not t.cancelled()]
         return self.core.apply_read({k: h for bk in by_worker.values() for k, h in bk.items()}, resps)
 
     async def _advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool) -> bool:

@@ -72,6 +72,10 @@ class SyncOverAsync(CoreSettings):
 
     @staticmethod
     async def _make(client: redis.Redis, options: dict[str, Any]) -> AsyncProducer:
+        if isinstance(client, fakeredis.FakeRedis):
+            # fakeredis mishandles a blocking read that is cancelled (as a reader's is when a session
+            # joins): poll it instead. Blocking and waking are tested on a real redis-server.
+            options = {"read_block_ms": 0, **options}
         return AsyncProducer(async_client_for(client), **options)
 
     def __getattr__(self, name: str) -> Any:

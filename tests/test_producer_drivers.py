@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import pytest
 import redis
 
@@ -116,7 +117,7 @@ def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> No
 
 def test_tracker_sim_async_drives_a_consumer_and_cancels_on_purpose(redis_server: LocalRedis, tiny_model_path: Path,
                                                                     tmp_path: Path) -> None:
-    proc = ConsumerProcess(redis_server.url, "sim-async", tiny_model_path, tmp_path, slots=4)
+    proc = ConsumerProcess(redis_server.url, "sim-async", tiny_model_path, tmp_path, slots=6)  # no capacity refusal
     try:
         out = tmp_path / "sim.json"
         run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--async", "--redis-url",
@@ -131,3 +132,19 @@ def test_tracker_sim_async_drives_a_consumer_and_cancels_on_purpose(redis_server
         assert all(len(s["generated"]) < 8 for s in sessions if s["status"] == "cancelled")
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+def test_read_results_over_two_workers(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
+    """One read per worker; what one worker answered is returned, the other's sessions are read on later."""
+    w1, w2 = FakeWorker(redis_client), FakeWorker(redis_client, worker_id="w2")
+    p = make_producer(redis_client)
+    h1 = p.open(make_spec("tw1", max_tokens=3), [1, 2])
+    h2 = p.open(make_spec("tw2", worker="w2", max_tokens=3), [1, 2])
+    w1.step()
+    block = 0 if isinstance(redis_client, fakeredis.FakeRedis) else 200  # fakeredis: see producer_drivers.py
+    got = p.read_results([h1, h2], block_ms=block)
+    assert set(got) == {"tw1"} and h1.generated == expected_tokens("tw1", 2, 1) and h2.generated == []
+    w2.step()
+    while "tw2" not in p.read_results([h1, h2], block_ms=block):
+        pass
+    assert h2.generated == expected_tokens("tw2", 2, 1)
