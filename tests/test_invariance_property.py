@@ -124,6 +124,8 @@ def scenarios(draw: st.DrawFn, max_prompt: int = MAX_PROMPT, max_sessions: int =
     return ss, draw(conditions(len(ss)))
 
 
+# The soak runs hundreds of examples inside one test function: no per-test timeout then.
+_TIMEOUT = pytest.mark.timeout(0 if SOAK else 300)
 _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not SOAK, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                             HealthCheck.function_scoped_fixture])
@@ -135,6 +137,7 @@ def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditio
     return out
 
 
+@_TIMEOUT
 @_SETTINGS
 @given(scenario=scenarios())
 def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
@@ -142,6 +145,7 @@ def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
     _check(plain, client, *scenario)
 
 
+@_TIMEOUT
 @_SETTINGS
 @given(scenario=scenarios())
 def test_service_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
@@ -150,6 +154,7 @@ def test_service_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Red
 
 
 @pytest.mark.slow
+@_TIMEOUT
 @settings(max_examples=40 if SOAK else 3, deadline=None, derandomize=not SOAK, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
