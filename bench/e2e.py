@@ -83,11 +83,28 @@ def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int,
     }
 
 
+PREFILL_PROMPT = 512
+
+
+def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, seed: int = 0) -> float:
+    """Prompt tokens/s of one PREFILL_PROMPT-token prompt through the whole service: from open() until
+    its first token arrives (the worker cuts the prompt by its budget; nothing else runs)."""
+    info = producer.discover(consumer.worker_id)
+    vocab = int(info.info.get("vocab_size", 256))
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(3, vocab, PREFILL_PROMPT)]
+    spec = SessionSpec(session_id=f"{tag}-prefill", account_id="bench",
+                       route=(RouteHop(worker_id=consumer.worker_id, key=info.keys[0]),), max_tokens=1)
+    t0 = time.perf_counter()
+    for _ in producer.generate(spec, prompt):
+        break
+    return PREFILL_PROMPT / (time.perf_counter() - t0)
+
+
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
         repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0) -> dict[str, Any]:
     path = resolve_model(model)
     slots = max(batch_sizes)
-    ctx = 256 if tokens + PROMPT_LEN <= 256 else 1024
+    ctx = 1024  # the prefill measurement's prompt needs PREFILL_PROMPT + 1 positions
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dgr-bench-") as tmp, LocalRedis() as server:
         extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
@@ -114,6 +131,9 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                 rows.append(row)
                 console.print(f"B={b}: raw {raw:.1f} tok/s, e2e {e2e:.1f} tok/s, efficiency {e2e / raw:.3f}, "
                               f"batch fill {row['batch_fill']:.3f}")
+            prefill = statistics.median(e2e_prefill_rate(producer, consumer, f"p{r}", seed=r)
+                                        for r in range(max(1, repeats)))
+            console.print(f"prefill of a {PREFILL_PROMPT}-token prompt through the service: {prefill:.1f} tok/s")
         finally:
             engine.close()
             consumer.stop()
@@ -123,10 +143,42 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
     console.print(table(f"e2e vs raw fused decode ({model}, {recipe})", cols, data))
     payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "tokens": tokens,
                "repeats": repeats, "threads": threads, "n_gpu_layers": n_gpu_layers, "rows": rows,
+               "prefill_prompt": PREFILL_PROMPT, "prefill_tok_s": prefill,
                "markdown": markdown(cols, data)}
     save(out_dir, f"e2e-{model}-{recipe}", payload)
     bs = [float(r["batch"]) for r in rows]
     plot(out_dir, f"e2e-{model}-{recipe}", f"decode tokens/s, {model} ({recipe})", "concurrent sessions",
          "tokens/s", {"raw fused engine": (bs, [r["raw_tok_s"] for r in rows]),
                       "end to end through Redis": (bs, [r["e2e_tok_s"] for r in rows])}, logx=True)
+    return payload
+
+
+def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_sizes: tuple[int, ...], tokens: int,
+                repeats: int, threads: int, n_gpu_layers: int) -> dict[str, Any]:
+    """`dgr bench e2e --recipe fast,invariant`: the bench once per recipe, each in its own process (ggml
+    reads GGML_CPU_TILED_MM once per process), one after the other in this run; then invariant / fast."""
+    import json
+    import subprocess
+    import sys
+
+    payloads: dict[str, dict[str, Any]] = {}
+    for recipe in recipes:
+        sub = out_dir / recipe
+        args = [sys.executable, "-m", "consumer", "bench", "e2e", "--recipe", recipe, "--model", model,
+                "--batches", ",".join(map(str, batch_sizes)), "--tokens", str(tokens), "--repeats", str(repeats),
+                "--threads", str(threads), "--n-gpu-layers", str(n_gpu_layers), "--out", str(sub)]
+        subprocess.run(args, check=True)
+        payloads[recipe] = json.loads((sub / f"e2e-{model}-{recipe}.json").read_text())
+    cols = ["batch", *(f"{r} e2e tok/s" for r in recipes)]
+    data = [[b, *(next(row["e2e_tok_s"] for row in payloads[r]["rows"] if row["batch"] == b) for r in recipes)]
+            for b in batch_sizes]
+    data.append([f"prefill {PREFILL_PROMPT}", *(payloads[r]["prefill_tok_s"] for r in recipes)])
+    if {"fast", "invariant"} <= set(recipes):
+        cols.append("invariant/fast")
+        for row in data:
+            row.append(row[1 + recipes.index("invariant")] / row[1 + recipes.index("fast")])
+    console.print(table(f"e2e by recipe ({model}, same run)", cols, data))
+    payload = {"bench": "e2e-recipes", "model": model, "recipes": list(recipes), "runs": payloads,
+               "markdown": markdown(cols, data)}
+    save(out_dir, f"e2e-recipes-{model}", payload)
     return payload

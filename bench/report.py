@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("engine", "e2e", "interference", "peer", "scale", "scheduler", "producer")
+ORDER = ("engine", "e2e", "e2e-recipes", "interference", "peer", "scale", "scheduler", "producer")
 TITLES = {
     "engine": "Engine: fused decode vs one call per session",
     "e2e": "End to end through Redis vs the raw fused engine",
+    "e2e-recipes": "What the invariant recipe costs, end to end (both recipes in one run)",
     "interference": "Decode inter-token latency under long prompts",
     "peer": "Peer: llama.cpp's llama-server (continuous batching) vs dgr",
     "scale": "Scale: worker time per fused call vs idle sessions",
@@ -42,6 +43,11 @@ def _headline(found: dict[str, list[dict[str, Any]]]) -> list[str]:
                            f"batch fill {row['batch_fill']:.3f}; {row['round_trips_per_call']:.2f} Redis round trips "
                            f"per fused call; worker {row['overhead_us_per_call']:.0f} us per call "
                            "outside engine and reads")
+    for run in found.get("engine", []):
+        for model, batch, fast_d, inv_d, r_d, fast_p, inv_p, r_p in run.get("recipe_cost", []):
+            out.append(f"- invariant / fast, engine, {model}: decode at {batch} sessions **{r_d:.2f}** "
+                       f"({inv_d:.1f} vs {fast_d:.1f} tok/s), prefill of a 512-token prompt **{r_p:.2f}** "
+                       f"({inv_p:.0f} vs {fast_p:.0f} tok/s)")
     for run in found.get("peer", []):
         r = run.get("ratios", {})
         if "wall_dgr_over_server" in r:
@@ -85,5 +91,7 @@ def write(root: Path, out: Path, command: str) -> Path:
                         not isinstance(v, (dict, list))}
             lines += [f"## {TITLES[name]}", "", f"Settings: `{json.dumps(settings)}`; raw data: `{run['_path']}`", "",
                       run.get("markdown", "(no table)"), ""]
+            if run.get("recipe_cost_markdown"):
+                lines += ["What the invariant recipe costs (same run):", "", run["recipe_cost_markdown"], ""]
     out.write_text("\n".join(lines))
     return out

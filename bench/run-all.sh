@@ -9,7 +9,7 @@ cmds=(
   "$DGR bench scheduler --out $OUT/scheduler"
   "$DGR bench scale --out $OUT/scale"
   "$DGR bench engine --out $OUT/engine"
-  "$DGR bench e2e --model gemma --out $OUT/e2e-gemma"
+  "$DGR bench e2e --model gemma --recipe fast,invariant --out $OUT/e2e-gemma"
   "$DGR bench e2e --model tiny --out $OUT/e2e-tiny"
   "$DGR bench interference --model gemma --out $OUT/interference"
   "$DGR bench peer --out $OUT/peer"

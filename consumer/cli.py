@@ -50,6 +50,10 @@ def consumer(
                                                  help="While sessions decode, size a prefill call to this "
                                                       "fraction of a decode call's time (0: always the full budget).")
                              ] = 0.8,
+    prefill_floor: Annotated[int, typer.Option(envvar="DGR_PREFILL_FLOOR",
+                                               help="The pacer never sizes a prefill call below this many "
+                                                    "tokens, so a prompt's first token comes within a bounded "
+                                                    "number of fused calls (docs/operations.md).")] = 32,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
     gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
     await_ms: Annotated[int, typer.Option(envvar="DGR_AWAIT_MS",
@@ -113,7 +117,7 @@ def consumer(
     # a socket; the read timeout stays far above the blocking read's BLOCK.
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30)
     settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
-                              prefill_ratio=prefill_ratio,
+                              prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
                               w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms, await_ms=await_ms,
                               heartbeat_s=min(heartbeat_s, lease_ms / 4000), recover_every_s=recover_every_s,
                               standby=on_lease_held == "wait", max_slots_per_account=max_slots_per_account,
@@ -215,13 +219,23 @@ def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gem
 
 @bench_app.command("e2e")
 def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: Batches = "1,2,4,8,16",
-              tokens: int = 64, repeats: int = 2, recipe: RecipeOpt = "invariant",
+              tokens: int = 64, repeats: int = 2,
+              recipe: Annotated[str, typer.Option(help="fast, invariant, or both comma-separated (one run, "
+                                                       "invariant/fast reported).")] = "invariant",
               threads: Annotated[int, typer.Option("--threads")] = 0,
               n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
-    """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating."""
-    from bench.e2e import run
+    """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
+    prefill tok/s of a 512-token prompt through the service."""
+    from bench.e2e import run, run_recipes
 
-    run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipe,
+    recipes = tuple(r for r in recipe.split(",") if r)
+    if not recipes or any(r not in ("fast", "invariant") for r in recipes):
+        raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
+    if len(recipes) > 1:
+        run_recipes(out, recipes, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats,
+                    threads=threads, n_gpu_layers=n_gpu_layers)
+        return
+    run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
         threads=threads, n_gpu_layers=n_gpu_layers)
 
 

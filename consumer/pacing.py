@@ -8,6 +8,14 @@ between two decode calls (the default weights) a decoding session's inter-token 
 that ratio. It learns both costs online (EMA) and converges whatever the fixed cost of a call is:
 with call(k) = f + c*k and budget k' = ratio*d / (call(k)/k), the fixed point is call(k*) = ratio*d.
 With nothing decoding it returns the full budget, so prompt-only load keeps its throughput.
+
+Time to first token is bounded in fused calls: the budget never drops below `min_tokens` (F, the
+worker's `--prefill-floor`, default 32, capped by the configured budget B). Prefill is FIFO by
+admission and served at least once in every w_decode + w_prefill calls while it has work, and a call
+takes at least F - 1 prompt tokens (the shape rule of consumer/prefill_shape.py may hold one back).
+So a prompt of L tokens with Q prompt tokens admitted before it gets its first token within
+(w_decode + w_prefill) * ceil((Q + L) / (min(F, B) - 1)) fused calls, whatever the decode load
+(tests/test_worker_inprocess.py counts it).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from schemas import Phase
 class PrefillPacer:
     max_tokens: int  # the configured budget: never exceeded
     ratio: float = 0.8  # target prefill call time / decode call time; <= 0: fixed budget
-    min_tokens: int = 8
+    min_tokens: int = 32  # the floor: see the module docstring
     alpha: float = 0.3  # EMA weight of the newest observation
     decode_s: float | None = None  # EMA of a decode call's seconds
     prefill_s_per_token: float | None = None  # EMA of a prefill call's seconds per token

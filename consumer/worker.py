@@ -43,6 +43,9 @@ class WorkerSettings:
     max_batch: int = 16
     prefill_budget: int = 512  # the most tokens one prefill call may carry
     prefill_ratio: float = 0.8  # size prefill calls to this fraction of a decode call's time; 0: fixed budget
+    # ... but never below this many tokens: with it a prompt's first token comes within a bounded number
+    # of fused calls however long decode calls get (consumer/pacing.py states the bound)
+    prefill_floor: int = 32
     w_decode: int = 4
     w_prefill: int = 1
     block_ms: int = 50  # idle wait for the first entry
@@ -112,7 +115,8 @@ class Worker:
                             w_decode=settings.w_decode, w_prefill=settings.w_prefill,
                             max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
-        self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio)
+        self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
+                                  min_tokens=settings.prefill_floor)
         self.streams: dict[Phase, str] = {}
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
         self._hot: set[str] = set()  # sessions that got a token in the last fused call, not finished

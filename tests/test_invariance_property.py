@@ -67,6 +67,11 @@ def probe(tiny_model_path: Path) -> Engines:
 
 
 @pytest.fixture(scope="module")
+def gemma(gemma_model_path: Path) -> Engines:
+    return Engines(gemma_model_path, probe=False)
+
+
+@pytest.fixture(scope="module")
 def client(redis_server: object) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
     yield c
@@ -80,11 +85,11 @@ _SAMPLINGS = [Sampling(), Sampling(temperature=0.9, seed=3), Sampling(temperatur
 
 
 @st.composite
-def sessions(draw: st.DrawFn, vocab: int = 512) -> list[Session]:
-    n = draw(st.integers(1, 6))
+def sessions(draw: st.DrawFn, vocab: int = 512, max_prompt: int = MAX_PROMPT, max_sessions: int = 6) -> list[Session]:
+    n = draw(st.integers(1, max_sessions))
     out = []
     for _ in range(n):
-        length = draw(st.one_of(st.integers(1, 40), st.integers(41, 140), st.integers(141, MAX_PROMPT)))
+        length = draw(st.one_of(st.integers(1, 40), st.integers(41, 140), st.integers(141, max_prompt)))
         seed = draw(st.integers(0, 2**20))
         out.append(Session(
             prompt=random_prompt(np.random.default_rng(seed), length, vocab),
@@ -113,11 +118,14 @@ def conditions(draw: st.DrawFn, n_sessions: int) -> Conditions:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
-    ss = draw(sessions())
+def scenarios(draw: st.DrawFn, max_prompt: int = MAX_PROMPT, max_sessions: int = 6,
+              vocab: int = 512) -> tuple[list[Session], Conditions]:
+    ss = draw(sessions(vocab=vocab, max_prompt=max_prompt, max_sessions=max_sessions))
     return ss, draw(conditions(len(ss)))
 
 
+# The soak runs hundreds of examples inside one test function: no per-test timeout then.
+_TIMEOUT = pytest.mark.timeout(0 if SOAK else 300)
 _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not SOAK, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                             HealthCheck.function_scoped_fixture])
@@ -129,6 +137,7 @@ def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditio
     return out
 
 
+@_TIMEOUT
 @_SETTINGS
 @given(scenario=scenarios())
 def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
@@ -136,11 +145,24 @@ def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
     _check(plain, client, *scenario)
 
 
+@_TIMEOUT
 @_SETTINGS
 @given(scenario=scenarios())
 def test_service_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
                                                scenario: tuple[list[Session], Conditions]) -> None:
     _check(probe, client, *scenario)
+
+
+@pytest.mark.slow
+@_TIMEOUT
+@settings(max_examples=40 if SOAK else 3, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(scenario=scenarios(max_prompt=300, max_sessions=4, vocab=262_144))
+def test_service_tokens_equal_solo_gemma(gemma: Engines, client: redis.Redis,
+                                         scenario: tuple[list[Session], Conditions]) -> None:
+    """Gemma 3 is the model that shows causes 2-5 of docs/invariance.md for real (DGR_SLOW=1)."""
+    _check(gemma, client, *scenario)
 
 
 # ---- the check bites ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ No timing is asserted (fakeredis blocking reads are not Redis's): bounds are cou
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,3 +195,32 @@ def test_one_read_one_cancel_check_one_completion_per_fused_call(fake_redis: red
     assert calls["read"] == iterations and calls["cancellations"] == iterations
     assert calls["complete"] <= iterations
     assert max(n for _, n in worker.stats.recent_calls) == 8  # all eight sessions in one fused call
+
+
+@pytest.mark.parametrize("floor", [8, 16])
+def test_first_token_within_the_stated_bound_under_decode_load(fake_redis: redis.Redis,
+                                                                ref_engine: NumpyReferenceEngine, floor: int) -> None:
+    """consumer/pacing.py: a prompt of L tokens, nothing queued before it, gets its first token within
+    (w_decode + w_prefill) * ceil(L / (floor - 1)) fused calls, however small the pacer would make
+    prefill calls. The pacer is pinned to 'prefill is ruinously slow' so only the floor holds it up."""
+    worker = make_worker(fake_redis, ref_engine, max_batch=4, prefill_floor=floor, w_decode=4, w_prefill=1)
+    worker.pacer.decode_s, worker.pacer.prefill_s_per_token = 1e-6, 1.0
+    worker.pacer.observe = lambda *a, **k: None  # type: ignore[method-assign]
+    d = Driver(fake_redis, worker)
+    for i, p in enumerate(prompts(4, 300, seed=3, lo=5, hi=10)):
+        d.open(f"dec-{i}", p, max_tokens=10_000)
+    for _ in range(20):  # decode is saturated from here on
+        worker.run_once()
+        d.poll()
+    length = 100
+    d.open("late", prompts(1, 300, seed=4, lo=length, hi=length)[0], max_tokens=1, chunk=length)
+    start = worker.stats.fused_calls
+    while not d.done("late"):
+        worker.run_once()
+        d.poll()
+        assert worker.stats.fused_calls - start <= 1000
+    used = worker.stats.fused_calls - start
+    bound = (4 + 1) * math.ceil(length / (floor - 1))
+    assert used <= bound, f"first token after {used} fused calls, bound {bound}"
+    # and the bound is not loose by construction: prefill calls did run at the floor
+    assert used >= math.ceil(length / floor)
