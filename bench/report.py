@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("engine", "e2e", "e2e-recipes", "interference", "peer", "scale", "scheduler")
+ORDER = ("engine", "e2e", "e2e-recipes", "interference", "peer", "scale", "scheduler", "producer")
 TITLES = {
     "engine": "Engine: fused decode vs one call per session",
     "e2e": "End to end through Redis vs the raw fused engine",
@@ -15,6 +15,7 @@ TITLES = {
     "peer": "Peer: llama.cpp's llama-server (continuous batching) vs dgr",
     "scale": "Scale: worker time per fused call vs idle sessions",
     "scheduler": "Scheduler: one scheduling round",
+    "producer": "Producer: AsyncProducer vs the synchronous driver, many sessions at once",
 }
 
 

@@ -13,6 +13,7 @@ cmds=(
   "$DGR bench e2e --model tiny --out $OUT/e2e-tiny"
   "$DGR bench interference --model gemma --out $OUT/interference"
   "$DGR bench peer --out $OUT/peer"
+  "$DGR bench producer --out $OUT/producer"
 )
 for c in "${cmds[@]}"; do echo "== $c"; $c; done
 joined=$(printf '%s; ' "${cmds[@]}")

@@ -176,6 +176,8 @@ def tracker_sim(
     seed: int = 0,
     json_out: Annotated[Path | None, typer.Option(help="Write per-session results as JSON here.")] = None,
     hmac_key_file: HmacKeyFile = None,
+    use_async: Annotated[bool, typer.Option("--async", help="Drive the sessions with one AsyncProducer on "
+                                                              "asyncio (one task per session).")] = False,
 ) -> None:
     """A load generator on the producer API: drives sessions against a running consumer."""
     from .tracker_sim import run_tracker_sim
@@ -183,7 +185,8 @@ def tracker_sim(
     raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file))
+                                     top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file,
+                                     use_async=use_async))
 
 Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
 Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]
@@ -276,6 +279,16 @@ def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: 
     from bench.scale import run
 
     run(out, idle=idle, active=active, calls=calls, repeats=repeats)
+
+
+@bench_app.command("producer")
+def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
+                   repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
+                   model: str = "tiny") -> None:
+    """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
+    from bench.producer import run
+
+    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
 
 
 @app.command()

@@ -2,27 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import redis
+import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from schemas import RouteHop, Sampling, SessionSpec, StepResult
+from producer import SessionHandle
+from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 
 def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len: str, max_tokens: int,
                     rate: float, cancel_fraction: float, temperature: float, top_k: int, top_p: float, seed: int,
-                    json_out: Path | None, hmac_key_file: Path | None = None) -> int:
+                    json_out: Path | None, hmac_key_file: Path | None = None, use_async: bool = False) -> int:
+    """Drive `sessions` sessions with the sync Producer's run_many, or (`use_async`) with one
+    AsyncProducer on asyncio: one task per session (`generate`-style, through run_many's tasks)."""
     from producer import Producer
     from schemas import Signer
 
     console = Console()
-    client = redis.Redis.from_url(redis_url)
-    producer = Producer(client, signer=Signer.from_file(hmac_key_file) if hmac_key_file else None)
+    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    producer = Producer(redis.Redis.from_url(redis_url), signer=signer)
     info = producer.discover(worker_id)
     if not info.alive:
         console.print(f"[red]worker {worker_id!r} has no live heartbeat at {redis_url}[/red]")
@@ -47,19 +53,25 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     latencies: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
     last: dict[str, float] = {}
 
-    def on_result(h: object, r: StepResult) -> None:
+    def observe(h: SessionHandle, r: StepResult) -> bool:
+        """Record the inter-token latency; True when this session is to be cancelled now."""
         now = time.perf_counter()
         if r.session_id in last:
             latencies[r.session_id].append(now - last[r.session_id])
         last[r.session_id] = now
-        gen = getattr(h, "generated", [])
-        if cancel_at.get(r.session_id) == len(gen) and r.token is not None:
+        return cancel_at.get(r.session_id) == len(h.generated) and r.token is not None
+
+    def on_result(h: SessionHandle, r: StepResult) -> None:
+        if observe(h, r):
             producer.cancel(worker_id, r.session_id)
 
     t0 = time.perf_counter()
-    handles = producer.run_many(specs, on_result=on_result, start_times=starts)
+    if use_async:
+        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe))
+    else:
+        handles = producer.run_many(specs, on_result=on_result, start_times=starts)
     wall = time.perf_counter() - t0
-    table = Table(title=f"tracker-sim: {sessions} sessions on {worker_id}")
+    table = Table(title=f"tracker-sim: {sessions} sessions on {worker_id}" + (" (asyncio)" if use_async else ""))
     for col in ("session", "status", "prompt", "generated", "p50 ms", "p99 ms"):
         table.add_column(col)
     rows = []
@@ -76,3 +88,19 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     if json_out:
         json_out.write_text(json.dumps({"wall_s": wall, "sessions": rows}, indent=1))
     return 0
+
+
+async def _run_async(redis_url: str, signer: Signer | None, worker_id: str,
+                     specs: Sequence[tuple[SessionSpec, list[int]]], starts: Sequence[float],
+                     observe: Callable[[SessionHandle, StepResult], bool]) -> dict[str, SessionHandle]:
+    from producer.aio import AsyncProducer
+
+    client = aioredis.Redis.from_url(redis_url)
+    async with AsyncProducer(client, signer=signer) as producer:
+        async def on_result(h: SessionHandle, r: StepResult) -> None:
+            if observe(h, r):
+                await producer.cancel(worker_id, r.session_id)
+
+        handles = await producer.run_many(specs, on_result=on_result, start_times=starts)
+    await client.aclose()
+    return handles

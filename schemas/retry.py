@@ -10,10 +10,11 @@ worker answers once, the completion script is idempotent by job id, reads resume
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -68,6 +69,11 @@ class OutageRider:
     def failed(self, e: BaseException) -> None:
         """Account for a transient failure: log the outage start, sleep the next backoff delay, or
         re-raise `e` once the outage is older than max_s."""
+        time.sleep(self.backoff(e))
+
+    def backoff(self, e: BaseException) -> float:
+        """`failed` without the sleep: the delay to wait before the next try (an asyncio caller awaits
+        it), or `e` re-raised once the outage is older than max_s."""
         now = time.monotonic()
         if self._since is None:
             self._since, self._retries, self._delay = now, 0, self.policy.base_s
@@ -79,8 +85,9 @@ class OutageRider:
             self._since = None
             raise e
         self._retries += 1
-        time.sleep(self._delay * random.uniform(0.5, 1.0))  # jitter: a fleet does not reconnect in step
+        delay = self._delay * random.uniform(0.5, 1.0)  # jitter: a fleet does not reconnect in step
         self._delay = min(self.policy.cap_s, self._delay * 2)
+        return delay
 
     def succeeded(self) -> bool:
         """Account for a call that worked. True when it ended an outage (logged)."""
@@ -100,6 +107,20 @@ class OutageRider:
                 if not transient(e):
                     raise
                 self.failed(e)
+                continue
+            self.succeeded()
+            return out
+
+    async def acall(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """`call` for a coroutine: the backoff is awaited, so other tasks run meanwhile. Tasks sharing
+        one rider share one outage (one log line when it starts, one when it ends)."""
+        while True:
+            try:
+                out = await fn()
+            except Exception as e:
+                if not transient(e):
+                    raise
+                await asyncio.sleep(self.backoff(e))
                 continue
             self.succeeded()
             return out

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from consumer.transport import Completion, FusedCallStats, RedisTransport, TransportSettings
-from producer import Backpressure, Producer, ResultTimeout, SessionFailed, SessionHandle, job_id
+from producer import Backpressure, ResultTimeout, SessionFailed, SessionHandle, job_id
 from schemas import (
     Accounting,
     Reason,
@@ -31,7 +31,10 @@ from schemas import (
     result_from_fields,
 )
 from schemas.limits import ID_PATTERN
-from tests.test_transport import WORKER, CommandCounter, hget_all, make_key, make_spec, xrange
+from tests.producer_drivers import MakeProducer, counting_calls, make_producer
+from tests.test_transport import WORKER, hget_all, make_key, make_spec, xrange
+
+__all__ = ["make_producer"]  # the fixture: every end-to-end body runs against both drivers
 
 
 def token_at(session_id: str, position: int) -> int:
@@ -165,11 +168,11 @@ def test_job_ids_are_deterministic_and_valid() -> None:
     assert a not in variants and len(variants) == 5
 
 
-def test_open_pushes_prefill_chunks_in_one_pipeline(redis_client: redis.Redis) -> None:
+def test_open_pushes_prefill_chunks_in_one_pipeline(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client, prefill_chunk=512)
+    p = make_producer(redis_client, prefill_chunk=512)
     prompt = list(range(1, 1301))
-    with CommandCounter(redis_client) as c:
+    with counting_calls(p) as c:
         h = p.open(make_spec("s1", max_tokens=4), prompt)
     pushes = [x for x in c.calls if "XADD" in x]
     # one pipeline: the chunks, then the session's record (what resume() rebuilds a handle from)
@@ -186,9 +189,9 @@ def test_open_pushes_prefill_chunks_in_one_pipeline(redis_client: redis.Redis) -
     assert h.position == 1300 and h.pending_job == jobs[-1].job_id and h.status == "open"
 
 
-def test_open_validates(redis_client: redis.Redis) -> None:
+def test_open_validates(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     FakeWorker(redis_client)
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     with pytest.raises(ValueError, match="empty"):
         p.open(make_spec("s"), [])
     with pytest.raises(ValueError, match="tokens"):
@@ -204,11 +207,11 @@ def test_open_validates(redis_client: redis.Redis) -> None:
     assert redis_client.xlen(FakeWorker(redis_client).pre) == 0
 
 
-def test_discover_and_workers(redis_client: redis.Redis) -> None:
+def test_discover_and_workers(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     FakeWorker(redis_client)  # heartbeats
     other = RedisTransport(redis_client, "w2")
     other.register([make_key("decode", arch="llama")], {"slots": 2})  # never beats
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     info = p.discover(WORKER)
     assert info.alive and info.heartbeat_age_s is not None and info.heartbeat_age_s < 5
     assert info.info == {"slots": 64} and {k.phase for k in info.keys} == {"prefill", "decode"}
@@ -222,8 +225,8 @@ def test_discover_and_workers(redis_client: redis.Redis) -> None:
 # ------------------------------------------------------------------------------------------ end to end
 
 
-def test_generate_yields_the_sessions_tokens(redis_client: redis.Redis) -> None:
-    p = Producer(redis_client, prefill_chunk=4, timeout_s=10)
+def test_generate_yields_the_sessions_tokens(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
+    p = make_producer(redis_client, prefill_chunk=4, timeout_s=10)
     with FakeWorker(redis_client) as w:
         tokens = list(p.generate(make_spec("g1", max_tokens=6), list(range(1, 11))))
     assert tokens == expected_tokens("g1", 10, 6)
@@ -233,15 +236,15 @@ def test_generate_yields_the_sessions_tokens(redis_client: redis.Redis) -> None:
     assert acct["prompt_tokens"] == "10" and acct["generated_tokens"] == "6" and acct["closed"] == "finished"
 
 
-def test_generate_stops_on_a_stop_token(redis_client: redis.Redis) -> None:
+def test_generate_stops_on_a_stop_token(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     stop = token_at("g2", 5 + 2)  # the third generated token
-    p = Producer(redis_client, timeout_s=10)
+    p = make_producer(redis_client, timeout_s=10)
     with FakeWorker(redis_client):
         tokens = list(p.generate(make_spec("g2", max_tokens=50, stop_tokens=(stop,)), [1, 2, 3, 4, 5]))
     assert tokens == expected_tokens("g2", 5, 3) and tokens[-1] == stop
 
 
-def test_run_many_drives_concurrent_staggered_sessions(redis_client: redis.Redis) -> None:
+def test_run_many_drives_concurrent_staggered_sessions(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     n = 12
     sessions = [(make_spec(f"m{i}", account=f"acct-{i % 3}", max_tokens=3 + i % 4), list(range(1, 2 + i)))
                 for i in range(n)]
@@ -251,7 +254,7 @@ def test_run_many_drives_concurrent_staggered_sessions(redis_client: redis.Redis
         assert r.session_id == h.session_id
         seen.append((h.session_id, r.position))
 
-    p = Producer(redis_client, prefill_chunk=3, timeout_s=10)
+    p = make_producer(redis_client, prefill_chunk=3, timeout_s=10)
     with FakeWorker(redis_client) as w:
         handles = p.run_many(sessions, on_result=on_result, start_times=[0.005 * i for i in range(n)])
     assert set(handles) == {f"m{i}" for i in range(n)}
@@ -272,13 +275,13 @@ def test_run_many_drives_concurrent_staggered_sessions(redis_client: redis.Redis
         float(wacct["engine_seconds_share"]))
 
 
-def test_read_results_is_one_xread_for_many_sessions(redis_client: redis.Redis) -> None:
+def test_read_results_is_one_xread_for_many_sessions(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     handles = [p.open(make_spec(f"r{i}", max_tokens=2), [1, 2, 3]) for i in range(20)]
     while w.step():
         pass
-    with CommandCounter(redis_client) as c:
+    with counting_calls(p) as c:
         got = p.read_results(handles, block_ms=100)
     assert c.calls == ["XREAD"]
     assert set(got) == {h.session_id for h in handles}
@@ -288,9 +291,9 @@ def test_read_results_is_one_xread_for_many_sessions(redis_client: redis.Redis) 
     assert p.read_results(handles, block_ms=0) == {}  # nothing new
 
 
-def test_retried_open_yields_one_result_per_job(redis_client: redis.Redis) -> None:
+def test_retried_open_yields_one_result_per_job(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client, prefill_chunk=2)
+    p = make_producer(redis_client, prefill_chunk=2)
     spec = make_spec("dup", max_tokens=2)
     h = p.open(spec, [1, 2, 3, 4, 5])
     p.open(spec, [1, 2, 3, 4, 5])  # a retry: same job ids pushed again
@@ -305,10 +308,10 @@ def test_retried_open_yields_one_result_per_job(redis_client: redis.Redis) -> No
     assert hget_all(redis_client, w.t.keys.session_account("dup"))["steps"] == "3"
 
 
-def test_replay_after_state_lost(redis_client: redis.Redis) -> None:
+def test_replay_after_state_lost(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     prompt = [5, 6, 7, 8]
     lost_at = len(prompt) + 2  # the decode step feeding the third generated token
-    p = Producer(redis_client, prefill_chunk=3, timeout_s=10)
+    p = make_producer(redis_client, prefill_chunk=3, timeout_s=10)
     with FakeWorker(redis_client, lose_state_at={("rp", lost_at), ("rq", 0)}):
         handles = p.run_many([(make_spec("rp", max_tokens=6), prompt), (make_spec("rq", max_tokens=2), prompt)])
     for sid, n in (("rp", 6), ("rq", 2)):
@@ -319,10 +322,10 @@ def test_replay_after_state_lost(redis_client: redis.Redis) -> None:
     assert Status.STATE_LOST in statuses
 
 
-def test_manual_replay_flow(redis_client: redis.Redis) -> None:
+def test_manual_replay_flow(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     """The documented caller flow: read_results -> status state_lost -> replay() -> continue."""
     w = FakeWorker(redis_client, lose_state_at={("man", 3)})
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     h = p.open(make_spec("man", max_tokens=3), [1, 2, 3])
     w.step()
     p.read_results([h], block_ms=0)
@@ -344,8 +347,8 @@ def test_manual_replay_flow(redis_client: redis.Redis) -> None:
     assert h.generated == expected_tokens("man", 3, 3) and h.status == "finished"
 
 
-def test_replay_disabled_or_exhausted(redis_client: redis.Redis) -> None:
-    p = Producer(redis_client, timeout_s=10, max_attempts=0)
+def test_replay_disabled_or_exhausted(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
+    p = make_producer(redis_client, timeout_s=10, max_attempts=0)
     with FakeWorker(redis_client, lose_state_at={("x", 0), ("y", 0)}):
         handles = p.run_many([(make_spec("x", max_tokens=2), [1])], replay_state_lost=False)
         assert handles["x"].finished and handles["x"].status == "state_lost"
@@ -353,9 +356,9 @@ def test_replay_disabled_or_exhausted(redis_client: redis.Redis) -> None:
             list(p.generate(make_spec("y", max_tokens=2), [1]))
 
 
-def test_cancel_reaches_the_worker(redis_client: redis.Redis) -> None:
+def test_cancel_reaches_the_worker(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     h = p.open(make_spec("c1", max_tokens=100), [1, 2])
     w.step()
     p.read_results([h], block_ms=0)
@@ -368,37 +371,37 @@ def test_cancel_reaches_the_worker(redis_client: redis.Redis) -> None:
     assert w.t.cancellations() == []
 
 
-def test_backpressure_raises_or_waits(redis_client: redis.Redis) -> None:
+def test_backpressure_raises_or_waits(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client, max_lag=3)
+    p = make_producer(redis_client, max_lag=3)
     for i in range(4):
         p.open(make_spec(f"b{i}"), [1])
     p._lag.clear()  # the lag is cached ~100 ms
     with pytest.raises(Backpressure):
         p.open(make_spec("b-over"), [1])
-    waiting = Producer(redis_client, max_lag=3, backpressure="wait", timeout_s=0.2)
+    waiting = make_producer(redis_client, max_lag=3, backpressure="wait", timeout_s=0.2)
     with pytest.raises(Backpressure):
         waiting.open(make_spec("b-wait"), [1])
     w.t.read({w.pre: 4}, block_ms=0)  # the worker catches up: lag 0
     waiting._lag.clear()
     waiting.open(make_spec("b-ok"), [1])
-    unbounded = Producer(redis_client, max_lag=None)
+    unbounded = make_producer(redis_client, max_lag=None)
     for i in range(5):
         unbounded.open(make_spec(f"u{i}"), [1])
 
 
-def test_result_timeout(redis_client: redis.Redis) -> None:
+def test_result_timeout(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     FakeWorker(redis_client)  # advertised, but nobody serves
-    p = Producer(redis_client, timeout_s=0.2)
+    p = make_producer(redis_client, timeout_s=0.2)
     t0 = time.monotonic()
     with pytest.raises(ResultTimeout):
         next(iter(p.generate(make_spec("t"), [1])))
     assert time.monotonic() - t0 < 5
 
 
-def test_old_attempt_results_are_ignored(redis_client: redis.Redis) -> None:
+def test_old_attempt_results_are_ignored(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     w = FakeWorker(redis_client)
-    p = Producer(redis_client)
+    p = make_producer(redis_client)
     h = p.open(make_spec("old", max_tokens=4), [1, 2])
     stale = StepJob(job_id=job_id("old", 0, "decode", 99, 0), session_id="old", phase="decode",
                     compat=make_key("decode").digest, start_position=99, tokens=(1,), created_at=time.time())

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import redis
 
 from consumer.transport import RedisTransport
 from producer import Producer, job_id
+from tests.producer_drivers import DRIVERS, SyncOverAsync
 from tests.test_transport import WORKER, make_key, make_spec
 
 VOCAB = 100
 
 
-@pytest.fixture
-def producer(fake_redis: redis.Redis) -> Producer:
+@pytest.fixture(params=DRIVERS)
+def producer(fake_redis: redis.Redis, request: pytest.FixtureRequest) -> Iterator[Producer]:
+    """Both drivers check the same way (the checks are the core's): each test runs against each."""
     t = RedisTransport(fake_redis, WORKER, "c0")
     t.register([make_key("prefill"), make_key("decode")], {"vocab_size": VOCAB})
     t.heartbeat()
-    return Producer(fake_redis)
+    if request.param == "sync":
+        yield Producer(fake_redis)
+        return
+    p = SyncOverAsync(fake_redis)
+    yield p  # type: ignore[misc]
+    p.close()
 
 
 def written(client: redis.Redis) -> int:
