@@ -58,7 +58,7 @@ def test_worker_user_does_its_job_on_its_own_keys_only(acl_server: LocalRedis) -
     t1, t2 = register(c1, "w1"), register(c2, "w2")  # XGROUP CREATE, SET spec, SADD dgr:workers, SCRIPT LOAD
     # A completion through the EVALSHA script (XACK, SET NX, XADD, HINCRBY on session/account/worker).
     serve(t1, {"s1": ("acct-a", 0)})
-    t1.recover()
+    t1.recover_streams()
     t1.heartbeat({"busy_slots": 0})
     assert t1.cancellations() == []
     assert set(t1.input_lag()) == set(t1.streams)
