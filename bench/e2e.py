@@ -20,9 +20,9 @@ import redis
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
-from consumer.localredis import LocalRedis
-from consumer.process import ConsumerProcess
 from consumer.runtime import make_engine, resolve_model
+from dgrtools.localredis import LocalRedis
+from dgrtools.process import ConsumerProcess
 from producer import Producer
 from schemas import RouteHop, Sampling, SessionSpec, StepResult
 

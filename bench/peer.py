@@ -621,12 +621,12 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
     engine uses (`use_extra_bufts=False`), to tell the weight layout apart from the serving loop."""
     import redis
 
-    from consumer.engines.gemma import assemble_gemma
     from consumer.engines.llama import system_features
-    from consumer.engines.tokenizer import Tokenizer
-    from consumer.localredis import LocalRedis
-    from consumer.process import ConsumerProcess
     from consumer.runtime import make_engine
+    from dgrtools.gemma import assemble_gemma
+    from dgrtools.localredis import LocalRedis
+    from dgrtools.process import ConsumerProcess
+    from dgrtools.tokenizer import Tokenizer
     from producer import Producer
 
     from .common import console, markdown, save, table

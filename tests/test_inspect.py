@@ -8,9 +8,9 @@ import redis
 import typer
 from typer.testing import CliRunner
 
-from consumer.localredis import LocalRedis
 from consumer.ops.cli import register as register_cli
 from consumer.ops.inspect import inspect_fleet, inspect_worker
+from dgrtools.localredis import LocalRedis
 from schemas import job_to_fields
 from tests.test_ops_support import dead_letter, make_key, push, register, serve, step_job
 

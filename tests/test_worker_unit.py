@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from consumer.engines.null import NullEngine
 from consumer.transport_protocol import Refusal, Transport
 from consumer.worker import Worker, WorkerSettings
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob
+from tests.doubles.null import NullEngine
 from tests.memory_transport import MemoryTransport
 
 WID = "w-unit"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from consumer.batch import FusedBatch
+from consumer.engines.base import EngineCapacity, LogitsEngine
 from schemas import EngineIdentity, Recipe, StateLayout, whole_model_boundary
-
-from ..batch import FusedBatch
-from .base import EngineCapacity, LogitsEngine
 
 
 class NullEngine(LogitsEngine):

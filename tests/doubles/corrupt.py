@@ -18,8 +18,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ..batch import FusedBatch
-from .base import Engine, LogitsEngine
+from consumer.batch import FusedBatch
+from consumer.engines.base import Engine, LogitsEngine
 
 Mode = Literal["swap_tokens", "swap_logits", "swap_slots"]
 
