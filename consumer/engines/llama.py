@@ -48,6 +48,7 @@ import numpy.typing as npt
 from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
 
 from ..batch import BatchRow, FusedBatch
+from ..cpuinfo import cpu_flags
 from .base import Engine, EngineCapacity, EngineError, LogitsEngine
 from .loader import ftype_name, gguf_sha256
 
@@ -110,15 +111,7 @@ def llama_cpp_module() -> ModuleType:
 
 def cpu_amx() -> dict[str, bool]:
     """Does the CPU advertise AMX (/proc/cpuinfo), and was llama.cpp built with AMX kernels?"""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     info = ""
     if _llama_mod is not None:
         info = _llama_mod.llama_print_system_info().decode(errors="replace")
