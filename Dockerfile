@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY schemas schemas
 COPY producer producer
 COPY consumer consumer
+COPY dgrtools dgrtools
 COPY bench bench
 # A portable CPU build: -march=native would bake in the build host's CPU, and AMX tiles advertised by
 # a VM but not executable crash quantized matmuls with SIGILL (see docs/operations.md).

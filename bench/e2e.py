@@ -20,9 +20,9 @@ import redis
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
-from consumer.localredis import LocalRedis
-from consumer.process import ConsumerProcess
 from consumer.runtime import make_engine, resolve_model
+from dgrtools.localredis import LocalRedis
+from dgrtools.process import ConsumerProcess
 from producer import Producer
 from schemas import RouteHop, Sampling, SessionSpec, StepResult
 
@@ -38,11 +38,11 @@ def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
     for s in range(b):
         engine.release(s)
     rows = [BatchRow(s, p, int(prompts[s, p]), p == PROMPT_LEN - 1) for s in range(b) for p in range(PROMPT_LEN)]
-    nxt = np.argmax(engine.step(FusedBatch.from_rows("prefill", rows)), axis=1)
+    nxt = np.argmax(engine.forward(FusedBatch.from_rows("prefill", rows)).rows, axis=1)
     t0 = time.perf_counter()
     for k in range(steps):
         batch = FusedBatch.from_rows("decode", [BatchRow(s, PROMPT_LEN + k, int(nxt[s]), True) for s in range(b)])
-        nxt = np.argmax(engine.step(batch), axis=1)
+        nxt = np.argmax(engine.forward(batch).rows, axis=1)
     dt = time.perf_counter() - t0
     for s in range(b):
         engine.release(s)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from consumer.localredis import LocalRedis
-from consumer.process import ConsumerProcess
 from consumer.runtime import resolve_model
+from dgrtools.localredis import LocalRedis
+from dgrtools.process import ConsumerProcess
 from producer import Producer
 from schemas import RouteHop, Sampling, SessionSpec, StepResult
 

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from consumer.cpuinfo import cpu_flags
+from dgrtools.localredis import free_port
 
 SDIST_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}"
@@ -67,19 +69,6 @@ FIXED_FLAGS: tuple[str, ...] = (
     "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The `flags` of the first CPU in /proc/cpuinfo (empty when unreadable)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def cmake_flags(flags: set[str]) -> list[str]:
@@ -373,13 +362,6 @@ def parse_sse_line(line: bytes) -> dict[str, Any] | None:
     return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class SideResult:
     wall_tok_s: float
@@ -621,12 +603,12 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
     engine uses (`use_extra_bufts=False`), to tell the weight layout apart from the serving loop."""
     import redis
 
-    from consumer.engines.gemma import assemble_gemma
     from consumer.engines.llama import system_features
-    from consumer.engines.tokenizer import Tokenizer
-    from consumer.localredis import LocalRedis
-    from consumer.process import ConsumerProcess
     from consumer.runtime import make_engine
+    from dgrtools.gemma import assemble_gemma
+    from dgrtools.localredis import LocalRedis
+    from dgrtools.process import ConsumerProcess
+    from dgrtools.tokenizer import Tokenizer
     from producer import Producer
 
     from .common import console, markdown, save, table

@@ -29,9 +29,9 @@ import numpy as np
 import redis
 import redis.asyncio as aioredis
 
-from consumer.localredis import LocalRedis
-from consumer.process import ConsumerProcess
 from consumer.runtime import resolve_model
+from dgrtools.localredis import LocalRedis
+from dgrtools.process import ConsumerProcess
 from producer import Producer, SessionHandle
 from producer.aio import AsyncProducer
 from schemas import RouteHop, Sampling, SessionSpec, StepResult

@@ -1,6 +1,6 @@
 """`dgr bench scale`: the worker's own time per fused call with 10,000 idle sessions known to it vs none.
 
-In-process, real redis-server, an engine that does no arithmetic (consumer/engines/null.py), so what is
+In-process, real redis-server, an engine that does no arithmetic (tests/doubles/null.py), so what is
 timed is the worker: read, admit, schedule, sample, complete, release. 8 sessions decode; the idle
 ones were opened (prefilled, holding a slot) and then never sent another step, as a paused Tracker
 would. The two sides alternate.
@@ -15,11 +15,11 @@ from typing import Any
 
 import redis
 
-from consumer.engines.null import NullEngine
-from consumer.localredis import LocalRedis
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
+from dgrtools.localredis import LocalRedis
 from schemas import RouteHop, Sampling, SessionSpec, StepJob, WorkerKeys, job_to_fields, result_from_fields
+from tests.doubles.null import NullEngine
 
 from .common import console, markdown, plot, save, table
 

@@ -1,7 +1,8 @@
 """`dgr bench scheduler`: the cost of one scheduling round, and that it does not grow with idle sessions.
 
 A round is what the worker asks of the scheduler per fused decode call: admit one decode step per
-active session, `next_batch()` (one call holding every active session), and `complete()` with fake
+active session, `next_batch()` (one call holding every active session), and the sampler plus
+`update_from_output()` with fake
 logits of a small vocabulary. It is timed for 8, 64 and 1024 active sessions, alone in the table
 and with 10,000 idle sessions (open, decoding, nothing queued) beside them. The step jobs are built
 before the clock starts (parsing is the transport's cost, not the scheduler's).
@@ -17,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from consumer.engines.base import EngineCapacity
+from consumer.batch import EngineCapacity, EngineOutput
+from consumer.sampler import BatchSampler
 from consumer.scheduler import Scheduler, SchedulerConfig
 from schemas import (
     PHASES,
@@ -59,6 +61,7 @@ class _Setup:
         n = n_active + n_idle
         cap = EngineCapacity(n_slots=n, ctx_per_session=repeats + 16, max_tokens_per_call=max(n_active, 4096),
                              vocab_size=VOCAB)
+        self.sampler = BatchSampler(VOCAB)
         self.sched = Scheduler(SchedulerConfig(capacity=cap, max_batch=n_active, prefill_budget=4096),
                                "bench", self.digests)
         route = (RouteHop(worker_id="bench", key=keys["prefill"]),)
@@ -70,12 +73,14 @@ class _Setup:
             if self.sched.admit(job, self.digests["prefill"], None) is not None:
                 raise RuntimeError(f"could not open {sid}")
         while (batch := self.sched.next_batch()) is not None:
-            self.sched.complete(batch, np.zeros((batch.fused.n_logit_rows, VOCAB), np.float32), 0.0)
+            rows = EngineOutput.logits(np.zeros((batch.fused.n_logit_rows, VOCAB), np.float32))
+            self.sched.update_from_output(batch, self.sampler(batch, rows), 0.0)
         if self.sched.awaiting_decode() != n:
             raise RuntimeError("setup did not leave every session decoding")
         self.position = 2
-        self.logits = np.zeros((n_active, VOCAB), dtype=np.float32)
-        self.logits[:, 3] = 1.0
+        logits = np.zeros((n_active, VOCAB), dtype=np.float32)
+        logits[:, 3] = 1.0
+        self.logits = EngineOutput.logits(logits)
 
     def jobs(self, round_no: int) -> list[StepJob]:
         d = self.digests["decode"]
@@ -94,7 +99,7 @@ class _Setup:
         t2 = time.perf_counter()
         if batch is None or len(batch.items) != len(jobs):
             raise RuntimeError("the round's call does not hold every active session")
-        out = s.complete(batch, self.logits, 0.001)
+        out = s.update_from_output(batch, self.sampler(batch, self.logits), 0.001)  # sampling counts, as in the worker
         t3 = time.perf_counter()
         if len(out) != len(jobs):
             raise RuntimeError("not every step was answered")

@@ -1,4 +1,6 @@
-"""The fused batch: what the scheduler hands the engine for exactly one forward pass.
+"""What passes between the scheduler and an engine: the engine's capacity, the fused batch of one
+forward pass, and what the pass returns. Plain data, no engine code: the scheduler imports this
+module and must load no engine (tests/test_layering.py).
 
 Columnar (one numpy array per field) so an engine can copy it into its own batch struct without a
 Python loop per row. Row i is (slots[i], positions[i], tokens[i], wants_logits[i]).
@@ -8,11 +10,39 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from schemas import Phase
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """What one engine can hold; the scheduler sizes every call to fit it."""
+
+    n_slots: int  # sequence slots (llama.cpp seq ids 0..n_slots-1)
+    ctx_per_session: int  # positions a slot can hold
+    max_tokens_per_call: int  # rows one fused call may carry (llama.cpp n_batch)
+    vocab_size: int
+
+
+# What an engine's rows are. Only "logits" today (a whole-model engine, rows go to the sampler); an engine
+# that stops at a layer boundary would answer "hidden" rows for the next hop instead of tokens.
+OutputKind = Literal["logits"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutput:
+    """What one forward pass returns: one row per batch row that wants output, in row order."""
+
+    kind: OutputKind
+    rows: npt.NDArray[np.float32]  # (batch.n_logit_rows, vocab_size) for "logits"
+
+    @classmethod
+    def logits(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:
+        return cls(kind="logits", rows=rows)
 
 
 @dataclass(frozen=True, slots=True)

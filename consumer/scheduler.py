@@ -1,7 +1,8 @@
 """The scheduling core: which queued steps go into the next fused engine call. Pure and synchronous.
 
-No I/O, no Redis, no engine, no clock: the worker feeds it jobs (`admit`, `cancel`), asks it for a
-call (`next_batch`), runs the engine, and reports back (`complete` or `fail`). Everything it
+No I/O, no Redis, no engine, no sampler, no clock: the worker feeds it jobs (`admit`, `cancel`), asks
+it for a call (`next_batch`), runs the engine and the sampler (consumer/sampler.py), and reports back
+the sampled tokens (`update_from_output`) or the failure (`fail`). Everything it
 decides comes back as plain frozen dataclasses, so it is unit-testable in microseconds (modelled on
 vLLM v1's scheduler). Nothing in here scans the session table: every operation costs O(jobs
 touched · log queued), whatever the number of idle sessions.
@@ -41,14 +42,14 @@ In flight
 A session with an item in a call that was handed out and not yet completed / failed is *busy*: it
 is not scheduled again until every item of that call for it is reported, so a failed call never
 leaves a later call built on state that was rolled back. Every item of a ScheduledBatch must be
-passed to exactly one `complete` or `fail` (a batch may be split with `without` first, to retry or
+passed to exactly one `update_from_output` or `fail` (a batch may be split with `without` first, to retry or
 bisect after an engine error). A session cancelled while busy keeps its slot until its items are
 reported (then the slot is released), so `engine.release` never races an engine call on it.
 
 Answers and closures
 --------------------
-Every admitted job gets exactly one answer: a `Reply` (decided without the engine: admission,
-cancellation) or an `Outcome` (after a call). `close` ("finished" or "cancelled") is set on the one
+Every admitted job gets exactly one `Answer`: decided without the engine (admission,
+cancellation) or after a call. `close` ("finished" or "cancelled") is set on the one
 answer that closed the session. A session closed with no answer to carry it (a cancel with nothing
 queued) or closed because an engine call failed on it (answers FAILED, close None: the transport's
 close marker knows only finished / cancelled) shows only in `drain_closed()`, which lists every
@@ -61,24 +62,54 @@ import heapq
 import math
 import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-
-import numpy as np
-import numpy.typing as npt
 
 from schemas import Accounting, Phase, Reason, Status, StepJob, StepResult
 from schemas.limits import ID_PATTERN, MAX_REASON_LEN, MAX_TOKENS_PER_JOB
 
+from .batch import EngineCapacity
 from .prefill_shape import MIN_BUDGET, piece_rows
-from .sampling import argmax_rows, sample
-from .schedule_output import AnswerClose, BatchItem, Outcome, Reply, ScheduledBatch, SchedulerConfig, SchedulerStats
+from .schedule_output import Answer, AnswerClose, BatchItem, ScheduledBatch, SchedulerStats
 from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
 
 __all__ = [
-    "AnswerClose", "BatchItem", "CloseKind", "Outcome", "Reply", "ScheduledBatch", "Scheduler", "SchedulerConfig",
+    "Answer", "AnswerClose", "BatchItem", "CloseKind", "ScheduledBatch", "Scheduler", "SchedulerConfig",
     "SchedulerStats",
 ]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """`max_batch` is clamped to n_slots and max_tokens_per_call, `prefill_budget` to
+    max_tokens_per_call, so a config with defaults fits any engine. `prefill_budget` is at least
+    MIN_BUDGET (3): a prompt is never computed one row at a time (consumer/prefill_shape.py)."""
+
+    capacity: EngineCapacity  # n_slots, ctx_per_session, max_tokens_per_call, vocab_size
+    max_batch: int = 16  # decode sessions per fused call
+    prefill_budget: int = 512  # tokens per prefill call
+    w_decode: int = 4
+    w_prefill: int = 1
+    closed_capacity: int = SessionTable.DEFAULT_CLOSED_CAPACITY  # closed sessions remembered
+    # Most sessions one billing account may hold open on this worker at once (0: no limit), so one
+    # account cannot take every slot (docs/security.md, "Fair use of slots").
+    max_slots_per_account: int = 0
+
+    def __post_init__(self) -> None:
+        cap = self.capacity
+        if min(cap.n_slots, cap.ctx_per_session, cap.max_tokens_per_call, cap.vocab_size) < 1:
+            raise ValueError(f"capacity fields must all be >= 1: {cap}")
+        if self.max_batch < 1 or self.prefill_budget < 1:
+            raise ValueError("max_batch and prefill_budget must be >= 1")
+        if self.w_decode < 1 or self.w_prefill < 1:
+            raise ValueError("w_decode and w_prefill must be >= 1")
+        if self.closed_capacity < 0:
+            raise ValueError("closed_capacity must be >= 0")
+        if self.max_slots_per_account < 0:
+            raise ValueError("max_slots_per_account must be >= 0")
+        object.__setattr__(self, "max_batch", min(self.max_batch, cap.n_slots, cap.max_tokens_per_call))
+        object.__setattr__(self, "prefill_budget",
+                           min(max(self.prefill_budget, MIN_BUDGET), cap.max_tokens_per_call))
 
 
 # ---- internal state ---------------------------------------------------------------------------
@@ -157,14 +188,14 @@ class Scheduler:
         )
 
     def _reject(self, job: StepJob, ref: object, reason: Reason, position: int, account_id: str | None,
-                detail: str, status: Status = Status.REJECTED) -> Reply:
+                detail: str, status: Status = Status.REJECTED) -> Answer:
         self.stats.rejected += 1
-        return Reply(ref=ref, job=job, result=self._result(job, status, reason, position, detail=detail),
+        return Answer(ref=ref, job=job, result=self._result(job, status, reason, position, detail=detail),
                      account_id=account_id, close=None)
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def admit(self, job: StepJob, stream_digest: str, ref: object) -> Reply | None:
+    def admit(self, job: StepJob, stream_digest: str, ref: object) -> Answer | None:
         """Queue the job (None), or answer it at once. Checks, in this order, each with its own reason
         and no effect on any other session:
 
@@ -277,31 +308,31 @@ class Scheduler:
 
     # ---- cancellation ---------------------------------------------------------------------------
 
-    def cancel(self, session_id: str) -> list[Reply]:
+    def cancel(self, session_id: str) -> list[Answer]:
         """Answer the session's queued jobs CANCELLED (they never run) and close it 'cancelled'.
 
-        The last Reply carries close='cancelled'; with nothing queued the result is [] and the
+        The last Answer carries close='cancelled'; with nothing queued the result is [] and the
         closure shows only in drain_closed(). Jobs already in a call are answered CANCELLED when the
         call is reported, and the slot is released then. Unknown or closed session: []."""
         lane = self._lanes.get(session_id)
         if lane is None:
             return []
         entry = lane.entry
-        replies: list[Reply] = []
+        answers: list[Answer] = []
         for q in self._drop_queued(lane):
             self.stats.jobs_cancelled += 1
-            replies.append(Reply(
+            answers.append(Answer(
                 ref=q.ref, job=q.job,
                 result=self._result(q.job, Status.CANCELLED, Reason.CANCELLED, entry.position,
                                     detail="session cancelled before the step ran",
                                     accounting=self._job_accounting(q, generated=0)),
                 account_id=entry.account_id, close=None))
         self._close(lane, "cancelled")
-        if replies:
-            replies[-1] = replace(replies[-1], close="cancelled")
-        return replies
+        if answers:
+            answers[-1] = replace(answers[-1], close="cancelled")
+        return answers
 
-    def refuse_cancelled(self, job: StepJob, ref: object) -> Reply:
+    def refuse_cancelled(self, job: StepJob, ref: object) -> Answer:
         """Answer a step of a session this scheduler does not hold whose cancellation was recorded
         before the step was admitted (a cancel marker): its opening (cancelled before it was read), or
         any later step (cancelled while an earlier worker held it). CANCELLED with close='cancelled',
@@ -318,7 +349,7 @@ class Scheduler:
         self.stats.jobs_cancelled += 1
         result = self._result(job, Status.CANCELLED, Reason.CANCELLED, job.start_position,
                               detail="session was cancelled before this step was admitted")
-        return Reply(ref=ref, job=job, result=result, account_id=account or None, close="cancelled")
+        return Answer(ref=ref, job=job, result=result, account_id=account or None, close="cancelled")
 
     # ---- scheduling -----------------------------------------------------------------------------
 
@@ -370,7 +401,7 @@ class Scheduler:
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
             items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=0, n_tokens=1,
-                                   row_start=len(items), samples=True))
+                                   row_start=len(items), samples=True, sampling=lane.entry.spec.sampling))
         return items
 
     def _take_prefill(self) -> list[BatchItem]:
@@ -437,43 +468,40 @@ class Scheduler:
                 self._queued_jobs["prefill"] -= 1
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
+            samples = done and q.job.sample
             items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=k,
-                                   row_start=rows, samples=done and q.job.sample))
+                                   row_start=rows, samples=samples,
+                                   sampling=lane.entry.spec.sampling if samples else None))
             rows += k
             n -= k
         return rows
 
     # ---- reports --------------------------------------------------------------------------------
 
-    def complete(self, batch: ScheduledBatch, logits: npt.NDArray[np.floating], engine_seconds: float,
-                 ) -> list[Outcome]:
-        """Apply a successful call. `logits`: (batch.fused.n_logit_rows, vocab_size), in row order.
+    def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int], engine_seconds: float,
+                           ) -> list[Answer]:
+        """Apply a successful call. `tokens`: the sampler's token for every item that samples, in item
+        order (consumer/sampler.py: keyed by the session's seed and the position the token takes).
 
-        Positions advance; sampling items draw their token (consumer.sampling, keyed by the session's
-        seed and the position the new token takes, i.e. the job's end position); engine_seconds is
-        split over the items by n_tokens. A job's result carries its whole accounting: prompt_tokens
-        = its tokens processed in prefill calls, generated_tokens = 1 when a token was sampled. A
-        session finishes when its generated count reaches max_tokens or the token is a stop token:
-        result.finished, close='finished', slot released, and any step still queued for it answered
-        REJECTED FINISHED. Items that do not finish their job produce no Outcome.
+        Positions advance; engine_seconds is split over the items by n_tokens. A job's result carries
+        its whole accounting: prompt_tokens = its tokens processed in prefill calls, generated_tokens =
+        1 when a token was sampled. A session finishes when its generated count reaches max_tokens or
+        the token is a stop token: result.finished, close='finished', slot released, and any step
+        still queued for it answered REJECTED FINISHED. Items that do not finish their job produce no
+        answer.
         """
-        cap = self.config.capacity
-        n_logit = batch.fused.n_logit_rows
-        arr = np.asarray(logits)
-        if n_logit == 0 and arr.size == 0:
-            arr = np.empty((0, cap.vocab_size), dtype=np.float32)
-        elif arr.shape != (n_logit, cap.vocab_size):
-            raise ValueError(f"logits shape {arr.shape}, expected ({n_logit}, {cap.vocab_size})")
+        n_sampling = sum(1 for it in batch.items if it.samples)
+        if len(tokens) != n_sampling:
+            raise ValueError(f"{len(tokens)} tokens for {n_sampling} sampling items")
         seconds = engine_seconds if math.isfinite(engine_seconds) and engine_seconds > 0 else 0.0
         total_rows = max(1, len(batch.fused))
         batch_size = len(batch.session_ids)
-        greedy: npt.NDArray[np.intp] | None = None
-        out: list[Outcome] = []
+        out: list[Answer] = []
         touched: dict[int, _Lane] = {}
-        logit_row = -1
+        sampled = -1
         for it in batch.items:
             if it.samples:
-                logit_row += 1
+                sampled += 1
             lane, q = self._claim(it)
             if lane is None or q is None:
                 continue
@@ -497,13 +525,7 @@ class Scheduler:
             token: int | None = None
             finished = False
             if it.samples:
-                sampling = entry.spec.sampling
-                if sampling.greedy:
-                    if greedy is None:
-                        greedy = argmax_rows(arr)
-                    token = int(greedy[logit_row])
-                else:
-                    token = sample(arr[logit_row], sampling, reached)
+                token = int(tokens[sampled])
                 entry.generated += 1
                 entry.generated_tokens += 1
                 entry.state = SessionState.DECODING
@@ -516,23 +538,23 @@ class Scheduler:
             result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
                                   accounting=self._job_accounting(q, generated=1 if token is not None else 0),
                                   batch_size=batch_size)
-            out.append(Outcome(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
+            out.append(Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
                                close="finished" if finished else None))
             if finished:
                 out.extend(self._finish(lane, batch_size))
         self._settle(touched)
         return out
 
-    def fail(self, batch: ScheduledBatch, reason_detail: str) -> list[Outcome]:
+    def fail(self, batch: ScheduledBatch, reason_detail: str) -> list[Answer]:
         """The call failed: every item's job is answered FAILED (ENGINE_ERROR) and its session closed
         (forgotten: a later step gets state_lost), since the state it holds is unreliable. Steps
         still queued for those sessions are answered FAILED too. The answers carry close=None; the
         closures (kind 'failed') show in drain_closed()."""
-        out: list[Outcome] = []
+        out: list[Answer] = []
         touched: dict[int, _Lane] = {}
         batch_size = len(batch.session_ids)
         failing: dict[int, _Lane] = {}
-        per_lane: dict[int, list[Outcome]] = {}
+        per_lane: dict[int, list[Answer]] = {}
         for it in batch.items:
             lane, q = self._claim(it)
             if lane is None or q is None:
@@ -718,12 +740,12 @@ class Scheduler:
             self.stats.closed_dropped += 1
         self._closed_log.append(closed)
 
-    def _finish(self, lane: _Lane, batch_size: int) -> list[Outcome]:
+    def _finish(self, lane: _Lane, batch_size: int) -> list[Answer]:
         entry = lane.entry
         answers = []
         for q in self._drop_queued(lane):
             self.stats.rejected += 1
-            answers.append(Outcome(
+            answers.append(Answer(
                 ref=q.ref, job=q.job,
                 result=self._result(q.job, Status.REJECTED, Reason.FINISHED, entry.position,
                                     detail="session finished before this step"),
@@ -758,7 +780,7 @@ class Scheduler:
             else:
                 self._refresh(lane)
 
-    def _closed_answer(self, lane: _Lane, q: _Queued, position: int, batch_size: int) -> Outcome:
+    def _closed_answer(self, lane: _Lane, q: _Queued, position: int, batch_size: int) -> Answer:
         """The answer for a job of a session that was closed while its call ran."""
         q.answered = True
         entry = lane.entry
@@ -775,11 +797,11 @@ class Scheduler:
             self.stats.jobs_failed += 1
             result = self._result(q.job, Status.FAILED, Reason.ENGINE_ERROR, position,
                                   detail="session closed: an engine call failed on it", batch_size=batch_size)
-        return Outcome(ref=q.ref, job=q.job, result=result, account_id=entry.account_id, close=None)
+        return Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id, close=None)
 
-    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int) -> Outcome:
+    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int) -> Answer:
         q.answered = True
         self.stats.jobs_failed += 1
         result = self._result(q.job, Status.FAILED, Reason.ENGINE_ERROR, lane.entry.position,
                               detail=detail, batch_size=batch_size)
-        return Outcome(ref=q.ref, job=q.job, result=result, account_id=lane.entry.account_id, close=None)
+        return Answer(ref=q.ref, job=q.job, result=result, account_id=lane.entry.account_id, close=None)

@@ -1,6 +1,7 @@
 """The worker's Redis I/O: read step jobs, answer them, recover, dead-letter, count. No engine here.
 
-The worker loop calls `RedisTransport` and knows no Redis command. One fused batch costs one read
+`RedisTransport` implements consumer/transport_protocol.py's `Transport`: the worker loop asks it for
+entries per phase and gets decoded jobs, and knows no stream name nor Redis command. One fused batch costs one read
 (plus a bounded gather of non-blocking reads), one `complete()` (exactly one EVALSHA whatever the
 batch size) and at most one `cancellations()` check; a read that brought openings of sessions the
 worker does not hold costs one `checks()` more (answered already? cancel marker?).
@@ -75,11 +76,14 @@ from schemas import (
 from schemas.keys import WORKERS_INDEX
 from schemas.limits import MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
-from schemas.wire import cancel_from_fields, result_to_fields
+from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
+
+from .schedule_output import Answer
+from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 
 __all__ = [
     "Completion", "DeadLetter", "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport",
-    "TransportSettings", "load_lua",
+    "TransportSettings", "completion_of", "load_lua",
 ]
 
 log = logging.getLogger("dgr.transport")
@@ -126,17 +130,9 @@ def load_lua(name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
-    stream: str  # input stream key (decoded str)
-    entry_id: str
-    fields: dict[bytes, bytes]
-    digest: str  # from parse_input_stream(stream)
-    phase: Phase
-
-
-@dataclass(frozen=True, slots=True)
 class Completion:
-    """One answered step: ack + (first time only) store, publish, count."""
+    """The completion script's record of one answer (ack + first time only: store, publish, count):
+    an `Answer` with its delivery and what the accounting rules need spelled out."""
 
     delivery: Delivery
     result: StepResult  # its session_id names the result stream
@@ -147,21 +143,16 @@ class Completion:
     replay: bool = False  # a prefill job of attempt > 0: positions already charged count as recomputed
 
 
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    delivery: Delivery
-    reason: Reason
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class FusedCallStats:
-    """Per-worker counters for one fused engine call."""
-
-    phase: Phase
-    batch_size: int  # sessions in the call
-    tokens: int  # rows in the call
-    engine_seconds: float
+def completion_of(a: Answer) -> Completion:
+    """The completion record of an answer whose ref is the Delivery it answers."""
+    d = a.ref
+    if not isinstance(d, Delivery):
+        raise TypeError(f"an answer's ref must be the Delivery it answers, not {type(d).__name__}")
+    job = a.job
+    phase = job.phase if job is not None else d.phase
+    start = job.start_position if job is not None else 0
+    replay = job is not None and job.phase == "prefill" and job.attempt > 0
+    return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
 
 
 @dataclass(frozen=True)
@@ -262,6 +253,7 @@ class RedisTransport:
         self.keys = WorkerKeys(worker_id)
         self.streams: list[str] = []  # registered input streams
         self._meta: dict[str, tuple[str, Phase]] = {}  # stream -> (digest, phase)
+        self._by_phase: dict[Phase, str] = {}  # phase -> the registered input stream of that phase
         self._cursor: dict[str, str] = {}  # stream -> last own pending id re-read
         self._drained: set[str] = set()
         self._recovered: dict[str, set[str]] = {}  # ids recover() handed out, while not drained
@@ -391,6 +383,7 @@ class RedisTransport:
         for s in streams:
             if s not in self.streams:
                 self.streams.append(s)
+            self._by_phase[self._meta[s][1]] = s
         return streams
 
     def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
@@ -438,7 +431,42 @@ class RedisTransport:
 
     # ---------------------------------------------------------------- reading
 
-    def read(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+    def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+             more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
+        """The Transport read: up to want[phase] entries of each registered phase's stream (read_streams),
+        each decoded (`inbound`). `more` sees the entries read so far, counted by phase."""
+        counts = {self._by_phase[p]: n for p, n in want.items() if n > 0 and p in self._by_phase}
+        if not counts:
+            return []
+        def gather(ds: list[Delivery]) -> bool:
+            assert more is not None
+            by_phase: dict[Phase, int] = {}
+            for d in ds:
+                by_phase[d.phase] = by_phase.get(d.phase, 0) + 1
+            return more(by_phase)
+
+        got = self.read_streams(counts, block_ms=block_ms, gather_ms=gather_ms,
+                                more=gather if more is not None else None)
+        return [self.inbound(d) for d in got]
+
+    def inbound(self, d: Delivery) -> Inbound:
+        """Decode one entry: its HMAC checked first when a signer is set (a forged entry is never
+        answered: the answer would go to whichever session the forger named), then the strict wire
+        parse. Never raises: whatever its bytes, an entry becomes a job or a refusal."""
+        name = f"{d.phase}.{d.entry_id}"
+        try:
+            if self.signer is not None and not self.signer.verify(d.stream, d.fields):
+                return Inbound(d, d.phase, d.digest, name, None, Refusal(Reason.BAD_SIGNATURE, "missing or wrong HMAC"))
+            return Inbound(d, d.phase, d.digest, name, job_from_fields(d.fields))
+        except WireError as e:
+            return Inbound(d, d.phase, d.digest, name, None, Refusal(e.reason, str(e), e.session_id, e.job_id))
+        except Exception as e:
+            log.warning("entry refused by the per-entry guard", exc_info=True,
+                        extra={"stream": d.stream, "entry_id": d.entry_id})
+            return Inbound(d, d.phase, d.digest, name, None,
+                           Refusal(Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
+
+    def read_streams(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
              more: Callable[[list[Delivery]], bool] | None = None) -> list[Delivery]:
         """Up to want[stream] entries of each stream (streams with count 0 are not read).
 
@@ -579,7 +607,12 @@ class RedisTransport:
 
     # ---------------------------------------------------------------- recovery, cancellations
 
-    def recover(self) -> tuple[list[Delivery], list[DeadLetter]]:
+    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
+        """The Transport recovery: recover_streams, each entry decoded."""
+        kept, dead = self.recover_streams()
+        return [self.inbound(d) for d in kept], dead
+
+    def recover_streams(self) -> tuple[list[Delivery], list[DeadLetter]]:
         """Recovery by ownership, in one script call for all streams (plus one call per stream where
         this consumer's own pending list holds entries the worker does not):
 
@@ -705,8 +738,13 @@ class RedisTransport:
 
     # ---------------------------------------------------------------- completion
 
-    def complete(self, completions: Sequence[Completion], dead_letters: Sequence[DeadLetter] = (),
+    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
                  call: FusedCallStats | None = None) -> list[bool]:
+        """The Transport completion: every answer's Completion record, in ONE EVALSHA (complete_entries)."""
+        return self.complete_entries([completion_of(a) for a in answers], dead_letters, call)
+
+    def complete_entries(self, completions: Sequence[Completion], dead_letters: Sequence[DeadLetter] = (),
+                         call: FusedCallStats | None = None) -> list[bool]:
         """Answer a batch in ONE EVALSHA (none when all three are empty). Returns, per completion,
         whether it was the first to finish (False: a replay, or the job id was already answered).
 

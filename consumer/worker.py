@@ -21,18 +21,20 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult, WireError, job_from_fields
+from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult
 
 from .engines.base import Engine, EngineError, engine_key
 from .idle import IdleSessions
 from .metrics import Metrics
 from .pacing import PrefillPacer
-from .scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
-from .transport import Completion, DeadLetter, Delivery, FusedCallStats, LeaseLost, RedisTransport
+from .sampler import BatchSampler
+from .scheduler import Answer, ScheduledBatch, Scheduler, SchedulerConfig
+from .transport import LeaseLost
+from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal, Transport
 
 log = logging.getLogger("dgr.worker")
 
@@ -97,11 +99,8 @@ class LoopStats:
         return self.sessions_in_calls / self.fused_calls if self.fused_calls else 0.0
 
 
-Answer = Reply | Outcome
-
-
 class Worker:
-    def __init__(self, engine: Engine, transport: RedisTransport, settings: WorkerSettings,
+    def __init__(self, engine: Engine, transport: Transport, settings: WorkerSettings,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.transport = transport
@@ -115,9 +114,10 @@ class Worker:
                             w_decode=settings.w_decode, w_prefill=settings.w_prefill,
                             max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
+        self.sampler = BatchSampler(cap.vocab_size)
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
                                   min_tokens=settings.prefill_floor)
-        self.streams: dict[Phase, str] = {}
+        self._registered = False
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
         self._hot: set[str] = set()  # sessions that got a token in the last fused call, not finished
         self.stats = LoopStats()
@@ -128,8 +128,9 @@ class Worker:
         self._m = settings.worker_id
         # job id -> (session id, position) of the job admitted under it, while queued or in a call
         self._held: dict[str, tuple[str, int]] = {}
-        self._twins: dict[str, list[Delivery]] = {}  # job id -> more deliveries of it, while held
-        self._answered: OrderedDict[str, Completion] = OrderedDict()  # job id -> its completion (LRU)
+        # job id -> more deliveries of it while held (with their created_at, for the latency metric)
+        self._twins: dict[str, list[tuple[Delivery, float]]] = {}
+        self._answered: OrderedDict[str, Answer] = OrderedDict()  # job id -> its answer, ref dropped (LRU)
         self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
         self._outages_seen = 0
 
@@ -141,9 +142,7 @@ class Worker:
         for slot in range(self.engine.capacity.n_slots):
             self.engine.release(slot)
         names = self.transport.register(list(self.keys.values()), self._info())
-        for name in names:
-            phase: Phase = "decode" if name.endswith(":decode") else "prefill"
-            self.streams[phase] = name
+        self._registered = True
         log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
         self._last_recover = time.monotonic()
         self._outages_seen = self.transport.outages
@@ -161,7 +160,7 @@ class Worker:
 
     def run(self, max_idle_s: float | None = None) -> None:
         """Serve until stopped. The in-flight fused call always completes; unread entries stay queued."""
-        if not self.streams:
+        if not self._registered:
             self.start()
         idle_since = time.monotonic()
         try:
@@ -184,7 +183,7 @@ class Worker:
         self._housekeeping()
         answers: list[Answer] = []
         dead: list[DeadLetter] = []
-        wire_rejects: list[Completion] = []
+        wire_rejects: list[Answer] = []
         deliveries, read_s = self._read_and_admit(answers, dead, wire_rejects)
         self.stats.read_seconds += read_s
         cancelled = self.transport.cancellations()
@@ -205,13 +204,14 @@ class Worker:
             engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
-        completions = wire_rejects + self._completions(answers)
+        latencies: list[tuple[Phase, float]] = []
+        completions = wire_rejects + self._completions(answers, latencies)
         if completions or dead or call:
             self.transport.complete(completions, dead, call)
         self._close_uncarried(completions, not_held)
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
-        self._observe(batch, call, completions, dead)
+        self._observe(batch, call, completions, dead, latencies)
         if call is not None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
@@ -224,34 +224,34 @@ class Worker:
         return bool(deliveries or completions or dead or batch)
 
     def _read_and_admit(self, answers: list[Answer], dead: list[DeadLetter],
-                        wire_rejects: list[Completion]) -> tuple[int, float]:
-        """Read what the scheduler wants and admit it; while entries read are refused (and the streams
+                        wire_rejects: list[Answer]) -> tuple[int, float]:
+        """Read what the scheduler wants and admit it; while entries read are refused (and the phases
         they came from gave all that was asked), read past them at once, doubling each read, until
         the entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
         got, want, read_s = self._read()
-        queued = dict.fromkeys(want, 0)
+        queued: dict[Phase, int] = dict.fromkeys(want, 0)
         asked = dict(want)
         total = 0
         while got:
             total += len(got)
-            took: dict[str, int] = {}
-            refused: dict[str, int] = {}
+            took: dict[Phase, int] = {}
+            refused: dict[Phase, int] = {}
             self._precheck_openings(got)
-            for d in got:
-                took[d.stream] = took.get(d.stream, 0) + 1
-                if self._admit(d, answers, dead, wire_rejects):
-                    queued[d.stream] = queued.get(d.stream, 0) + 1
+            for inb in got:
+                took[inb.phase] = took.get(inb.phase, 0) + 1
+                if self._admit(inb, answers, dead, wire_rejects):
+                    queued[inb.phase] = queued.get(inb.phase, 0) + 1
                 else:
-                    refused[d.stream] = refused.get(d.stream, 0) + 1
+                    refused[inb.phase] = refused.get(inb.phase, 0) + 1
             self.stats.refused += sum(refused.values())
-            more: dict[str, int] = {}
+            more: dict[Phase, int] = {}
             room = self.settings.max_read_entries - total
-            for s, n in asked.items():
+            for p, n in asked.items():
                 if room <= 0:
                     break
-                if refused.get(s) and took.get(s, 0) >= n and queued.get(s, 0) < want.get(s, 0):
-                    more[s] = min(2 * n, room)
-                    room -= more[s]
+                if refused.get(p) and took.get(p, 0) >= n and queued.get(p, 0) < want.get(p, 0):
+                    more[p] = min(2 * n, room)
+                    room -= more[p]
             if not more:
                 break
             asked = more
@@ -261,9 +261,8 @@ class Worker:
             read_s += time.perf_counter() - t
         return total, read_s
 
-    def _read(self) -> tuple[list[Delivery], dict[str, int], float]:
-        want = self.scheduler.want()
-        counts = {self.streams[p]: n for p, n in want.items() if n > 0 and p in self.streams}
+    def _read(self) -> tuple[list[Inbound], dict[Phase, int], float]:
+        counts = {p: n for p, n in self.scheduler.want().items() if n > 0}
         if not counts:
             return [], counts, 0.0
         # Wait only for the sessions the last fused call just answered with a token: their next step is
@@ -274,13 +273,14 @@ class Worker:
 
         seen = [0]
 
-        def more(got: list[Delivery]) -> bool:
+        def more(got: Mapping[Phase, int]) -> bool:
             # A blocked read returns on the first entry. Keep gathering while sessions the last call
             # answered have not sent their next step yet; with none expected, while entries are still
             # arriving (a Tracker opening sessions in one burst). So the fused call is as full as it can be.
             if expected:
-                return sum(1 for d in got if d.phase == "decode") < expected
-            flowing, seen[0] = len(got) > seen[0], len(got)
+                return got.get("decode", 0) < expected
+            n = sum(got.values())
+            flowing, seen[0] = n > seen[0], n
             return flowing
 
         t = time.perf_counter()
@@ -289,53 +289,51 @@ class Worker:
         self.stats.reads += 1
         return got, counts, time.perf_counter() - t
 
-    def _admit(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
-               wire_rejects: list[Completion]) -> bool:
+    def _admit(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
+               wire_rejects: list[Answer]) -> bool:
         """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
         per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
-        on every redelivery."""
+        on every redelivery (the transport's decoding is guarded the same way)."""
         try:
-            return self._admit_entry(d, answers, dead, wire_rejects)
+            return self._admit_entry(inb, answers, dead, wire_rejects)
         except Exception as e:
-            log.warning("entry refused by the per-entry guard", exc_info=True,
-                        extra={"stream": d.stream, "entry_id": d.entry_id})
-            dead.append(DeadLetter(d, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
+            log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
+            dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
             return False
 
-    def _admit_entry(self, d: Delivery, answers: list[Answer], dead: list[DeadLetter],
-                     wire_rejects: list[Completion]) -> bool:
-        signer = self.transport.signer
-        if signer is not None and not signer.verify(d.stream, d.fields):
-            # Never answered: the answer would go to whichever session the forger named.
-            dead.append(DeadLetter(d, Reason.BAD_SIGNATURE, "missing or wrong HMAC"))
+    def _admit_entry(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
+                     wire_rejects: list[Answer]) -> bool:
+        job = inb.job
+        if job is None:
+            refusal = inb.refusal
+            assert refusal is not None  # an Inbound carries a job or a refusal
+            dead.append(DeadLetter(inb.ref, refusal.reason, refusal.detail))
+            # Tell the session too (never on a bad signature: the session was named by a forger), so its
+            # caller is not left waiting.
+            if refusal.session_id is not None:
+                wire_rejects.append(self._wire_reject(inb, refusal))
             return False
-        try:
-            job = job_from_fields(d.fields)
-        except WireError as e:
-            dead.append(DeadLetter(d, e.reason, str(e)))
-            if e.session_id is not None:  # tell the session too, so its caller is not left waiting
-                wire_rejects.append(self._wire_reject(d, e, e.session_id))
+        if self._duplicate(job, inb, wire_rejects):
             return False
-        if self._duplicate(job, d, wire_rejects):
-            return False
-        reply = self.scheduler.admit(job, d.digest, d)
-        if reply is not None:
-            answers.append(reply)
+        answer = self.scheduler.admit(job, inb.digest, inb.ref)
+        if answer is not None:
+            answers.append(answer)
             return False
         self._held[job.job_id] = (job.session_id, job.start_position)
         if self.idle is not None:
             self.idle.touch(job.session_id)
         return True
 
-    def _wire_reject(self, d: Delivery, e: WireError, session_id: str) -> Completion:
+    def _wire_reject(self, inb: Inbound, refusal: Refusal) -> Answer:
         """The answer to an undecodable entry that names its session. With no readable job id it is
-        answered under `<phase>.<entry id>`, unique per stream entry. It names no billing account, so it
-        charges nothing and its keys live the transport's reject ttl, not the session's."""
-        entry = self.scheduler.table.get(session_id)
-        res = StepResult(job_id=e.job_id or f"{d.phase}.{d.entry_id}", session_id=session_id,
-                         status=Status.REJECTED, reason=e.reason, detail=str(e)[:256],
+        answered under the entry's name (`<phase>.<entry id>`), unique per entry. It names no billing
+        account, so it charges nothing and its keys live the transport's reject ttl, not the session's."""
+        assert refusal.session_id is not None
+        entry = self.scheduler.table.get(refusal.session_id)
+        res = StepResult(job_id=refusal.job_id or inb.name, session_id=refusal.session_id,
+                         status=Status.REJECTED, reason=refusal.reason, detail=refusal.detail[:256],
                          position=entry.queued_position if entry is not None else 0, worker_id=self._m)
-        return Completion(d, res, None, d.phase)
+        return Answer(ref=inb.ref, job=None, result=res, account_id=None, close=None)
 
     def _cancel(self, session_id: str, answers: list[Answer]) -> None:
         try:
@@ -354,73 +352,79 @@ class Worker:
         return due
 
     # ---- exactly one real answer per step ----------------------------------------------------
-    def _precheck_openings(self, deliveries: Sequence[Delivery]) -> None:
+    def _precheck_openings(self, inbound: Sequence[Inbound]) -> None:
         """One round trip for the steps of sessions this worker does not hold (an opening, or a step
         it would answer state_lost after a restart): is the opening answered already (by an earlier
         process)? is there a cancel marker? Nothing when every step's session is held."""
         jobs: list[str] = []
         sids: list[str] = []
-        for d in deliveries:
-            f = d.fields
-            try:
-                jid, sid = f[b"job_id"].decode(), f[b"session_id"].decode()
-            except (KeyError, UnicodeDecodeError):
+        for inb in inbound:
+            job = inb.job
+            if job is None:
                 continue  # not a job: _admit answers it
+            jid, sid = job.job_id, job.session_id
             if jid in self._held or jid in self._answered or self.scheduler.table.get(sid) is not None:
                 continue
-            if d.phase == "prefill" and f.get(b"pos") == b"0":
+            if inb.phase == "prefill" and job.start_position == 0:
                 jobs.append(jid)
             sids.append(sid)
         self._precheck = self.transport.checks(jobs, sids) if sids else (set(), set())
 
-    def _duplicate(self, job: StepJob, d: Delivery, out: list[Completion]) -> bool:
+    def _duplicate(self, job: StepJob, inb: Inbound, out: list[Answer]) -> bool:
         """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
         session cancelled before it opened). True when the job must not reach the scheduler."""
         jid = job.job_id
         if self._held.get(jid) == (job.session_id, job.start_position):
             # queued or in a call: complete it with the original's answer
-            self._twins.setdefault(jid, []).append(d)
+            self._twins.setdefault(jid, []).append((inb.ref, job.created_at))
             return True
         done = self._answered.get(jid)
-        if done is not None:  # answered: re-send the same completion (no-op unless Redis lost it)
+        if done is not None:  # answered: re-send the same answer (no-op unless Redis lost it)
             self._answered.move_to_end(jid)
-            out.append(replace(done, delivery=d))
+            out.append(replace(done, ref=inb.ref))
             return True
         answered, cancelled = self._precheck
         if jid in answered:  # answered by an earlier process: the stored result stands, ack this one
             res = StepResult(job_id=jid, session_id=job.session_id, status=Status.REJECTED, reason=Reason.DUPLICATE,
                              detail="already answered", position=job.start_position, worker_id=self._m)
-            out.append(Completion(d, res, None, d.phase))
+            # job=None: not the job's answer (the stored one is), so no replay or position rule applies
+            out.append(Answer(ref=inb.ref, job=None, result=res, account_id=None, close=None))
             return True
         if job.session_id in cancelled and self.scheduler.table.get(job.session_id) is None \
                 and self.scheduler.table.closed(job.session_id) is None:
-            reply = self.scheduler.refuse_cancelled(job, d)
-            out.append(self._remember(self._completion(reply)))
+            out.append(self._remember(self.scheduler.refuse_cancelled(job, inb.ref)))
             return True
         return False
 
-    def _completions(self, answers: Sequence[Answer]) -> list[Completion]:
-        """The completion of every answer, plus one per twin delivery of its job (same result)."""
-        out: list[Completion] = []
+    def _completions(self, answers: Sequence[Answer], latencies: list[tuple[Phase, float]]) -> list[Answer]:
+        """Every answer, plus one per twin delivery of its job (same result); the step latency of
+        every OK one is added to `latencies`."""
+        out: list[Answer] = []
+        now = time.time()
         for a in answers:
-            c = self._remember(self._completion(a))
-            out.append(c)
-            if a.job is not None:
-                self._held.pop(a.job.job_id, None)
-                for twin in self._twins.pop(a.job.job_id, ()):
-                    out.append(replace(c, delivery=twin))
+            out.append(self._remember(a))
+            job = a.job
+            if job is None:
+                continue
+            ok = a.result.status == Status.OK
+            if ok and job.created_at:
+                latencies.append((job.phase, max(0.0, now - job.created_at)))
+            self._held.pop(job.job_id, None)
+            for twin, created_at in self._twins.pop(job.job_id, ()):
+                out.append(replace(a, ref=twin))
+                if ok and created_at:
+                    latencies.append((job.phase, max(0.0, now - created_at)))
         return out
 
-    def _remember(self, c: Completion) -> Completion:
-        # Kept without the entry's fields (a prompt chunk, a session spec): a re-send names its own entry.
-        d = c.delivery
-        self._answered[c.result.job_id] = replace(c, delivery=replace(d, fields={}))
-        self._answered.move_to_end(c.result.job_id)
+    def _remember(self, a: Answer) -> Answer:
+        # Kept without its delivery (a prompt chunk, a session spec): a re-send names its own entry.
+        self._answered[a.result.job_id] = replace(a, ref=None)
+        self._answered.move_to_end(a.result.job_id)
         while len(self._answered) > self.settings.answered_memory:
             self._answered.popitem(last=False)
-        return c
+        return a
 
-    def _close_uncarried(self, completions: Sequence[Completion], cancelled_not_held: Sequence[str]) -> None:
+    def _close_uncarried(self, completions: Sequence[Answer], cancelled_not_held: Sequence[str]) -> None:
         """Close the accounting of sessions whose closure no answer carried: a cancel with nothing
         queued, a failed engine call, a cancel of a session this worker does not hold (an earlier
         process may have charged it)."""
@@ -430,12 +434,12 @@ class Worker:
         if todo:
             self.transport.close_sessions(todo)
 
-    def _run_batch(self, batch: ScheduledBatch) -> list[Outcome]:
+    def _run_batch(self, batch: ScheduledBatch) -> list[Answer]:
         """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
         retry without the slots the engine named, else bisect."""
         t = time.perf_counter()
         try:
-            logits = self.engine.step(batch.fused)
+            output = self.engine.forward(batch.fused)
         except Exception as e:  # any engine fault must not take the worker down
             self.stats.engine_seconds += time.perf_counter() - t
             self.metrics.engine_failures.labels(self._m).inc()
@@ -463,20 +467,12 @@ class Worker:
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        outcomes = self.scheduler.complete(batch, logits, elapsed)
+        outcomes = self.scheduler.update_from_output(batch, self.sampler(batch, output), elapsed)
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
         self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
         return outcomes
-
-    def _completion(self, a: Answer) -> Completion:
-        d: Delivery = a.ref  # type: ignore[assignment]
-        job = a.job
-        phase = job.phase if job is not None else d.phase
-        start = job.start_position if job is not None else 0
-        replay = job is not None and job.phase == "prefill" and job.attempt > 0
-        return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
 
     def _release_slots(self) -> None:
         for slot in self.scheduler.drain_released():
@@ -512,13 +508,13 @@ class Worker:
         self._recover()
 
     def _recover(self) -> None:
-        deliveries, dead = self.transport.recover()
+        inbound, dead = self.transport.recover()
         answers: list[Answer] = []
-        wire_rejects: list[Completion] = []
-        self._precheck_openings(deliveries)
-        for d in deliveries:
-            self._admit(d, answers, dead, wire_rejects)
-        completions = wire_rejects + self._completions(answers)
+        wire_rejects: list[Answer] = []
+        self._precheck_openings(inbound)
+        for inb in inbound:
+            self._admit(inb, answers, dead, wire_rejects)
+        completions = wire_rejects + self._completions(answers, [])
         if completions or dead:
             self.transport.complete(completions, dead, None)
         for dl in dead:
@@ -535,31 +531,21 @@ class Worker:
                 "engine": self.engine.describe(), "stats": self.stats.snapshot()}
 
     def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,
-                 completions: Sequence[Completion], dead: Sequence[DeadLetter]) -> None:
+                 completions: Sequence[Answer], dead: Sequence[DeadLetter],
+                 latencies: Sequence[tuple[Phase, float]]) -> None:
         m, w = self.metrics, self._m
         if batch is not None and call is not None:
             m.batch_size.labels(w, call.phase).observe(call.batch_size)
             m.tokens.labels(w, call.phase).inc(call.tokens)
             m.engine_seconds.labels(w, call.phase).inc(call.engine_seconds)
-        now = time.time()
         for c in completions:
             r = c.result
             m.results.labels(w, r.status.value, r.reason.value if r.reason else "").inc()
-            if r.status == Status.OK:
-                created = _created_at(c)
-                if created:
-                    m.step_latency.labels(w, c.phase).observe(max(0.0, now - created))
+        for phase, seconds in latencies:
+            m.step_latency.labels(w, phase).observe(seconds)
         for dl in dead:
             m.dead_letters.labels(w, dl.reason.value).inc()
         m.busy_slots.labels(w).set(self.scheduler.table.busy_slots)
-
-
-def _created_at(c: Completion) -> float | None:
-    raw = c.delivery.fields.get(b"created_at")
-    try:
-        return float(raw) if raw else None
-    except ValueError:
-        return None
 
 
 __all__ = ["LoopStats", "Reason", "Worker", "WorkerSettings"]

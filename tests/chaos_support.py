@@ -24,9 +24,9 @@ from typing import Any
 
 import redis
 
-from consumer.localredis import LocalRedis, free_port
-from consumer.process import ConsumerProcess as _ConsumerProcess
 from consumer.runtime import make_engine
+from dgrtools.localredis import LocalRedis, free_port
+from dgrtools.process import ConsumerProcess as _ConsumerProcess
 from producer import Producer, SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys, result_from_fields
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
-from consumer.process import ConsumerProcess as _ConsumerProcess
+from dgrtools.process import ConsumerProcess as _ConsumerProcess
 from schemas import CompatibilityKey, EngineIdentity, Phase, Recipe, StateLayout, whole_model_boundary
 
 ROOT = Path(__file__).resolve().parents[1]

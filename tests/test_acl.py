@@ -14,7 +14,6 @@ import redis
 from redis.exceptions import NoPermissionError
 from rq import SimpleWorker
 
-from consumer.localredis import LocalRedis, find_redis_server
 from consumer.ops.acl import ops_rules, producer_rules, setuser, worker_rules
 from consumer.ops.common import connect
 from consumer.ops.deadletters import list_dead_letters
@@ -22,6 +21,7 @@ from consumer.ops.inspect import inspect_fleet
 from consumer.ops.jobs import enqueue_rollup, queue
 from consumer.ops.reaper import reap
 from consumer.ops.rollup import read_ledger, rollup
+from dgrtools.localredis import LocalRedis, find_redis_server
 from schemas import WorkerKeys, job_to_fields
 from schemas.keys import WORKERS_INDEX
 from tests.test_ops_support import make_key, read_all, register, serve, step_job
@@ -58,7 +58,7 @@ def test_worker_user_does_its_job_on_its_own_keys_only(acl_server: LocalRedis) -
     t1, t2 = register(c1, "w1"), register(c2, "w2")  # XGROUP CREATE, SET spec, SADD dgr:workers, SCRIPT LOAD
     # A completion through the EVALSHA script (XACK, SET NX, XADD, HINCRBY on session/account/worker).
     serve(t1, {"s1": ("acct-a", 0)})
-    t1.recover()
+    t1.recover_streams()
     t1.heartbeat({"busy_slots": 0})
     assert t1.cancellations() == []
     assert set(t1.input_lag()) == set(t1.streams)

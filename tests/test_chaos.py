@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from consumer.process import ConsumerProcess
+from dgrtools.process import ConsumerProcess
 from producer import Producer
 from schemas import Status, WorkerKeys
 

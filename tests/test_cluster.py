@@ -68,7 +68,7 @@ def test_multi_stream_read_and_scripts_stay_in_one_slot(cluster_client: RedisClu
     # transport, and the recovery/pending scripts.
     serve(t1, {"s2": ("acct-a", 0)})
     serve(t2, {"s3": ("acct-a", 0), "s4": ("acct-b", 0)})
-    t1.recover()
+    t1.recover_streams()
     dlq1 = dead_letter(t1, {"junk": "1"})
     # The same read across two workers is what a cluster refuses: the check above is a real one.
     with pytest.raises((RedisClusterException, ResponseError)):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.engines.corrupt import CorruptingEngine
 from consumer.engines.reference import NumpyReferenceEngine
-from consumer.engines.tokenizer import SpmTokenizer, load_tokenizer
+from dgrtools.tokenizer import SpmTokenizer, load_tokenizer
+from tests.doubles.corrupt import CorruptingEngine
 from tests.fixtures.models import (
     SessionPlan,
     compare_runs,

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from consumer.evidence import CRITERIA, DOC, ROOT, generate
+from dgrtools.evidence import CRITERIA, DOC, ROOT, generate
 
 
 def test_every_criterion_names_proofs_that_exist() -> None:
@@ -35,7 +35,7 @@ def test_committed_evidence_shows_a_passing_proof_for_every_criterion() -> None:
 
 def test_verdicts_follow_the_proofs_outcomes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """PASS only when every proof ran and passed; a failed case or a proof that never ran is not a pass."""
-    import consumer.evidence as ev
+    import dgrtools.evidence as ev
 
     proofs = ("tests/a.py::test_x", "tests/b.py::test_y")
     monkeypatch.setattr(ev, "CRITERIA", (ev.Criterion("probe", "A probe.", proofs),))

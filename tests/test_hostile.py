@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer.engines.reference import NumpyReferenceEngine
-from consumer.localredis import LocalRedis
+from dgrtools.localredis import LocalRedis
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields, result_from_fields
 
 from .hostile_support import WID, Honest, accounted, dead_letters, make_worker
@@ -193,7 +193,7 @@ entries = st.lists(st.one_of(st.tuples(st.sampled_from(["prefill", "decode"]), r
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
-    from consumer.localredis import find_redis_server
+    from dgrtools.localredis import find_redis_server
     if find_redis_server() is None:
         pytest.skip("redis-server not installed")
     with LocalRedis(appendonly=False) as server:

@@ -8,9 +8,9 @@ import redis
 import typer
 from typer.testing import CliRunner
 
-from consumer.localredis import LocalRedis
 from consumer.ops.cli import register as register_cli
 from consumer.ops.inspect import inspect_fleet, inspect_worker
+from dgrtools.localredis import LocalRedis
 from schemas import job_to_fields
 from tests.test_ops_support import dead_letter, make_key, push, register, serve, step_job
 
@@ -31,7 +31,7 @@ def test_inspect_worker_reports_everything(redis_client: redis.Redis) -> None:
     serve(t, {"s1": ("a", 0), "s2": ("b", 0)})
     dead_letter(t, {"junk": "1"})
     push(redis_client, "w1", [step_job("s1", 1), step_job("s2", 1), step_job("s3", 0)])
-    t.read({t.streams[1]: 1}, block_ms=0, gather_ms=0)  # one decode step delivered, not acked
+    t.read_streams({t.streams[1]: 1}, block_ms=0, gather_ms=0)  # one decode step delivered, not acked
     rep = inspect_worker(redis_client, "w1")
     assert rep.advertised and rep.alive and rep.heartbeat_age_s is not None and rep.heartbeat_age_s < 5
     assert {(k["phase"], k["digest"]) for k in rep.keys} == {(p, make_key(p).digest) for p in ("prefill", "decode")}

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer.engines.base import Engine
-from consumer.engines.corrupt import CorruptingEngine
 from consumer.engines.llama import LlamaCppEngine
 from schemas import Sampling
+from tests.doubles.corrupt import CorruptingEngine
 from tests.fixtures.shape_probe import ShapeProbeEngine
 from tests.invariance_harness import Conditions, Outcome, Session, oracle, random_prompt, run_scenario
 

@@ -44,17 +44,17 @@ def test_a_fenced_holder_writes_nothing(redis_client: redis.Redis) -> None:
     _pre, dec = a.register(KEYS, {})
     b.register(KEYS, {})
     push(redis_client, dec, [make_job("s", 1)])
-    held = a.read({dec: 1}, block_ms=0)
+    held = a.read_streams({dec: 1}, block_ms=0)
     redis_client.delete(WorkerKeys(WORKER).lease)  # a's lease lapsed (a paused)...
     b.acquire_lease(wait=False)  # ...and b took over
     with pytest.raises(LeaseLost):
-        a.complete(completions_for(held))
+        a.complete_entries(completions_for(held))
     assert redis_client.xlen(a.keys.results("s")) == 0 and not redis_client.exists(a.keys.worker_account)
     with pytest.raises(LeaseLost):
         a.renew_lease()
-    taken = b.read({dec: 1}, block_ms=0)  # same consumer name: b's start-up pending re-read has it
+    taken = b.read_streams({dec: 1}, block_ms=0)  # same consumer name: b's start-up pending re-read has it
     assert [d.entry_id for d in taken] == [d.entry_id for d in held]
-    assert b.complete(completions_for(taken)) == [True]
+    assert b.complete_entries(completions_for(taken)) == [True]
 
 
 def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> None:
@@ -62,16 +62,16 @@ def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> 
     token = a.acquire_lease(wait=False)
     _pre, dec = a.register(KEYS, {})
     push(redis_client, dec, [make_job("s", 1), make_job("t", 1)])
-    held = a.read({dec: 2}, block_ms=0)
+    held = a.read_streams({dec: 2}, block_ms=0)
     redis_client.delete(WorkerKeys(WORKER).lease)  # a long pause: lapsed, nobody else came
-    assert a.complete(completions_for(held[:1])) == [True]  # the completion takes it back
+    assert a.complete_entries(completions_for(held[:1])) == [True]  # the completion takes it back
     assert redis_client.get(WorkerKeys(WORKER).lease) == token.encode()
     redis_client.delete(WorkerKeys(WORKER).lease)
     a.renew_lease()  # so does the renewal
     assert redis_client.get(WorkerKeys(WORKER).lease) == token.encode()
     redis_client.flushall()  # Redis lost its data set (a restart without persistence)
     a.register(KEYS, {})
-    assert a.complete(completions_for(held[1:])) == [True]  # not fenced by the loss: epoch restored
+    assert a.complete_entries(completions_for(held[1:])) == [True]  # not fenced by the loss: epoch restored
     assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"1"
 
 
@@ -193,7 +193,7 @@ def test_a_completion_whose_reply_was_lost_is_resent_without_effect(redis_client
     t.acquire_lease(wait=False)
     _pre, dec = t.register(KEYS, {})
     push(redis_client, dec, [make_job("s", 1)])
-    held = t.read({dec: 1}, block_ms=0)
+    held = t.read_streams({dec: 1}, block_ms=0)
     real = t._complete
     calls = [0]
 
@@ -205,7 +205,7 @@ def test_a_completion_whose_reply_was_lost_is_resent_without_effect(redis_client
         return out
 
     t._complete = reply_lost  # type: ignore[assignment]
-    assert t.complete(completions_for(held)) == [False]  # re-sent: the first call had answered it
+    assert t.complete_entries(completions_for(held)) == [False]  # re-sent: the first call had answered it
     assert calls[0] == 2 and t.outages == 1
     assert redis_client.xlen(t.keys.results("s")) == 1
     assert redis_client.hget(t.keys.worker_account, "steps") == b"1"

@@ -17,7 +17,7 @@ from consumer.engines import Engine, EngineError
 from consumer.engines import llama as llama_mod
 from consumer.engines.llama import LlamaCppEngine, bench_engine_decode
 from consumer.engines.reference import NumpyReferenceEngine
-from consumer.engines.tiny_model import TINY, file_sha256
+from dgrtools.tiny_model import TINY, file_sha256
 
 pytestmark = pytest.mark.llama
 
@@ -338,7 +338,7 @@ def test_gpu_layers_pass_through_on_a_cpu_build(tiny_model_path):
 
 @pytest.mark.slow
 def test_gemma_contract_fields(gemma_model_path):
-    from consumer.engines.gemma import GEMMA_SHA256
+    from dgrtools.gemma import GEMMA_SHA256
 
     e = LlamaCppEngine(gemma_model_path, n_slots=2, ctx_per_session=512)
     try:

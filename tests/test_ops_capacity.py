@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from consumer.localredis import LocalRedis
 from consumer.ops.capacity import measure
+from dgrtools.localredis import LocalRedis
 
 
 def test_capacity_measures_and_cleans_up(redis_server: LocalRedis, real_redis: redis.Redis) -> None:

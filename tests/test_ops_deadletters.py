@@ -6,10 +6,10 @@ import threading
 
 import redis
 
-from consumer.localredis import LocalRedis
 from consumer.ops.common import OpsKeys, s
 from consumer.ops.deadletters import audit_log, dead_letter_count, list_dead_letters, replay
 from consumer.ops.jobs import dlq_count_job
+from dgrtools.localredis import LocalRedis
 from schemas import job_from_fields, job_to_fields
 from tests.test_ops_support import dead_letter, make_key, read_all, register, step_job
 

@@ -13,9 +13,9 @@ import yaml
 from rq import SimpleWorker
 from rq.cron import CronScheduler
 
-from consumer.localredis import LocalRedis
 from consumer.ops.jobs import QUEUE, enqueue_reap, enqueue_rollup, queue, reap_job, rollup_job
 from consumer.ops.rollup import read_ledger
+from dgrtools.localredis import LocalRedis
 from tests.test_ops_support import register, serve
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import redis
 
-from consumer.localredis import LocalRedis
 from consumer.ops.common import redis_time_ms
 from consumer.ops.jobs import reap_job
 from consumer.ops.reaper import open_sessions, reap
+from dgrtools.localredis import LocalRedis
 from schemas import WorkerKeys
 from tests.test_ops_support import register, serve
 

@@ -11,10 +11,10 @@ import pytest
 import redis
 from rq import Queue
 
-from consumer.localredis import LocalRedis
 from consumer.ops.common import LEDGER_INDEX, ledger_key, s
 from consumer.ops.jobs import enqueue_rollup, rollup_job
 from consumer.ops.rollup import FOLD_LUA, Fold, fold_args, ledger_accounts, read_ledger, rollup
+from dgrtools.localredis import LocalRedis
 from schemas import WorkerKeys
 from schemas.keys import WORKERS_INDEX
 from tests.test_ops_support import register, serve

@@ -63,7 +63,7 @@ def push(client: redis.Redis, worker: str, jobs: Sequence[StepJob]) -> None:
 
 
 def read_all(t: RedisTransport, n: int = 100) -> list[Delivery]:
-    return t.read({s: n for s in t.streams}, block_ms=0, gather_ms=0)
+    return t.read_streams({s: n for s in t.streams}, block_ms=0, gather_ms=0)
 
 
 def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 3, secs: float = 0.25) -> None:
@@ -80,7 +80,7 @@ def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 
                          accounting=Accounting(prompt_tokens=prompt, generated_tokens=1, engine_seconds=secs),
                          worker_id=t.worker_id, batch_size=len(ds))
         comps.append(Completion(d, res, acct, d.phase))
-    assert all(t.complete(comps))
+    assert all(t.complete_entries(comps))
 
 
 def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decode",
@@ -90,7 +90,7 @@ def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decod
     t.client.xadd(stream, fields)  # type: ignore[arg-type]
     ds = [d for d in read_all(t) if d.stream == stream]
     assert len(ds) == 1
-    t.complete([], [DeadLetter(ds[0], reason, detail)])
+    t.complete_entries([], [DeadLetter(ds[0], reason, detail)])
     newest: list[Any] = t.client.xrevrange(t.keys.dead_letters, count=1)  # type: ignore[assignment]
     ((dlq_id, _),) = newest
     return s(dlq_id)

@@ -115,7 +115,7 @@ class FakeWorker:
 
     def step(self, block_ms: int = 0) -> int:
         self.cancelled.update(self.t.cancellations())
-        ds = self.t.read({self.pre: 16, self.dec: 64}, block_ms=block_ms)
+        ds = self.t.read_streams({self.pre: 16, self.dec: 64}, block_ms=block_ms)
         if not ds:
             return 0
         comps = []
@@ -126,7 +126,7 @@ class FakeWorker:
                 raise
             result, account, close = self._answer(job)
             comps.append(Completion(d, result, account, d.phase, close))  # type: ignore[arg-type]
-        self.t.complete(comps, call=FusedCallStats("decode", len(ds), len(ds), 0.001 * len(ds)))
+        self.t.complete_entries(comps, call=FusedCallStats("decode", len(ds), len(ds), 0.001 * len(ds)))
         self.steps_seen += len(ds)
         return len(ds)
 
@@ -382,7 +382,7 @@ def test_backpressure_raises_or_waits(redis_client: redis.Redis, make_producer: 
     waiting = make_producer(redis_client, max_lag=3, backpressure="wait", timeout_s=0.2)
     with pytest.raises(Backpressure):
         waiting.open(make_spec("b-wait"), [1])
-    w.t.read({w.pre: 4}, block_ms=0)  # the worker catches up: lag 0
+    w.t.read_streams({w.pre: 4}, block_ms=0)  # the worker catches up: lag 0
     waiting._lag.clear()
     waiting.open(make_spec("b-ok"), [1])
     unbounded = make_producer(redis_client, max_lag=None)

@@ -17,7 +17,7 @@ import fakeredis
 import pytest
 import redis
 
-from consumer.localredis import LocalRedis
+from dgrtools.localredis import LocalRedis
 from producer.aio import AsyncProducer
 from tests.chaos_support import RestartableRedis
 from tests.producer_drivers import MakeProducer, async_client_for, make_producer

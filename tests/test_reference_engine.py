@@ -8,7 +8,7 @@ import pytest
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines import Engine, EngineError, engine_key
 from consumer.engines.reference import NumpyReferenceEngine
-from consumer.engines.tiny_model import TINY, file_sha256
+from dgrtools.tiny_model import TINY, file_sha256
 
 PROMPT = [1, 300, 301, 302, 400, 401]
 

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumer.engines.base import EngineCapacity
-from consumer.scheduler import Outcome, Reply, ScheduledBatch, Scheduler, SchedulerConfig
+from consumer.batch import EngineCapacity, EngineOutput
+from consumer.sampler import BatchSampler
+from consumer.scheduler import Answer, ScheduledBatch, Scheduler, SchedulerConfig
 from consumer.session_table import SessionState
 from schemas import (
     Phase,
@@ -67,7 +68,7 @@ def decode(sid: str, position: int, token: int = 1, *, job_id: str | None = None
                    start_position=position, tokens=(token,), created_at=0.0)
 
 
-def admit(s: Scheduler, job: StepJob, ref: object = None) -> Reply | None:
+def admit(s: Scheduler, job: StepJob, ref: object = None) -> Answer | None:
     return s.admit(job, DIGESTS[job.phase], job.job_id if ref is None else ref)
 
 
@@ -81,9 +82,15 @@ def fake_logits(batch: ScheduledBatch, vocab: int, target: Callable[[str, int], 
     return out
 
 
+def report(s: Scheduler, batch: ScheduledBatch, logits: np.ndarray, seconds: float) -> list[Answer]:
+    """What the worker does after a call: the sampler turns the rows into tokens, the scheduler takes them."""
+    tokens = BatchSampler(s.config.capacity.vocab_size)(batch, EngineOutput.logits(logits))
+    return s.update_from_output(batch, tokens, seconds)
+
+
 def run(s: Scheduler, batch: ScheduledBatch, seconds: float = 1.0,
-        target: Callable[[str, int], int] = lambda sid, pos: 7) -> list[Outcome]:
-    return s.complete(batch, fake_logits(batch, s.config.capacity.vocab_size, target), seconds)
+        target: Callable[[str, int], int] = lambda sid, pos: 7) -> list[Answer]:
+    return report(s, batch, fake_logits(batch, s.config.capacity.vocab_size, target), seconds)
 
 
 def ok_open(s: Scheduler, sid: str, n: int = 4, **kw: Any) -> None:
@@ -94,7 +101,7 @@ def ok_open(s: Scheduler, sid: str, n: int = 4, **kw: Any) -> None:
     run(s, b)
 
 
-def reason(r: Reply | None) -> tuple[Status, Reason | None, int]:
+def reason(r: Answer | None) -> tuple[Status, Reason | None, int]:
     assert r is not None
     return r.result.status, r.result.reason, r.result.position
 
@@ -285,7 +292,7 @@ def test_long_prefill_is_split_across_calls() -> None:
     job = opening("a", tuple(range(1, 21)))
     assert admit(s, job) is None
     seen = []
-    outcomes: list[Outcome] = []
+    outcomes: list[Answer] = []
     while (b := s.next_batch()) is not None:
         assert len(b.fused) <= 8
         (it,) = b.items
@@ -348,7 +355,7 @@ def test_prefill_without_sample_holds_one_token_back_until_the_prompt_end_is_kno
     assert admit(s, opening("a", 5, sample=False)) is None
     b = s.next_batch()
     assert b is not None and len(b.fused) == 4 and b.fused.n_logit_rows == 0
-    assert s.complete(b, np.empty((0, 50), dtype=np.float32), 0.1) == []  # the job is not done yet
+    assert report(s, b, np.empty((0, 50), dtype=np.float32), 0.1) == []  # the job is not done yet
     assert s.next_batch() is None  # waits for the rest of the prompt
     assert admit(s, prefill("a", 5, 1)) is None
     b = s.next_batch()
@@ -362,7 +369,7 @@ def test_prefill_without_sample_answers_without_a_token() -> None:
     assert admit(s, opening("a", 5, sample=False, prompt_len=5)) is None
     b = s.next_batch()
     assert b is not None and b.fused.n_logit_rows == 0
-    (o,) = s.complete(b, np.empty((0, 50), dtype=np.float32), 0.2)
+    (o,) = report(s, b, np.empty((0, 50), dtype=np.float32), 0.2)
     assert o.result.token is None and o.result.accounting.generated_tokens == 0
     e = s.table.get("a")
     assert e is not None and e.state == SessionState.PREFILLING and e.generated == 0
@@ -403,11 +410,11 @@ def test_logits_shape_is_checked() -> None:
     b = s.next_batch()
     assert b is not None
     with pytest.raises(ValueError):
-        s.complete(b, np.zeros((2, 50)), 0.1)
+        report(s, b, np.zeros((2, 50)), 0.1)
     with pytest.raises(ValueError):
-        s.complete(b, np.zeros((1, 49)), 0.1)
+        report(s, b, np.zeros((1, 49)), 0.1)
     assert s.in_flight() == 1  # nothing was applied
-    assert len(s.complete(b, np.zeros((1, 50)), 0.1)) == 1
+    assert len(report(s, b, np.zeros((1, 50)), 0.1)) == 1
 
 
 def test_finish_on_max_tokens_releases_the_slot() -> None:
@@ -685,7 +692,7 @@ def test_token_does_not_depend_on_batch_composition() -> None:
             assert b is not None
             rows = [it for it in b.items if it.samples]
             lg = np.stack([logits_of(it.job.session_id, it.first_position + it.n_tokens) for it in rows])
-            for o in s.complete(b, lg, 0.0):
+            for o in report(s, b, lg, 0.0):
                 sid = o.job.session_id
                 assert o.result.token is not None
                 if sid == "a":

@@ -17,9 +17,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from consumer.prefill_shape import MIN_BUDGET
-from consumer.scheduler import Outcome, Reply, ScheduledBatch
+from consumer.scheduler import Answer, ScheduledBatch
 from schemas import Reason, Sampling, Status
-from tests.test_scheduler import admit, decode, make, opening, prefill
+from tests.test_scheduler import admit, decode, make, opening, prefill, report
 
 VOCAB = 16
 MAX_CALLS = 4000
@@ -96,7 +96,7 @@ class Model:
     closed: dict[str, str] = field(default_factory=dict)  # session -> how
     to_send: list[tuple[str, int, int]] = field(default_factory=list)  # decode steps to send next call
 
-    def answer(self, a: Reply | Outcome) -> None:
+    def answer(self, a: Answer) -> None:
         assert a.job is not None
         self.answered[a.job.job_id] = self.answered.get(a.job.job_id, 0) + 1
         if a.close is not None:
@@ -121,7 +121,7 @@ class Sim:
         self.capacity_retries = 0
         self.both_ready = 0
 
-    def send(self, job_reply: Reply | None, job_id: str) -> None:
+    def send(self, job_reply: Answer | None, job_id: str) -> None:
         if job_reply is None:
             self.m.queued.add(job_id)
         else:
@@ -206,12 +206,12 @@ class Sim:
                 if not replies:
                     self.m.closed[p.sid] = "cancelled"
 
-    def complete(self, b: ScheduledBatch) -> list[Outcome]:
+    def complete(self, b: ScheduledBatch) -> list[Answer]:
         rows = [it for it in b.items if it.samples]
         logits = np.zeros((len(rows), VOCAB), dtype=np.float32)
         for i, it in enumerate(rows):
             logits[i, target(it.job.session_id, it.first_position + it.n_tokens)] = 5.0
-        outs = self.s.complete(b, logits, 0.001 * len(b.fused))
+        outs = report(self.s, b, logits, 0.001 * len(b.fused))
         for it in b.items:  # the engine-side view: the slot now holds these positions
             if it.job.session_id in self.m.position:
                 self.m.position[it.job.session_id] = it.first_position + it.n_tokens
@@ -263,7 +263,7 @@ class Sim:
         self.max_decode_streak = max(self.max_decode_streak, self.decode_streak)
         self.max_prefill_streak = max(self.max_prefill_streak, self.prefill_streak)
 
-    def observe(self, o: Outcome) -> None:
+    def observe(self, o: Answer) -> None:
         m = self.m
         m.answer(o)
         sid, r = o.job.session_id, o.result

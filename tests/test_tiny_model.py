@@ -7,8 +7,8 @@ import pytest
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.reference import NumpyReferenceEngine
-from consumer.engines.tiny_model import TINY, file_sha256, tiny_vocab, write_tiny_model
-from consumer.engines.tokenizer import SpmTokenizer, Tokenizer, load_tokenizer
+from dgrtools.tiny_model import TINY, file_sha256, tiny_vocab, write_tiny_model
+from dgrtools.tokenizer import SpmTokenizer, Tokenizer, load_tokenizer
 from tests.fixtures.models import PROMPT_TEXTS
 
 # Pinned: the default tiny model (seed 0, Q8_0). A change here changes every recipe/identity hash
@@ -130,7 +130,7 @@ def test_greedy_decoding_does_not_collapse(tiny_model_path):
 def test_gemma_needs_its_package(tmp_path, monkeypatch):
     import sys
 
-    from consumer.engines.gemma import GemmaUnavailable, assemble_gemma, default_gemma_path
+    from dgrtools.gemma import GemmaUnavailable, assemble_gemma, default_gemma_path
 
     monkeypatch.setenv("DGR_MODEL_DIR", str(tmp_path / "models"))
     assert default_gemma_path() == tmp_path / "models" / "gemma3-270m-q4_k_m.gguf"
@@ -147,7 +147,7 @@ def test_gemma_needs_its_package(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_gemma_is_assembled_verified_and_reused(gemma_model_path):
-    from consumer.engines.gemma import GEMMA_SHA256, GEMMA_SIZE, assemble_gemma
+    from dgrtools.gemma import GEMMA_SHA256, GEMMA_SIZE, assemble_gemma
 
     assert gemma_model_path.stat().st_size == GEMMA_SIZE
     assert file_sha256(gemma_model_path) == GEMMA_SHA256

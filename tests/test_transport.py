@@ -182,9 +182,9 @@ def test_register_is_idempotent_and_advertises(redis_client: redis.Redis) -> Non
 
 def test_rejects_foreign_streams_and_decoded_clients(redis_client: redis.Redis, transport: RedisTransport) -> None:
     with pytest.raises(ValueError):
-        transport.read({"dgr:{other}:in:0123456789abcdef:decode": 1})
+        transport.read_streams({"dgr:{other}:in:0123456789abcdef:decode": 1})
     with pytest.raises(ValueError):
-        transport.read({"not-a-stream": 1})
+        transport.read_streams({"not-a-stream": 1})
     with pytest.raises(ValueError):
         RedisTransport(redis.Redis(decode_responses=True), WORKER)
 
@@ -196,12 +196,12 @@ def test_read_caps_each_stream_at_its_count(redis_client: redis.Redis, transport
     pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 5) for i in range(10)])
     push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(3)])
-    first = transport.read({dec: 4, pre: 0})
+    first = transport.read_streams({dec: 4, pre: 0})
     assert [d.stream for d in first] == [dec] * 4
     assert all(isinstance(d.stream, str) and d.phase == "decode" and d.digest == make_key().digest for d in first)
-    second = transport.read({dec: 10, pre: 2}, block_ms=0)
+    second = transport.read_streams({dec: 10, pre: 2}, block_ms=0)
     assert sum(d.stream == dec for d in second) == 6 and sum(d.stream == pre for d in second) == 2
-    assert [d.stream for d in transport.read({dec: 3, pre: 3}, block_ms=0)] == [pre]  # 1 left
+    assert [d.stream for d in transport.read_streams({dec: 3, pre: 3}, block_ms=0)] == [pre]  # 1 left
     got = [job_from_fields(d.fields).session_id for d in first + second if d.stream == dec]
     assert got == [f"s{i}" for i in range(10)]  # stream order kept
 
@@ -209,7 +209,7 @@ def test_read_caps_each_stream_at_its_count(redis_client: redis.Redis, transport
 def test_read_accepts_bytes_stream_names(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job("s", 1)])
-    ds = transport.read({dec.encode(): 2}, block_ms=0)  # type: ignore[dict-item]
+    ds = transport.read_streams({dec.encode(): 2}, block_ms=0)  # type: ignore[dict-item]
     assert [d.stream for d in ds] == [dec]
 
 
@@ -217,39 +217,39 @@ def test_read_gathers_up_to_counts_and_respects_more(redis_client: redis.Redis, 
     pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 3) for i in range(6)])
     push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(5)])
-    transport.read({dec: 1}, block_ms=0, gather_ms=0)  # drains the (empty) pending lists
+    transport.read_streams({dec: 1}, block_ms=0, gather_ms=0)  # drains the (empty) pending lists
     calls: list[int] = []
 
     def more(ds: list[Delivery]) -> bool:
         calls.append(len(ds))
         return False
 
-    ds = transport.read({dec: 3, pre: 2}, block_ms=0, gather_ms=50, more=more)
+    ds = transport.read_streams({dec: 3, pre: 2}, block_ms=0, gather_ms=50, more=more)
     assert sum(d.stream == dec for d in ds) == 3 and sum(d.stream == pre for d in ds) == 2
     assert calls == []  # everything was filled by the first read: no gather
-    ds = transport.read({dec: 5, pre: 5}, block_ms=0, gather_ms=50, more=more)
+    ds = transport.read_streams({dec: 5, pre: 5}, block_ms=0, gather_ms=50, more=more)
     assert len(ds) == 2 + 3 and calls == [5]  # under its counts, but more() said stop
 
 
 def test_at_least_once_pending_reread_after_restart(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
-    held = transport.read({dec: 3}, block_ms=0)  # worker "crashes" holding 3
+    held = transport.read_streams({dec: 3}, block_ms=0)  # worker "crashes" holding 3
     assert len(held) == 3
     push(redis_client, dec, [make_job("late", 1)])
     again = RedisTransport(redis_client, WORKER, "c1")  # restart, same consumer name
     again.register([make_key("prefill"), make_key("decode")], {})
-    first = again.read({dec: 2}, block_ms=0, gather_ms=0)
+    first = again.read_streams({dec: 2}, block_ms=0, gather_ms=0)
     assert [d.entry_id for d in first] == [d.entry_id for d in held[:2]]
     assert first[0].fields == held[0].fields
-    second = again.read({dec: 2}, block_ms=0, gather_ms=0)
+    second = again.read_streams({dec: 2}, block_ms=0, gather_ms=0)
     assert [d.entry_id for d in second][:1] == [held[2].entry_id]
-    rest = again.read({dec: 10}, block_ms=0, gather_ms=0)
+    rest = again.read_streams({dec: 10}, block_ms=0, gather_ms=0)
     names = [job_from_fields(d.fields).session_id for d in second + rest]
     assert names == ["s2", "s3", "s4", "late"]
     # every entry was delivered; after completing them all nothing is pending
     everything = first + second + rest
-    assert all(again.complete(completions_for(everything)))
+    assert all(again.complete_entries(completions_for(everything)))
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
     assert again.input_lag()[dec] == {"length": 6, "lag": 0, "pending": 0}
 
@@ -258,47 +258,47 @@ def test_trimmed_pending_entry_returns_with_empty_fields(redis_client: redis.Red
                                                          transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job("s", 1)])
-    (d,) = transport.read({dec: 1}, block_ms=0)
+    (d,) = transport.read_streams({dec: 1}, block_ms=0)
     redis_client.xtrim(dec, maxlen=0)
     again = RedisTransport(redis_client, WORKER, "c1")
-    (d2,) = again.read({dec: 1}, block_ms=0)
+    (d2,) = again.read_streams({dec: 1}, block_ms=0)
     assert d2.entry_id == d.entry_id and d2.fields == {}
     with pytest.raises(WireError) as e:
         job_from_fields(d2.fields)
-    again.complete([], [DeadLetter(d2, e.value.reason, str(e.value))])
+    again.complete_entries([], [DeadLetter(d2, e.value.reason, str(e.value))])
     (dl,) = xrange(redis_client, again.keys.dead_letters)
     assert dl[1][b"reason"] == b"malformed" and dl[1][b"entry_id"] == d.entry_id.encode()
 
 
 def test_read_recreates_a_deleted_group(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
-    transport.read({dec: 1}, block_ms=0)
+    transport.read_streams({dec: 1}, block_ms=0)
     redis_client.flushall()
-    assert transport.read({dec: 1}, block_ms=0) == []
+    assert transport.read_streams({dec: 1}, block_ms=0) == []
     push(redis_client, dec, [make_job("s", 1)])
-    assert len(transport.read({dec: 1}, block_ms=0)) == 1
+    assert len(transport.read_streams({dec: 1}, block_ms=0)) == 1
 
 
 def test_read_blocks_until_an_entry_arrives(real_redis: redis.Redis) -> None:
     t = RedisTransport(real_redis, WORKER)
     _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
-    t.read({dec: 1}, block_ms=0)
+    t.read_streams({dec: 1}, block_ms=0)
     timer = threading.Timer(0.2, lambda: push(real_redis, dec, [make_job("s", 1)]))
     t0 = time.monotonic()
     timer.start()
-    ds = t.read({dec: 4}, block_ms=3000, gather_ms=0)
+    ds = t.read_streams({dec: 4}, block_ms=3000, gather_ms=0)
     elapsed = time.monotonic() - t0
     timer.join()
     assert len(ds) == 1 and 0.1 < elapsed < 2.5
     t0 = time.monotonic()
-    assert t.read({dec: 4}, block_ms=100, gather_ms=0) == []
+    assert t.read_streams({dec: 4}, block_ms=100, gather_ms=0) == []
     assert 0.05 < time.monotonic() - t0 < 1.0
 
 
 def test_gather_collects_entries_arriving_after_the_wakeup(real_redis: redis.Redis) -> None:
     t = RedisTransport(real_redis, WORKER)
     _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
-    t.read({dec: 1}, block_ms=0)
+    t.read_streams({dec: 1}, block_ms=0)
 
     def producer() -> None:
         for i in range(4):
@@ -307,7 +307,7 @@ def test_gather_collects_entries_arriving_after_the_wakeup(real_redis: redis.Red
 
     th = threading.Thread(target=producer)
     th.start()
-    ds = t.read({dec: 4}, block_ms=2000, gather_ms=500)
+    ds = t.read_streams({dec: 4}, block_ms=2000, gather_ms=500)
     th.join()
     assert len(ds) == 4  # a blocked read wakes on the first; the bounded gather takes the rest
 
@@ -318,14 +318,14 @@ def test_gather_collects_entries_arriving_after_the_wakeup(real_redis: redis.Red
 def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 4) for i in range(3)])
-    ds = transport.read({dec: 3}, block_ms=0)
+    ds = transport.read_streams({dec: 3}, block_ms=0)
     comps = completions_for(ds, generated=1, secs=0.25)
     call = FusedCallStats("decode", batch_size=3, tokens=3, engine_seconds=0.75)
-    assert transport.complete(comps, call=call) == [True, True, True]
+    assert transport.complete_entries(comps, call=call) == [True, True, True]
     snapshot = {k: hget_all(redis_client, k) for k in (transport.keys.worker_account,
                                                        transport.keys.session_account("s0"),
                                                        transport.keys.billing_account("acct-1"))}
-    assert transport.complete(comps, call=call) == [False, False, False]  # replay
+    assert transport.complete_entries(comps, call=call) == [False, False, False]  # replay
     assert {k: hget_all(redis_client, k) for k in snapshot} == snapshot
     for i in range(3):
         entries = xrange(redis_client, transport.keys.results(f"s{i}"))
@@ -341,18 +341,18 @@ def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis,
     assert w["results:ok"] == "3" and w["generated_tokens"] == "3" and float(w["engine_seconds"]) == 0.75
     assert float(w["engine_seconds_share"]) == pytest.approx(0.75)
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
-    assert transport.complete([]) == []
+    assert transport.complete_entries([]) == []
 
 
 def test_same_job_id_pushed_twice_yields_one_result(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     job = make_job("s", 4, job_id="retried-job")
     push(redis_client, dec, [job, job])  # a producer retry
-    a, b = transport.read({dec: 2}, block_ms=0)
-    assert transport.complete(completions_for([a, b])) == [True, False]  # same batch
+    a, b = transport.read_streams({dec: 2}, block_ms=0)
+    assert transport.complete_entries(completions_for([a, b])) == [True, False]  # same batch
     push(redis_client, dec, [job])  # and once more, completed in a later batch
-    (c,) = transport.read({dec: 2}, block_ms=0)
-    assert transport.complete(completions_for([c])) == [False]
+    (c,) = transport.read_streams({dec: 2}, block_ms=0)
+    assert transport.complete_entries(completions_for([c])) == [False]
     assert redis_client.xlen(transport.keys.results("s")) == 1
     assert hget_all(redis_client, transport.keys.session_account("s"))["steps"] == "1"
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
@@ -362,8 +362,8 @@ def test_per_session_result_order(redis_client: redis.Redis, transport: RedisTra
     _pre, dec = streams_of(transport)
     for pos in range(10):
         push(redis_client, dec, [make_job("a", pos), make_job("b", 100 + pos)])
-        ds = transport.read({dec: 8}, block_ms=0)
-        transport.complete(completions_for(ds, token=pos))
+        ds = transport.read_streams({dec: 8}, block_ms=0)
+        transport.complete_entries(completions_for(ds, token=pos))
     for sid, base in (("a", 0), ("b", 100)):
         rs = [result_from_fields(f) for _id, f in xrange(redis_client, transport.keys.results(sid))]
         assert [r.position for r in rs] == [base + p + 1 for p in range(10)]
@@ -380,7 +380,7 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
         stream = pre if step == 0 else dec
         jobs = [make_job(s, step, phase=phase) for s in sessions[: 6 - step]]
         push(redis_client, stream, jobs)
-        ds = transport.read({stream: 16}, block_ms=0)
+        ds = transport.read_streams({stream: 16}, block_ms=0)
         call_seconds = 0.01 * (step + 1)
         share = call_seconds / len(ds)
         comps = []
@@ -390,8 +390,8 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
             r = ok_result(job, prompt=7 if phase == "prefill" else 0, generated=1, secs=share, finished=last)
             comps.append(Completion(d, r, accounts[job.session_id], phase, "finished" if last else None))
         call = FusedCallStats(phase, len(ds), len(ds), call_seconds)
-        assert all(transport.complete(comps, call=call))
-        transport.complete(comps, call=call)  # replays change nothing
+        assert all(transport.complete_entries(comps, call=call))
+        transport.complete_entries(comps, call=call)  # replays change nothing
         total_call_seconds += call_seconds
     w = hget_all(redis_client, transport.keys.worker_account)
     per_session = [hget_all(redis_client, transport.keys.session_account(s)) for s in sessions]
@@ -414,11 +414,11 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
 def test_unknown_session_is_not_charged_to_an_account(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job("ghost", 3)])
-    (d,) = transport.read({dec: 1}, block_ms=0)
+    (d,) = transport.read_streams({dec: 1}, block_ms=0)
     job = job_from_fields(d.fields)
     r = StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.REJECTED,
                    reason=Reason.UNKNOWN_SESSION, position=3, worker_id=WORKER)
-    assert transport.complete([Completion(d, r, None, "decode", "cancelled")]) == [True]
+    assert transport.complete_entries([Completion(d, r, None, "decode", "cancelled")]) == [True]
     assert redis_client.scard(transport.keys.accounts_index) == 0
     # no per-session key outlives the reject ttl: no session hash at all, the answer expires soon
     assert not redis_client.exists(transport.keys.session_account("ghost"))
@@ -437,7 +437,7 @@ def test_malformed_entries_dead_lettered_alongside_completions(redis_client: red
     redis_client.xadd(dec, {b"tokens": b"\xff\xfe", b"v": b"1"})  # not UTF-8
     redis_client.xadd(dec, {"hello": "world"})  # wrong fields
     redis_client.xadd(dec, bad_v)  # type: ignore[arg-type]
-    ds = transport.read({dec: 8}, block_ms=0)
+    ds = transport.read_streams({dec: 8}, block_ms=0)
     comps, dead = [], []
     for d in ds:
         try:
@@ -447,8 +447,8 @@ def test_malformed_entries_dead_lettered_alongside_completions(redis_client: red
         else:
             comps.append(Completion(d, ok_result(job), "acct", "decode"))
     assert [dl.reason for dl in dead] == [Reason.MALFORMED, Reason.MALFORMED, Reason.SCHEMA_VERSION]
-    assert transport.complete(comps, dead) == [True]
-    assert transport.complete(comps, dead) == [False]  # replay: no second dead letter either
+    assert transport.complete_entries(comps, dead) == [True]
+    assert transport.complete_entries(comps, dead) == [False]  # replay: no second dead letter either
     dlq = xrange(redis_client, transport.keys.dead_letters)
     assert len(dlq) == 3
     for (_id, f), dl in zip(dlq, dead, strict=True):
@@ -465,15 +465,15 @@ def test_one_delivery_rejected_and_dead_lettered_in_one_call(redis_client: redis
     """The worker tells the session (a rejection) and keeps the entry (a dead letter) at once."""
     _pre, dec = streams_of(transport)
     redis_client.xadd(dec, job_to_fields(make_job("v9", 2)) | {"v": "9"})  # type: ignore[arg-type]
-    (d,) = transport.read({dec: 1}, block_ms=0)
+    (d,) = transport.read_streams({dec: 1}, block_ms=0)
     with pytest.raises(WireError) as e:
         job_from_fields(d.fields)
     assert e.value.session_id == "v9" and e.value.job_id is not None
     r = StepResult(job_id=e.value.job_id, session_id="v9", status=Status.REJECTED, reason=e.value.reason,
                    detail=str(e.value)[:256], position=0, worker_id=WORKER)
     comp, dead = Completion(d, r, None, "decode"), DeadLetter(d, e.value.reason, str(e.value))
-    assert transport.complete([comp], [dead]) == [True]
-    assert transport.complete([comp], [dead]) == [False]
+    assert transport.complete_entries([comp], [dead]) == [True]
+    assert transport.complete_entries([comp], [dead]) == [False]
     assert redis_client.xlen(transport.keys.results("v9")) == 1
     ((_id, f),) = xrange(redis_client, transport.keys.dead_letters)
     assert f[b"reason"] == b"schema_version" and f[b"f:v"] == b"9"
@@ -487,31 +487,31 @@ def test_takeover_claims_a_dead_consumers_entries_at_once(redis_client: redis.Re
                                                           transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
-    held = transport.read({dec: 3}, block_ms=0)  # c1 dies holding them
+    held = transport.read_streams({dec: 3}, block_ms=0)  # c1 dies holding them
     fresh = RedisTransport(redis_client, WORKER, "c2")
     fresh.register([make_key("prefill"), make_key("decode")], {})
-    taken, dead = fresh.recover()  # by ownership: no idle time to wait for
+    taken, dead = fresh.recover_streams()  # by ownership: no idle time to wait for
     assert dead == [] and [d.entry_id for d in taken] == [d.entry_id for d in held]
     assert [d.fields for d in taken] == [d.fields for d in held]
     owners = {p["consumer"] for p in redis_client.xpending_range(dec, GROUP, "-", "+", 10)}
     assert owners == {b"c2"}
     assert {c["name"] for c in redis_client.xinfo_consumers(dec, GROUP)} == {b"c2"}  # the dead name is gone
-    assert fresh.complete(completions_for(taken)) == [True] * 3
-    assert transport.complete(completions_for(held)) == [False] * 3  # the zombie's late answer
+    assert fresh.complete_entries(completions_for(taken)) == [True] * 3
+    assert transport.complete_entries(completions_for(held)) == [False] * 3  # the zombie's late answer
     assert all(redis_client.xlen(fresh.keys.results(f"s{i}")) == 1 for i in range(3))
-    assert fresh.recover() == ([], [])
+    assert fresh.recover_streams() == ([], [])
 
 
 def test_own_entries_are_never_claimed_however_long_they_wait(real_redis: redis.Redis) -> None:
     t = RedisTransport(real_redis, WORKER, "c1")
     _pre, dec = t.register([make_key("prefill"), make_key("decode")], {})
     push(real_redis, dec, [make_job(f"s{i}", 1) for i in range(3)])
-    held = t.read({dec: 3}, block_ms=0)
+    held = t.read_streams({dec: 3}, block_ms=0)
     time.sleep(0.05)  # idle far longer than the old 1 ms claim setting: idle time decides nothing now
-    assert t.recover() == ([], [])
+    assert t.recover_streams() == ([], [])
     deliveries = [p["times_delivered"] for p in real_redis.xpending_range(dec, GROUP, "-", "+", 10)]
     assert deliveries == [1, 1, 1]
-    assert t.complete(completions_for(held)) == [True] * 3
+    assert t.complete_entries(completions_for(held)) == [True] * 3
 
 
 def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client: redis.Redis,
@@ -519,15 +519,15 @@ def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client:
     """A read whose reply was lost in a reconnect: the entries sit in our pending list, unheld."""
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
-    held = transport.read({dec: 1}, block_ms=0)
-    assert transport.read({dec: 1}, block_ms=0) != []  # drains the pending re-read, reads s1
+    held = transport.read_streams({dec: 1}, block_ms=0)
+    assert transport.read_streams({dec: 1}, block_ms=0) != []  # drains the pending re-read, reads s1
     lost = redis_client.xreadgroup(GROUP, "c1", {dec: ">"}, count=1)  # s2: read, reply "lost"
     assert lost
-    taken, dead = transport.recover()
+    taken, dead = transport.recover_streams()
     assert dead == [] and [job_from_fields(d.fields).session_id for d in taken] == ["s2"]
-    assert transport.recover() == ([], [])  # now held: not handed out twice
+    assert transport.recover_streams() == ([], [])  # now held: not handed out twice
     assert transport.outstanding == 3
-    transport.complete(completions_for(held))
+    transport.complete_entries(completions_for(held))
     assert transport.outstanding == 2
 
 
@@ -535,18 +535,18 @@ def test_recover_leaves_own_entries_to_the_pending_reread_after_a_restart(
         redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(3)])
-    transport.read({dec: 2}, block_ms=0)
+    transport.read_streams({dec: 2}, block_ms=0)
     again = RedisTransport(redis_client, WORKER, "c1")  # a restart under the same consumer name
     again.register([make_key("prefill"), make_key("decode")], {})
-    assert again.recover() == ([], [])  # the worker's start(): nothing of its own is claimed
-    rest = again.read({dec: 8}, block_ms=0)
+    assert again.recover_streams() == ([], [])  # the worker's start(): nothing of its own is claimed
+    rest = again.read_streams({dec: 8}, block_ms=0)
     assert [job_from_fields(d.fields).session_id for d in rest] == ["s0", "s1", "s2"]  # each once
 
 
 def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job("s", p) for p in range(5)])
-    transport.complete(completions_for(transport.read({dec: 8}, block_ms=0)))
+    transport.complete_entries(completions_for(transport.read_streams({dec: 8}, block_ms=0)))
     assert transport.trim_results("s", 0) == 5
     assert redis_client.exists(transport.keys.results("s")) == 0
 
@@ -559,10 +559,10 @@ def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> Non
     b.register([make_key("prefill"), make_key("decode")], {})
     job = make_job("poison", 9)
     (entry_id,) = push(redis_client, dec, [job])
-    assert len(a.read({dec: 1}, block_ms=0)) == 1  # delivery 1
-    taken, dead = b.recover()  # delivery 2 (a is gone, b holds the lease): still handed out
+    assert len(a.read_streams({dec: 1}, block_ms=0)) == 1  # delivery 1
+    taken, dead = b.recover_streams()  # delivery 2 (a is gone, b holds the lease): still handed out
     assert [d.entry_id for d in taken] == [entry_id] and dead == []
-    taken, dead = a.recover()  # delivery 3 > 2 (a is back, b is gone): dead-lettered
+    taken, dead = a.recover_streams()  # delivery 3 > 2 (a is back, b is gone): dead-lettered
     assert taken == [] and len(dead) == 1
     assert dead[0].reason == Reason.TOO_MANY_DELIVERIES and dead[0].delivery.entry_id == entry_id
     ((_id, f),) = xrange(redis_client, a.keys.dead_letters)
@@ -578,11 +578,11 @@ def test_pending_reread_dead_letters_a_poison_entry(redis_client: redis.Redis) -
     t = RedisTransport(redis_client, WORKER, "c1", settings)
     _pre, dec = t.register(keys, {})
     (entry_id,) = push(redis_client, dec, [make_job("poison", 9)])
-    assert len(t.read({dec: 1}, block_ms=0)) == 1  # delivery 1, then the worker crashes
+    assert len(t.read_streams({dec: 1}, block_ms=0)) == 1  # delivery 1, then the worker crashes
     t = RedisTransport(redis_client, WORKER, "c1", settings)
-    assert [d.entry_id for d in t.read({dec: 1}, block_ms=0)] == [entry_id]  # delivery 2, crash again
+    assert [d.entry_id for d in t.read_streams({dec: 1}, block_ms=0)] == [entry_id]  # delivery 2, crash again
     t = RedisTransport(redis_client, WORKER, "c1", settings)
-    assert t.read({dec: 1}, block_ms=0) == []  # delivery 3 > 2
+    assert t.read_streams({dec: 1}, block_ms=0) == []  # delivery 3 > 2
     assert [dl.delivery.entry_id for dl in t.dead_lettered] == [entry_id]
     assert redis_client.xlen(t.keys.dead_letters) == 1
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
@@ -606,7 +606,7 @@ def test_cancellations_are_seen_once(redis_client: redis.Redis, transport: Redis
 def test_input_lag(redis_client: redis.Redis, transport: RedisTransport) -> None:
     pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
-    transport.read({dec: 2}, block_ms=0)
+    transport.read_streams({dec: 2}, block_ms=0)
     lag = transport.input_lag()
     assert lag[dec] == {"length": 5, "lag": 3, "pending": 2}
     assert lag[pre] == {"length": 0, "lag": 0, "pending": 0}
@@ -619,10 +619,10 @@ def test_input_lag(redis_client: redis.Redis, transport: RedisTransport) -> None
 def test_round_trips_per_batch_are_constant(redis_client: redis.Redis, transport: RedisTransport,
                                             batch: int) -> None:
     pre, dec = streams_of(transport)
-    transport.read({dec: 1, pre: 1}, block_ms=0)  # the pending re-read of a fresh consumer, once
+    transport.read_streams({dec: 1, pre: 1}, block_ms=0)  # the pending re-read of a fresh consumer, once
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(batch)])
     with counting(redis_client) as c:
-        ds = transport.read({dec: batch}, block_ms=10, gather_ms=0)
+        ds = transport.read_streams({dec: batch}, block_ms=10, gather_ms=0)
         assert len(ds) == batch and c.calls == ["XREADGROUP"]
         c.reset()
         transport.cancellations()
@@ -630,7 +630,7 @@ def test_round_trips_per_batch_are_constant(redis_client: redis.Redis, transport
         c.reset()
         comps = completions_for(ds)
         dead = [DeadLetter(ds[0], Reason.MALFORMED, "x")] if batch > 1 else []
-        first = transport.complete(comps[1:] if dead else comps, dead,
+        first = transport.complete_entries(comps[1:] if dead else comps, dead,
                                    FusedCallStats("decode", batch, batch, 0.01))
         assert c.calls == ["EVALSHA"]
         assert all(first)
@@ -643,22 +643,22 @@ def test_round_trips_two_streams_and_first_call_fallback(redis_client: redis.Red
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(8)])
     push(redis_client, pre, [make_job(f"p{i}", 0, phase="prefill") for i in range(8)])
     with counting(redis_client) as c:
-        ds = t.read({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
+        ds = t.read_streams({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
         # the first read of a consumer re-reads its own pending list (one script call)
         assert c.calls == ["EVALSHA", "PIPELINE[XREADGROUP,XREADGROUP]"] and len(ds) == 10
         c.reset()
-        ds += t.read({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
+        ds += t.read_streams({dec: 8, pre: 2}, block_ms=10, gather_ms=0)
         assert c.calls == ["PIPELINE[XREADGROUP,XREADGROUP]"] and len(ds) == 12
         c.reset()
         redis_client.script_flush()
         c.reset()
-        assert all(t.complete(completions_for(ds[:4])))  # NOSCRIPT: EVALSHA, SCRIPT LOAD, EVALSHA
+        assert all(t.complete_entries(completions_for(ds[:4])))  # NOSCRIPT: EVALSHA, SCRIPT LOAD, EVALSHA
         assert c.calls[0] == "EVALSHA" and len(c.calls) <= 3
         c.reset()
-        assert all(t.complete(completions_for(ds[4:])))
+        assert all(t.complete_entries(completions_for(ds[4:])))
         assert c.calls == ["EVALSHA"]
         c.reset()
-        assert t.complete([]) == [] and c.calls == []
+        assert t.complete_entries([]) == [] and c.calls == []
 
 
 def time_complete(client: redis.Redis, n: int, rounds: int = 30) -> tuple[float, float]:
@@ -668,11 +668,11 @@ def time_complete(client: redis.Redis, n: int, rounds: int = 30) -> tuple[float,
     samples = []
     for r in range(rounds):
         push(client, dec, [make_job(f"b{r}-{i}", 1) for i in range(n)])
-        ds = t.read({dec: n}, block_ms=0, gather_ms=0)
+        ds = t.read_streams({dec: n}, block_ms=0, gather_ms=0)
         comps = completions_for(ds)
         call = FusedCallStats("decode", n, n, 0.01)
         t0 = time.perf_counter()
-        t.complete(comps, call=call)
+        t.complete_entries(comps, call=call)
         samples.append(time.perf_counter() - t0)
     samples.sort()
     return samples[len(samples) // 2], samples[0]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from consumer.localredis import LocalRedis
 from consumer.runtime import make_engine
+from dgrtools.localredis import LocalRedis
 from producer import Producer
 from schemas import (
     RouteHop,

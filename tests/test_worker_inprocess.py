@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from consumer.batch import FusedBatch
-from consumer.engines.base import EngineError
+from consumer.engines.base import EngineError, LogitsEngine
 from consumer.engines.reference import NumpyReferenceEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
@@ -132,7 +132,7 @@ def test_engine_failure_fails_only_the_offending_session(fake_redis: redis.Redis
                                                          ref_engine: NumpyReferenceEngine) -> None:
     poison = 299
 
-    class Poisoned:
+    class Poisoned(LogitsEngine):
         """Raises (without naming a slot) whenever a batch holds the poison token."""
 
         def __init__(self, inner: NumpyReferenceEngine) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -10,15 +9,9 @@ import numpy.typing as npt
 
 from schemas import BoundarySchema, CompatibilityKey, EngineIdentity, Phase, Recipe, StateLayout
 
-from ..batch import FusedBatch
+from ..batch import EngineCapacity, EngineOutput, FusedBatch
 
-
-@dataclass(frozen=True, slots=True)
-class EngineCapacity:
-    n_slots: int  # sequence slots (llama.cpp seq ids 0..n_slots-1)
-    ctx_per_session: int  # positions a slot can hold
-    max_tokens_per_call: int  # rows one fused call may carry (llama.cpp n_batch)
-    vocab_size: int
+__all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "engine_key"]
 
 
 class EngineError(RuntimeError):
@@ -44,9 +37,9 @@ class Engine(Protocol):
     @property
     def batch_invariant(self) -> bool: ...
 
-    def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
-        """Exactly one fused forward pass over all rows. Returns logits, shape
-        (batch.n_logit_rows, vocab_size), in the order of the rows that asked for them."""
+    def forward(self, batch: FusedBatch) -> EngineOutput:
+        """Exactly one fused forward pass over all rows. Returns one output row per row that asked for
+        one, in row order (logits today: shape (batch.n_logit_rows, vocab_size))."""
         ...
 
     def release(self, slot: int) -> None:
@@ -58,6 +51,17 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class LogitsEngine:
+    """Mixin for a whole-model engine whose `step(batch)` returns the logits rows (what tests and
+    benchmarks call directly): `forward` wraps them as the worker's EngineOutput."""
+
+    def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
+        raise NotImplementedError
+
+    def forward(self, batch: FusedBatch) -> EngineOutput:
+        return EngineOutput.logits(self.step(batch))
 
 
 def engine_key(engine: Engine, phase: Phase) -> CompatibilityKey:

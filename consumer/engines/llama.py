@@ -48,7 +48,8 @@ import numpy.typing as npt
 from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
 
 from ..batch import BatchRow, FusedBatch
-from .base import Engine, EngineCapacity, EngineError
+from ..cpuinfo import cpu_flags
+from .base import Engine, EngineCapacity, EngineError, LogitsEngine
 from .loader import ftype_name, gguf_sha256
 
 LLAMA_CPP_PIN = "0.3.36"
@@ -110,15 +111,7 @@ def llama_cpp_module() -> ModuleType:
 
 def cpu_amx() -> dict[str, bool]:
     """Does the CPU advertise AMX (/proc/cpuinfo), and was llama.cpp built with AMX kernels?"""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     info = ""
     if _llama_mod is not None:
         info = _llama_mod.llama_print_system_info().decode(errors="replace")
@@ -145,7 +138,7 @@ def _disable_tiled_mm() -> str:
     return "GGML_CPU_TILED_MM=0 (set by the engine before the first decode)"
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(LogitsEngine):
     """The Engine protocol over llama.cpp: `n_slots` sessions, one `llama_decode` per step."""
 
     def __init__(
@@ -509,10 +502,10 @@ def _time_decode(engine: Engine, prompts: npt.NDArray[np.int64], steps: int, *, 
     for k in range(steps):
         if fused:
             rows = [BatchRow(s, n + k, int(nxt[s]), True) for s in range(b)]
-            nxt = np.argmax(engine.step(FusedBatch.from_rows("decode", rows)), axis=1)
+            nxt = np.argmax(engine.forward(FusedBatch.from_rows("decode", rows)).rows, axis=1)
         else:
             for s in range(b):
-                lg = engine.step(FusedBatch.from_rows("decode", [BatchRow(s, n + k, int(nxt[s]), True)]))
+                lg = engine.forward(FusedBatch.from_rows("decode", [BatchRow(s, n + k, int(nxt[s]), True)])).rows
                 nxt[s] = int(np.argmax(lg[0]))
     return time.perf_counter() - t0
 
@@ -522,7 +515,7 @@ def _bench_prefill(engine: Engine, prompts: npt.NDArray[np.int64]) -> npt.NDArra
     for s in range(b):
         engine.release(s)
     rows = [BatchRow(s, p, int(prompts[s, p]), p == n - 1) for s in range(b) for p in range(n)]
-    return np.argmax(engine.step(FusedBatch.from_rows("prefill", rows)), axis=1)
+    return np.argmax(engine.forward(FusedBatch.from_rows("prefill", rows)).rows, axis=1)
 
 
 _SYSINFO_RE = re.compile(r"(\w+) = 1")

@@ -30,7 +30,7 @@ import numpy.typing as npt
 from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
 
 from ..batch import FusedBatch
-from .base import EngineCapacity, EngineError
+from .base import EngineCapacity, EngineError, LogitsEngine
 from .loader import ftype_name, gguf_sha256
 
 F32 = npt.NDArray[np.float32]
@@ -76,7 +76,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return v
 
 
-class NumpyReferenceEngine:
+class NumpyReferenceEngine(LogitsEngine):
     """The Engine protocol in NumPy, for arch "llama" GGUFs (any quantization gguf can dequantize)."""
 
     def __init__(

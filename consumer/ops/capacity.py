@@ -93,7 +93,7 @@ def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any)
                           start_position=16 + n, tokens=(42,), created_at=time.time())
             pipe.xadd(stream, job_to_fields(job), maxlen=10_000, approximate=True)  # type: ignore[arg-type]
         pipe.execute()
-        got = t.read({stream: batch}, block_ms=0, gather_ms=0)
+        got = t.read_streams({stream: batch}, block_ms=0, gather_ms=0)
         comps = []
         for d in got:
             sid = d.fields[b"session_id"].decode()
@@ -102,7 +102,7 @@ def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any)
                              accounting=Accounting(prompt_tokens=0, generated_tokens=1, engine_seconds=0.01),
                              worker_id=worker_id, batch_size=len(got))
             comps.append(Completion(d, res, f"acct-{hash(sid) % 4}", "decode"))
-        t.complete(comps)
+        t.complete_entries(comps)
         resp: Any = client.xread(results, count=batch)  # type: ignore[arg-type]
         for name, entries in resp or []:
             results[s(name)] = s(entries[-1][0])

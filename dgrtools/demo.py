@@ -12,11 +12,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from consumer.ops.common import sdict
 from producer import SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
 from .localredis import INSTALL_HINT, LocalRedis, RedisNotFound
-from .ops.common import sdict
 from .process import ConsumerProcess
 
 PROMPTS = [
@@ -51,10 +51,10 @@ def wait_for_worker(client: redis.Redis, worker_id: str, timeout_s: float = 300.
 
 def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
              n_threads: int, worker_id: str = WORKER_ID, external: bool = False) -> int:
+    from consumer.runtime import resolve_model
     from producer import Producer
 
-    from .engines.tokenizer import Tokenizer
-    from .runtime import resolve_model
+    from .tokenizer import Tokenizer
 
     console = Console()
     try:

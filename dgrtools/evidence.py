@@ -82,10 +82,11 @@ CRITERIA = (
               "tests/test_concurrency.py::test_corruption_is_detected_on_llama")),
 )
 
+PACKAGES = ["consumer", "producer", "schemas", "dgrtools", "tests", "bench"]
 GATES = (
-    ("compileall", [sys.executable, "-m", "compileall", "-q", "consumer", "producer", "schemas", "tests", "bench"]),
+    ("compileall", [sys.executable, "-m", "compileall", "-q", *PACKAGES]),
     ("git diff --check", ["git", "diff", "--check", "FIRST", "HEAD"]),
-    ("ruff", [sys.executable, "-m", "ruff", "check", "consumer", "producer", "schemas", "tests", "bench"]),
+    ("ruff", [sys.executable, "-m", "ruff", "check", *PACKAGES]),
     ("mypy", [sys.executable, "-m", "mypy"]),
 )
 
@@ -213,7 +214,7 @@ def generate(quick: bool = False, out: Path = DOC) -> tuple[str, bool]:
     lines += ["", "Default tests need no model download, no API credit and no GPU: they generate the tiny "
               "model (`dgr model tiny`) and start their own redis-server on a loopback port.", ""]
     lines += ["## Models and runtime", ""]
-    from consumer.engines.tiny_model import write_tiny_model
+    from dgrtools.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny = Path(tmp) / "tiny.gguf"

@@ -79,7 +79,7 @@ class LlamaTokenizer:
     backend = "llama.cpp"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        from .llama import llama_cpp_module
+        from consumer.engines.llama import llama_cpp_module
 
         L = llama_cpp_module()
         self._L = L

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from consumer.batch import FusedBatch
+from consumer.engines.base import EngineCapacity, LogitsEngine
 from schemas import EngineIdentity, Recipe, StateLayout, whole_model_boundary
 
-from ..batch import FusedBatch
-from .base import EngineCapacity
 
-
-class NullEngine:
+class NullEngine(LogitsEngine):
     """Logits are a fixed row (argmax = `token`); positions are tracked per slot like a real engine."""
 
     def __init__(self, n_slots: int = 64, ctx_per_session: int = 4096, vocab_size: int = 256,

@@ -18,13 +18,13 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ..batch import FusedBatch
-from .base import Engine
+from consumer.batch import FusedBatch
+from consumer.engines.base import Engine, LogitsEngine
 
 Mode = Literal["swap_tokens", "swap_logits", "swap_slots"]
 
 
-class CorruptingEngine:
+class CorruptingEngine(LogitsEngine):
     def __init__(self, inner: Engine, mode: Mode = "swap_tokens", *, at: int = 2, every: int = 0) -> None:
         self.inner = inner
         self.mode: Mode = mode
@@ -58,11 +58,11 @@ class CorruptingEngine:
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
         if not self._due(batch):
-            return self.inner.step(batch)
+            return self.inner.forward(batch).rows
         rows = self._last_rows(batch)
         i, j = rows[0], rows[1]
         if self.mode == "swap_logits":
-            out = self.inner.step(batch)
+            out = self.inner.forward(batch).rows
             wanted = np.flatnonzero(batch.wants_logits)
             li, lj = int(np.searchsorted(wanted, i)), int(np.searchsorted(wanted, j))
             if batch.wants_logits[i] and batch.wants_logits[j]:
@@ -77,13 +77,13 @@ class CorruptingEngine:
                 a, b = pair
                 slots[[a, b]] = slots[[b, a]]
                 self.corruptions += 1
-                return self.inner.step(FusedBatch(batch.phase, slots, batch.positions.copy(), tokens,
-                                                  batch.wants_logits.copy()))
+                return self.inner.forward(FusedBatch(batch.phase, slots, batch.positions.copy(), tokens,
+                                                     batch.wants_logits.copy())).rows
         if tokens[i] != tokens[j]:
             tokens[[i, j]] = tokens[[j, i]]
             self.corruptions += 1
-        return self.inner.step(FusedBatch(batch.phase, slots, batch.positions.copy(), tokens,
-                                          batch.wants_logits.copy()))
+        return self.inner.forward(FusedBatch(batch.phase, slots, batch.positions.copy(), tokens,
+                                             batch.wants_logits.copy())).rows
 
     def release(self, slot: int) -> None:
         self.inner.release(slot)

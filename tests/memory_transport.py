@@ -1,0 +1,114 @@
+"""An in-memory Transport (consumer/transport_protocol.py) for worker unit tests: no Redis, no wire.
+
+Jobs are pushed as decoded StepJobs (or as refusals, standing in for entries the wire refused); what
+the worker files comes back in `answers`, `dead` and `calls`. A job id's first answer is the one that
+counts, as with the completion script.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+
+from consumer.schedule_output import Answer
+from consumer.transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
+from schemas import CompatibilityKey, Phase, StepJob
+
+
+class MemoryTransport:
+    def __init__(self) -> None:
+        self.digests: dict[Phase, str] = {}
+        self.queues: dict[Phase, deque[Inbound]] = {"decode": deque(), "prefill": deque()}
+        self.answers: list[Answer] = []
+        self.dead: list[DeadLetter] = []
+        self.calls: list[FusedCallStats] = []
+        self.closed: list[tuple[str, str]] = []
+        self.cancel_markers: set[str] = set()
+        self.pending_cancels: list[str] = []
+        self.answered: set[str] = set()
+        self.round_trips = 0
+        self.outages = 0
+        self._n = 0
+
+    # ---- the test's side ----------------------------------------------------------------------
+    def push(self, job: StepJob, phase: Phase | None = None) -> Delivery:
+        """Queue a job on its phase (or another phase's queue, as a misrouted entry would arrive)."""
+        return self._push(phase or job.phase, job, None)
+
+    def push_refused(self, phase: Phase, refusal: Refusal) -> Delivery:
+        return self._push(phase, None, refusal)
+
+    def cancel(self, session_id: str) -> None:
+        self.cancel_markers.add(session_id)
+        self.pending_cancels.append(session_id)
+
+    def _push(self, phase: Phase, job: StepJob | None, refusal: Refusal | None) -> Delivery:
+        self._n += 1
+        d = Delivery(stream=f"mem:{phase}", entry_id=str(self._n), fields={}, digest=self.digests[phase], phase=phase)
+        self.queues[phase].append(Inbound(d, phase, d.digest, f"{phase}.{self._n}", job, refusal))
+        return d
+
+    # ---- the Transport ------------------------------------------------------------------------
+    def acquire_lease(self, *, wait: bool = True) -> str:
+        return "1:mem"
+
+    def renew_lease(self) -> None:
+        pass
+
+    def release_lease(self) -> None:
+        pass
+
+    def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> Sequence[str]:
+        for k in keys:
+            self.digests[k.phase] = k.digest
+        return [f"mem:{k.phase}" for k in keys]
+
+    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
+        pass
+
+    def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+             more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
+        self.round_trips += 1
+        out: list[Inbound] = []
+        for phase, n in want.items():
+            q = self.queues[phase]
+            for _ in range(min(n, len(q))):
+                out.append(q.popleft())
+        return out
+
+    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
+        return [], []
+
+    def checks(self, job_ids: Sequence[str], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        self.round_trips += 1
+        return {j for j in job_ids if j in self.answered}, {s for s in session_ids if s in self.cancel_markers}
+
+    def cancellations(self) -> list[str]:
+        out, self.pending_cancels = self.pending_cancels, []
+        return out
+
+    def drain_rejected_cancellations(self) -> list[DeadLetter]:
+        return []
+
+    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
+                 call: FusedCallStats | None = None) -> list[bool]:
+        self.round_trips += 1
+        first: list[bool] = []
+        for a in answers:
+            first.append(a.result.job_id not in self.answered)
+            self.answered.add(a.result.job_id)
+            self.answers.append(a)
+        self.dead.extend(dead_letters)
+        if call is not None:
+            self.calls.append(call)
+        return first
+
+    def close_sessions(self, closures: Sequence[tuple[str, str]]) -> int:
+        self.closed.extend(closures)
+        return len(closures)
+
+    def input_lag(self) -> dict[str, dict[str, int]]:
+        return {f"mem:{p}": {"length": len(q), "lag": len(q), "pending": 0} for p, q in self.queues.items()}
+
+    def trim(self) -> None:
+        pass
