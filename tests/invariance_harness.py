@@ -92,6 +92,8 @@ class _Supervised:
                                        prefill_ratio=c.prefill_ratio, w_decode=c.w_decode, w_prefill=c.w_prefill,
                                        block_ms=5, await_ms=2, gather_ms=1.0)
         self.crashed = False
+        self._lock = threading.Lock()
+        self._stopping = False
         self.worker = self._new_worker(crash_at=c.crash_at)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -120,12 +122,18 @@ class _Supervised:
         except _Crash:
             self.crashed = True
             self.worker.engine.close()  # type: ignore[attr-defined]
-            self.worker = self._new_worker(crash_at=None)
+            with self._lock:  # stop() may have come while the dead worker was being replaced
+                if self._stopping:
+                    return
+                self.worker = self._new_worker(crash_at=None)
             self.worker.run()
 
     def stop(self) -> None:
-        self.worker.request_stop()
+        with self._lock:
+            self._stopping = True
+            self.worker.request_stop()
         self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the worker thread did not stop"
         self.worker.engine.close()  # type: ignore[attr-defined]
 
 
