@@ -57,7 +57,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib import resources
 from typing import Any, Literal, TypeVar
 
 import redis
@@ -78,6 +77,7 @@ from schemas.limits import MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
 
+from .lua import load_lua, script_source
 from .schedule_output import Answer
 from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 
@@ -122,11 +122,6 @@ def _pid_gone(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except (OSError, IndexError):
         return False
-
-
-def load_lua(name: str) -> str:
-    """The text of `consumer/lua/<name>.lua`."""
-    return (resources.files("consumer") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,13 +268,13 @@ class RedisTransport:
         # Cancellation entries cancellations() could not take (undecodable, unsigned): the worker passes
         # them to complete() as dead letters (drain_rejected_cancellations).
         self._rejected_cancels: list[DeadLetter] = []
-        self._complete = client.register_script(load_lua("lease") + load_lua("complete"))
-        self._pending = client.register_script(load_lua("deadletter") + load_lua("pending"))
-        self._recover = client.register_script(load_lua("deadletter") + load_lua("recover"))
-        self._acquire = client.register_script(load_lua("acquire"))
-        self._renew = client.register_script(load_lua("lease") + load_lua("renew"))
-        self._release = client.register_script(load_lua("release"))
-        self._close = client.register_script(load_lua("close"))
+        self._complete = client.register_script(script_source("complete"))
+        self._pending = client.register_script(script_source("pending"))
+        self._recover = client.register_script(script_source("recover"))
+        self._acquire = client.register_script(script_source("acquire"))
+        self._renew = client.register_script(script_source("renew"))
+        self._release = client.register_script(script_source("release"))
+        self._close = client.register_script(script_source("close"))
 
     # ---------------------------------------------------------------- riding through outages
 

@@ -1,5 +1,5 @@
 -- deadletter.lua: shared by pending.lua and recover.lua, prepended to each when it is loaded
--- (consumer/transport.py), since a Redis script cannot include another.
+-- (consumer/lua/__init__.py: SCRIPTS), since a Redis script cannot include another.
 --
 -- Moves one entry to the dead-letter stream with the reason and the original fields (prefixed 'f:',
 -- at most maxf of them), then XACKs it: in this order, inside one script, so a crash duplicates a
