@@ -82,8 +82,9 @@ from .schedule_output import Answer
 from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 
 __all__ = [
-    "Completion", "DeadLetter", "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport",
-    "TransportSettings", "completion_of", "load_lua",
+    "COMPLETE_ARGV", "COMPLETION_ARGV", "DEAD_LETTER_ARGV", "FUSED_CALL_ARGV", "Completion", "DeadLetter",
+    "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport", "TransportSettings",
+    "completion_of", "load_lua",
 ]
 
 log = logging.getLogger("dgr.transport")
@@ -95,6 +96,23 @@ MAX_DEAD_LETTER_FIELDS = 64  # original fields copied into a dead letter (a malf
 # flood of huge malformed entries costs the dead-letter stream at most this much per entry.
 MAX_DEAD_LETTER_BYTES = 2 * MAX_FIELD_BYTES
 _DETAIL_MAX = 1024
+
+# The completion script's ARGV layout (consumer/lua/complete.lua's header; tests/test_lua.py checks
+# that both say the same): the head, then per completion, per dead letter, and the fused call.
+COMPLETE_ARGV = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "n_completions", "n_dead_letters",
+                 "has_call", "reject_ttl_s", "lease_token", "lease_epoch", "lease_ms")
+COMPLETION_ARGV = ("stream_k", "entry_id", "record_k", "record_value", "results_k", "session_k", "account_k",
+                   "account_id", "status", "phase", "prompt_tokens", "generated_tokens", "engine_seconds",
+                   "close", "start", "replay", "nf")  # then nf field/value pairs
+DEAD_LETTER_ARGV = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
+FUSED_CALL_ARGV = ("phase", "batch_size", "tokens", "engine_seconds")
+
+
+def _argv(layout: tuple[str, ...], **values: str | int | bytes) -> list[str | int | bytes]:
+    """`values` in the order `layout` names them (every name given once, no other)."""
+    if values.keys() != set(layout):
+        raise ValueError(f"ARGV layout {layout} given {sorted(values)}")
+    return [values[name] for name in layout]
 
 
 class LeaseLost(RuntimeError):
@@ -766,31 +784,38 @@ class RedisTransport:
         keys(self.keys.dead_letters)
         keys(self.keys.lease)
         keys(self.keys.lease_epoch)
-        args: list[str | int | bytes] = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen,
-                                         len(completions), len(dead_letters), 1 if call is not None else 0,
-                                         st.reject_ttl_s, self.lease_token or "", self.lease_epoch, st.lease_ms]
+        args = _argv(COMPLETE_ARGV, group=GROUP, result_ttl_s=st.result_ttl_s, result_maxlen=st.result_maxlen,
+                     dlq_maxlen=st.dlq_maxlen, n_completions=len(completions), n_dead_letters=len(dead_letters),
+                     has_call=1 if call is not None else 0, reject_ttl_s=st.reject_ttl_s,
+                     lease_token=self.lease_token or "", lease_epoch=self.lease_epoch, lease_ms=st.lease_ms)
         for c in completions:
             r = c.result
             fields = result_to_fields(r)
             acct = r.accounting
-            args += [
-                keys(c.delivery.stream), c.delivery.entry_id,
-                keys(self.keys.result_record(r.job_id)), json.dumps(fields, separators=(",", ":")),
-                keys(self.keys.results(r.session_id)), keys(self.keys.session_account(r.session_id)),
-                keys(self.keys.billing_account(c.account_id)) if c.account_id else 0, c.account_id or "",
-                r.status.value, c.phase, acct.prompt_tokens, acct.generated_tokens,
-                repr(float(acct.engine_seconds)), c.close or "", c.start, 1 if c.replay else 0, len(fields),
-            ]
+            args += _argv(
+                COMPLETION_ARGV, stream_k=keys(c.delivery.stream), entry_id=c.delivery.entry_id,
+                record_k=keys(self.keys.result_record(r.job_id)),
+                record_value=json.dumps(fields, separators=(",", ":")),
+                results_k=keys(self.keys.results(r.session_id)),
+                session_k=keys(self.keys.session_account(r.session_id)),
+                account_k=keys(self.keys.billing_account(c.account_id)) if c.account_id else 0,
+                account_id=c.account_id or "", status=r.status.value, phase=c.phase,
+                prompt_tokens=acct.prompt_tokens, generated_tokens=acct.generated_tokens,
+                engine_seconds=repr(float(acct.engine_seconds)), close=c.close or "", start=c.start,
+                replay=1 if c.replay else 0, nf=len(fields),
+            )
             for k, v in fields.items():
                 args += [k, v]
         for d in dead_letters:
             flat = self._dead_letter_fields(d)
             sk = 0 if d.delivery.stream == self.keys.cancellations else keys(d.delivery.stream)
-            args += [sk, d.delivery.entry_id, len(flat) // 2, *flat]
+            args += _argv(DEAD_LETTER_ARGV, stream_k=sk, entry_id=d.delivery.entry_id, nf=len(flat) // 2)
+            args += flat
         if call is not None:
             if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
-            args += [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+            args += _argv(FUSED_CALL_ARGV, phase=call.phase, batch_size=int(call.batch_size),
+                          tokens=int(call.tokens), engine_seconds=repr(float(call.engine_seconds)))
         self.round_trips += 1
         try:
             # Re-sent as is after a reconnect: the script is idempotent by job id.
