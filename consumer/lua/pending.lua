@@ -16,10 +16,9 @@ local maxf = tonumber(ARGV[5])
 local dlq = KEYS[1]
 
 local function entries_of(r)
-  -- Redis: {{stream, entries}}. fakeredis flattens the map: {stream, entries}.
-  if not r then return {} end
-  if type(r[1]) == 'table' then return r[1][2] or {} end
-  return r[2] or {}
+  -- {{stream, entries}}
+  if not r or not r[1] then return {} end
+  return r[1][2] or {}
 end
 
 local function dead_letter(stream, id, deliveries, fields)
