@@ -73,7 +73,7 @@ from schemas import (
     parse_input_stream,
 )
 from schemas.keys import WORKERS_INDEX
-from schemas.limits import MAX_FIELD_BYTES
+from schemas.limits import CANCEL_MAXLEN, DLQ_MAXLEN, MAX_FIELD_BYTES, RESULT_MAXLEN
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
 
@@ -179,9 +179,9 @@ class TransportSettings:
     # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
     # its result stream, unless that lives longer): long enough for a caller to read it.
     reject_ttl_s: int = 300
-    result_maxlen: int = 10_000  # MAXLEN ~ of each result stream
-    dlq_maxlen: int = 100_000
-    cancel_maxlen: int = 100_000
+    result_maxlen: int = RESULT_MAXLEN  # MAXLEN ~ of each result stream
+    dlq_maxlen: int = DLQ_MAXLEN
+    cancel_maxlen: int = CANCEL_MAXLEN
     heartbeat_ttl_s: int = 10
     claim_count: int = 1_000  # entries claimed per stream per recover()
     cancel_count: int = 10_000  # cancellations read per check

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from schemas.keys import WorkerKeys, parse_input_stream
+from schemas.limits import DLQ_AUDIT_MAXLEN
 
 from ..lua import script_source
 from .common import Client, OpsKeys, load_script, r, s, workers
 
-AUDIT_MAXLEN = 100_000
+AUDIT_MAXLEN = DLQ_AUDIT_MAXLEN
 
 REPLAY_LUA = script_source("replay")  # consumer/lua/replay.lua
 

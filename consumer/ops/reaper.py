@@ -27,12 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from schemas.keys import WorkerKeys
+from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN
 
 from ..lua import script_source
 from .common import Client, OpsKeys, load_script, s, scan_worker, workers
-
-CANCEL_MAXLEN = 10_000
-CANCEL_MARKER_TTL_S = 86_400
 
 REAP_LUA = script_source("reap")  # consumer/lua/reap.lua
 
