@@ -73,10 +73,11 @@ from schemas import (
     parse_input_stream,
 )
 from schemas.keys import WORKERS_INDEX
-from schemas.limits import CANCEL_MAXLEN, DLQ_MAXLEN, MAX_FIELD_BYTES, RESULT_MAXLEN
+from schemas.limits import MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
 
+from .config import TransportSettings
 from .lua import load_lua, script_source
 from .schedule_output import Answer
 from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
@@ -168,29 +169,6 @@ def completion_of(a: Answer) -> Completion:
     return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
 
 
-@dataclass(frozen=True)
-class TransportSettings:
-    """The client's socket_timeout (if set) must exceed block_ms, or a blocked read times out."""
-
-    block_ms: int = 50  # idle blocking read (<= 0: never block)
-    gather_ms: float = 2.0  # bounded gather window after a wake-up (<= 0: no gather)
-    max_deliveries: int = 5  # past this, dead-letter
-    result_ttl_s: int = 86_400  # TTL of stored results (SET NX EX) and of the result streams
-    # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
-    # its result stream, unless that lives longer): long enough for a caller to read it.
-    reject_ttl_s: int = 300
-    result_maxlen: int = RESULT_MAXLEN  # MAXLEN ~ of each result stream
-    dlq_maxlen: int = DLQ_MAXLEN
-    cancel_maxlen: int = CANCEL_MAXLEN
-    heartbeat_ttl_s: int = 10
-    claim_count: int = 1_000  # entries claimed per stream per recover()
-    cancel_count: int = 10_000  # cancellations read per check
-    # The lease: keep it well above the longest fused call plus the heartbeat period (it is renewed
-    # with the heartbeat); a standby takes over this long after the holder stopped renewing.
-    lease_ms: int = 10_000
-    outage_max_s: float = 120.0  # give up (re-raise) after Redis was unreachable this long
-    retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
-    retry_cap_s: float = 2.0
 
 
 @dataclass(slots=True)
