@@ -73,6 +73,7 @@ from schemas import (
     parse_input_stream,
 )
 from schemas.keys import WORKERS_INDEX
+from schemas.lag import stream_lag
 from schemas.limits import MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
@@ -845,16 +846,9 @@ class RedisTransport:
         replies = self._io(ask)
         out: dict[str, dict[str, int]] = {}
         for i, s in enumerate(self.streams):
-            length, groups = replies[2 * i], replies[2 * i + 1]
-            length = 0 if isinstance(length, Exception) else int(length)
-            lag, pending = length, 0
-            if not isinstance(groups, Exception):
-                for g in groups:
-                    if _s(g.get("name", b"")) == GROUP:
-                        pending = int(g.get("pending") or 0)
-                        if g.get("lag") is not None:
-                            lag = int(g["lag"])
-            out[s] = {"length": length, "lag": lag, "pending": pending}
+            sl = stream_lag(replies[2 * i], replies[2 * i + 1])
+            pending = int(sl.group.get("pending") or 0) if sl.group is not None else 0
+            out[s] = {"length": sl.length, "lag": sl.behind, "pending": pending}
         return out
 
     def trim(self) -> None:

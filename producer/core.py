@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas import (
-    GROUP,
     CompatibilityKey,
     Phase,
     Reason,
@@ -37,6 +36,7 @@ from schemas import (
     job_to_fields,
     result_from_fields,
 )
+from schemas.lag import stream_lag
 from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN, MAX_POSITION, MAX_TOKENS_PER_JOB
 
 from .validate import check_id, check_token, check_tokens, vocab_size
@@ -297,11 +297,7 @@ class ProducerCore:
 
     def record_lag(self, stream: str, length: object, groups: object) -> int:
         """The lag from an XLEN and an XINFO GROUPS reply (either may be an error: no stream yet)."""
-        lag = 0 if isinstance(length, Exception) else int(length)  # type: ignore[call-overload]
-        if not isinstance(groups, Exception):
-            for g in groups:  # type: ignore[attr-defined]
-                if decode_str(g.get("name", b"")) == GROUP and g.get("lag") is not None:
-                    lag = int(g["lag"])
+        lag = stream_lag(length, groups).behind
         self.lag[stream] = (time.monotonic(), lag)
         return lag
 
