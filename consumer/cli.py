@@ -9,12 +9,16 @@ from typing import Annotated
 
 import typer
 
+from .config import DEFAULTS
+
 app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 model_app = typer.Typer(help="Make the model files dgr runs.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
+
+_S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.transport
 
 RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
                                        help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
@@ -34,102 +38,154 @@ def _logging(level: str, fmt: str) -> None:
     setup_logging(level, fmt)
 
 
+# Every default below is read from consumer/config.py (DEFAULTS); none is written here.
 @app.command()
 def consumer(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    worker_id: WorkerId = "worker-0",
-    model: Model = "tiny",
-    engine: EngineOpt = "llama",
-    recipe: RecipeOpt = "invariant",
-    slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = 16,
-    ctx_per_session: Annotated[int, typer.Option(envvar="DGR_CTX_PER_SESSION")] = 1024,
-    max_batch: Annotated[int, typer.Option(envvar="DGR_MAX_BATCH", help="Decode sessions per fused call.")] = 16,
+    redis_url: RedisUrl = _S.redis_url,
+    worker_id: WorkerId = _W.worker_id,
+    model: Model = _E.model,
+    engine: EngineOpt = _E.kind,
+    recipe: RecipeOpt = _E.recipe,
+    slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = _E.slots,
+    ctx_per_session: Annotated[int, typer.Option(envvar="DGR_CTX_PER_SESSION")] = _E.ctx_per_session,
+    max_batch: Annotated[int, typer.Option(envvar="DGR_MAX_BATCH", help="Decode sessions per fused call.")
+                         ] = _W.max_batch,
     prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET",
-                                                help="Most tokens per prefill call.")] = 512,
+                                                help="Most tokens per prefill call.")] = _W.prefill_budget,
     prefill_ratio: Annotated[float, typer.Option(envvar="DGR_PREFILL_RATIO",
                                                  help="While sessions decode, size a prefill call to this "
                                                       "fraction of a decode call's time (0: always the full budget).")
-                             ] = 0.8,
+                             ] = _W.prefill_ratio,
     prefill_floor: Annotated[int, typer.Option(envvar="DGR_PREFILL_FLOOR",
                                                help="The pacer never sizes a prefill call below this many "
                                                     "tokens, so a prompt's first token comes within a bounded "
-                                                    "number of fused calls (docs/operations.md).")] = 32,
-    weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")] = "4:1",
-    gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = 2.0,
+                                                    "number of fused calls (docs/operations.md).")] = _W.prefill_floor,
+    weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")
+                       ] = f"{_W.w_decode}:{_W.w_prefill}",
+    block_ms: Annotated[int, typer.Option(envvar="DGR_BLOCK_MS", help="Idle blocking read (0: never block).")
+                        ] = _W.block_ms,
+    gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = _W.gather_ms,
     await_ms: Annotated[int, typer.Option(envvar="DGR_AWAIT_MS",
-                                          help="Wait this long for the next steps of the sessions just answered.")] = 5,
-    heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")] = 2.0,
+                                          help="Wait this long for the next steps of the sessions just answered.")
+                        ] = _W.await_ms,
+    heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")
+                           ] = _W.heartbeat_s,
+    heartbeat_ttl_s: Annotated[int, typer.Option(envvar="DGR_HEARTBEAT_TTL_S",
+                                                 help="TTL of the heartbeat key.")] = _T.heartbeat_ttl_s,
     n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
-                                           help="CPU threads (0: llama.cpp default).")] = 0,
-    n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = 0,
-    metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")] = 0,
-    metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = "127.0.0.1",
+                                           help="CPU threads (0: llama.cpp default).")] = _E.threads,
+    n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = _E.n_gpu_layers,
+    metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")
+                            ] = _S.metrics_port,
+    metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = _S.metrics_addr,
     max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S",
-                                              help="Exit after this long idle (0: never).")] = 0,
+                                              help="Exit after this long idle (0: never).")] = _S.max_idle_s,
     max_slots_per_account: Annotated[int, typer.Option(
-        envvar="DGR_MAX_SLOTS_PER_ACCOUNT", help="Most open sessions one billing account may hold (0: no limit).")] = 0,
+        envvar="DGR_MAX_SLOTS_PER_ACCOUNT", help="Most open sessions one billing account may hold (0: no limit).")
+    ] = _W.max_slots_per_account,
     idle_session_s: Annotated[float, typer.Option(
-        envvar="DGR_IDLE_SESSION_S", help="Cancel an open session with no step for this long (0: never).")] = 0,
+        envvar="DGR_IDLE_SESSION_S", help="Cancel an open session with no step for this long (0: never).")
+    ] = _W.idle_session_s,
     max_read_entries: Annotated[int, typer.Option(
-        envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")] = 1024,
+        envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")
+    ] = _W.max_read_entries,
+    answered_memory: Annotated[int, typer.Option(
+        envvar="DGR_ANSWERED_MEMORY", help="Answers remembered by job id, re-sent for a late duplicate.")
+    ] = _W.answered_memory,
+    max_deliveries: Annotated[int, typer.Option(
+        envvar="DGR_MAX_DELIVERIES", help="Dead-letter an entry delivered more than this many times.")
+    ] = _T.max_deliveries,
+    result_ttl_s: Annotated[int, typer.Option(
+        envvar="DGR_RESULT_TTL_S", help="TTL of stored results and of the result streams.")] = _T.result_ttl_s,
     reject_ttl_s: Annotated[int, typer.Option(
-        envvar="DGR_REJECT_TTL_S", help="How long answers to sessions this worker does not hold are kept.")] = 300,
+        envvar="DGR_REJECT_TTL_S", help="How long answers to sessions this worker does not hold are kept.")
+    ] = _T.reject_ttl_s,
+    result_maxlen: Annotated[int, typer.Option(envvar="DGR_RESULT_MAXLEN", help="MAXLEN ~ of each result stream.")
+                             ] = _T.result_maxlen,
+    dlq_maxlen: Annotated[int, typer.Option(envvar="DGR_DLQ_MAXLEN", help="MAXLEN ~ of the dead-letter stream.")
+                          ] = _T.dlq_maxlen,
+    cancel_maxlen: Annotated[int, typer.Option(envvar="DGR_CANCEL_MAXLEN",
+                                               help="MAXLEN ~ the cancellation stream is trimmed to.")
+                             ] = _T.cancel_maxlen,
+    claim_count: Annotated[int, typer.Option(envvar="DGR_CLAIM_COUNT",
+                                             help="Entries claimed per stream per ownership sweep.")
+                           ] = _T.claim_count,
+    cancel_count: Annotated[int, typer.Option(envvar="DGR_CANCEL_COUNT", help="Cancellations read per check.")
+                            ] = _T.cancel_count,
     hmac_key_file: HmacKeyFile = None,
     on_lease_held: Annotated[str, typer.Option(envvar="DGR_ON_LEASE_HELD",
                                                help="Another live consumer has this worker id: 'wait' as a "
                                                     "standby and take over when its lease lapses, or 'refuse' "
-                                                    "(exit 3).")] = "wait",
+                                                    "(exit 3).")] = "wait" if _W.standby else "refuse",
     lease_ms: Annotated[int, typer.Option(envvar="DGR_LEASE_MS",
                                           help="Worker-id lease; a standby takes over this long after the "
-                                               "holder stops renewing.")] = 10_000,
+                                               "holder stops renewing.")] = _T.lease_ms,
     recover_every_s: Annotated[float, typer.Option(envvar="DGR_RECOVER_EVERY_S",
-                                                   help="Ownership sweep period.")] = 5.0,
+                                                   help="Ownership sweep period.")] = _W.recover_every_s,
     outage_max_s: Annotated[float, typer.Option(envvar="DGR_OUTAGE_MAX_S",
                                                 help="Ride through a Redis outage (and wait for Redis at "
-                                                     "start) this long, then exit 1.")] = 120.0,
-    log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = "INFO",
-    log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = "json",
+                                                     "start) this long, then exit 1.")] = _T.outage_max_s,
+    retry_base_s: Annotated[float, typer.Option(envvar="DGR_RETRY_BASE_S",
+                                                help="First retry delay in an outage (doubles, with jitter).")
+                            ] = _T.retry_base_s,
+    retry_cap_s: Annotated[float, typer.Option(envvar="DGR_RETRY_CAP_S", help="Longest retry delay in an outage.")
+                           ] = _T.retry_cap_s,
+    log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = _S.log_level,
+    log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
 ) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
     import redis
 
     from schemas import Signer
 
+    from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
     from .metrics import Metrics
     from .runtime import make_engine, resolve_model
-    from .transport import LeaseHeld, LeaseLost, RedisTransport, TransportSettings
-    from .worker import Worker, WorkerSettings
+    from .transport import LeaseHeld, LeaseLost, RedisTransport
+    from .worker import Worker
 
     if on_lease_held not in ("wait", "refuse"):
         raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
-
-    _logging(log_level, log_format)
-    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
-    if recipe == "invariant":  # ggml reads it once, at the first K-quant matmul of the process
-        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
-    eng = make_engine(resolve_model(model), kind=engine, recipe=recipe, n_slots=slots,  # type: ignore[arg-type]
-                      ctx_per_session=ctx_per_session, n_threads=n_threads or None, n_gpu_layers=n_gpu_layers)
+    config = ConsumerConfig(
+        service=ServiceSettings(redis_url=redis_url, metrics_port=metrics_port, metrics_addr=metrics_addr,
+                                max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
+        engine=EngineSettings(model=model, kind=engine, recipe=recipe, slots=slots, ctx_per_session=ctx_per_session,
+                              threads=n_threads, n_gpu_layers=n_gpu_layers),
+        worker=WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
+                              prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
+                              w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
+                              await_ms=await_ms, heartbeat_s=min(heartbeat_s, lease_ms / 4000),
+                              recover_every_s=recover_every_s, standby=on_lease_held == "wait",
+                              answered_memory=answered_memory, max_read_entries=max_read_entries,
+                              max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s),
+        transport=TransportSettings(block_ms=block_ms, gather_ms=gather_ms, max_deliveries=max_deliveries,
+                                    result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
+                                    dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,
+                                    claim_count=claim_count, cancel_count=cancel_count, lease_ms=lease_ms,
+                                    outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s),
+    )
+    svc, eng_s = config.service, config.engine
+
+    _logging(svc.log_level, svc.log_format)
+    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    if eng_s.recipe == "invariant":  # ggml reads it once, at the first K-quant matmul of the process
+        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    eng = make_engine(resolve_model(eng_s.model), kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
+                      n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
+                      n_gpu_layers=eng_s.n_gpu_layers)
     metrics = Metrics(worker_id)
-    if metrics_port:
-        metrics.serve(metrics_port, metrics_addr)
+    if svc.metrics_port:
+        metrics.serve(svc.metrics_port, svc.metrics_addr)
     # Timeouts so that a dead or unreachable Redis is noticed (and ridden through) instead of hanging
     # a socket; the read timeout stays far above the blocking read's BLOCK.
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=30)
-    settings = WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
-                              prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
-                              w_decode=w_decode, w_prefill=w_prefill, gather_ms=gather_ms, await_ms=await_ms,
-                              heartbeat_s=min(heartbeat_s, lease_ms / 4000), recover_every_s=recover_every_s,
-                              standby=on_lease_held == "wait", max_slots_per_account=max_slots_per_account,
-                              idle_session_s=idle_session_s, max_read_entries=max_read_entries)
-    transport = RedisTransport(client, worker_id, consumer_name=worker_id,
-                               settings=TransportSettings(lease_ms=lease_ms, outage_max_s=outage_max_s,
-                                                          reject_ttl_s=reject_ttl_s), signer=signer)
-    worker = Worker(eng, transport, settings, metrics)
+    client = redis.Redis.from_url(svc.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    transport = RedisTransport(client, worker_id, consumer_name=worker_id, settings=config.transport, signer=signer)
+    worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
     try:
         worker.start()
-        worker.run(max_idle_s=max_idle_s or None)
+        worker.run(max_idle_s=svc.max_idle_s or None)
     except LeaseHeld as e:
         logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": worker_id})
         raise typer.Exit(3) from None
@@ -163,8 +219,8 @@ def demo(
 
 @app.command("tracker-sim")
 def tracker_sim(
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0",
-    worker_id: WorkerId = "worker-0",
+    redis_url: RedisUrl = _S.redis_url,
+    worker_id: WorkerId = _W.worker_id,
     sessions: int = 8,
     prompt_len: Annotated[str, typer.Option(help="Prompt length range in tokens, 'lo:hi'.")] = "8:64",
     max_tokens: int = 32,

@@ -69,6 +69,7 @@ from schemas import Accounting, Phase, Reason, Status, StepJob, StepResult
 from schemas.limits import ID_PATTERN, MAX_REASON_LEN, MAX_TOKENS_PER_JOB
 
 from .batch import EngineCapacity
+from .config import WorkerSettings
 from .prefill_shape import MIN_BUDGET, piece_rows
 from .schedule_output import Answer, AnswerClose, BatchItem, ScheduledBatch, SchedulerStats
 from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
@@ -86,14 +87,15 @@ class SchedulerConfig:
     MIN_BUDGET (3): a prompt is never computed one row at a time (consumer/prefill_shape.py)."""
 
     capacity: EngineCapacity  # n_slots, ctx_per_session, max_tokens_per_call, vocab_size
-    max_batch: int = 16  # decode sessions per fused call
-    prefill_budget: int = 512  # tokens per prefill call
-    w_decode: int = 4
-    w_prefill: int = 1
+    # The defaults are the worker's (consumer/config.py), written once.
+    max_batch: int = WorkerSettings.max_batch  # decode sessions per fused call
+    prefill_budget: int = WorkerSettings.prefill_budget  # tokens per prefill call
+    w_decode: int = WorkerSettings.w_decode
+    w_prefill: int = WorkerSettings.w_prefill
     closed_capacity: int = SessionTable.DEFAULT_CLOSED_CAPACITY  # closed sessions remembered
     # Most sessions one billing account may hold open on this worker at once (0: no limit), so one
     # account cannot take every slot (docs/security.md, "Fair use of slots").
-    max_slots_per_account: int = 0
+    max_slots_per_account: int = WorkerSettings.max_slots_per_account
 
     def __post_init__(self) -> None:
         cap = self.capacity

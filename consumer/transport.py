@@ -57,7 +57,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib import resources
 from typing import Any, Literal, TypeVar
 
 import redis
@@ -74,16 +73,20 @@ from schemas import (
     parse_input_stream,
 )
 from schemas.keys import WORKERS_INDEX
+from schemas.lag import stream_lag
 from schemas.limits import MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
 
+from .config import TransportSettings
+from .lua import load_lua, script_source
 from .schedule_output import Answer
 from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 
 __all__ = [
-    "Completion", "DeadLetter", "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport",
-    "TransportSettings", "completion_of", "load_lua",
+    "COMPLETE_ARGV", "COMPLETION_ARGV", "DEAD_LETTER_ARGV", "FUSED_CALL_ARGV", "Completion", "DeadLetter",
+    "Delivery", "FusedCallStats", "LeaseHeld", "LeaseLost", "RedisTransport", "TransportSettings",
+    "completion_of", "load_lua",
 ]
 
 log = logging.getLogger("dgr.transport")
@@ -95,6 +98,23 @@ MAX_DEAD_LETTER_FIELDS = 64  # original fields copied into a dead letter (a malf
 # flood of huge malformed entries costs the dead-letter stream at most this much per entry.
 MAX_DEAD_LETTER_BYTES = 2 * MAX_FIELD_BYTES
 _DETAIL_MAX = 1024
+
+# The completion script's ARGV layout (consumer/lua/complete.lua's header; tests/test_lua.py checks
+# that both say the same): the head, then per completion, per dead letter, and the fused call.
+COMPLETE_ARGV = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "n_completions", "n_dead_letters",
+                 "has_call", "reject_ttl_s", "lease_token", "lease_epoch", "lease_ms")
+COMPLETION_ARGV = ("stream_k", "entry_id", "record_k", "record_value", "results_k", "session_k", "account_k",
+                   "account_id", "status", "phase", "prompt_tokens", "generated_tokens", "engine_seconds",
+                   "close", "start", "replay", "nf")  # then nf field/value pairs
+DEAD_LETTER_ARGV = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
+FUSED_CALL_ARGV = ("phase", "batch_size", "tokens", "engine_seconds")
+
+
+def _argv(layout: tuple[str, ...], **values: str | int | bytes) -> list[str | int | bytes]:
+    """`values` in the order `layout` names them (every name given once, no other)."""
+    if values.keys() != set(layout):
+        raise ValueError(f"ARGV layout {layout} given {sorted(values)}")
+    return [values[name] for name in layout]
 
 
 class LeaseLost(RuntimeError):
@@ -124,11 +144,6 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
-def load_lua(name: str) -> str:
-    """The text of `consumer/lua/<name>.lua`."""
-    return (resources.files("consumer") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
-
-
 @dataclass(frozen=True, slots=True)
 class Completion:
     """The completion script's record of one answer (ack + first time only: store, publish, count):
@@ -155,29 +170,6 @@ def completion_of(a: Answer) -> Completion:
     return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
 
 
-@dataclass(frozen=True)
-class TransportSettings:
-    """The client's socket_timeout (if set) must exceed block_ms, or a blocked read times out."""
-
-    block_ms: int = 50  # idle blocking read (<= 0: never block)
-    gather_ms: float = 2.0  # bounded gather window after a wake-up (<= 0: no gather)
-    max_deliveries: int = 5  # past this, dead-letter
-    result_ttl_s: int = 86_400  # TTL of stored results (SET NX EX) and of the result streams
-    # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
-    # its result stream, unless that lives longer): long enough for a caller to read it.
-    reject_ttl_s: int = 300
-    result_maxlen: int = 10_000  # MAXLEN ~ of each result stream
-    dlq_maxlen: int = 100_000
-    cancel_maxlen: int = 100_000
-    heartbeat_ttl_s: int = 10
-    claim_count: int = 1_000  # entries claimed per stream per recover()
-    cancel_count: int = 10_000  # cancellations read per check
-    # The lease: keep it well above the longest fused call plus the heartbeat period (it is renewed
-    # with the heartbeat); a standby takes over this long after the holder stopped renewing.
-    lease_ms: int = 10_000
-    outage_max_s: float = 120.0  # give up (re-raise) after Redis was unreachable this long
-    retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
-    retry_cap_s: float = 2.0
 
 
 @dataclass(slots=True)
@@ -217,9 +209,8 @@ def _streams(resp: Any) -> Iterator[tuple[bytes | str, list[tuple[Any, Any]]]]:
 
 
 def _no_group(e: redis.ResponseError) -> bool:
-    """The stream or its group is gone (fakeredis words a missing key differently)."""
-    msg = str(e)
-    return "NOGROUP" in msg or "requires the key to exist" in msg
+    """The stream or its group is gone."""
+    return "NOGROUP" in str(e)
 
 
 def _pairs(flat: Sequence[bytes] | None) -> dict[bytes, bytes]:
@@ -273,13 +264,13 @@ class RedisTransport:
         # Cancellation entries cancellations() could not take (undecodable, unsigned): the worker passes
         # them to complete() as dead letters (drain_rejected_cancellations).
         self._rejected_cancels: list[DeadLetter] = []
-        self._complete = client.register_script(load_lua("lease") + load_lua("complete"))
-        self._pending = client.register_script(load_lua("deadletter") + load_lua("pending"))
-        self._recover = client.register_script(load_lua("deadletter") + load_lua("recover"))
-        self._acquire = client.register_script(load_lua("acquire"))
-        self._renew = client.register_script(load_lua("lease") + load_lua("renew"))
-        self._release = client.register_script(load_lua("release"))
-        self._close = client.register_script(load_lua("close"))
+        self._complete = client.register_script(script_source("complete"))
+        self._pending = client.register_script(script_source("pending"))
+        self._recover = client.register_script(script_source("recover"))
+        self._acquire = client.register_script(script_source("acquire"))
+        self._renew = client.register_script(script_source("renew"))
+        self._release = client.register_script(script_source("release"))
+        self._close = client.register_script(script_source("close"))
 
     # ---------------------------------------------------------------- riding through outages
 
@@ -771,31 +762,38 @@ class RedisTransport:
         keys(self.keys.dead_letters)
         keys(self.keys.lease)
         keys(self.keys.lease_epoch)
-        args: list[str | int | bytes] = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen,
-                                         len(completions), len(dead_letters), 1 if call is not None else 0,
-                                         st.reject_ttl_s, self.lease_token or "", self.lease_epoch, st.lease_ms]
+        args = _argv(COMPLETE_ARGV, group=GROUP, result_ttl_s=st.result_ttl_s, result_maxlen=st.result_maxlen,
+                     dlq_maxlen=st.dlq_maxlen, n_completions=len(completions), n_dead_letters=len(dead_letters),
+                     has_call=1 if call is not None else 0, reject_ttl_s=st.reject_ttl_s,
+                     lease_token=self.lease_token or "", lease_epoch=self.lease_epoch, lease_ms=st.lease_ms)
         for c in completions:
             r = c.result
             fields = result_to_fields(r)
             acct = r.accounting
-            args += [
-                keys(c.delivery.stream), c.delivery.entry_id,
-                keys(self.keys.result_record(r.job_id)), json.dumps(fields, separators=(",", ":")),
-                keys(self.keys.results(r.session_id)), keys(self.keys.session_account(r.session_id)),
-                keys(self.keys.billing_account(c.account_id)) if c.account_id else 0, c.account_id or "",
-                r.status.value, c.phase, acct.prompt_tokens, acct.generated_tokens,
-                repr(float(acct.engine_seconds)), c.close or "", c.start, 1 if c.replay else 0, len(fields),
-            ]
+            args += _argv(
+                COMPLETION_ARGV, stream_k=keys(c.delivery.stream), entry_id=c.delivery.entry_id,
+                record_k=keys(self.keys.result_record(r.job_id)),
+                record_value=json.dumps(fields, separators=(",", ":")),
+                results_k=keys(self.keys.results(r.session_id)),
+                session_k=keys(self.keys.session_account(r.session_id)),
+                account_k=keys(self.keys.billing_account(c.account_id)) if c.account_id else 0,
+                account_id=c.account_id or "", status=r.status.value, phase=c.phase,
+                prompt_tokens=acct.prompt_tokens, generated_tokens=acct.generated_tokens,
+                engine_seconds=repr(float(acct.engine_seconds)), close=c.close or "", start=c.start,
+                replay=1 if c.replay else 0, nf=len(fields),
+            )
             for k, v in fields.items():
                 args += [k, v]
         for d in dead_letters:
             flat = self._dead_letter_fields(d)
             sk = 0 if d.delivery.stream == self.keys.cancellations else keys(d.delivery.stream)
-            args += [sk, d.delivery.entry_id, len(flat) // 2, *flat]
+            args += _argv(DEAD_LETTER_ARGV, stream_k=sk, entry_id=d.delivery.entry_id, nf=len(flat) // 2)
+            args += flat
         if call is not None:
             if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
-            args += [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+            args += _argv(FUSED_CALL_ARGV, phase=call.phase, batch_size=int(call.batch_size),
+                          tokens=int(call.tokens), engine_seconds=repr(float(call.engine_seconds)))
         self.round_trips += 1
         try:
             # Re-sent as is after a reconnect: the script is idempotent by job id.
@@ -848,16 +846,9 @@ class RedisTransport:
         replies = self._io(ask)
         out: dict[str, dict[str, int]] = {}
         for i, s in enumerate(self.streams):
-            length, groups = replies[2 * i], replies[2 * i + 1]
-            length = 0 if isinstance(length, Exception) else int(length)
-            lag, pending = length, 0
-            if not isinstance(groups, Exception):
-                for g in groups:
-                    if _s(g.get("name", b"")) == GROUP:
-                        pending = int(g.get("pending") or 0)
-                        if g.get("lag") is not None:
-                            lag = int(g["lag"])
-            out[s] = {"length": length, "lag": lag, "pending": pending}
+            sl = stream_lag(replies[2 * i], replies[2 * i + 1])
+            pending = int(sl.group.get("pending") or 0) if sl.group is not None else 0
+            out[s] = {"length": sl.length, "lag": sl.behind, "pending": pending}
         return out
 
     def trim(self) -> None:

@@ -27,6 +27,7 @@ from types import FrameType
 
 from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult
 
+from .config import WorkerSettings
 from .engines.base import Engine, EngineError, engine_key
 from .idle import IdleSessions
 from .metrics import Metrics
@@ -39,34 +40,6 @@ from .transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, R
 log = logging.getLogger("dgr.worker")
 
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    worker_id: str
-    max_batch: int = 16
-    prefill_budget: int = 512  # the most tokens one prefill call may carry
-    prefill_ratio: float = 0.8  # size prefill calls to this fraction of a decode call's time; 0: fixed budget
-    # ... but never below this many tokens: with it a prompt's first token comes within a bounded number
-    # of fused calls however long decode calls get (consumer/pacing.py states the bound)
-    prefill_floor: int = 32
-    w_decode: int = 4
-    w_prefill: int = 1
-    block_ms: int = 50  # idle wait for the first entry
-    gather_ms: float = 2.0  # after a wake-up, how long to wait for the decode steps still expected
-    # How long to wait for the next steps of the sessions the last call answered, even with prefill
-    # work queued: without it a prefill chunk slips into every gap while the Tracker turns a result
-    # into its next step (a few ms), and decode gets one call in two instead of its weighted share.
-    await_ms: int = 5
-    heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
-    recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
-    standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
-    answered_memory: int = 16_384  # answers remembered by job id, re-sent for a late duplicate (~1 KB each)
-    # Entries one iteration may read in all. When entries read are refused at admission (malformed,
-    # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
-    # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
-    # of junk in front of honest steps costs one iteration, not one per `want` entries.
-    max_read_entries: int = 1024
-    max_slots_per_account: int = 0  # most open sessions per billing account (0: no limit)
-    idle_session_s: float = 0.0  # cancel an open session with no step for this long (0: never)
 
 
 @dataclass

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas import (
-    GROUP,
     CompatibilityKey,
     Phase,
     Reason,
@@ -37,7 +36,8 @@ from schemas import (
     job_to_fields,
     result_from_fields,
 )
-from schemas.limits import MAX_POSITION, MAX_TOKENS_PER_JOB
+from schemas.lag import stream_lag
+from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN, MAX_POSITION, MAX_TOKENS_PER_JOB
 
 from .validate import check_id, check_token, check_tokens, vocab_size
 
@@ -46,7 +46,6 @@ __all__ = [
     "SessionFailed", "SessionHandle", "WorkerInfo", "decode_str", "job_id", "read_streams",
 ]
 
-CANCEL_MAXLEN = 100_000
 READ_COUNT = 1_000  # results read per stream per XREAD (and per XRANGE page of resume)
 BackpressurePolicy = Literal["raise", "wait"]
 
@@ -197,7 +196,8 @@ class ProducerCore:
     def __init__(self, *, prefill_chunk: int = 512, max_lag: int | None = 10_000,
                  backpressure: BackpressurePolicy = "raise", timeout_s: float = 60.0, max_attempts: int = 3,
                  verify_route: bool = True, lag_cache_s: float = 0.1, discover_cache_s: float = 1.0,
-                 signer: Signer | None = None, cancel_ttl_s: int = 86_400, record_ttl_s: int = 86_400) -> None:
+                 signer: Signer | None = None, cancel_ttl_s: int = CANCEL_MARKER_TTL_S,
+                 record_ttl_s: int = 86_400) -> None:
         if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
             raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
         if backpressure not in ("raise", "wait"):
@@ -297,11 +297,7 @@ class ProducerCore:
 
     def record_lag(self, stream: str, length: object, groups: object) -> int:
         """The lag from an XLEN and an XINFO GROUPS reply (either may be an error: no stream yet)."""
-        lag = 0 if isinstance(length, Exception) else int(length)  # type: ignore[call-overload]
-        if not isinstance(groups, Exception):
-            for g in groups:  # type: ignore[attr-defined]
-                if decode_str(g.get("name", b"")) == GROUP and g.get("lag") is not None:
-                    lag = int(g["lag"])
+        lag = stream_lag(length, groups).behind
         self.lag[stream] = (time.monotonic(), lag)
         return lag
 

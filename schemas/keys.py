@@ -14,6 +14,17 @@ from .compat import Phase
 PREFIX: Final = "dgr"
 GROUP: Final = "dgr-workers"  # the consumer group on every input stream
 WORKERS_INDEX: Final = f"{PREFIX}:workers"  # set of worker ids that ever advertised (not hash-tagged)
+ALL_KEYS: Final = f"{PREFIX}:*"  # every dgr key (the control plane's ACL pattern)
+
+# The cross-worker ledger (written by the control plane's roll-up): one hash per billing account plus an
+# index. They share the `{ledger}` hash tag (one Cluster slot), never a worker's tag: the roll-up reads
+# each worker's slot, then writes the ledger slot, one slot per call.
+LEDGER_TAG: Final = "{ledger}"
+LEDGER_INDEX: Final = f"{PREFIX}:{LEDGER_TAG}:accounts"
+
+
+def ledger_key(account_id: str) -> str:
+    return f"{PREFIX}:{LEDGER_TAG}:account:{account_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +34,11 @@ class WorkerKeys:
     @property
     def base(self) -> str:
         return f"{PREFIX}:{{{self.worker_id}}}"
+
+    @property
+    def all_pattern(self) -> str:
+        """Every key of this worker (its ACL pattern)."""
+        return f"{self.base}:*"
 
     def input_stream(self, digest: str, phase: Phase) -> str:
         return f"{self.base}:in:{digest}:{phase}"
@@ -48,6 +64,15 @@ class WorkerKeys:
 
     def session_account(self, session_id: str) -> str:
         return f"{self.base}:acct:session:{session_id}"
+
+    @property
+    def session_account_pattern(self) -> str:
+        """SCAN MATCH for every session accounting hash of this worker."""
+        return self.session_account("*")
+
+    def session_id_of(self, session_account_key: str) -> str:
+        """The session id of a `session_account` key."""
+        return session_account_key[len(self.session_account("")):]
 
     def billing_account(self, account_id: str) -> str:
         return f"{self.base}:acct:account:{account_id}"
@@ -87,6 +112,20 @@ class WorkerKeys:
     def session_record(self, session_id: str) -> str:
         """The Tracker's record of a session (spec, prompt, attempt): rebuilds a handle in any process."""
         return f"{self.base}:sess:{session_id}"
+
+    # Written by the control plane (consumer/ops), same hash tag as the worker's own keys.
+    @property
+    def dlq_audit(self) -> str:
+        """Stream: one entry per dead-letter replay (who, when, which, into what)."""
+        return f"{self.base}:dlq:audit"
+
+    def dlq_replayed(self, dlq_id: str) -> str:
+        """String, SET NX: the id the dead letter `dlq_id` was replayed as (never twice)."""
+        return f"{self.base}:dlq:replayed:{dlq_id}"
+
+
+# Every worker's keys as glob patterns (`dgr:{*}:...`): what ACL rules over all workers name.
+ANY_WORKER: Final = WorkerKeys("*")
 
 
 def parse_input_stream(name: str) -> tuple[str, str, Phase] | None:

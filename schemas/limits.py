@@ -20,6 +20,13 @@ MAX_REASON_LEN: Final = 256  # free-text detail of a rejection
 MAX_DIMS: Final = 16  # entries of a state layout's dimension map
 MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire
 
+# Stream lengths (XADD MAXLEN ~, XTRIM) and TTLs of what several writers touch: one number each.
+CANCEL_MAXLEN: Final = 100_000  # a worker's cancellation stream: the producer, the reaper and the worker's trim
+RESULT_MAXLEN: Final = 10_000  # each session's result stream (the worker's default)
+DLQ_MAXLEN: Final = 100_000  # a worker's dead-letter stream (the worker's default)
+DLQ_AUDIT_MAXLEN: Final = 100_000  # a worker's dead-letter replay audit stream (dgr ops dlq replay)
+CANCEL_MARKER_TTL_S: Final = 86_400  # a session's cancel marker: the producer's and the reaper's
+
 _ID_FULL: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 

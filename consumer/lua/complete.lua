@@ -31,12 +31,14 @@
 --
 -- KEYS[1] worker account hash, KEYS[2] billing accounts index set, KEYS[3] dead-letter stream,
 -- KEYS[4] lease, KEYS[5] lease epoch, KEYS[6..] the other keys, each once, referred to from ARGV by index.
--- ARGV[1] group, [2] result ttl s, [3] result maxlen, [4] dead-letter maxlen,
--- [5] number of completions, [6] number of dead letters, [7] '1' when a fused-call record follows,
--- [8] reject ttl s, [9] lease token ('' : no lease check), [10] lease epoch, [11] lease ms.
+-- The layout is named once in Python (consumer/transport.py: COMPLETE_ARGV, COMPLETION_ARGV,
+-- DEAD_LETTER_ARGV, FUSED_CALL_ARGV); tests/test_lua.py checks it against the lines below.
+-- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen,
+-- [5] n_completions, [6] n_dead_letters, [7] has_call ('1' when a fused-call record follows),
+-- [8] reject_ttl_s, [9] lease_token ('' : no lease check), [10] lease_epoch, [11] lease_ms.
 -- Completion (17 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
 --   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
---   engine_seconds, close ('' for none), start position, replay ('1' for a prefill of attempt > 0),
+--   engine_seconds, close ('' for none), start (position), replay ('1' for a prefill of attempt > 0),
 --   nf, then nf field/value pairs.
 -- Dead letter (3 + 2*nf): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
 -- Fused call (4): phase, batch_size, tokens, engine_seconds.

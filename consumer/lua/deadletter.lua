@@ -1,5 +1,5 @@
--- deadletter.lua: shared by pending.lua and recover.lua, prepended to each when it is loaded
--- (consumer/transport.py), since a Redis script cannot include another.
+-- deadletter.lua: the dead-letter block shared by pending.lua and recover.lua, prepended to each when it is loaded
+-- (consumer/lua/__init__.py: SCRIPTS), since a Redis script cannot include another.
 --
 -- Moves one entry to the dead-letter stream with the reason and the original fields (prefixed 'f:',
 -- at most maxf of them), then XACKs it: in this order, inside one script, so a crash duplicates a
@@ -17,4 +17,11 @@ local function move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stre
   end
   redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', (unpack or table.unpack)(args))
   redis.call('XACK', stream, group, id)
+end
+
+-- How many times entry `id` was delivered (XPENDING of that one entry), or nil when it is no longer pending.
+local function deliveries_of(stream, group, id)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  if p[1] then return tonumber(p[1][4]) or 0 end
+  return nil
 end

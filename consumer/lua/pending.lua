@@ -16,10 +16,9 @@ local maxf = tonumber(ARGV[5])
 local dlq = KEYS[1]
 
 local function entries_of(r)
-  -- Redis: {{stream, entries}}. fakeredis flattens the map: {stream, entries}.
-  if not r then return {} end
-  if type(r[1]) == 'table' then return r[1][2] or {} end
-  return r[2] or {}
+  -- {{stream, entries}}
+  if not r or not r[1] then return {} end
+  return r[1][2] or {}
 end
 
 local function dead_letter(stream, id, deliveries, fields)
@@ -39,8 +38,7 @@ for s = 2, #KEYS do
     local fields = e[2] or {}  -- a deleted (trimmed) entry still pending has no fields
     scanned = scanned + 1
     last = id
-    local p = redis.call('XPENDING', stream, group, id, id, 1)
-    local deliveries = (p[1] and tonumber(p[1][4])) or 0
+    local deliveries = deliveries_of(stream, group, id) or 0
     if deliveries > maxd then
       dead_letter(stream, id, deliveries, fields)
       dead[#dead + 1] = {id, tostring(deliveries), fields}

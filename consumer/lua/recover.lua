@@ -53,9 +53,8 @@ for s = 2, #KEYS do
         end
         for _, id in ipairs(ids) do
           local fields = got[id]
-          local p = redis.call('XPENDING', stream, group, id, id, 1)
-          if p[1] then  -- still pending (a trimmed entry may have been dropped by XCLAIM)
-            local deliveries = tonumber(p[1][4]) or 0
+          local deliveries = deliveries_of(stream, group, id)
+          if deliveries then  -- still pending (a trimmed entry may have been dropped by XCLAIM)
             fields = fields or {}
             if deliveries > maxd then
               dead_letter(stream, id, deliveries, fields)

@@ -8,13 +8,13 @@
   and RQ's `rq:*` keys.
 
 `dgr ops acl worker W` / `producer` / `ops` print the `ACL SETUSER` line to paste (or to put in
-an ACL file). Every command a script runs is checked against the caller's ACL too, so the worker's
-list covers what consumer/lua/*.lua call.
+an ACL file). The key patterns are built from schemas/keys.py. Every command a script runs is checked
+against the caller's ACL too, so the worker's list covers what consumer/lua/*.lua call.
 """
 
 from __future__ import annotations
 
-from schemas.keys import PREFIX, WORKERS_INDEX, WorkerKeys
+from schemas.keys import ALL_KEYS, ANY_WORKER, WORKERS_INDEX, WorkerKeys
 
 # Connection upkeep every client needs (HELLO for RESP3). redis-py also sends CLIENT SETINFO on
 # connect and ignores a refusal; Redis 7.0 has no such command (7.2+ does: add "+client|setinfo").
@@ -38,26 +38,26 @@ PRODUCER_COMMANDS = (
 )
 # A selector (Redis 7): these commands on these keys only, so the Tracker cannot SET over a stream.
 # Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.
-PRODUCER_STATE_SELECTOR = "(~dgr:{*}:cancelled:* ~dgr:{*}:sess:* +set +exists +hset +hgetall +expire)"
+PRODUCER_STATE_SELECTOR = (f"(~{ANY_WORKER.cancel_marker('*')} ~{ANY_WORKER.session_record('*')} "
+                           "+set +exists +hset +hgetall +expire)")
 
 
 def worker_rules(worker_id: str) -> list[str]:
     """Own keys read/write (`~dgr:{W}:*`), `dgr:workers` write-only (SADD on register)."""
-    base = WorkerKeys(worker_id).base
-    return ["resetkeys", f"~{base}:*", f"%W~{WORKERS_INDEX}", "resetchannels", "-@all",
+    return ["resetkeys", f"~{WorkerKeys(worker_id).all_pattern}", f"%W~{WORKERS_INDEX}", "resetchannels", "-@all",
             *CONNECTION, *WORKER_COMMANDS]
 
 
 def producer_rules() -> list[str]:
-    anyw = f"{PREFIX}:{{*}}"
-    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{anyw}:spec", f"%R~{anyw}:hb", f"~{anyw}:in:*",
-            f"%R~{anyw}:out:*", f"%W~{anyw}:cancel", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
+    w = ANY_WORKER
+    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"~{w.input_pattern}",
+            f"%R~{w.results('*')}", f"%W~{w.cancellations}", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
             PRODUCER_STATE_SELECTOR]
 
 
 def ops_rules() -> list[str]:
     """The control plane and its RQ worker: every dgr and rq key, no admin commands."""
-    return ["resetkeys", f"~{PREFIX}:*", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
+    return ["resetkeys", f"~{ALL_KEYS}", "~rq:*", "resetchannels", "&rq:*", "+@all", "-@dangerous",
             "+info", "+client|list", "+client|getname", "+client|setname", "+time"]
 
 

@@ -4,8 +4,9 @@ Every client here is built by `connect()`, which goes through `redis.Redis.from_
 `RedisCluster.from_url`), so AUTH/ACL users (`redis://user:pass@host`) and TLS (`rediss://`) come
 from the URL alone.
 
-Key names the control plane adds to those of `schemas/keys.py` live in `OpsKeys` and `LEDGER_*`:
-the per-worker ones carry the worker's hash tag, so every script stays in one Cluster slot.
+Key names, the control plane's included, are built in `schemas/keys.py` (`OpsKeys` and `LEDGER_*`
+here are those names, re-exported): the per-worker ones carry the worker's hash tag, so every script
+stays in one Cluster slot.
 """
 
 from __future__ import annotations
@@ -19,24 +20,16 @@ from typing import Any, TypeAlias, cast
 import redis
 from redis.cluster import RedisCluster
 
-from schemas.keys import PREFIX, WORKERS_INDEX, WorkerKeys
+from schemas.keys import LEDGER_INDEX as LEDGER_INDEX  # re-exported: the ops modules import key names from here
+from schemas.keys import LEDGER_TAG as LEDGER_TAG
+from schemas.keys import WORKERS_INDEX, WorkerKeys
+from schemas.keys import ledger_key as ledger_key
 
 Client: TypeAlias = "redis.Redis | RedisCluster"
 
-# The cross-worker ledger: one hash per billing account plus an index. They share the `{ledger}`
-# hash tag (one Cluster slot, written only by the roll-up), never a worker's tag: the roll-up reads
-# each worker's slot, then writes the ledger slot, one slot per call.
-LEDGER_TAG = "{ledger}"
-LEDGER_INDEX = f"{PREFIX}:{LEDGER_TAG}:accounts"
-
-
-def ledger_key(account_id: str) -> str:
-    return f"{PREFIX}:{LEDGER_TAG}:account:{account_id}"
-
-
 @dataclass(frozen=True, slots=True)
 class OpsKeys:
-    """Per-worker keys the control plane writes (same hash tag as the worker's own keys)."""
+    """Per-worker keys the control plane writes; the names live in schemas/keys.py (`WorkerKeys`)."""
 
     worker_id: str
 
@@ -46,19 +39,17 @@ class OpsKeys:
 
     @property
     def dlq_audit(self) -> str:
-        """Stream: one entry per dead-letter replay (who, when, which, into what)."""
-        return f"{self.worker.base}:dlq:audit"
+        return self.worker.dlq_audit
 
     def dlq_replayed(self, dlq_id: str) -> str:
-        """String, SET NX: the id the dead letter `dlq_id` was replayed as (never twice)."""
-        return f"{self.worker.base}:dlq:replayed:{dlq_id}"
+        return self.worker.dlq_replayed(dlq_id)
 
     @property
     def session_pattern(self) -> str:
-        return f"{self.worker.base}:acct:session:*"
+        return self.worker.session_account_pattern
 
     def session_id_of(self, session_key: str) -> str:
-        return session_key[len(f"{self.worker.base}:acct:session:"):]
+        return self.worker.session_id_of(session_key)
 
 
 def connect(url: str, *, cluster: bool = False, decode: bool = False) -> Client:

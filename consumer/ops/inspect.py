@@ -24,8 +24,9 @@ from typing import Any, cast
 from rich.console import Console
 from rich.table import Table
 
-from schemas import GROUP, CompatibilityKey
+from schemas import CompatibilityKey
 from schemas.keys import WorkerKeys, parse_input_stream
+from schemas.lag import stream_lag
 
 from .common import Client, s, scan_worker, sdict, workers
 from .reaper import open_sessions
@@ -129,18 +130,15 @@ def _streams(client: Client, names: list[str]) -> list[StreamReport]:
     replies = pipe.execute(raise_on_error=False)
     out: list[StreamReport] = []
     for i, name in enumerate(names):
-        length, groups = replies[2 * i], replies[2 * i + 1]
+        sl = stream_lag(replies[2 * i], replies[2 * i + 1])
         parsed = parse_input_stream(name)
         phase, digest = (parsed[2], parsed[1]) if parsed else ("?", "?")
-        rep = StreamReport(name, phase, digest, 0 if isinstance(length, Exception) else int(length), None, 0, 0, "")
-        if not isinstance(groups, Exception):
-            for g in groups:
-                g = {s(a): b for a, b in g.items()}
-                if s(g.get("name", "")) == GROUP:
-                    rep.lag = int(g["lag"]) if g.get("lag") is not None else None
-                    rep.pending = int(g.get("pending") or 0)
-                    rep.consumers = int(g.get("consumers") or 0)
-                    rep.last_delivered_id = s(g.get("last-delivered-id", ""))
+        rep = StreamReport(name, phase, digest, sl.length, sl.lag, 0, 0, "")
+        if sl.group is not None:
+            g = sl.group
+            rep.pending = int(g.get("pending") or 0)
+            rep.consumers = int(g.get("consumers") or 0)
+            rep.last_delivered_id = s(g.get("last-delivered-id", ""))
         out.append(rep)
     return out
 
