@@ -236,7 +236,7 @@ def tracker_sim(
                                                               "asyncio (one task per session).")] = False,
 ) -> None:
     """A load generator on the producer API: drives sessions against a running consumer."""
-    from .tracker_sim import run_tracker_sim
+    from dgrtools.tracker_sim import run_tracker_sim
 
     raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
