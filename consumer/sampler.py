@@ -7,13 +7,14 @@ token `consumer.sampling.sample` (the per-row oracle, kept unchanged) gives for 
 (logits, sampling, seed, position); tests/test_sampler_exact.py proves it with hypothesis.
 
 How it stays exact while doing less work (`sample` is the reference for every step below):
-- The per-element work is done once for all rows that sample randomly, in float64, in the oracle's
-  order: convert, NaN -> -inf, divide by the row's temperature. Elementwise IEEE operations give the
-  same bits whether done on one row or on a matrix.
+- The per-element work is the oracle's, in float64 and in the oracle's order (convert, NaN -> -inf,
+  divide by the temperature), one row at a time (a (64, 262144) float64 matrix would not stay in cache;
+  measured slower). Elementwise IEEE operations give the same bits whatever the layout.
 - top_k (0 < k < vocab): the oracle's candidates are `np.argpartition(-x, k - 1)[:k]` in the order
   that call returns them, and every later sum depends on that order. So the same call runs on the same
   contiguous float64 row (bit-identical input, deterministic algorithm: identical ids in identical
-  order); everything after it works on k values, with the oracle's own arithmetic.
+  order); everything after it works on k values, with the oracle's own arithmetic. That O(vocab)
+  partition is the price of exactness here: this path saves passes, not the partition.
 - top_p < 1 without a top_k cut: the oracle sorts the whole vocabulary (stable, by descending
   probability) and keeps the shortest prefix whose cumulative mass reaches top_p. Here the
   probabilities are computed exactly as the oracle does (the normaliser is the sum over the whole row
@@ -78,16 +79,24 @@ def _nucleus(probs: npt.NDArray[np.float64], top_p: float, start: int
     return order[:keep], sorted_p[:keep] / cum[keep - 1]
 
 
-def _sample_row(x: npt.NDArray[np.float64], sampling: Sampling, position: int, nucleus_start: int) -> int:
-    """One non-greedy row already cleaned and divided by the temperature (float64, contiguous)."""
-    vocab = x.shape[0]
+def _sample_row(row: npt.NDArray[np.floating], sampling: Sampling, position: int, nucleus_start: int) -> int:
+    """One non-greedy row of logits (any float dtype)."""
+    vocab = row.shape[0]
+    x = row.astype(np.float64)  # a copy, as the oracle's; one row at a time stays in cache
+    nan = np.isnan(row)
+    if nan.any():
+        x[nan] = -np.inf
     k = sampling.top_k
     ids: npt.NDArray[np.intp] | None
     if 0 < k < vocab:
-        ids = np.argpartition(-x, k - 1)[:k]  # the oracle's call on the oracle's array
-        vals = x[ids]
+        # x / -T is -(x / T) bit for bit (IEEE division is sign-symmetric): the oracle's `-x`, built in
+        # one pass; the oracle's argpartition on it gives the oracle's ids in the oracle's order.
+        np.divide(x, -sampling.temperature, out=x)
+        ids = np.argpartition(x, k - 1)[:k]
+        vals = -x[ids]
     else:
         ids = None
+        x /= sampling.temperature
         vals = x
     top = float(vals.max())
     if top == -np.inf:
@@ -127,17 +136,9 @@ def sample_rows(logits: npt.ArrayLike, samplings: Sequence[Sampling], positions:
     out = np.zeros(n, dtype=np.intp)
     rand = [r for r, s in enumerate(samplings) if not s.greedy]
     if len(rand) < n:
-        greedy = argmax_rows(arr)
-        out[:] = greedy
-    if not rand:
-        return out
-    x = arr[rand].astype(np.float64)  # a copy, as the oracle's
-    nan = np.isnan(x)
-    if nan.any():
-        x[nan] = -np.inf
-    x /= np.array([samplings[r].temperature for r in rand], dtype=np.float64)[:, None]
-    for i, r in enumerate(rand):
-        out[r] = _sample_row(x[i], samplings[r], positions[r], nucleus_start)
+        out[:] = argmax_rows(arr)
+    for r in rand:
+        out[r] = _sample_row(arr[r], samplings[r], positions[r], nucleus_start)
     return out
 
 
