@@ -5,6 +5,10 @@ For each batch size B the two sides alternate `repeats` times:
 - e2e: B sessions through the whole service: producer here, consumer in a subprocess, real redis-server.
 e2e tokens/s is counted over the window where all B sessions are decoding (after the last first token,
 until the first session finishes), so prefill and ramp-down do not blur the steady state.
+
+`--sampling` sets the e2e sessions' Sampling (greedy by default; typical = t0.8/k40/p0.95, top-p = t0.8/p0.95,
+session i seeded i). The raw side is the engine alone and always takes the argmax: e2e / raw then shows what
+sampling costs through the service.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ from schemas import RouteHop, Sampling, SessionSpec, StepResult
 from .common import console, markdown, plot, save, table
 
 PROMPT_LEN = 8
+SAMPLINGS: dict[str, Sampling] = {
+    "greedy": Sampling(),
+    "typical": Sampling(temperature=0.8, top_k=40, top_p=0.95),
+    "top-p": Sampling(temperature=0.8, top_p=0.95),
+}
+
+
+def result_name(model: str, recipe: str, sampling: str = "greedy") -> str:
+    """The JSON's name: as before for greedy, the sampling appended otherwise."""
+    return f"e2e-{model}-{recipe}" if sampling == "greedy" else f"e2e-{model}-{recipe}-{sampling}"
 
 
 def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
@@ -50,14 +64,14 @@ def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
 
 
 def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int, tag: str,
-             seed: int = 0) -> dict[str, float]:
+             seed: int = 0, sampling: Sampling = SAMPLINGS["greedy"]) -> dict[str, float]:
     info = producer.discover(consumer.worker_id)
     key = info.keys[0]
     vocab = int(info.info.get("vocab_size", 256))
     rng = np.random.default_rng(seed)
     specs = [(SessionSpec(session_id=f"{tag}-{i}", account_id="bench", route=(RouteHop(worker_id=consumer.worker_id,
                                                                                      key=key),),
-                          sampling=Sampling(), max_tokens=tokens),
+                          sampling=sampling.model_copy(update={"seed": i}), max_tokens=tokens),
               [int(t) for t in rng.integers(3, vocab, PROMPT_LEN)]) for i in range(b)]
     stamps: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
 
@@ -101,7 +115,11 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
 
 
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
-        repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0) -> dict[str, Any]:
+        repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0,
+        sampling: str = "greedy") -> dict[str, Any]:
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
+    params = SAMPLINGS[sampling]
     path = resolve_model(model)
     slots = max(batch_sizes)
     ctx = 1024  # the prefill measurement's prompt needs PREFILL_PROMPT + 1 positions
@@ -114,13 +132,13 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                              n_threads=threads or None, n_gpu_layers=n_gpu_layers)
         producer = Producer(redis.Redis.from_url(server.url))
         try:
-            e2e_rate(producer, consumer, 1, 4, "warm")  # first-call costs out of the way
+            e2e_rate(producer, consumer, 1, 4, "warm", sampling=params)  # first-call costs out of the way
             raw_fused_rate(engine, 1, 4)
             for b in batch_sizes:
                 raws, e2es = [], []
                 for r in range(repeats):  # alternate the two sides: these machines are noisy
                     raws.append(raw_fused_rate(engine, b, tokens, seed=r))
-                    e2es.append(e2e_rate(producer, consumer, b, tokens, f"b{b}r{r}", seed=r))
+                    e2es.append(e2e_rate(producer, consumer, b, tokens, f"b{b}r{r}", seed=r, sampling=params))
                 raw = statistics.median(raws)
                 e2e = statistics.median(e["tok_s"] for e in e2es)
                 row = {"batch": b, "raw_tok_s": raw, "e2e_tok_s": e2e, "efficiency": e2e / raw,
@@ -140,21 +158,23 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
     cols = ["batch", "raw tok/s", "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call"]
     data = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
              r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
-    console.print(table(f"e2e vs raw fused decode ({model}, {recipe})", cols, data))
-    payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "tokens": tokens,
+    console.print(table(f"e2e vs raw fused decode ({model}, {recipe}, {sampling} sampling)", cols, data))
+    payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "sampling": sampling,
+               "tokens": tokens,
                "repeats": repeats, "threads": threads, "n_gpu_layers": n_gpu_layers, "rows": rows,
                "prefill_prompt": PREFILL_PROMPT, "prefill_tok_s": prefill,
                "markdown": markdown(cols, data)}
-    save(out_dir, f"e2e-{model}-{recipe}", payload)
+    name = result_name(model, recipe, sampling)
+    save(out_dir, name, payload)
     bs = [float(r["batch"]) for r in rows]
-    plot(out_dir, f"e2e-{model}-{recipe}", f"decode tokens/s, {model} ({recipe})", "concurrent sessions",
+    plot(out_dir, name, f"decode tokens/s, {model} ({recipe}, {sampling} sampling)", "concurrent sessions",
          "tokens/s", {"raw fused engine": (bs, [r["raw_tok_s"] for r in rows]),
                       "end to end through Redis": (bs, [r["e2e_tok_s"] for r in rows])}, logx=True)
     return payload
 
 
 def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_sizes: tuple[int, ...], tokens: int,
-                repeats: int, threads: int, n_gpu_layers: int) -> dict[str, Any]:
+                repeats: int, threads: int, n_gpu_layers: int, sampling: str = "greedy") -> dict[str, Any]:
     """`dgr bench e2e --recipe fast,invariant`: the bench once per recipe, each in its own process (ggml
     reads GGML_CPU_TILED_MM once per process), one after the other in this run; then invariant / fast."""
     import json
@@ -166,9 +186,10 @@ def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_si
         sub = out_dir / recipe
         args = [sys.executable, "-m", "consumer", "bench", "e2e", "--recipe", recipe, "--model", model,
                 "--batches", ",".join(map(str, batch_sizes)), "--tokens", str(tokens), "--repeats", str(repeats),
-                "--threads", str(threads), "--n-gpu-layers", str(n_gpu_layers), "--out", str(sub)]
+                "--threads", str(threads), "--n-gpu-layers", str(n_gpu_layers), "--sampling", sampling,
+                "--out", str(sub)]
         subprocess.run(args, check=True)
-        payloads[recipe] = json.loads((sub / f"e2e-{model}-{recipe}.json").read_text())
+        payloads[recipe] = json.loads((sub / f"{result_name(model, recipe, sampling)}.json").read_text())
     cols = ["batch", *(f"{r} e2e tok/s" for r in recipes)]
     data = [[b, *(next(row["e2e_tok_s"] for row in payloads[r]["rows"] if row["batch"] == b) for r in recipes)]
             for b in batch_sizes]
@@ -178,7 +199,8 @@ def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_si
         for row in data:
             row.append(row[1 + recipes.index("invariant")] / row[1 + recipes.index("fast")])
     console.print(table(f"e2e by recipe ({model}, same run)", cols, data))
-    payload = {"bench": "e2e-recipes", "model": model, "recipes": list(recipes), "runs": payloads,
+    payload = {"bench": "e2e-recipes", "model": model, "recipes": list(recipes), "sampling": sampling,
+               "runs": payloads,
                "markdown": markdown(cols, data)}
     save(out_dir, f"e2e-recipes-{model}", payload)
     return payload

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ORDER = ("engine", "e2e", "e2e-recipes", "interference", "peer", "scale", "scheduler", "producer")
+ORDER = ("engine", "e2e", "e2e-recipes", "interference", "peer", "scale", "scheduler", "producer", "sampler")
 TITLES = {
     "engine": "Engine: fused decode vs one call per session",
     "e2e": "End to end through Redis vs the raw fused engine",
@@ -16,6 +16,7 @@ TITLES = {
     "scale": "Scale: worker time per fused call vs idle sessions",
     "scheduler": "Scheduler: one scheduling round",
     "producer": "Producer: AsyncProducer vs the synchronous driver, many sessions at once",
+    "sampler": "Sampler stage: per-row sample() vs exact batched sampling, vocabulary 262,144",
 }
 
 

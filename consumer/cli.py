@@ -279,20 +279,38 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               recipe: Annotated[str, typer.Option(help="fast, invariant, or both comma-separated (one run, "
                                                        "invariant/fast reported).")] = "invariant",
               threads: Annotated[int, typer.Option("--threads")] = 0,
-              n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
+              n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0,
+              sampling: Annotated[str, typer.Option(help="The sessions' sampling: greedy, typical "
+                                                         "(t0.8/k40/p0.95) or top-p (t0.8/p0.95).")] = "greedy",
+              ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
-    from bench.e2e import run, run_recipes
+    from bench.e2e import SAMPLINGS, run, run_recipes
 
+    if sampling not in SAMPLINGS:
+        raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
     recipes = tuple(r for r in recipe.split(",") if r)
     if not recipes or any(r not in ("fast", "invariant") for r in recipes):
         raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
     if len(recipes) > 1:
         run_recipes(out, recipes, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats,
-                    threads=threads, n_gpu_layers=n_gpu_layers)
+                    threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling)
         return
     run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
-        threads=threads, n_gpu_layers=n_gpu_layers)
+        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling)
+
+
+@bench_app.command("sampler")
+def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", repeats: int = 5,
+                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p.")]
+                  = "greedy,typical,top-p") -> None:
+    """Sampler stage per fused call at Gemma's vocabulary: per-row sample() loop vs the batched sampler."""
+    from bench.sampler import SETTINGS, run
+
+    names = tuple(s for s in sampling.split(",") if s)
+    if not names or any(s not in SETTINGS for s in names):
+        raise typer.BadParameter(f"sampling must be among {', '.join(SETTINGS)}, not {sampling!r}")
+    run(out, rows=_ints(rows), settings=names, repeats=repeats)
 
 
 @bench_app.command("interference")
