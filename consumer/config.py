@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.limits import CANCEL_MAXLEN, DLQ_MAXLEN, RESULT_MAXLEN
+from schemas.limits import CANCEL_MAXLEN, DLQ_MAXLEN, OUTAGE_MAX_S, RESULT_MAXLEN
 
 __all__ = ["DEFAULTS", "ConsumerConfig", "EngineSettings", "ServiceSettings", "TransportSettings", "WorkerSettings"]
 
@@ -36,7 +36,7 @@ class TransportSettings:
     # The lease: keep it well above the longest fused call plus the heartbeat period (it is renewed
     # with the heartbeat); a standby takes over this long after the holder stopped renewing.
     lease_ms: int = 10_000
-    outage_max_s: float = 120.0  # give up (re-raise) after Redis was unreachable this long
+    outage_max_s: float = OUTAGE_MAX_S  # give up (re-raise) after Redis was unreachable this long
     retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
     retry_cap_s: float = 2.0
 

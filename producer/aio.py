@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 
 from schemas import SessionSpec, Signer, StepResult, WorkerKeys
 from schemas.keys import WORKERS_INDEX
-from schemas.limits import CANCEL_MARKER_TTL_S
+from schemas.limits import CANCEL_MARKER_TTL_S, OUTAGE_MAX_S, SESSION_RECORD_TTL_S
 from schemas.retry import OutageRider, RetryPolicy
 
 from .core import (
@@ -246,8 +246,9 @@ class AsyncProducer(CoreSettings):
     def __init__(self, client: aioredis.Redis, *, prefill_chunk: int = 512, max_lag: int | None = 10_000,
                  backpressure: Literal["raise", "wait"] = "raise", timeout_s: float = 60.0,
                  max_attempts: int = 3, verify_route: bool = True, lag_cache_s: float = 0.1,
-                 discover_cache_s: float = 1.0, signer: Signer | None = None, outage_max_s: float = 120.0,
-                 cancel_ttl_s: int = CANCEL_MARKER_TTL_S, record_ttl_s: int = 86_400, read_block_ms: int = 1000,
+                 discover_cache_s: float = 1.0, signer: Signer | None = None, outage_max_s: float = OUTAGE_MAX_S,
+                 cancel_ttl_s: int = CANCEL_MARKER_TTL_S, record_ttl_s: int = SESSION_RECORD_TTL_S,
+                 read_block_ms: int = 1000,
                  poll_s: float = 0.002) -> None:
         self.core = ProducerCore(prefill_chunk=prefill_chunk, max_lag=max_lag, backpressure=backpressure,
                                  timeout_s=timeout_s, max_attempts=max_attempts, verify_route=verify_route,

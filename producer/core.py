@@ -37,7 +37,7 @@ from schemas import (
     result_from_fields,
 )
 from schemas.lag import stream_lag
-from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN, MAX_POSITION, MAX_TOKENS_PER_JOB
+from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN, MAX_POSITION, MAX_TOKENS_PER_JOB, SESSION_RECORD_TTL_S
 
 from .validate import check_id, check_token, check_tokens, vocab_size
 
@@ -197,7 +197,7 @@ class ProducerCore:
                  backpressure: BackpressurePolicy = "raise", timeout_s: float = 60.0, max_attempts: int = 3,
                  verify_route: bool = True, lag_cache_s: float = 0.1, discover_cache_s: float = 1.0,
                  signer: Signer | None = None, cancel_ttl_s: int = CANCEL_MARKER_TTL_S,
-                 record_ttl_s: int = 86_400) -> None:
+                 record_ttl_s: int = SESSION_RECORD_TTL_S) -> None:
         if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
             raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
         if backpressure not in ("raise", "wait"):

@@ -26,6 +26,8 @@ RESULT_MAXLEN: Final = 10_000  # each session's result stream (the worker's defa
 DLQ_MAXLEN: Final = 100_000  # a worker's dead-letter stream (the worker's default)
 DLQ_AUDIT_MAXLEN: Final = 100_000  # a worker's dead-letter replay audit stream (dgr ops dlq replay)
 CANCEL_MARKER_TTL_S: Final = 86_400  # a session's cancel marker: the producer's and the reaper's
+SESSION_RECORD_TTL_S: Final = 86_400  # the producer's session record (what resume() rebuilds a handle from)
+OUTAGE_MAX_S: Final = 120.0  # how long a worker or a producer rides through an unreachable Redis
 
 _ID_FULL: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 

@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import redis
 
+from .limits import OUTAGE_MAX_S
+
 __all__ = ["OutageRider", "RetryPolicy", "transient"]
 
 T = TypeVar("T")
@@ -45,7 +47,7 @@ def transient(e: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    max_s: float = 120.0  # give up (re-raise) after Redis was unavailable this long
+    max_s: float = OUTAGE_MAX_S  # give up (re-raise) after Redis was unavailable this long
     base_s: float = 0.05  # first delay; doubles up to cap_s; each delay drawn in [d/2, d] (jitter)
     cap_s: float = 2.0
 
