@@ -8,7 +8,6 @@ COPY schemas schemas
 COPY producer producer
 COPY consumer consumer
 COPY dgrtools dgrtools
-COPY bench bench
 # A portable CPU build: -march=native would bake in the build host's CPU, and AMX tiles advertised by
 # a VM but not executable crash quantized matmuls with SIGILL (see docs/operations.md).
 ENV CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \

@@ -256,7 +256,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @bench_app.command("scheduler")
 def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -> None:
     """One scheduling round for 8, 64 and 1024 active sessions, with and without 10,000 idle ones."""
-    from bench.scheduler import run
+    from dgrtools.bench.scheduler import run
 
     run(out, repeats=repeats)
 
@@ -267,7 +267,7 @@ def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gem
                  threads: Annotated[int, typer.Option("--threads")] = 0,
                  n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
     """Fused decode tokens/s vs the same sessions one call at a time, per model and recipe."""
-    from bench.engine import run
+    from dgrtools.bench.engine import run
 
     run(out, models=tuple(models.split(",")), recipes=tuple(recipes.split(",")), batch_sizes=_ints(batches),
         steps=steps, threads=threads, n_gpu_layers=n_gpu_layers, repeats=repeats)
@@ -285,7 +285,7 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
-    from bench.e2e import SAMPLINGS, run, run_recipes
+    from dgrtools.bench.e2e import SAMPLINGS, run, run_recipes
 
     if sampling not in SAMPLINGS:
         raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
@@ -305,7 +305,7 @@ def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", 
                   sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p.")]
                   = "greedy,typical,top-p") -> None:
     """Sampler stage per fused call at Gemma's vocabulary: per-row sample() loop vs the batched sampler."""
-    from bench.sampler import SETTINGS, run
+    from dgrtools.bench.sampler import SETTINGS, run
 
     names = tuple(s for s in sampling.split(",") if s)
     if not names or any(s not in SETTINGS for s in names):
@@ -318,7 +318,7 @@ def bench_interference(out: Out = Path("bench-out/interference"), model: str = "
                        tokens: int = 96, prompt_len: int = 2000, recipe: RecipeOpt = "invariant",
                        threads: Annotated[int, typer.Option("--threads")] = 0) -> None:
     """Decode p50/p99 inter-token latency with and without a steady stream of long prompts."""
-    from bench.interference import run
+    from dgrtools.bench.interference import run
 
     run(out, model=model, decoders=decoders, tokens=tokens, prompt_len=prompt_len, recipe=recipe, threads=threads)
 
@@ -329,7 +329,7 @@ def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int
                cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
                ) -> None:
     """llama.cpp's llama-server (-np, continuous batching) vs dgr on Gemma: same prompts, same tokens."""
-    from bench.peer import run
+    from dgrtools.bench.peer import run
 
     run(out, cache_dir=cache_dir, sessions=sessions, tokens=tokens, repeats=repeats, recipe=recipe,
         threads=threads)
@@ -341,7 +341,7 @@ def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JS
                  command: Annotated[str, typer.Option(help="The commands that produced the JSON.")] = "",
                  ) -> None:
     """Write docs/benchmarks.md from the JSON of one benchmark run."""
-    from bench.report import write
+    from dgrtools.bench.report import write
 
     typer.echo(str(write(root, out, command or "dgr bench ... --out bench-out/<name>")))
 
@@ -350,7 +350,7 @@ def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JS
 def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
                 repeats: int = 3) -> None:
     """Worker time per fused call with 10,000 idle sessions known to it vs none."""
-    from bench.scale import run
+    from dgrtools.bench.scale import run
 
     run(out, idle=idle, active=active, calls=calls, repeats=repeats)
 
@@ -360,7 +360,7 @@ def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, 
                    repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
                    model: str = "tiny") -> None:
     """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
-    from bench.producer import run
+    from dgrtools.bench.producer import run
 
     run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
 

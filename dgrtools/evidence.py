@@ -82,7 +82,7 @@ CRITERIA = (
               "tests/test_concurrency.py::test_corruption_is_detected_on_llama")),
 )
 
-PACKAGES = ["consumer", "producer", "schemas", "dgrtools", "tests", "bench"]
+PACKAGES = ["consumer", "producer", "schemas", "dgrtools", "tests"]
 GATES = (
     ("compileall", [sys.executable, "-m", "compileall", "-q", *PACKAGES]),
     ("git diff --check", ["git", "diff", "--check", "FIRST", "HEAD"]),
@@ -152,7 +152,7 @@ def _runtime() -> list[str]:
         lines.append(f"llama-cpp-python {llama_cpp.__version__} (vendored llama.cpp); system info: `{info}`")
     except ImportError:
         lines.append("llama-cpp-python: not importable")
-    from bench.common import machine
+    from dgrtools.bench.common import machine
 
     m = machine()
     lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB; no GPU used")

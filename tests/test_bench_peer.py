@@ -1,4 +1,4 @@
-"""The parts of `dgr bench peer` (bench/llamacpp_build, cpu_probe, rates, llama_server), the pure parts:
+"""The parts of `dgr bench peer` (dgrtools/bench/llamacpp_build, cpu_probe, rates, llama_server), the pure parts:
 flags and commands, log parsing, rates, the streaming client. No build."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import cpu_probe, llama_server, llamacpp_build, rates
 from consumer import cpuinfo
+from dgrtools.bench import cpu_probe, llama_server, llamacpp_build, rates
 
 EPYC_FLAGS = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma bmi2 avx2 avx512f avx512dq avx512cd avx512bw "
               "avx512vl avx512_bf16 avx512vbmi avx512_vnni")

@@ -1,12 +1,12 @@
-"""bench/sampler.py runs and checks both sides agree; bench/e2e.py's --sampling names its results."""
+"""dgrtools/bench/sampler.py runs and checks both sides agree; dgrtools/bench/e2e.py's --sampling names its results."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.e2e import SAMPLINGS, result_name
-from bench.sampler import run
+from dgrtools.bench.e2e import SAMPLINGS, result_name
+from dgrtools.bench.sampler import run
 
 
 def test_sampler_bench_small(tmp_path: Path) -> None:

@@ -707,7 +707,7 @@ def test_token_does_not_depend_on_batch_composition() -> None:
 
 
 def test_bench_round_smoke(tmp_path: Path) -> None:
-    from bench.scheduler import run as bench_run
+    from dgrtools.bench.scheduler import run as bench_run
 
     out = bench_run(tmp_path, repeats=2, active=(4, 16), idle=(0, 50))
     assert [(r["active"], r["idle"]) for r in out["results"]] == [(4, 0), (16, 0), (4, 50), (16, 50)]

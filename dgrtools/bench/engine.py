@@ -83,7 +83,7 @@ def run(out_dir: Path, *, models: tuple[str, ...] = ("tiny", "gemma"), recipes: 
         path = resolve_model(model)
         for recipe in recipes:
             console.print(f"[bold]{model} / {recipe}[/bold]: fused vs one call per session, {steps} steps")
-            args = [sys.executable, "-m", "bench.engine", str(path), recipe, ",".join(map(str, batch_sizes)),
+            args = [sys.executable, "-m", "dgrtools.bench.engine", str(path), recipe, ",".join(map(str, batch_sizes)),
                     str(steps), str(threads), str(n_gpu_layers), str(repeats)]
             out = subprocess.run(args, capture_output=True, text=True, check=False)
             if out.returncode != 0:

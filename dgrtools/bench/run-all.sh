@@ -2,7 +2,7 @@
 # One full benchmark run (about 20 minutes on 2 cores), then docs/benchmarks.md from its JSON.
 # The peer benchmark builds llama-server once into ~/.cache/dgr (about 10-14 minutes, then cached).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-bench-out}
 DGR=.venv/bin/dgr
 cmds=(
