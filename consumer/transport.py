@@ -859,29 +859,37 @@ class RedisTransport:
         cancel_maxlen (writers other than the producer may not trim). Two round trips."""
         if not self.streams:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for s in self.streams:
-            pipe.xinfo_groups(s)
-            pipe.xpending(s, GROUP)
-        replies = pipe.execute(raise_on_error=False)
-        pipe = self.client.pipeline(transaction=False)
-        for i, s in enumerate(self.streams):
-            upto = _trim_point(replies[2 * i], replies[2 * i + 1])
-            if upto is not None:
-                pipe.xtrim(s, minid=upto, approximate=True)
-        pipe.xtrim(self.keys.cancellations, maxlen=self.settings.cancel_maxlen, approximate=True)
+
+        def ask() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for s in self.streams:
+                pipe.xinfo_groups(s)
+                pipe.xpending(s, GROUP)
+            return pipe.execute(raise_on_error=False)
+
+        replies = self._io(ask)
+
+        def cut() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for i, s in enumerate(self.streams):
+                upto = _trim_point(replies[2 * i], replies[2 * i + 1])
+                if upto is not None:
+                    pipe.xtrim(s, minid=upto, approximate=True)
+            pipe.xtrim(self.keys.cancellations, maxlen=self.settings.cancel_maxlen, approximate=True)
+            pipe.execute(raise_on_error=False)
+
+        self._io(cut)  # a trim is idempotent: re-sent as is after a reconnect
         self.round_trips += 2
-        pipe.execute(raise_on_error=False)
 
     def trim_results(self, session_id: str, maxlen: int = 0) -> int:
         """Trim one session's result stream to about `maxlen` entries (0: drop it). Returns the
         number of entries removed."""
         key = self.keys.results(session_id)
         if maxlen <= 0:
-            n = int(self.client.xlen(key))
-            self.client.delete(key)
+            n = int(self._io(lambda: self.client.xlen(key)))
+            self._io(lambda: self.client.delete(key))
             return n
-        return int(self.client.xtrim(key, maxlen=maxlen, approximate=True))
+        return int(self._io(lambda: self.client.xtrim(key, maxlen=maxlen, approximate=True)))
 
 
 def _trim_point(groups: Any, pending: Any) -> str | None:
