@@ -44,7 +44,7 @@ import numpy.typing as npt
 from schemas import Sampling
 
 from .batch import EngineOutput
-from .sampling import argmax_rows, rng_for
+from .sampling import argmax_rows, draw
 from .schedule_output import ScheduledBatch
 
 __all__ = ["BatchSampler", "sample_rows"]
@@ -113,12 +113,7 @@ def _sample_row(row: npt.NDArray[np.floating], sampling: Sampling, position: int
             keep = min(int(np.searchsorted(cum, sampling.top_p, side="left")) + 1, sorted_p.shape[0])
             probs = sorted_p[:keep] / cum[keep - 1]
             ids = ids[order[:keep]]
-    u = rng_for(sampling.seed, position).random()
-    cum = np.cumsum(probs)
-    pick = min(int(np.searchsorted(cum, u * cum[-1], side="right")), probs.shape[0] - 1)
-    while probs[pick] == 0.0 and pick > 0:
-        pick -= 1
-    return int(pick if ids is None else ids[pick])
+    return draw(probs, ids, sampling.seed, position)
 
 
 def sample_rows(logits: npt.ArrayLike, samplings: Sequence[Sampling], positions: Sequence[int], *,

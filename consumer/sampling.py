@@ -81,7 +81,14 @@ def sample(logits: npt.ArrayLike, sampling: Sampling, position: int) -> int:
         order = order[:keep]
         probs = sorted_p[:keep] / cum[keep - 1]
         ids = order if ids is None else ids[order]
-    u = rng_for(sampling.seed, position).random()
+    return draw(probs, ids, sampling.seed, position)
+
+
+def draw(probs: npt.NDArray[np.float64], ids: npt.NDArray[np.intp] | None, seed: int, position: int) -> int:
+    """The one random draw of a sampled token from the kept candidates' probabilities (ids: their
+    vocabulary indices, None when probs covers the whole vocabulary in order). Shared by `sample()` and
+    the batched sampler (consumer/sampler.py), which must land on the same token."""
+    u = rng_for(seed, position).random()
     cum = np.cumsum(probs)
     pick = min(int(np.searchsorted(cum, u * cum[-1], side="right")), probs.shape[0] - 1)
     # Never land on a zero-probability token (possible only through rounding at the edges).

@@ -449,16 +449,7 @@ class ProducerCore:
 
     def apply_entries(self, h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> list[StepResult]:
         """Apply a stream's entries (read on from h.last_result_id) in order; the results applied."""
-        out = []
-        for entry_id, fields in entries:
-            h.last_result_id = decode_str(entry_id)
-            try:
-                r = result_from_fields(fields)
-            except WireError:
-                continue
-            if self.apply(h, r):
-                out.append(r)
-        return out
+        return [r for r in read_on(h, entries) if self.apply(h, r)]
 
     def apply_read(self, by_key: Mapping[str, SessionHandle], resps: Iterable[Any]) -> dict[str, list[StepResult]]:
         """Apply XREAD replies over the handles' result streams (by stream key); results by session."""
@@ -541,12 +532,7 @@ class Resumer:
 
     def feed(self, page: Sequence[tuple[Any, Any]]) -> None:
         h = self.h
-        for entry_id, fields in page:
-            h.last_result_id = decode_str(entry_id)
-            try:
-                r = result_from_fields(fields)
-            except WireError:
-                continue
+        for r in read_on(h, page):
             self.first = self.first or r.job_id
             if self.core.apply(h, r) and not h.finished:
                 if h.status == "state_lost":
@@ -604,3 +590,14 @@ class CoreSettings:
     @property
     def _discovered(self) -> dict[str, tuple[float, WorkerInfo]]:
         return self.core.discovered
+
+
+def read_on(h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:
+    """The decodable results among a result stream's entries, in order, moving h.last_result_id past
+    every entry (an undecodable one included, so it is never read again)."""
+    for entry_id, fields in entries:
+        h.last_result_id = decode_str(entry_id)
+        try:
+            yield result_from_fields(fields)
+        except WireError:
+            continue
