@@ -209,12 +209,15 @@ def demo(
                                            help="Use a running consumer (--worker-id), start none.")] = False,
     recipe: RecipeOpt = "invariant",
     n_threads: Annotated[int, typer.Option("--threads", help="CPU threads for the consumer (0: default).")] = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of every session (0: greedy).")] = 0.8,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold of every session.")] = 0.95,
 ) -> None:
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from dgrtools.demo import run_demo
 
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
-                              worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads))
+                              worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads,
+                              temperature=temperature, top_p=top_p))
 
 
 @app.command("tracker-sim")

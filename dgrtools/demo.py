@@ -49,8 +49,20 @@ def wait_for_worker(client: redis.Redis, worker_id: str, timeout_s: float = 300.
         time.sleep(0.1)
 
 
+# The demo samples (issue 15): greedy text of a 270M model loops and reads badly. Each session draws from
+# its own seed, so a run is reproducible; `--temperature 0` gives greedy sessions.
+DEMO_TEMPERATURE = 0.8
+DEMO_TOP_P = 0.95
+
+
+def demo_sampling(i: int, temperature: float, top_p: float) -> Sampling:
+    """Session i's sampling: temperature / top_p as given, seed i (greedy when temperature is 0)."""
+    return Sampling(temperature=temperature, top_p=top_p, seed=i)
+
+
 def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
-             n_threads: int, worker_id: str = WORKER_ID, external: bool = False) -> int:
+             n_threads: int, worker_id: str = WORKER_ID, external: bool = False,
+             temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P) -> int:
     from consumer.runtime import resolve_model
     from producer import Producer
 
@@ -87,7 +99,8 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
             for i in range(sessions):
                 prompt = PROMPTS[i % len(PROMPTS)]
                 spec = SessionSpec(session_id=f"demo-{i}", account_id=f"acct-{i % 2}",
-                                   route=(RouteHop(worker_id=worker_id, key=key),), sampling=Sampling(),
+                                   route=(RouteHop(worker_id=worker_id, key=key),),
+                                   sampling=demo_sampling(i, temperature, top_p),
                                    max_tokens=max_tokens, stop_tokens=tuple(tok.stop_tokens))
                 specs.append((spec, tok.encode(prompt, add_bos=True)))
             texts = {s.session_id: "" for s, _ in specs}
@@ -97,7 +110,9 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
             last: dict[str, float] = {}
 
             def render() -> Table:
-                t = Table(title=f"dgr demo: {sessions} sessions, one fused call per step", expand=True)
+                t = Table(title=f"dgr demo: {sessions} sessions, one fused call per step, "
+                                 f"{'greedy' if temperature == 0 else f'temperature {temperature}, top_p {top_p}'}",
+                          expand=True)
                 t.add_column("session", no_wrap=True)
                 t.add_column("text (prompt + generated)", overflow="fold")
                 for sid, text in texts.items():
