@@ -1,5 +1,6 @@
 """Wire contracts shared by the Tracker-side producer and the worker-side consumer."""
 
+from .activations import ActivationError, Activations
 from .compat import (
     PHASES,
     BoundarySchema,
@@ -31,6 +32,8 @@ __all__ = [
     "PREFIX",
     "SCHEMA_VERSION",
     "Accounting",
+    "ActivationError",
+    "Activations",
     "BoundarySchema",
     "CompatibilityKey",
     "EngineIdentity",

@@ -54,6 +54,21 @@ class WorkerKeys:
         """The stored StepResult of one job (SET NX): the once-only marker of a completed step."""
         return f"{self.base}:res:{job_id}"
 
+    def activations_in(self, job_id: str) -> str:
+        """String (EX ACTIVATION_TTL_S): the input activations of job `job_id` on this worker, written by
+        the Tracker (a prefill chunk's rows; a decode step's travel inline). Deleted when the job is
+        answered."""
+        return f"{self.base}:act:in:{job_id}"
+
+    def activations_out(self, job_id: str) -> str:
+        """String (EX ACTIVATION_TTL_S): the output activations this worker answered job `job_id` with,
+        written by its completion script; the Tracker reads it and relays the rows to the next hop."""
+        return f"{self.base}:act:out:{job_id}"
+
+    @property
+    def activations_pattern(self) -> str:
+        return f"{self.base}:act:*"
+
     @property
     def dead_letters(self) -> str:
         return f"{self.base}:dlq"

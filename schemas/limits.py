@@ -29,6 +29,13 @@ CANCEL_MARKER_TTL_S: Final = 86_400  # a session's cancel marker: the producer's
 SESSION_RECORD_TTL_S: Final = 86_400  # the producer's session record (what resume() rebuilds a handle from)
 OUTAGE_MAX_S: Final = 120.0  # how long a worker or a producer rides through an unreachable Redis
 
+# Boundary activations between route hops (schemas/activations.py, docs/wire-format.md "Activations").
+ACTIVATIONS_VERSION: Final = 1  # the activation wire format (BoundarySchema.version of a hop)
+INLINE_MAX_BYTES: Final = 16 * 1024  # raw rows up to this travel inline in the entry (a decode step)
+MAX_HIDDEN_SIZE: Final = 1 << 16  # n_embd of any model dgr serves
+MAX_ACTIVATION_BYTES: Final = 256 * 1024 * 1024  # one step's rows (4096 tokens x 16k f32), below Redis' 512 MiB
+ACTIVATION_TTL_S: Final = 600  # a blob lives this long: the relay and the next hop's read happen well within
+
 _ID_FULL: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .activations import Activations
 from .compat import Phase
 from .limits import ID_PATTERN, MAX_POSITION, MAX_REASON_LEN, MAX_TOKEN_ID, MAX_TOKENS_PER_JOB, SCHEMA_VERSION
 from .session import SessionSpec
@@ -37,9 +38,14 @@ class StepJob(BaseModel):
     attempt: int = Field(default=0, ge=0, le=1000)
     created_at: float = Field(ge=0.0, allow_inf_nan=False)
     session: SessionSpec | None = None
+    # The input activations, one row per token: present exactly when the target hop consumes hidden
+    # (the worker checks that against its boundary schema; tokens still name the session's tokens).
+    hidden: Activations | None = None
 
     @model_validator(mode="after")
     def _check(self) -> StepJob:
+        if self.hidden is not None and self.hidden.rows != len(self.tokens):
+            raise ValueError(f"hidden has {self.hidden.rows} rows for {len(self.tokens)} tokens")
         if any(t < 0 or t > MAX_TOKEN_ID for t in self.tokens):
             raise ValueError(f"tokens must be in [0, {MAX_TOKEN_ID}]")
         if self.phase == "decode" and len(self.tokens) != 1:
@@ -85,6 +91,7 @@ class Reason(StrEnum):
     WRONG_HOP = "wrong_hop"  # the hop is not on the session's route, or the hop's worker is not this worker
     ACCOUNT_LIMIT = "account_limit"  # the billing account holds its most slots on this worker
     BAD_SIGNATURE = "bad_signature"  # signing is on and the entry's HMAC is missing or wrong (dead letter only)
+    BAD_ACTIVATIONS = "bad_activations"  # the step's activations are missing, malformed or not this hop's schema
 
 
 class Accounting(BaseModel):
@@ -114,9 +121,13 @@ class StepResult(BaseModel):
     accounting: Accounting = Accounting()
     worker_id: str = Id
     batch_size: int = Field(default=0, ge=0, le=1 << 16)  # sessions in the fused call that served it
+    # A non-last hop's OK answer: its output activations, one row per token of the job (no token).
+    hidden: Activations | None = None
 
     @model_validator(mode="after")
     def _check(self) -> StepResult:
         if (self.status == Status.OK) != (self.reason is None):
             raise ValueError("a reason is given exactly when status is not ok")
+        if self.hidden is not None and (self.status != Status.OK or self.token is not None):
+            raise ValueError("activations come only with an OK answer that sampled no token")
         return self

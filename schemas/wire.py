@@ -15,6 +15,7 @@ from typing import Final, TypeVar
 
 from pydantic import ValidationError
 
+from .activations import Activations
 from .limits import MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB, SCHEMA_VERSION, is_id
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
@@ -32,11 +33,11 @@ _TOKENS: Final = re.compile(r"(?:0|[1-9][0-9]{0,9})(?:,(?:0|[1-9][0-9]{0,9}))*")
 _UFLOAT: Final = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:e[+-]?[0-9]{1,3})?")
 _BOOL: Final = {"0": False, "1": True}
 _JOB_FIELDS: Final = frozenset({"v", "job_id", "session_id", "hop", "phase", "compat", "pos", "tokens", "sample",
-                                "attempt", "created_at", "session", SIGNATURE_FIELD})
+                                "attempt", "created_at", "session", "hidden", SIGNATURE_FIELD})
 _CANCEL_FIELDS: Final = frozenset({"session_id", SIGNATURE_FIELD})
 _RESULT_FIELDS: Final = frozenset({"v", "job_id", "session_id", "status", "reason", "detail", "pos", "token",
                                    "finished", "prompt_tokens", "generated_tokens", "engine_seconds", "worker_id",
-                                   "batch_size", SIGNATURE_FIELD})
+                                   "batch_size", "hidden", SIGNATURE_FIELD})
 
 
 class WireError(ValueError):
@@ -144,7 +145,26 @@ def job_to_fields(job: StepJob) -> dict[str, str]:
     }
     if job.session is not None:
         out["session"] = job.session.model_dump_json()
+    if job.hidden is not None:
+        out["hidden"] = job.hidden.model_dump_json(exclude_none=True)
     return out
+
+
+def _hidden(f: dict[str, str], rows: int | None) -> Activations | None:
+    """The `hidden` field (an Activations header, strict JSON), or None; a bad one is `bad_activations`."""
+    raw = f.get("hidden")
+    if raw is None:
+        return None
+    try:
+        acts = Activations.model_validate_json(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "(header)"
+        raise WireError(Reason.BAD_ACTIVATIONS, f"invalid activations: {loc}: {first['msg']}"[:200],
+                        **_ids(f)) from None
+    if rows is not None and acts.rows != rows:
+        raise WireError(Reason.BAD_ACTIVATIONS, f"activations have {acts.rows} rows for {rows} tokens", **_ids(f))
+    return acts
 
 
 def job_from_fields(fields: Fields) -> StepJob:
@@ -167,12 +187,13 @@ def job_from_fields(fields: Fields) -> StepJob:
         session = SessionSpec.model_validate_json(f["session"]) if "session" in f else None
     except ValidationError as e:
         raise WireError(Reason.MALFORMED, f"invalid StepJob: session: {e.errors()[0]['msg']}", **_ids(f)) from None
+    hidden = _hidden(f, len(tokens))
     try:
         return StepJob(
             job_id=job_id, session_id=session_id, hop=hop,
             phase=_field(f, "phase"),  # type: ignore[arg-type]
             compat=_field(f, "compat"), start_position=pos, tokens=tokens, sample=sample, attempt=attempt,
-            created_at=created_at, session=session,
+            created_at=created_at, session=session, hidden=hidden,
         )
     except ValidationError as e:
         raise _validation(e, f, "StepJob") from None
@@ -193,6 +214,8 @@ def result_to_fields(r: StepResult) -> dict[str, str]:
         out["detail"] = r.detail
     if r.token is not None:
         out["token"] = str(r.token)
+    if r.hidden is not None:
+        out["hidden"] = r.hidden.model_dump_json(exclude_none=True)
     return out
 
 
@@ -217,7 +240,7 @@ def result_from_fields(fields: Fields) -> StepResult:
             accounting=Accounting(prompt_tokens=_int(f, "prompt_tokens"),
                                   generated_tokens=_int(f, "generated_tokens"),
                                   engine_seconds=_float(f, "engine_seconds")),
-            worker_id=_id(f, "worker_id"), batch_size=_int(f, "batch_size"),
+            worker_id=_id(f, "worker_id"), batch_size=_int(f, "batch_size"), hidden=_hidden(f, None),
         )
     except ValidationError as e:
         raise _validation(e, f, "StepResult") from None
