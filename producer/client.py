@@ -69,6 +69,7 @@ from schemas.keys import WORKERS_INDEX
 from schemas.limits import CANCEL_MARKER_TTL_S, OUTAGE_MAX_S, SESSION_RECORD_TTL_S
 from schemas.retry import OutageRider, RetryPolicy
 
+from . import route_drivers
 from .core import (
     READ_COUNT,
     Backpressure,
@@ -82,6 +83,7 @@ from .core import (
     decode_str,
     job_id,
 )
+from .route import RouteHandle
 from .validate import check_id
 
 __all__ = [
@@ -246,6 +248,10 @@ class Producer(CoreSettings):
         self.core.cancel_ops(batch, worker_id, session_id)
         self._io(lambda: batch.apply_to(self.client.pipeline(transaction=True)).execute())
 
+    def cancel_route(self, h: RouteHandle) -> None:
+        """Cancel a session on every hop of its route (one transaction per worker)."""
+        route_drivers.cancel_route(self, h)
+
     def cancelled(self, worker_id: str, session_id: str) -> bool:
         """Whether the session's cancel marker is set (by this or any other process)."""
         keys = WorkerKeys(check_id(worker_id, "worker_id"))
@@ -312,6 +318,9 @@ class Producer(CoreSettings):
         ResultTimeout when no result arrives for timeout_s. Tokens are yielded as the worker
         sampled them (a stop token that ended the session included). Rides through Redis outages
         (see the module docstring)."""
+        if len(spec.route) > 1:  # a route of several hops: producer/route.py
+            yield from route_drivers.generate_route(self, spec, prompt)
+            return
         h = self.open(spec, prompt)
         last = time.monotonic()
         outages = self.outages
@@ -351,6 +360,9 @@ class Producer(CoreSettings):
         `resume()`), driven along. Returns the handles by session id. ResultTimeout when live
         sessions get no result for timeout_s (time spent in a Redis outage does not count).
         Rides through Redis outages (see the module docstring)."""
+        if any(len(spec.route) > 1 for spec, _ in sessions) and not resume:  # routes of several hops
+            return dict(route_drivers.run_routes(self, sessions, on_result=on_result,
+                                                 replay_state_lost=replay_state_lost, start_times=start_times))
         if start_times is not None and len(start_times) != len(sessions):
             raise ValueError("start_times must give one time per session")
         ids = [spec.session_id for spec, _ in sessions] + [h.session_id for h in resume]

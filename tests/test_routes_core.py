@@ -1,0 +1,356 @@
+"""RouteCore (producer/route.py) without Redis or engines: simulated hops, the composed model as the oracle.
+
+Each simulated hop keeps per-session state the way a KV cache does (a running sum over the positions it
+computed), so a hop that was given a wrong row, a row twice, a row out of order or a stale attempt's row
+answers differently from the oracle. The hops answer in random orders (hypothesis), prefill rows travel
+in blobs and decode rows inline exactly as schemas.activations encodes them, and a hop may lose every
+session at any moment (a crash): every session must still end with the oracle's tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from producer.core import Batch, ProducerCore, WorkerInfo
+from producer.route import RouteCore, RouteHandle
+from schemas import (
+    Accounting,
+    CompatibilityKey,
+    Reason,
+    RouteHop,
+    SessionSpec,
+    Status,
+    StepJob,
+    StepResult,
+    WorkerKeys,
+    cancel_from_fields,
+    job_from_fields,
+    result_to_fields,
+)
+from schemas.activations import decode, encode
+from schemas.compat import EngineIdentity, Recipe, StateLayout, hop_boundary
+from schemas.keys import parse_input_stream
+
+VOCAB = 97
+HIDDEN = 3
+MOD = 10007.0
+
+
+def hop_key(first: int, last: int, n_layers: int, phase: str = "prefill") -> CompatibilityKey:
+    return CompatibilityKey(
+        engine=EngineIdentity(architecture="sim", gguf_sha256="cd" * 32),
+        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=4096, flash_attention=False,
+                      batch_invariant=True, runtime="sim/1"),
+        phase=phase,  # type: ignore[arg-type]
+        boundary=hop_boundary(first, last, n_layers, HIDDEN), state=StateLayout(kind="kv", dims={"n_layer": 1}))
+
+
+def route_spec(sid: str, cuts: Sequence[int], workers: Sequence[str], max_tokens: int,
+               stop: tuple[int, ...] = ()) -> SessionSpec:
+    n = cuts[-1]
+    hops = tuple(RouteHop(worker_id=w, key=hop_key(a, b, n)) for w, a, b in zip(workers, cuts, cuts[1:], strict=False))
+    return SessionSpec(session_id=sid, account_id="acct", route=hops, max_tokens=max_tokens, stop_tokens=stop)
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def layer(k: int, x: np.ndarray, acc: float) -> tuple[np.ndarray, float]:
+    """Hop k on one row, with its running state: exact in f32 (small integers)."""
+    acc = (acc + x[0] * (k + 2) + x[1] + x[2]) % MOD
+    return np.array([(x[0] * 3 + acc) % MOD, (x[1] + x[0] * k) % MOD, acc], dtype=np.float32), acc
+
+
+def embed(token: int, pos: int) -> np.ndarray:
+    return np.array([token * 31 % MOD, pos % MOD, 1.0], dtype=np.float32)
+
+
+def head(x: np.ndarray) -> int:
+    return int(x[0] * 7 + x[1] * 3 + x[2]) % VOCAB
+
+
+def oracle(prompt: Sequence[int], n_hops: int, max_tokens: int, stop: tuple[int, ...]) -> list[int]:
+    accs = [0.0] * n_hops
+    out: list[int] = []
+    seq = list(prompt)
+    pos = 0
+    while True:
+        x = None
+        while pos < len(seq):
+            x = embed(seq[pos], pos)
+            for k in range(n_hops):
+                x, accs[k] = layer(k, x, accs[k])
+            pos += 1
+        assert x is not None
+        t = head(x)
+        out.append(t)
+        if len(out) >= max_tokens or t in stop:
+            return out
+        seq.append(t)
+
+
+# ------------------------------------------------------------------------------------------ the hops
+
+
+@dataclass
+class SimSession:
+    attempt: int
+    next_pos: int
+    acc: float = 0.0
+    closed: str | None = None  # "cancelled" | "finished"
+    generated: int = 0
+    spec: SessionSpec | None = None
+
+
+@dataclass
+class SimHop:
+    """One worker holding hop k: input jobs queued, sessions' state, answers into its result streams."""
+
+    worker: str
+    hop: int
+    last: bool
+    queue: list[StepJob] = field(default_factory=list)
+    sessions: dict[str, SimSession] = field(default_factory=dict)
+    cancelled: set[str] = field(default_factory=set)
+    answered: set[str] = field(default_factory=set)
+
+    def crash(self) -> None:
+        """A kill -9 and a fresh process: every session's state is gone; queued jobs stay in the stream."""
+        self.sessions.clear()
+
+    def run_one(self, rng: random.Random, store: dict[str, bytes], streams: dict[str, list[StepResult]]) -> None:
+        # any queued job of any session may go first, but one session's jobs stay in stream order
+        firsts: dict[str, int] = {}
+        for i, j in enumerate(self.queue):
+            firsts.setdefault(j.session_id, i)
+        job = self.queue.pop(rng.choice(sorted(firsts.values())))
+        if job.job_id in self.answered:
+            return
+        r = self.serve(job, store)
+        self.answered.add(job.job_id)
+        streams.setdefault(WorkerKeys(self.worker).results(job.session_id), []).append(r)
+
+    def _res(self, job: StepJob, status: Status, reason: Reason | None = None, **kw: object) -> StepResult:
+        return StepResult(job_id=job.job_id, session_id=job.session_id, status=status, reason=reason,
+                          position=job.end_position, worker_id=self.worker, **kw)  # type: ignore[arg-type]
+
+    def serve(self, job: StepJob, store: dict[str, bytes]) -> StepResult:
+        assert job.hop == self.hop
+        # the job's input blob is deleted once the job is answered, whatever the answer (rcons' worker does)
+        raw = store.pop(job.hidden.blob, None) if job.hidden is not None and job.hidden.blob is not None else None
+        sid = job.session_id
+        s = self.sessions.get(sid)
+        if sid in self.cancelled:
+            return self._res(job, Status.CANCELLED, Reason.CANCELLED)
+        opening = job.phase == "prefill" and job.start_position == 0
+        if opening and (s is None or job.attempt > s.attempt):  # a newer attempt re-opens (the route's replay)
+            assert job.session is not None
+            s = self.sessions[sid] = SimSession(attempt=job.attempt, next_pos=0, spec=job.session)
+        if s is None:
+            return self._res(job, Status.STATE_LOST, Reason.UNKNOWN_SESSION)
+        assert job.attempt == s.attempt, (job.attempt, s.attempt)  # the Tracker never mixes attempts
+        assert job.start_position == s.next_pos, (job.start_position, s.next_pos)
+        if s.closed:
+            return self._res(job, Status.REJECTED, Reason.FINISHED)
+        if self.hop == 0:
+            assert job.hidden is None
+            xs = [embed(t, job.start_position + i) for i, t in enumerate(job.tokens)]
+        else:
+            assert job.hidden is not None
+            xs = list(decode(job.hidden, raw, hidden_size=HIDDEN))
+        outs = []
+        for x in xs:
+            y, s.acc = layer(self.hop, x, s.acc)
+            outs.append(y)
+        s.next_pos = job.end_position
+        if not self.last:
+            # a prefill chunk's rows go to a blob (however small here), a decode step's inline: both paths
+            acts, raw = encode(np.stack(outs), blob=WorkerKeys(self.worker).activations_out(job.job_id),
+                               inline_max=0 if job.phase == "prefill" else 1 << 14)
+            if raw is not None:
+                store[WorkerKeys(self.worker).activations_out(job.job_id)] = raw
+            return self._res(job, Status.OK, hidden=acts, accounting=Accounting(engine_seconds=0.001))
+        if not job.sample:
+            return self._res(job, Status.OK, accounting=Accounting(prompt_tokens=len(job.tokens)))
+        token = head(outs[-1])
+        s.generated += 1
+        assert s.spec is not None
+        done = s.generated >= s.spec.max_tokens or token in s.spec.stop_tokens
+        if done:
+            s.closed = "finished"
+        return self._res(job, Status.OK, token=token, finished=done,
+                         accounting=Accounting(generated_tokens=1, engine_seconds=0.002))
+
+
+class SimCluster:
+    """Applies the Tracker's batches (XADD to input streams, SET/DEL of blobs, cancels) to simulated hops."""
+
+    def __init__(self, hops: list[SimHop]) -> None:
+        self.hops = hops
+        self.store: dict[str, bytes] = {}
+        self.streams: dict[str, list[StepResult]] = {}
+        self.cursor: dict[str, int] = {}
+
+    def send(self, batch: Batch) -> None:
+        for name, args, kwargs in batch.ops:
+            if name == "xadd":
+                stream, fields = args[0], args[1]
+                parsed = parse_input_stream(stream)
+                if parsed is None:  # the cancel stream
+                    sid = cancel_from_fields({k.encode(): v.encode() for k, v in fields.items()})
+                    worker = stream.split("{")[1].split("}")[0]
+                    for hop in self.hops:
+                        if hop.worker == worker:
+                            hop.cancelled.add(sid)
+                    continue
+                job = job_from_fields({k.encode(): v.encode() for k, v in fields.items()})
+                hop = next(h for h in self.hops if h.worker == parsed[0] and h.hop == job.hop)
+                hop.queue.append(job)
+            elif name == "set":
+                if "act:in:" in args[0]:
+                    assert kwargs.get("ex"), "every blob has a TTL"
+                    self.store[args[0]] = args[1]
+            elif name == "delete":
+                self.store.pop(args[0], None)
+
+    def entries(self, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
+        got = self.streams.get(key, [])
+        start = self.cursor.get(key, 0)
+        self.cursor[key] = len(got)
+        return [(f"{i + 1}-0", {k.encode(): v.encode() for k, v in result_to_fields(r).items()})
+                for i, r in enumerate(got[start:], start)]
+
+
+def drive(rc: RouteCore, cluster: SimCluster, handles: list[RouteHandle], rng: random.Random,
+          crash_at: dict[int, int]) -> None:
+    """The driver's loop, by hand: run one queued job somewhere, read, fetch, advance, send."""
+    step = 0
+    while any(not h.finished for h in handles) or any(h.queue for h in cluster.hops):
+        busy = [h for h in cluster.hops if h.queue]
+        if busy:
+            rng.choice(busy).run_one(rng, cluster.store, cluster.streams)
+        step += 1
+        if step in crash_at:
+            cluster.hops[crash_at[step] % len(cluster.hops)].crash()
+        batch = Batch()
+        touched = []
+        for h in handles:
+            for w in h.cursors:
+                entries = cluster.entries(WorkerKeys(w).results(h.session_id))
+                if rc.apply_entries(h, w, entries, batch):
+                    touched.append(h)
+        blobs = {k: cluster.store.get(k) for ks in rc.fetches(touched).values() for k in ks}
+        for h in touched:
+            if h.relays:
+                rc.relay(batch, h, blobs)
+            rc.advance(batch, h, True)
+        cluster.send(batch)
+        assert step < 100_000
+
+
+def make(n_hops: int, same_worker: bool, **kw: object) -> tuple[RouteCore, SimCluster, list[str], list[int]]:
+    cuts = list(range(n_hops + 1))
+    workers = ["w0"] * n_hops if same_worker else [f"w{k}" for k in range(n_hops)]
+    pc = ProducerCore(verify_route=False, max_attempts=50, **kw)  # type: ignore[arg-type]
+    hops = [SimHop(worker=w, hop=k, last=k == n_hops - 1) for k, w in enumerate(workers)]
+    return RouteCore(pc), SimCluster(hops), workers, cuts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_hops=st.integers(1, 3), same_worker=st.booleans(), n_sessions=st.integers(1, 4),
+       lens=st.lists(st.integers(1, 40), min_size=4, max_size=4), chunk=st.integers(1, 16),
+       max_tokens=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),
+       crashes=st.dictionaries(st.integers(1, 400), st.integers(0, 2), max_size=3))
+def test_routes_give_the_composed_model_tokens_whatever_the_order_and_crashes(
+        n_hops: int, same_worker: bool, n_sessions: int, lens: list[int], chunk: int, max_tokens: int, seed: int,
+        crashes: dict[int, int]) -> None:
+    rng = random.Random(seed)
+    rc, cluster, workers, cuts = make(n_hops, same_worker, prefill_chunk=chunk)
+    stop = (5,)
+    prompts = [[rng.randrange(VOCAB) for _ in range(lens[i])] for i in range(n_sessions)]
+    handles = []
+    batch = Batch()
+    for i, p in enumerate(prompts):
+        h = rc.new_handle(route_spec(f"s{i}", cuts, workers, max_tokens, stop), p)
+        rc.queue_open(batch, h)
+        handles.append(h)
+    cluster.send(batch)
+    drive(rc, cluster, handles, rng, crashes)
+    for h, p in zip(handles, prompts, strict=True):
+        assert h.status == "finished", (h.status, h.reason, h.detail)
+        assert h.generated == oracle(p, n_hops, max_tokens, stop)
+        assert h.billed_generated >= len(h.generated)
+    assert not any("act:in:" in k for k in cluster.store), "every input blob was consumed"
+    if not crashes and n_hops > 1:  # every hop released or finished: no session left held anywhere
+        for hop in cluster.hops[:-1]:
+            for sid in hop.sessions:
+                assert sid in hop.cancelled
+
+
+def test_a_crash_of_the_middle_hop_replays_every_hop() -> None:
+    rng = random.Random(1)
+    rc, cluster, workers, cuts = make(3, False, prefill_chunk=4)
+    prompt = [rng.randrange(VOCAB) for _ in range(10)]
+    h = rc.new_handle(route_spec("s", cuts, workers, 6), prompt)
+    b = Batch()
+    rc.queue_open(b, h)
+    cluster.send(b)
+    drive(rc, cluster, [h], rng, {12: 1})  # mid-decode: 9 prefill jobs ran by then
+    assert h.status == "finished" and h.attempt >= 1
+    assert h.generated == oracle(prompt, 3, 6, ())
+    assert all(leg.engine_seconds > 0 for leg in h.legs[:-1]) and h.legs[-1].engine_seconds > 0
+
+
+def test_cancel_ops_reach_every_worker_and_relayed_jobs_name_the_next_hops_blob() -> None:
+    rc, cluster, workers, cuts = make(3, False, prefill_chunk=64)
+    h = rc.new_handle(route_spec("s", cuts, workers, 4), list(range(1, 40)))
+    b = Batch()
+    rc.queue_open(b, h)
+    cluster.send(b)
+    cluster.hops[0].run_one(random.Random(0), cluster.store, cluster.streams)
+    b = Batch()
+    (r,) = [r for w in h.cursors for r in rc.apply_entries(h, w, cluster.entries(WorkerKeys(w).results("s")), b)]
+    assert r.hidden is not None and r.hidden.blob == WorkerKeys("w0").activations_out(r.job_id)
+    assert rc.fetches([h]) == {"w0": [r.hidden.blob]}
+    rc.relay(b, h, {r.hidden.blob: cluster.store[r.hidden.blob]})
+    names = [(op[0], op[1][0]) for op in b.ops]
+    (job,) = h.legs[1].sent.values()
+    assert job.job.hidden is not None and job.job.hidden.blob == WorkerKeys("w1").activations_in(job.job.job_id)
+    assert names[0] == ("set", job.job.hidden.blob) and names[-1] == ("delete", r.hidden.blob)
+    ops = rc.cancel_ops(h)
+    assert sorted(ops) == workers
+    for w, batch in ops.items():
+        assert {op[1][0] for op in batch.ops} == {WorkerKeys(w).cancel_marker("s"), WorkerKeys(w).cancellations}
+    # an outage: the unanswered relayed job goes again with the same bytes
+    again = Batch()
+    assert rc.queue_unanswered(again, h) == 1
+    assert again.ops[0][1][1] == b.ops[0][1][1]
+
+
+def test_validate_refuses_routes_that_do_not_join() -> None:
+    pc = ProducerCore(verify_route=False)
+    rc = RouteCore(pc)
+    spec = route_spec("s", [0, 1, 2], ["a", "b"], 4)
+    rc.validate(spec, [1, 2])
+    bad = SessionSpec.model_validate({**spec.model_dump(), "route": (spec.route[1], spec.route[0])})
+    try:
+        rc.validate(bad, [1, 2])
+    except ValueError as e:
+        assert "hop" in str(e)
+    else:
+        raise AssertionError("a route starting with a hidden-consuming hop was accepted")
+    pc2 = ProducerCore()
+    pc2.remember(WorkerInfo("a", [spec.route[0].key.for_phase(p) for p in ("prefill", "decode")], {}, True, 0.0))
+    pc2.remember(WorkerInfo("b", [spec.route[0].key.for_phase(p) for p in ("prefill", "decode")], {}, True, 0.0))
+    try:
+        RouteCore(pc2).validate(spec, [1, 2])
+    except ValueError as e:
+        assert "hop 1" in str(e)
+    else:
+        raise AssertionError("a worker that does not advertise its hop's key was accepted")
