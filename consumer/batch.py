@@ -3,7 +3,8 @@ forward pass, and what the pass returns. Plain data, no engine code: the schedul
 module and must load no engine (tests/test_layering.py).
 
 Columnar (one numpy array per field) so an engine can copy it into its own batch struct without a
-Python loop per row. Row i is (slots[i], positions[i], tokens[i], wants_logits[i]).
+Python loop per row. Row i is (slots[i], positions[i], tokens[i], wants_logits[i]), plus hidden[i] for
+a hop that consumes activations.
 """
 
 from __future__ import annotations
@@ -28,21 +29,30 @@ class EngineCapacity:
     vocab_size: int
 
 
-# What an engine's rows are. Only "logits" today (a whole-model engine, rows go to the sampler); an engine
-# that stops at a layer boundary would answer "hidden" rows for the next hop instead of tokens.
-OutputKind = Literal["logits"]
+# What an engine's rows are: "logits" (a whole model or a route's last hop: rows go to the sampler) or
+# "hidden" (a hop that stops at a block boundary: rows are the next hop's input activations).
+OutputKind = Literal["logits", "hidden"]
 
 
 @dataclass(frozen=True, slots=True)
 class EngineOutput:
-    """What one forward pass returns: one row per batch row that wants output, in row order."""
+    """What one forward pass returns.
+
+    "logits": one row per batch row that wants logits, in row order, shape (batch.n_logit_rows, vocab_size).
+    "hidden": one row per batch row (every row, whatever wants_logits says), in row order, shape
+    (len(batch), hidden_size) float32: the residual stream leaving the hop's last block.
+    """
 
     kind: OutputKind
-    rows: npt.NDArray[np.float32]  # (batch.n_logit_rows, vocab_size) for "logits"
+    rows: npt.NDArray[np.float32]
 
     @classmethod
     def logits(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:
         return cls(kind="logits", rows=rows)
+
+    @classmethod
+    def hidden(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:
+        return cls(kind="hidden", rows=rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +70,21 @@ class FusedBatch:
     positions: npt.NDArray[np.int32]
     tokens: npt.NDArray[np.int32]
     wants_logits: npt.NDArray[np.bool_]
+    # (len(batch), hidden_size) float32, row i = the input activation of row i. Present exactly when the
+    # engine consumes "hidden" (a hop after the first); tokens then still carry the session's token ids
+    # at those positions and the engine ignores them.
+    hidden: npt.NDArray[np.float32] | None = None
 
     @classmethod
-    def from_rows(cls, phase: Phase, rows: Sequence[BatchRow]) -> FusedBatch:
+    def from_rows(cls, phase: Phase, rows: Sequence[BatchRow],
+                  hidden: npt.NDArray[np.float32] | None = None) -> FusedBatch:
         return cls(
             phase=phase,
             slots=np.fromiter((r.slot for r in rows), np.int32, len(rows)),
             positions=np.fromiter((r.position for r in rows), np.int32, len(rows)),
             tokens=np.fromiter((r.token for r in rows), np.int32, len(rows)),
             wants_logits=np.fromiter((r.wants_logits for r in rows), np.bool_, len(rows)),
+            hidden=hidden,
         )
 
     def __len__(self) -> int:

@@ -394,6 +394,30 @@ def model_gemma(path: Annotated[Path | None, typer.Argument()] = None) -> None:
     typer.echo(str(assemble_gemma(path)))
 
 
+@model_app.command("split")
+def model_split(
+    model: Annotated[str, typer.Argument(help="'tiny', 'gemma' or a GGUF path: the source model.")],
+    blocks: Annotated[str, typer.Option(help="A:B, the source blocks [A, B) the hop holds.")],
+    out: Annotated[Path, typer.Argument(help="Where to write the hop's GGUF.")],
+) -> None:
+    """Write a route hop's GGUF (blocks [A, B) of MODEL); print its sha256 and block range."""
+    from dgrtools.split_model import split_gguf
+
+    from .runtime import resolve_model
+
+    try:
+        a, b = (int(x) for x in blocks.split(":"))
+    except ValueError:
+        raise typer.BadParameter("--blocks must be A:B (two integers)") from None
+    try:
+        hop = split_gguf(resolve_model(model), out, a, b)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    role = ("first" if hop.first_block == 0 else "middle") if hop.last_block < hop.source_block_count else "last"
+    typer.echo(f"{hop.path} sha256={hop.sha256} blocks={hop.first_block}:{hop.last_block} "
+               f"of {hop.source_block_count} ({role} hop) source_sha256={hop.source_sha256}")
+
+
 def _register_ops() -> None:
     from .ops.cli import register
 

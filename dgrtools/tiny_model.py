@@ -14,7 +14,7 @@ tokenizes.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -116,23 +116,26 @@ def tiny_weights(seed: int = 0, cfg: TinyConfig = TINY) -> dict[str, npt.NDArray
     return w
 
 
-def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0") -> str:
+def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_layer: int = TINY.n_layer) -> str:
     """Write the tiny GGUF to `path` (parents created) and return its sha256 hex digest.
 
-    Byte-identical for equal (seed, quant). `quant="q8_0"` stores the 2-D weights as Q8_0 (gguf's
-    NumPy quantizer, bit-exact with ggml's reference) and the norms as f32; `"f32"` stores all f32.
+    Byte-identical for equal (seed, quant, n_layer). `quant="q8_0"` stores the 2-D weights as Q8_0
+    (gguf's NumPy quantizer, bit-exact with ggml's reference) and the norms as f32; `"f32"` stores all
+    f32. `n_layer` > 2 makes a deeper model of the same shape (routes of three hops need >= 3 blocks).
     """
     import gguf  # deferred: only the generator needs it
 
     if quant not in ("q8_0", "f32"):
         raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
-    cfg = TINY
+    if n_layer < 1:
+        raise ValueError(f"n_layer must be >= 1, not {n_layer}")
+    cfg = TINY if n_layer == TINY.n_layer else replace(TINY, n_layer=n_layer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
 
     writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(f"dgr-tiny-s{seed}-{quant}")
+    writer.add_name(f"dgr-tiny-s{seed}-{quant}" + ("" if n_layer == TINY.n_layer else f"-l{n_layer}"))
     writer.add_context_length(cfg.n_ctx_train)
     writer.add_embedding_length(cfg.n_embd)
     writer.add_block_count(cfg.n_layer)

@@ -12,12 +12,15 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from .limits import MAX_DIMS, MAX_NAME_LEN, SCHEMA_VERSION
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+# The activation wire-format version a hop's BoundarySchema names (schemas/activations.py encodes it).
+ACTIVATIONS_VERSION = 1
 
 Name = Field(min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z0-9_.:=+<>\-/ ]+$")
 
@@ -45,7 +48,13 @@ class Recipe(_Frozen):
 
 
 class BoundarySchema(_Frozen):
-    """What a route hop consumes and produces. A whole-model hop: tokens in, logits/token out."""
+    """What a route hop consumes and produces. A whole-model hop: tokens in, logits/token out.
+
+    A hop of a split model holds the ABSOLUTE block range [first_layer, last_layer) of its source model;
+    it consumes "hidden" unless it starts at block 0 and produces "hidden" unless it ends at the last
+    block. `hidden_size` (n_embd) and `dtype` (the wire dtype of the activations) say what the
+    activations are; `version` is the activation wire-format version. A whole model has hidden_size 0.
+    """
 
     name: str = Name
     version: int = Field(ge=1, le=1 << 16)
@@ -53,6 +62,28 @@ class BoundarySchema(_Frozen):
     produces: Literal["logits", "hidden"]
     first_layer: int = Field(default=0, ge=0, le=1 << 12)
     last_layer: int = Field(ge=0, le=1 << 12)  # exclusive
+    hidden_size: int = Field(default=0, ge=0, le=1 << 20)
+    dtype: Literal["f32", "f16"] = "f32"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BoundarySchema:
+        if self.last_layer <= self.first_layer:
+            raise ValueError(f"empty block range [{self.first_layer}, {self.last_layer})")
+        if "hidden" in (self.consumes, self.produces) and self.hidden_size == 0:
+            raise ValueError("a boundary that consumes or produces hidden needs hidden_size > 0")
+        if self.consumes == "hidden" and self.first_layer == 0:
+            raise ValueError("a hop starting at block 0 consumes tokens, not hidden")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _canonical(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Fields at their whole-model values are left out, so that every key made before hops existed
+        # keeps its digest (its stream name). Every hop has hidden_size > 0, so both always appear there.
+        out: dict[str, object] = handler(self)
+        if self.hidden_size == 0 and self.dtype == "f32":
+            out.pop("hidden_size", None)
+            out.pop("dtype", None)
+        return out
 
 
 class StateLayout(_Frozen):
@@ -89,3 +120,17 @@ class CompatibilityKey(_Frozen):
 def whole_model_boundary(n_layer: int) -> BoundarySchema:
     return BoundarySchema(name="tokens->logits", version=1, consumes="tokens", produces="logits",
                           first_layer=0, last_layer=n_layer)
+
+
+def hop_boundary(first: int, last: int, n_source_layers: int, hidden_size: int,
+                 dtype: Literal["f32", "f16"] = "f32") -> BoundarySchema:
+    """The boundary of a hop holding blocks [first, last) of a model of `n_source_layers` blocks."""
+    if not 0 <= first < last <= n_source_layers:
+        raise ValueError(f"block range [{first}, {last}) is not inside [0, {n_source_layers})")
+    if first == 0 and last == n_source_layers:
+        return whole_model_boundary(n_source_layers)
+    consumes: Literal["tokens", "hidden"] = "tokens" if first == 0 else "hidden"
+    produces: Literal["logits", "hidden"] = "logits" if last == n_source_layers else "hidden"
+    return BoundarySchema(name=f"{consumes}->{produces}", version=ACTIVATIONS_VERSION, consumes=consumes,
+                          produces=produces, first_layer=first, last_layer=last, hidden_size=hidden_size,
+                          dtype=dtype)

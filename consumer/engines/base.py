@@ -11,7 +11,7 @@ from schemas import BoundarySchema, CompatibilityKey, EngineIdentity, Phase, Rec
 
 from ..batch import EngineCapacity, EngineOutput, FusedBatch
 
-__all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "engine_key"]
+__all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "check_hidden", "engine_key"]
 
 
 class EngineError(RuntimeError):
@@ -38,8 +38,9 @@ class Engine(Protocol):
     def batch_invariant(self) -> bool: ...
 
     def forward(self, batch: FusedBatch) -> EngineOutput:
-        """Exactly one fused forward pass over all rows. Returns one output row per row that asked for
-        one, in row order (logits today: shape (batch.n_logit_rows, vocab_size))."""
+        """Exactly one fused forward pass over all rows. "logits": one row per row that asked for one,
+        in row order, (batch.n_logit_rows, vocab_size). "hidden" (a hop that is not the last): one row
+        per batch row, (len(batch), boundary.hidden_size)."""
         ...
 
     def release(self, slot: int) -> None:
@@ -62,6 +63,31 @@ class LogitsEngine:
 
     def forward(self, batch: FusedBatch) -> EngineOutput:
         return EngineOutput.logits(self.step(batch))
+
+
+def check_hidden(batch: FusedBatch, boundary: BoundarySchema) -> npt.NDArray[np.float32] | None:
+    """The batch's input activations, checked against what the hop consumes: None for a hop that takes
+    tokens, else a C-contiguous float32 (len(batch), hidden_size) array of finite values. Anything else
+    is an EngineError (naming the slots of non-finite rows), never a crash inside the engine."""
+    h = batch.hidden
+    if boundary.consumes != "hidden":
+        if h is not None:
+            raise EngineError(f"this hop consumes tokens (blocks [{boundary.first_layer}, {boundary.last_layer})), "
+                              "the batch carries hidden activations")
+        return None
+    if h is None:
+        raise EngineError(f"this hop consumes hidden activations (blocks [{boundary.first_layer}, "
+                          f"{boundary.last_layer})), the batch carries none")
+    if not isinstance(h, np.ndarray) or h.dtype != np.float32:
+        raise EngineError(f"hidden activations must be a float32 array, not {getattr(h, 'dtype', type(h))}")
+    want = (len(batch), boundary.hidden_size)
+    if h.shape != want:
+        raise EngineError(f"hidden activations of shape {h.shape}, {want} expected")
+    finite = np.isfinite(h).all(axis=1)
+    if not finite.all():
+        bad = tuple(sorted({int(s) for s in np.asarray(batch.slots)[~finite]}))
+        raise EngineError(f"hidden activations not finite (NaN/inf) in slots {list(bad)}", bad)
+    return np.ascontiguousarray(h)
 
 
 def engine_key(engine: Engine, phase: Phase) -> CompatibilityKey:

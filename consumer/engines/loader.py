@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 _SHA_CACHE: dict[tuple[str, int, int], str] = {}
@@ -46,3 +48,52 @@ def gguf_sha256(path: str | os.PathLike[str]) -> str:
     with _SHA_LOCK:
         _SHA_CACHE[key] = digest
     return digest
+
+
+# ------------------------------------------------------------------------------------- hop files
+# Metadata a hop file (dgrtools/split_model.py, `dgr model split`) carries: which model it was cut from
+# and which ABSOLUTE blocks [first, last) of it it holds. The blocks themselves are renumbered from 0.
+SPLIT_SOURCE_SHA256 = "dgr.split.source_sha256"
+SPLIT_FIRST_BLOCK = "dgr.split.first_block"
+SPLIT_LAST_BLOCK = "dgr.split.last_block"
+SPLIT_SOURCE_BLOCK_COUNT = "dgr.split.source_block_count"
+
+
+@dataclass(frozen=True, slots=True)
+class SplitInfo:
+    """A hop file's place in its source model."""
+
+    source_sha256: str
+    first_block: int
+    last_block: int  # exclusive
+    source_block_count: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.first_block == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last_block == self.source_block_count
+
+
+def read_split_info(path: str | os.PathLike[str]) -> SplitInfo | None:
+    """The `dgr.split.*` metadata of a GGUF, or None for a whole model. Raises ValueError when it is
+    present but inconsistent (a hop file must say exactly where it sits)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: reader.get_field(k) for k in (SPLIT_SOURCE_SHA256, SPLIT_FIRST_BLOCK, SPLIT_LAST_BLOCK,
+                                               SPLIT_SOURCE_BLOCK_COUNT)}
+    if all(f is None for f in fields.values()):
+        return None
+    missing = [k for k, f in fields.items() if f is None]
+    if missing:
+        raise ValueError(f"{path}: hop metadata incomplete, missing {missing}")
+    sha = str(fields[SPLIT_SOURCE_SHA256].contents())  # type: ignore[union-attr]
+    first = int(fields[SPLIT_FIRST_BLOCK].contents())  # type: ignore[union-attr]
+    last = int(fields[SPLIT_LAST_BLOCK].contents())  # type: ignore[union-attr]
+    n = int(fields[SPLIT_SOURCE_BLOCK_COUNT].contents())  # type: ignore[union-attr]
+    if not re.fullmatch(r"[0-9a-f]{64}", sha) or not 0 <= first < last <= n:
+        raise ValueError(f"{path}: bad hop metadata sha256={sha!r} blocks [{first}, {last}) of {n}")
+    return SplitInfo(source_sha256=sha, first_block=first, last_block=last, source_block_count=n)

@@ -4,10 +4,13 @@ Every row of a fused batch is computed on its own (one matrix-vector product per
 over its own slot's cache), so a row's float operations are the same whatever else is in the batch,
 and also whatever way a prompt is chunked: the engine is batch-invariant by construction.
 
-The model is split into three parts that a multi-hop route would run separately:
+The model is split into three parts that a multi-hop route runs separately:
 `embed` (tokens -> hidden), `run_layers(first, last)` (hidden -> hidden, the KV of those layers
-only) and `head` (hidden -> logits). `step()` runs the whole model; a hop with
-BoundarySchema(first_layer, last_layer) would call the middle part on its layer range.
+only) and `head` (hidden -> logits). An engine holds the block range [first_layer, last_layer) of its
+boundary: the whole model by default, `layers=(a, b)` of a whole model, or the range a hop file
+(dgrtools/split_model.py) names. `forward()` embeds the tokens when the range starts at block 0 (else
+takes `batch.hidden`), runs the range, and returns logits when it ends at the last block (else the
+hidden rows, one per batch row): the oracle of the llama.cpp hop engine.
 
 Matches llama.cpp's llama graph: RMSNorm (sum of squares in float64), "normal" rope (adjacent pairs,
 theta_i = pos * base^(-2i/n_rot) built by repeated float32 multiplication), GQA (query head h reads
@@ -27,11 +30,12 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
+from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout
+from schemas.compat import hop_boundary
 
-from ..batch import FusedBatch
-from .base import EngineCapacity, EngineError, LogitsEngine
-from .loader import ftype_name, gguf_sha256
+from ..batch import EngineOutput, FusedBatch
+from .base import EngineCapacity, EngineError, LogitsEngine, check_hidden
+from .loader import ftype_name, gguf_sha256, read_split_info
 
 F32 = npt.NDArray[np.float32]
 RUNTIME = "numpy-reference/1"
@@ -88,6 +92,7 @@ class NumpyReferenceEngine(LogitsEngine):
         max_tokens_per_call: int = 2048,
         kv_dtype: Literal["f32", "f16"] = "f32",
         emulate_q8_activations: bool = False,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         import gguf
 
@@ -99,6 +104,20 @@ class NumpyReferenceEngine(LogitsEngine):
         if arch != "llama":
             raise ValueError(f"NumpyReferenceEngine runs arch 'llama' only, {self.model_path} is {arch!r}")
         tensors = {t.name: t for t in reader.tensors}
+        split = read_split_info(self.model_path)
+        n_file_layers = int(_field(reader, f"{arch}.block_count"))
+        if split is not None:  # a hop file: its blocks 0.. are the source's first_block..
+            if layers is not None:
+                raise ValueError(f"{self.model_path} is a hop file of blocks [{split.first_block}, "
+                                 f"{split.last_block}): layers= applies to a whole model only")
+            first, last, n_source = split.first_block, split.last_block, split.source_block_count
+            offset = first
+        else:
+            first, last = layers if layers is not None else (0, n_file_layers)
+            n_source, offset = n_file_layers, 0
+            if not 0 <= first < last <= n_source:
+                raise ValueError(f"layers [{first}, {last}) not inside [0, {n_source})")
+        self._first, self._last, self._offset = first, last, offset
 
         def mat(name: str) -> tuple[F32, bool]:
             t = tensors[name]
@@ -112,7 +131,7 @@ class NumpyReferenceEngine(LogitsEngine):
         self.hp = LlamaHParams(
             n_vocab=int(tok_embd.shape[0]),
             n_embd=n_embd,
-            n_layer=int(_field(reader, f"{arch}.block_count")),
+            n_layer=last - first,  # blocks this engine holds
             n_head=n_head,
             n_head_kv=int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
             head_dim=n_embd // n_head,
@@ -130,8 +149,8 @@ class NumpyReferenceEngine(LogitsEngine):
 
         self._tok_embd = tok_embd
         self._layers: list[_Layer] = []
-        for i in range(hp.n_layer):
-            b = f"blk.{i}."
+        for i in range(first, last):
+            b = f"blk.{i - offset}."
             wq, q8 = mat(b + "attn_q.weight")
             self._layers.append(_Layer(
                 attn_norm=mat(b + "attn_norm.weight")[0], wq=wq, wk=mat(b + "attn_k.weight")[0],
@@ -153,10 +172,13 @@ class NumpyReferenceEngine(LogitsEngine):
         self._n_past = np.zeros(n_slots, dtype=np.int64)  # next position of each slot
         self._cos, self._sin = self._rope_tables(ctx_per_session)
 
-        self.identity = EngineIdentity(architecture=arch, gguf_sha256=gguf_sha256(self.model_path))
+        # A hop names its SOURCE model (the range is in the boundary): hop files cut from one model at one
+        # range, and this engine on the whole model with layers=(a, b), share one identity.
+        source_sha = split.source_sha256 if split is not None else gguf_sha256(self.model_path)
+        self.identity = EngineIdentity(architecture=arch, gguf_sha256=source_sha)
         self.recipe = Recipe(quantization=quant, kv_cache_type=kv_dtype, ctx_per_session=ctx_per_session,
                              flash_attention=False, batch_invariant=True, runtime=RUNTIME)
-        self.boundary: BoundarySchema = whole_model_boundary(hp.n_layer)
+        self.boundary: BoundarySchema = hop_boundary(first, last, n_source, n_embd)
         self.state_layout = StateLayout(kind="kv", dims={
             "n_layer": hp.n_layer, "n_head_kv": hp.n_head_kv, "head_dim": hp.head_dim,
             "n_embd_k_gqa": hp.n_head_kv * hp.head_dim, "n_ctx_per_seq": ctx_per_session,
@@ -169,29 +191,40 @@ class NumpyReferenceEngine(LogitsEngine):
     def batch_invariant(self) -> bool:
         return True
 
-    def step(self, batch: FusedBatch) -> F32:
+    def forward(self, batch: FusedBatch) -> EngineOutput:
         n = len(batch)
         slots = np.asarray(batch.slots, dtype=np.int64)
         positions = np.asarray(batch.positions, dtype=np.int64)
         tokens = np.asarray(batch.tokens, dtype=np.int64)
         wants = np.asarray(batch.wants_logits, dtype=np.bool_)
+        hidden_in = check_hidden(batch, self.boundary)
         self._validate(n, slots, positions, tokens)
         saved = self._n_past.copy()
-        out = np.empty((int(wants.sum()), self.hp.n_vocab), dtype=np.float32)
+        emits_hidden = self.boundary.produces == "hidden"
+        if emits_hidden:
+            out = np.empty((n, self.hp.n_embd), dtype=np.float32)
+        else:
+            out = np.empty((int(wants.sum()), self.hp.n_vocab), dtype=np.float32)
         try:
             j = 0
             for i in range(n):
                 s, p = int(slots[i]), int(positions[i])
-                h = self.embed(int(tokens[i]))
-                h = self.run_layers(s, p, h, 0, self.hp.n_layer)
+                h = hidden_in[i] if hidden_in is not None else self.embed(int(tokens[i]))
+                h = self.run_layers(s, p, h, self._first, self._last)
                 self._n_past[s] = p + 1
-                if wants[i]:
+                if emits_hidden:
+                    out[i] = h
+                elif wants[i]:
                     out[j] = self.head(h)
                     j += 1
         except Exception as e:  # roll every slot of this call back (cache rows past n_past are ignored)
             self._n_past[:] = saved
             raise EngineError(f"reference forward failed: {e!r}", tuple(sorted({int(s) for s in slots}))) from e
-        return out
+        return EngineOutput.hidden(out) if emits_hidden else EngineOutput.logits(out)
+
+    def step(self, batch: FusedBatch) -> F32:
+        """forward()'s rows: logits for a whole model or a last hop, hidden rows for an earlier hop."""
+        return self.forward(batch).rows
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self._n_slots:
@@ -212,6 +245,7 @@ class NumpyReferenceEngine(LogitsEngine):
             "architecture": self.identity.architecture,
             "gguf_sha256": self.identity.gguf_sha256,
             "quantization": self.recipe.quantization,
+            "blocks": f"[{self._first}, {self._last}) ({self.boundary.consumes} -> {self.boundary.produces})",
             "dims": f"vocab {hp.n_vocab}, n_embd {hp.n_embd}, layers {hp.n_layer}, heads {hp.n_head}/"
                     f"{hp.n_head_kv} kv, head_dim {hp.head_dim}, ffn {hp.n_ff}",
             "kv_cache_type": self._kv_dtype_name,
@@ -230,12 +264,15 @@ class NumpyReferenceEngine(LogitsEngine):
         return self._tok_embd[token].copy()
 
     def run_layers(self, slot: int, pos: int, h: F32, first: int, last: int) -> F32:
-        """Layers [first, last) for one row; writes that row's K/V of those layers into the slot."""
+        """Layers [first, last) (absolute block indices, inside the engine's range) for one row; writes
+        that row's K/V of those layers into the slot."""
+        if not self._first <= first <= last <= self._last:
+            raise ValueError(f"layers [{first}, {last}) outside this engine's [{self._first}, {self._last})")
         hp = self.hp
         r = hp.n_head // hp.n_head_kv
         scale = np.float32(1.0 / np.sqrt(hp.head_dim))
         x = h.astype(np.float32, copy=True)
-        for li in range(first, last):
+        for li in range(first - self._first, last - self._first):
             L = self._layers[li]
             a = self._act(self._rms(x, L.attn_norm), L.q8)
             q = (L.wq @ a).reshape(hp.n_head, hp.head_dim)
@@ -278,7 +315,8 @@ class NumpyReferenceEngine(LogitsEngine):
         bad = sorted({int(s) for s in slots if not 0 <= s < self._n_slots})
         if bad:
             raise EngineError(f"slots {bad} out of range [0, {self._n_slots})", tuple(bad))
-        bad_tok = sorted({int(s) for s, t in zip(slots, tokens, strict=True) if not 0 <= t < self.hp.n_vocab})
+        bad_tok = [] if self.boundary.consumes == "hidden" else \
+            sorted({int(s) for s, t in zip(slots, tokens, strict=True) if not 0 <= t < self.hp.n_vocab})
         if bad_tok:
             raise EngineError(f"token out of vocabulary [0, {self.hp.n_vocab}) in slots {bad_tok}", tuple(bad_tok))
         nxt: dict[int, int] = {}
