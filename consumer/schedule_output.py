@@ -31,6 +31,7 @@ class Answer:
     result: StepResult
     account_id: str | None  # None: a session this worker never held (nothing is charged)
     close: AnswerClose | None
+    blob: bytes | None = None  # a non-last hop's output rows, written at result.hidden.blob by the completion
 
 
 @dataclass(frozen=True, slots=True)

@@ -480,10 +480,14 @@ class Scheduler:
 
     # ---- reports --------------------------------------------------------------------------------
 
-    def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int], engine_seconds: float,
+    def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int | None], engine_seconds: float,
                            ) -> list[Answer]:
         """Apply a successful call. `tokens`: the sampler's token for every item that samples, in item
         order (consumer/sampler.py: keyed by the session's seed and the position the token takes).
+        None for every item on a route hop that is not last (it answers activations, the last hop
+        samples): the step counts as the one the last hop samples at (so the hop finishes the session
+        at max_tokens, as the last hop does; a stop token only the last hop sees), no token, nothing
+        generated is charged.
 
         Positions advance; engine_seconds is split over the items by n_tokens. A job's result carries
         its whole accounting: prompt_tokens = its tokens processed in prefill calls, generated_tokens =
@@ -527,12 +531,15 @@ class Scheduler:
             token: int | None = None
             finished = False
             if it.samples:
-                token = int(tokens[sampled])
+                got = tokens[sampled]
+                token = None if got is None else int(got)
                 entry.generated += 1
-                entry.generated_tokens += 1
                 entry.state = SessionState.DECODING
-                self.stats.tokens_sampled += 1
-                finished = entry.generated >= entry.spec.max_tokens or token in entry.spec.stop_tokens
+                if token is not None:
+                    entry.generated_tokens += 1
+                    self.stats.tokens_sampled += 1
+                finished = entry.generated >= entry.spec.max_tokens or (
+                    token is not None and token in entry.spec.stop_tokens)
             elif batch.phase == "prefill":
                 entry.state = SessionState.PREFILLING
             q.answered = True

@@ -74,7 +74,7 @@ from schemas import (
 )
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
-from schemas.limits import MAX_FIELD_BYTES
+from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
 from schemas.retry import OutageRider, RetryPolicy
 from schemas.wire import cancel_from_fields, job_from_fields, result_to_fields
 
@@ -102,10 +102,11 @@ _DETAIL_MAX = 1024
 # The completion script's ARGV layout (consumer/lua/complete.lua's header; tests/test_lua.py checks
 # that both say the same): the head, then per completion, per dead letter, and the fused call.
 COMPLETE_ARGV = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "n_completions", "n_dead_letters",
-                 "has_call", "reject_ttl_s", "lease_token", "lease_epoch", "lease_ms")
+                 "has_call", "reject_ttl_s", "lease_token", "lease_epoch", "lease_ms", "act_ttl_s")
 COMPLETION_ARGV = ("stream_k", "entry_id", "record_k", "record_value", "results_k", "session_k", "account_k",
                    "account_id", "status", "phase", "prompt_tokens", "generated_tokens", "engine_seconds",
-                   "close", "start", "replay", "nf")  # then nf field/value pairs
+                   "close", "start", "replay", "in_blob_k", "out_blob_k", "out_blob",
+                   "nf")  # then nf field/value pairs
 DEAD_LETTER_ARGV = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
 FUSED_CALL_ARGV = ("phase", "batch_size", "tokens", "engine_seconds")
 
@@ -156,6 +157,8 @@ class Completion:
     close: Literal["finished", "cancelled"] | None = None  # marks the session's accounting closed
     start: int = 0  # the job's first position (for the recomputation rule of a replay)
     replay: bool = False  # a prefill job of attempt > 0: positions already charged count as recomputed
+    in_blob: str | None = None  # the job's input activations blob: deleted once the job is answered
+    out_blob: bytes | None = None  # a non-last hop's output rows, SET at result.hidden.blob with the first answer
 
 
 def completion_of(a: Answer) -> Completion:
@@ -167,7 +170,9 @@ def completion_of(a: Answer) -> Completion:
     phase = job.phase if job is not None else d.phase
     start = job.start_position if job is not None else 0
     replay = job is not None and job.phase == "prefill" and job.attempt > 0
-    return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay)
+    in_blob = job.hidden.blob if job is not None and job.hidden is not None else None
+    return Completion(d, a.result, a.account_id, phase, a.close, start=start, replay=replay, in_blob=in_blob,
+                      out_blob=a.blob)
 
 
 
@@ -765,7 +770,8 @@ class RedisTransport:
         args = _argv(COMPLETE_ARGV, group=GROUP, result_ttl_s=st.result_ttl_s, result_maxlen=st.result_maxlen,
                      dlq_maxlen=st.dlq_maxlen, n_completions=len(completions), n_dead_letters=len(dead_letters),
                      has_call=1 if call is not None else 0, reject_ttl_s=st.reject_ttl_s,
-                     lease_token=self.lease_token or "", lease_epoch=self.lease_epoch, lease_ms=st.lease_ms)
+                     lease_token=self.lease_token or "", lease_epoch=self.lease_epoch, lease_ms=st.lease_ms,
+                     act_ttl_s=ACTIVATION_TTL_S)
         for c in completions:
             r = c.result
             fields = result_to_fields(r)
@@ -780,7 +786,8 @@ class RedisTransport:
                 account_id=c.account_id or "", status=r.status.value, phase=c.phase,
                 prompt_tokens=acct.prompt_tokens, generated_tokens=acct.generated_tokens,
                 engine_seconds=repr(float(acct.engine_seconds)), close=c.close or "", start=c.start,
-                replay=1 if c.replay else 0, nf=len(fields),
+                replay=1 if c.replay else 0, in_blob_k=self._own_blob(keys, c.in_blob),
+                out_blob_k=self._out_blob(keys, c), out_blob=c.out_blob or b"", nf=len(fields),
             )
             for k, v in fields.items():
                 args += [k, v]
@@ -807,6 +814,32 @@ class RedisTransport:
         for d in dead_letters:
             self._outstanding.get(d.delivery.stream, set()).discard(d.delivery.entry_id)
         return [bool(int(x)) for x in reply]
+
+    def _own_blob(self, keys: _Keys, blob: str | None) -> int:
+        """KEYS index of an activations blob in this worker's tag, 0 for none. A key outside the tag
+        (a job naming another worker's key) is never touched: the script stays in one Cluster slot."""
+        if blob is None or not blob.startswith(self.keys.base + ":act:"):
+            return 0
+        return keys(blob)
+
+    def _out_blob(self, keys: _Keys, c: Completion) -> int:
+        hidden = c.result.hidden
+        if c.out_blob is None or hidden is None or hidden.blob != self.keys.activations_out(c.result.job_id):
+            if c.out_blob is not None:
+                raise ValueError(f"output rows of {c.result.job_id} need result.hidden.blob = its activations_out key")
+            return 0
+        return keys(hidden.blob)
+
+    def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each input activations blob (None: missing, or not a key of this worker's
+        activations), in ONE round trip (MGET: every key is in this worker's hash tag)."""
+        own = [b for b in dict.fromkeys(blobs) if b.startswith(self.keys.base + ":act:in:")]
+        if not own:
+            return [None] * len(blobs)
+        self.round_trips += 1
+        got: Any = self._io(lambda: self.client.mget(own))
+        by_key = dict(zip(own, got, strict=True))
+        return [by_key.get(b) for b in blobs]
 
     def _dead_letter_fields(self, d: DeadLetter) -> list[str | bytes]:
         out: list[str | bytes] = [

@@ -102,6 +102,10 @@ class Transport(Protocol):
         """Entries to hand out again (a dead predecessor's, a lost read's), and those given up on."""
         ...
 
+    def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each input activations blob (None: missing), in one round trip."""
+        ...
+
     def checks(self, job_ids: Sequence[str], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         """(job ids already answered, session ids with a cancel marker)."""
         ...

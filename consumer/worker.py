@@ -25,10 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult
+from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult, WorkerKeys
 
 from .config import WorkerSettings
 from .engines.base import Engine, EngineError, engine_key
+from .hop_steps import HopSteps
 from .idle import IdleSessions
 from .metrics import Metrics
 from .pacing import PrefillPacer
@@ -88,6 +89,7 @@ class Worker:
                             max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
         self.sampler = BatchSampler(cap.vocab_size)
+        self.hops = HopSteps(engine.boundary, WorkerKeys(settings.worker_id))  # route hops: activations in/out
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
                                   min_tokens=settings.prefill_floor)
         self._registered = False
@@ -202,6 +204,7 @@ class Worker:
         they came from gave all that was asked), read past them at once, doubling each read, until
         the entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
         got, want, read_s = self._read()
+        self.hops.prefetch(self.transport, got)
         queued: dict[Phase, int] = dict.fromkeys(want, 0)
         asked = dict(want)
         total = 0
@@ -230,6 +233,7 @@ class Worker:
             asked = more
             t = time.perf_counter()
             got = self.transport.read(more, block_ms=0, gather_ms=0)
+            self.hops.prefetch(self.transport, got)
             self.stats.reads += 1
             read_s += time.perf_counter() - t
         return total, read_s
@@ -287,6 +291,12 @@ class Worker:
                 wire_rejects.append(self._wire_reject(inb, refusal))
             return False
         if self._duplicate(job, inb, wire_rejects):
+            return False
+        held = self.scheduler.table.get(job.session_id)
+        answer = self.hops.admit(job, inb.digest, self.scheduler.engine_digests.get(job.phase),
+                                 held.queued_position if held is not None else job.start_position, self._m, inb.ref)
+        if answer is not None:
+            answers.append(answer)
             return False
         answer = self.scheduler.admit(job, inb.digest, inb.ref)
         if answer is not None:
@@ -375,6 +385,7 @@ class Worker:
         out: list[Answer] = []
         now = time.time()
         for a in answers:
+            a = self.hops.finish(a)
             out.append(self._remember(a))
             job = a.job
             if job is None:
@@ -391,7 +402,8 @@ class Worker:
 
     def _remember(self, a: Answer) -> Answer:
         # Kept without its delivery (a prompt chunk, a session spec): a re-send names its own entry.
-        self._answered[a.result.job_id] = replace(a, ref=None)
+        # ... and without a hop's output rows (the first completion wrote them; a re-send is a no-op).
+        self._answered[a.result.job_id] = replace(a, ref=None, blob=None)
         self._answered.move_to_end(a.result.job_id)
         while len(self._answered) > self.settings.answered_memory:
             self._answered.popitem(last=False)
@@ -412,7 +424,7 @@ class Worker:
         retry without the slots the engine named, else bisect."""
         t = time.perf_counter()
         try:
-            output = self.engine.forward(batch.fused)
+            output = self.engine.forward(self.hops.fused(batch))
         except Exception as e:  # any engine fault must not take the worker down
             self.stats.engine_seconds += time.perf_counter() - t
             self.metrics.engine_failures.labels(self._m).inc()
@@ -440,7 +452,9 @@ class Worker:
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        outcomes = self.scheduler.update_from_output(batch, self.sampler(batch, output), elapsed)
+        # A hop that is not last answers activations (no sampling); the last hop samples as one whole model.
+        tokens = self.hops.collect(batch, output) if output.kind == "hidden" else self.sampler(batch, output)
+        outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
@@ -482,6 +496,7 @@ class Worker:
 
     def _recover(self) -> None:
         inbound, dead = self.transport.recover()
+        self.hops.prefetch(self.transport, inbound)
         answers: list[Answer] = []
         wire_rejects: list[Answer] = []
         self._precheck_openings(inbound)

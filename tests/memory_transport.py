@@ -26,6 +26,7 @@ class MemoryTransport:
         self.cancel_markers: set[str] = set()
         self.pending_cancels: list[str] = []
         self.answered: set[str] = set()
+        self.blobs: dict[str, bytes] = {}  # activations blobs (input: the test writes them; output: complete())
         self.round_trips = 0
         self.outages = 0
         self._n = 0
@@ -83,6 +84,10 @@ class MemoryTransport:
         self.round_trips += 1
         return {j for j in job_ids if j in self.answered}, {s for s in session_ids if s in self.cancel_markers}
 
+    def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
+        self.round_trips += 1
+        return [self.blobs.get(b) for b in blobs]
+
     def cancellations(self) -> list[str]:
         out, self.pending_cancels = self.pending_cancels, []
         return out
@@ -95,9 +100,14 @@ class MemoryTransport:
         self.round_trips += 1
         first: list[bool] = []
         for a in answers:
-            first.append(a.result.job_id not in self.answered)
+            fresh = a.result.job_id not in self.answered
+            first.append(fresh)
             self.answered.add(a.result.job_id)
             self.answers.append(a)
+            if a.job is not None and a.job.hidden is not None and a.job.hidden.blob is not None:
+                self.blobs.pop(a.job.hidden.blob, None)  # the job is answered: its input rows are dropped
+            if fresh and a.blob is not None and a.result.hidden is not None and a.result.hidden.blob:
+                self.blobs[a.result.hidden.blob] = a.blob
         self.dead.extend(dead_letters)
         if call is not None:
             self.calls.append(call)

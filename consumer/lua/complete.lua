@@ -19,6 +19,10 @@
 -- state_lost, an undecodable entry) touches no session hash, its record lives `reject ttl`, and its
 -- result stream lives at least `reject ttl` (a longer TTL is never shortened): so a flood of entries
 -- naming made-up sessions leaves nothing behind once `reject ttl` has passed.
+-- Route hops (docs/wire-format.md, "Activations"): a completion may name its job's input blob (deleted
+-- whatever the answer: the job is answered, its rows are not needed again) and an output blob, SET with
+-- its bytes EX act_ttl_s only together with the first answer (with the result record's SET NX), so the
+-- result that names the blob and the blob appear at once, and a re-sent completion writes neither.
 -- For each dead letter: XACK; only when it returned 1: XADD the dead-letter entry (MAXLEN ~). A dead
 -- letter with stream index 0 is a cancellation entry (no consumer group, nothing to ack): it is
 -- added only when its id is above the worker hash's `cancel_dead_letters_upto` (a restarted worker
@@ -35,10 +39,12 @@
 -- DEAD_LETTER_ARGV, FUSED_CALL_ARGV); tests/test_lua.py checks it against the lines below.
 -- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen,
 -- [5] n_completions, [6] n_dead_letters, [7] has_call ('1' when a fused-call record follows),
--- [8] reject_ttl_s, [9] lease_token ('' : no lease check), [10] lease_epoch, [11] lease_ms.
--- Completion (17 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
+-- [8] reject_ttl_s, [9] lease_token ('' : no lease check), [10] lease_epoch, [11] lease_ms,
+-- [12] act_ttl_s.
+-- Completion (20 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
 --   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
 --   engine_seconds, close ('' for none), start (position), replay ('1' for a prefill of attempt > 0),
+--   in_blob_k ('0' for none), out_blob_k ('0' for none), out_blob (its bytes),
 --   nf, then nf field/value pairs.
 -- Dead letter (3 + 2*nf): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
 -- Fused call (4): phase, batch_size, tokens, engine_seconds.
@@ -53,6 +59,7 @@ local nc = tonumber(ARGV[5])
 local nd = tonumber(ARGV[6])
 local has_call = ARGV[7] == '1'
 local rttl = ARGV[8]
+local act_ttl = ARGV[12]
 local worker, index, dlq = KEYS[1], KEYS[2], KEYS[3]
 
 if ARGV[9] ~= '' and not hold_lease(KEYS[4], KEYS[5], ARGV[9], ARGV[10], ARGV[11]) then
@@ -99,7 +106,7 @@ local any_first = false
 local w_prompt, w_generated, w_recomputed, w_steps, w_share = 0, 0, 0, 0, 0.0
 local by_status, by_phase = {}, {}
 local accounts, account_order = {}, {}
-local i = 12
+local i = 13
 for c = 1, nc do
   local sk = ARGV[i]
   local stream = KEYS[tonumber(sk)]
@@ -118,14 +125,22 @@ for c = 1, nc do
   local close = ARGV[i + 13]
   local start = tonumber(ARGV[i + 14])
   local replay = ARGV[i + 15] == '1'
-  local nf = tonumber(ARGV[i + 16])
+  local in_blob = tonumber(ARGV[i + 16])
+  local out_blob = tonumber(ARGV[i + 17])
+  local nf = tonumber(ARGV[i + 19])
   local first = 0
   ack(sk, stream, entry)
+  if in_blob > 0 then
+    redis.call('DEL', KEYS[in_blob])
+  end
   if redis.call('SET', record, value, 'NX', 'EX', ak > 0 and ttl or rttl) then
     first = 1
     any_first = true
+    if out_blob > 0 then
+      redis.call('SET', KEYS[out_blob], ARGV[i + 18], 'EX', act_ttl)
+    end
     if nf > 0 then
-      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 17, i + 16 + 2 * nf))
+      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 20, i + 19 + 2 * nf))
       if ak > 0 then
         redis.call('EXPIRE', results, ttl)
       else
@@ -176,7 +191,7 @@ for c = 1, nc do
     by_phase[phase] = (by_phase[phase] or 0) + 1
   end
   out[c] = first
-  i = i + 17 + 2 * nf
+  i = i + 20 + 2 * nf
 end
 
 for d = 1, nd do
