@@ -57,8 +57,7 @@ class Relay:
     acts: Activations
 
     @property
-    def blob(self) -> str:
-        assert self.acts.blob is not None
+    def blob(self) -> str | None:
         return self.acts.blob
 
 
@@ -72,6 +71,8 @@ class HopLeg:
     closed: bool = False  # this hop answered finished / cancelled, or was released
     engine_seconds: float = 0.0  # charged by this hop's worker for this session (answers of every attempt)
     rows: int = 0  # tokens this hop computed for the session (every attempt)
+    bytes_in: int = 0  # activation bytes the Tracker relayed into this hop (inline and blobs)
+    blobs_in: int = 0  # of its jobs, how many took their rows from a blob
 
 
 @dataclass
@@ -261,10 +262,9 @@ class RouteCore:
         if r.hidden.rows != len(sent.job.tokens):
             self._end(h, "failed", f"hop {hop} answered {r.hidden.rows} rows for {len(sent.job.tokens)} tokens")
             return True
-        if r.hidden.inline:
-            self._push(batch, h, hop + 1, self._next_job(h, hop + 1, sent.job, r.hidden, None))
-        else:
-            h.relays.append(Relay(hop=hop, worker_id=leg.worker_id, job=sent.job, acts=r.hidden))
+        # Queued, inline rows too: a hop's jobs must reach the next hop in position order, and an earlier
+        # chunk may still wait for its blob (relay() pushes them in order).
+        h.relays.append(Relay(hop=hop, worker_id=leg.worker_id, job=sent.job, acts=r.hidden))
         h.jobs = {jid for lg in h.legs for jid in lg.sent}
         return True
 
@@ -294,7 +294,8 @@ class RouteCore:
         out: dict[str, list[str]] = {}
         for h in handles:
             for rl in h.relays:
-                out.setdefault(rl.worker_id, []).append(rl.blob)
+                if rl.blob is not None:
+                    out.setdefault(rl.worker_id, []).append(rl.blob)
         return out
 
     def relay(self, batch: Batch, h: RouteHandle, blobs: dict[str, bytes | None]) -> None:
@@ -302,17 +303,22 @@ class RouteCore:
         missing), and DEL the output blob (the Tracker keeps the bytes until the next hop answers). A blob
         that is gone (expired, or its worker lost it) is a lost state: the route is replayed."""
         relays, h.relays = h.relays, []
+        blocked: set[int] = set()  # hops with an earlier relay still waiting: later ones wait behind it
         for rl in relays:
-            if rl.blob not in blobs:
-                h.relays.append(rl)  # not fetched this round
+            if rl.hop in blocked or (rl.blob is not None and rl.blob not in blobs):
+                blocked.add(rl.hop)
+                h.relays.append(rl)  # its blob was not fetched this round
                 continue
-            raw = blobs[rl.blob]
-            if raw is None:
+            raw = blobs[rl.blob] if rl.blob is not None else None
+            if rl.blob is not None and raw is None:
                 h.reason, h.detail = Reason.BAD_ACTIVATIONS.value, f"hop {rl.hop}: output blob {rl.blob} is gone"
                 self._lose(h)
                 return
             self._push(batch, h, rl.hop + 1, self._next_job(h, rl.hop + 1, rl.job, rl.acts, raw))
-            batch.ops.append(("delete", (rl.blob,), {}))
+            h.legs[rl.hop + 1].bytes_in += rl.acts.nbytes
+            h.legs[rl.hop + 1].blobs_in += rl.blob is not None
+            if rl.blob is not None:
+                batch.ops.append(("delete", (rl.blob,), {}))
         h.jobs = {jid for leg in h.legs for jid in leg.sent}
 
     # ---------------------------------------------------------------- advancing

@@ -111,9 +111,9 @@ class _SyncRoutes:
     def fetch(self, touched: Sequence[RouteHandle], batch: Batch) -> None:
         """GET the output blobs the answers named (one pipeline) and queue the relays."""
         wanted = [k for keys in self.core.fetches(touched).values() for k in keys]
-        if not wanted:
-            return
-        blobs = dict(zip(wanted, self.p._io(partial(self.execute, partial(_gets, keys=wanted))), strict=True))
+        blobs: dict[str, bytes | None] = {}
+        if wanted:
+            blobs = dict(zip(wanted, self.p._io(partial(self.execute, partial(_gets, keys=wanted))), strict=True))
         for h in touched:
             if h.relays:
                 self.core.relay(batch, h, blobs)
@@ -269,11 +269,12 @@ async def arun_routes(p: AsyncProducer, sessions: Sequence[tuple[SessionSpec, Se
             continue
         last = time.monotonic()
         wanted = [k for keys in core.fetches(touched).values() for k in keys]
+        blobs: dict[str, bytes | None] = {}
         if wanted:
             blobs = dict(zip(wanted, await p._io(partial(_aexecute, p, partial(_gets, keys=wanted))), strict=True))
-            for h in touched:
-                if h.relays:
-                    core.relay(batch, h, blobs)
+        for h in touched:
+            if h.relays:
+                core.relay(batch, h, blobs)
         for h in touched:
             marked = (replay_state_lost and h.status == "state_lost" and not h.finished
                       and await p.cancelled(h.worker_id, h.session_id))

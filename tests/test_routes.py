@@ -1,0 +1,222 @@
+"""Routes of several hops end to end: real redis-server, real worker processes, the whole model as oracle.
+
+The tiny model is built with 4 blocks and cut into a 2-hop route ([0,2), [2,4)) and a 3-hop route
+([0,1), [1,3), [3,4)); every hop is its own worker process (reference engine). A session's tokens on a
+route must equal, bit for bit, its tokens on the whole model (one hop), for greedy and sampled sessions,
+short prompts (one prefill chunk, inline rows) and long ones (several chunks: rows through blobs), 1 to 8
+concurrent sessions, any arrival order. Billing: the last hop charges the session's tokens once; every
+hop charges its engine time; no hop holds a slot afterwards (the Tracker releases the non-last hops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.ops.common import sdict
+from dgrtools.localredis import LocalRedis
+from dgrtools.split_model import split_route
+from dgrtools.tiny_model import write_tiny_model
+from producer import Producer
+from producer.aio import AsyncProducer
+from producer.route import RouteHandle
+from producer.route_drivers import arun_routes
+from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
+
+from .support import ConsumerProcess, prompts
+
+pytestmark = pytest.mark.timeout(300)
+N_LAYER = 4
+ROUTES = {1: ("whole",), 2: ("r2-0", "r2-1"), 3: ("r3-0", "r3-1", "r3-2")}
+CUTS = {2: (2,), 3: (1, 3)}
+CHUNK = 48  # x 128 floats x 4 bytes = 24 KiB: a full chunk's rows go through a blob, a short prompt's inline
+
+
+@dataclass
+class Fleet:
+    url: str
+    client: redis.Redis
+    keys: dict[str, CompatibilityKey]
+    procs: dict[str, ConsumerProcess]
+    model: Path
+    logs: Path
+
+    def producer(self, **kw: object) -> Producer:
+        return Producer(self.client, prefill_chunk=CHUNK, timeout_s=60, **kw)  # type: ignore[arg-type]
+
+    def specs(self, n_hops: int, prefix: str, ps: Sequence[Sequence[int]], max_tokens: int,
+              sampled: Sequence[bool] = ()) -> list[tuple[SessionSpec, list[int]]]:
+        route = tuple(RouteHop(worker_id=w, key=self.keys[w]) for w in ROUTES[n_hops])
+        out = []
+        for i, p in enumerate(ps):
+            sampling = Sampling(temperature=0.9, top_p=0.95, seed=i) if i < len(sampled) and sampled[i] else Sampling()
+            out.append((SessionSpec(session_id=f"{prefix}-{i}", account_id=f"acct-{i % 2}", route=route,
+                                    sampling=sampling, max_tokens=max_tokens), list(p)))
+        return out
+
+    def account(self, worker: str, sid: str) -> dict[str, str]:
+        return sdict(self.client.hgetall(WorkerKeys(worker).session_account(sid)))
+
+    def busy(self, worker: str) -> int:
+        raw = self.client.get(WorkerKeys(worker).heartbeat)
+        return int(json.loads(raw).get("busy_slots", -1)) if raw else -1
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    d = tmp_path_factory.mktemp("routes")
+    src = d / "tiny4.gguf"
+    write_tiny_model(src, seed=0, quant="q8_0", n_layer=N_LAYER)
+    files = {"whole": src}
+    for n, cuts in CUTS.items():
+        for w, hop in zip(ROUTES[n], split_route(src, d / f"r{n}", cuts), strict=True):
+            files[w] = hop.path
+    with LocalRedis(appendonly=False) as srv:
+        client = redis.Redis.from_url(srv.url)
+        procs: dict[str, ConsumerProcess] = {}
+        try:
+            for w, f in files.items():
+                procs[w] = ConsumerProcess(srv.url, w, f, d / "logs", slots=8)
+            p = Producer(client)
+            keys = {w: p.discover(w).keys[0] for w in files}
+            yield Fleet(srv.url, client, keys, procs, src, d / "logs")
+        finally:
+            for proc in procs.values():
+                proc.stop()
+
+
+def wait_released(fleet: Fleet, workers: Sequence[str], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(fleet.busy(w) != 0 for w in workers):
+        if time.monotonic() > deadline:
+            raise AssertionError({w: fleet.busy(w) for w in workers})
+        time.sleep(0.05)
+
+
+def mixed_prompts(n: int, seed: int) -> list[list[int]]:
+    """Short prompts (one chunk, rows inline) and long ones (several chunks, rows in blobs), alternating."""
+    short, long = prompts(n, 512, seed, 1, 6), prompts(n, 512, seed + 1, 60, 150)
+    return [short[i] if i % 2 == 0 else long[i] for i in range(n)]
+
+
+def whole_tokens(fleet: Fleet, prefix: str, ps: Sequence[Sequence[int]], max_tokens: int,
+                 sampled: Sequence[bool] = ()) -> list[list[int]]:
+    """The oracle: every session on the whole model, one hop."""
+    hs = fleet.producer().run_many(fleet.specs(1, prefix, ps, max_tokens, sampled))
+    return [hs[f"{prefix}-{i}"].generated for i in range(len(ps))]
+
+
+@pytest.mark.parametrize("n_hops", [2, 3])
+@pytest.mark.parametrize("n_sessions", [1, 2, 4, 8])
+def test_route_tokens_equal_the_whole_model(fleet: Fleet, n_hops: int, n_sessions: int) -> None:
+    ps = mixed_prompts(n_sessions, seed=n_sessions * 10 + n_hops)
+    sampled = [i % 3 == 2 for i in range(n_sessions)]
+    want = whole_tokens(fleet, f"w{n_hops}-{n_sessions}", ps, 12, sampled)
+    prefix = f"r{n_hops}-{n_sessions}"
+    got = fleet.producer().run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+    if n_sessions > 1:  # the long prompts' rows went through blobs, each deleted once relayed / read
+        assert not list(fleet.client.scan_iter("dgr:*:act:*")), "a blob outlived its relay"
+    for i, p in enumerate(ps):
+        h = got[f"{prefix}-{i}"]
+        assert isinstance(h, RouteHandle)
+        assert h.status == "finished", (h.status, h.reason, h.detail)
+        assert h.generated == want[i], f"session {i} (prompt {len(p)} tokens)"
+        last = fleet.account(ROUTES[n_hops][-1], h.session_id)
+        assert int(last["prompt_tokens"]) == len(p) and int(last["generated_tokens"]) == 12
+        for k, w in enumerate(ROUTES[n_hops][:-1]):  # a hop that is not last bills no token, only its time
+            a = fleet.account(w, h.session_id)
+            assert int(a.get("prompt_tokens", 0)) == 0 and int(a.get("generated_tokens", 0)) == 0
+            assert float(a["engine_seconds"]) > 0 and h.legs[k].engine_seconds > 0
+        assert h.billed_generated == 12 and h.prompt_tokens == len(p)
+        for leg in h.legs[1:]:  # rows of every token but the last sampled one, blobs for full chunks
+            assert leg.bytes_in == (len(p) + 11) * 128 * 4
+            assert leg.blobs_in == (len(p) - 32 - 1) // CHUNK + 1 if len(p) > 32 else leg.blobs_in == 0
+    wait_released(fleet, ROUTES[n_hops])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                               HealthCheck.too_slow])
+@given(n_hops=st.sampled_from([2, 3]), lens=st.lists(st.integers(1, 130), min_size=1, max_size=5),
+       starts=st.lists(st.floats(0, 0.3), min_size=5, max_size=5), max_tokens=st.integers(1, 10),
+       sampled=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 1000))
+def test_route_property_prompt_lengths_and_arrival_orders(fleet: Fleet, n_hops: int, lens: list[int],
+                                                         starts: list[float], max_tokens: int, sampled: list[bool],
+                                                         seed: int) -> None:
+    ps = [prompts(1, 512, seed + i, n, n)[0] for i, n in enumerate(lens)]
+    tag = f"p{time.monotonic_ns()}"
+    want = whole_tokens(fleet, f"{tag}w", ps, max_tokens, sampled)
+    got = fleet.producer().run_many(fleet.specs(n_hops, f"{tag}r", ps, max_tokens, sampled),
+                                    start_times=starts[:len(ps)])
+    assert [got[f"{tag}r-{i}"].generated for i in range(len(ps))] == want
+
+
+def test_stop_token_on_the_last_hop_releases_every_other_hop(fleet: Fleet) -> None:
+    ps = mixed_prompts(4, seed=7)
+    want = whole_tokens(fleet, "stopw", ps, 16)
+    stop = want[0][3]  # the 4th token of session 0: a stop token only the last hop ever sees
+    route = tuple(RouteHop(worker_id=w, key=fleet.keys[w]) for w in ROUTES[3])
+    specs = [(SessionSpec(session_id=f"stop-{i}", account_id="a", route=route, max_tokens=16, stop_tokens=(stop,)),
+              p) for i, p in enumerate(ps)]
+    got = fleet.producer().run_many(specs)
+    for i in range(4):
+        cut = next((j + 1 for j, t in enumerate(want[i]) if t == stop), 16)
+        assert got[f"stop-{i}"].generated == want[i][:cut]
+        assert got[f"stop-{i}"].status == "finished"
+    wait_released(fleet, ROUTES[3])
+
+
+def test_generate_streams_a_route(fleet: Fleet) -> None:
+    ps = mixed_prompts(2, seed=3)
+    want = whole_tokens(fleet, "genw", ps, 9)
+    (spec, p), _ = fleet.specs(2, "gen", ps, 9)
+    assert list(fleet.producer().generate(spec, p)) == want[0]
+
+
+def test_cancel_mid_route_reaches_every_hop(fleet: Fleet) -> None:
+    ps = mixed_prompts(4, seed=11)
+    producer = fleet.producer()
+    seen: dict[str, int] = {}
+
+    def on_result(h: object, r: StepResult) -> None:
+        assert isinstance(h, RouteHandle)
+        if r.token is not None:
+            seen[h.session_id] = seen.get(h.session_id, 0) + 1
+            if seen[h.session_id] == 3 and h.session_id.endswith(("-0", "-2")):
+                producer.cancel_route(h)
+
+    got = producer.run_many(fleet.specs(3, "cx", ps, 200), on_result=on_result)
+    for i in range(4):
+        h = got[f"cx-{i}"]
+        if i in (0, 2):
+            assert h.status == "cancelled", (h.status, h.detail)
+            assert 3 <= len(h.generated) < 200
+            for w in ROUTES[3]:  # the cancel is state on every hop's worker
+                assert fleet.client.exists(WorkerKeys(w).cancel_marker(h.session_id))
+        else:
+            assert h.status == "finished" and len(h.generated) == 200
+    wait_released(fleet, ROUTES[3])
+
+
+def test_async_driver_gives_the_same_tokens(fleet: Fleet) -> None:
+    ps = mixed_prompts(4, seed=5)
+    want = whole_tokens(fleet, "aw", ps, 8, [False, True, False, True])
+
+    async def go() -> dict[str, RouteHandle]:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(fleet.url)
+        async with AsyncProducer(client, prefill_chunk=CHUNK, timeout_s=60) as p:
+            return await arun_routes(p, fleet.specs(2, "ar", ps, 8, [False, True, False, True]))
+
+    got = asyncio.run(go())
+    assert [got[f"ar-{i}"].generated for i in range(4)] == want
+    wait_released(fleet, ROUTES[2])
