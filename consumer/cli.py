@@ -211,13 +211,17 @@ def demo(
     n_threads: Annotated[int, typer.Option("--threads", help="CPU threads for the consumer (0: default).")] = 0,
     temperature: Annotated[float, typer.Option(help="Sampling temperature of every session (0: greedy).")] = 0.8,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold of every session.")] = 0.95,
+    route: Annotated[int, typer.Option(help="2: also run the model as two hops on two more consumers (greedy "
+                                            "sessions) and compare the texts with one hop.")] = 1,
+    cut: Annotated[int, typer.Option(help="--route 2: the block the model is cut at (0: Gemma 3 at a multiple "
+                                          "of 6 near half, others at half).")] = 0,
 ) -> None:
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from dgrtools.demo import run_demo
 
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
                               worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads,
-                              temperature=temperature, top_p=top_p))
+                              temperature=temperature, top_p=top_p, route=route, cut=cut))
 
 
 @app.command("tracker-sim")

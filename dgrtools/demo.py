@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack, suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 from rich.console import Console
@@ -62,13 +65,22 @@ def demo_sampling(i: int, temperature: float, top_p: float) -> Sampling:
 
 def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
              n_threads: int, worker_id: str = WORKER_ID, external: bool = False,
-             temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P) -> int:
+             temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P, route: int = 1,
+             cut: int = 0, engine: str = "llama") -> int:
+    """The demo. `route` 2: the model also runs as two hops (blocks [0, cut) and [cut, n), cut files
+    cached next to the model) on two more consumers, with greedy sessions, and the texts are compared."""
     from consumer.runtime import resolve_model
     from producer import Producer
 
     from .tokenizer import Tokenizer
 
     console = Console()
+    if route not in (1, 2):
+        console.print("[red]--route takes 1 or 2[/red]")
+        return 2
+    if route == 2 and external:
+        console.print("[red]--route 2 starts its own consumers: not with --external[/red]")
+        return 2
     try:
         server = None if redis_url or external else LocalRedis()
     except RedisNotFound:
@@ -84,59 +96,45 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
             model_path = resolve_model(model)
         console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   redis: {redis_url}")
         client = redis.Redis.from_url(redis_url)
+        if route == 2:
+            temperature = 0.0  # the comparison is between greedy sessions: the texts must be equal
         with ExitStack() as stack:
-            with console.status(f"consumer {worker_id!r}: loading the model"):
-                if external:
-                    wait_for_worker(client, worker_id)
-                else:
-                    stack.enter_context(ConsumerProcess(redis_url, worker_id, model_path, workdir, recipe=recipe,
+            def start(wid: str, path: Path) -> None:
+                with console.status(f"consumer {wid!r}: loading {path.name}"):
+                    stack.enter_context(ConsumerProcess(redis_url, wid, path, workdir, recipe=recipe, engine=engine,
                                                         slots=max(sessions, 1), threads=n_threads))
+
+            if external:
+                with console.status(f"consumer {worker_id!r}: waiting for it"):
+                    wait_for_worker(client, worker_id)
+            else:
+                start(worker_id, model_path)
             producer = Producer(client)
-            info = producer.discover(worker_id)
             tok = Tokenizer(model_path)
-            key = info.keys[0]
-            specs = []
-            for i in range(sessions):
-                prompt = PROMPTS[i % len(PROMPTS)]
-                spec = SessionSpec(session_id=f"demo-{i}", account_id=f"acct-{i % 2}",
-                                   route=(RouteHop(worker_id=worker_id, key=key),),
-                                   sampling=demo_sampling(i, temperature, top_p),
-                                   max_tokens=max_tokens, stop_tokens=tuple(tok.stop_tokens))
-                specs.append((spec, tok.encode(prompt, add_bos=True)))
-            texts = {s.session_id: "" for s, _ in specs}
-            generated: dict[str, list[int]] = {s.session_id: [] for s, _ in specs}
-            prompts = {s.session_id: PROMPTS[i % len(PROMPTS)] for i, (s, _) in enumerate(specs)}
-            first: dict[str, float] = {}
-            last: dict[str, float] = {}
-
-            def render() -> Table:
-                t = Table(title=f"dgr demo: {sessions} sessions, one fused call per step, "
-                                 f"{'greedy' if temperature == 0 else f'temperature {temperature}, top_p {top_p}'}",
-                          expand=True)
-                t.add_column("session", no_wrap=True)
-                t.add_column("text (prompt + generated)", overflow="fold")
-                for sid, text in texts.items():
-                    t.add_row(sid, f"[dim]{prompts[sid]}[/dim][bold]{text}[/bold]"[-400:])
-                return t
-
-            def on_result(h: object, r: StepResult) -> None:
-                now = time.perf_counter()
-                first.setdefault(r.session_id, now)
-                last[r.session_id] = now
-                if r.token is not None:  # decode the whole run: a character may span several tokens
-                    generated[r.session_id].append(r.token)
-                    texts[r.session_id] = tok.decode(generated[r.session_id])
-
-            t0 = time.perf_counter()
-            with Live(render(), console=console, refresh_per_second=8) as live:
-                def on_result_live(h: object, r: StepResult) -> None:
-                    on_result(h, r)
-                    live.update(render())
-
-                handles = producer.run_many(specs, on_result=on_result_live)
-            wall = time.perf_counter() - t0
-            console.print()
-            console.print(summary_table(client, worker_id, handles, first, last, t0, wall))
+            prompts = [tok.encode(PROMPTS[i % len(PROMPTS)], add_bos=True) for i in range(sessions)]
+            texts = [PROMPTS[i % len(PROMPTS)] for i in range(sessions)]
+            hops = (RouteHop(worker_id=worker_id, key=producer.discover(worker_id).keys[0]),)
+            mode = "greedy" if temperature == 0 else f"temperature {temperature}, top_p {top_p}"
+            one = live_run(console, producer, demo_specs("demo", hops, prompts, max_tokens, temperature, top_p,
+                                                         tok.stop_tokens), tok, texts,
+                           f"dgr demo: {sessions} sessions, one hop, one fused call per step, {mode}")
+            console.print(summary_table(client, worker_id, one.handles, one.first, one.last, one.t0, one.wall))
+            if route == 2:
+                files = hop_files(model_path, cut, console)
+                ids = [f"{worker_id}-hop{k}" for k in range(len(files))]
+                for wid, f in zip(ids, files, strict=True):
+                    start(wid, f)
+                two_hops = tuple(RouteHop(worker_id=w, key=producer.discover(w).keys[0]) for w in ids)
+                two = live_run(console, producer, demo_specs("demo2", two_hops, prompts, max_tokens, temperature,
+                                                             top_p, tok.stop_tokens), tok, texts,
+                               f"dgr demo: the same {sessions} sessions on two hops ({files[0].name} -> "
+                               f"{files[1].name}), {mode}")
+                console.print(compare_table(client, tok, ids, one, two))
+                same = all(a.generated == b.generated for a, b in zip(one.handles.values(), two.handles.values(),
+                                                                        strict=True))
+                console.print("[green]two hops give the same text as one hop[/green]" if same
+                              else "[red]two hops give a different text than one hop[/red]")
+                return 0 if same else 1
         return 0
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the consumer and redis-server[/yellow]")
@@ -145,6 +143,113 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
         if server is not None:
             with suppress(Exception):
                 server.stop()
+
+
+def demo_specs(prefix: str, hops: tuple[RouteHop, ...], prompts: list[list[int]], max_tokens: int,
+               temperature: float, top_p: float, stop_tokens: Sequence[int]) -> list[tuple[SessionSpec, list[int]]]:
+    return [(SessionSpec(session_id=f"{prefix}-{i}", account_id=f"acct-{i % 2}", route=hops,
+                         sampling=demo_sampling(i, temperature, top_p), max_tokens=max_tokens,
+                         stop_tokens=tuple(stop_tokens)), p) for i, p in enumerate(prompts)]
+
+
+def default_cut(path: Path) -> int:
+    """Where to cut a model in two: Gemma 3 at the multiple of 6 nearest half its blocks (its attention
+    pattern repeats every 6 blocks: dgrtools/split_model.py), any other model at half."""
+    import gguf
+
+    from .split_model import source_block_count
+
+    n = source_block_count(path)
+    arch = str(gguf.GGUFReader(str(path)).get_field("general.architecture").contents())  # type: ignore[union-attr]
+    if arch == "gemma3" and n > 6:
+        return max(6, min(n - 1, 6 * round(n / 12)))
+    return max(1, n // 2)
+
+
+def hop_files(model_path: Path, cut: int, console: Console) -> list[Path]:
+    """The two hop files of the model cut at `cut` (0: default_cut), written once into a cache directory
+    next to the model (`<model>.hops/`) and reused while the model's size and time are unchanged."""
+    from .split_model import split_route
+
+    cut = cut or default_cut(model_path)
+    st = model_path.stat()
+    cache = model_path.parent / f"{model_path.name}.hops" / f"{st.st_size}-{st.st_mtime_ns}-cut{cut}"
+    files = sorted(cache.glob("hop-*.gguf"), key=lambda p: int(p.stem.split("-")[1]))
+    if len(files) != 2:
+        with console.status(f"cutting {model_path.name} at block {cut} into {cache}"):
+            files = [h.path for h in split_route(model_path, cache, (cut,))]
+    console.print(f"hops: {files[0]} and {files[1]}")
+    return files
+
+
+@dataclass
+class Run:
+    handles: dict[str, SessionHandle]
+    first: dict[str, float]
+    last: dict[str, float]
+    t0: float
+    wall: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(h.generated) for h in self.handles.values())
+
+
+def live_run(console: Console, producer: Any, specs: list[tuple[SessionSpec, list[int]]], tok: Any,
+             prompt_texts: list[str], title: str) -> Run:
+    """Drive the sessions, their texts streamed live in a table; the handles and their timings."""
+    ids = [s.session_id for s, _ in specs]
+    texts = dict.fromkeys(ids, "")
+    generated: dict[str, list[int]] = {sid: [] for sid in ids}
+    prompts = dict(zip(ids, prompt_texts, strict=True))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+
+    def render() -> Table:
+        t = Table(title=title, expand=True)
+        t.add_column("session", no_wrap=True)
+        t.add_column("text (prompt + generated)", overflow="fold")
+        for sid, text in texts.items():
+            t.add_row(sid, f"[dim]{prompts[sid]}[/dim][bold]{text}[/bold]"[-400:])
+        return t
+
+    t0 = time.perf_counter()
+    with Live(render(), console=console, refresh_per_second=8) as live:
+        def on_result(h: object, r: StepResult) -> None:
+            now = time.perf_counter()
+            first.setdefault(r.session_id, now)
+            last[r.session_id] = now
+            if r.token is not None:  # decode the whole run: a character may span several tokens
+                generated[r.session_id].append(r.token)
+                texts[r.session_id] = tok.decode(generated[r.session_id])
+                live.update(render())
+
+        handles = producer.run_many(specs, on_result=on_result)
+    return Run(handles=handles, first=first, last=last, t0=t0, wall=time.perf_counter() - t0)
+
+
+def compare_table(client: redis.Redis, tok: Any, hop_ids: list[str], one: Run, two: Run) -> Table:
+    """Session by session: one hop's text, two hops' text, equal or not; the caption: rates, each hop's
+    engine time (from its worker's accounting), the activation bytes relayed per decode step."""
+    from producer.route import RouteHandle
+
+    t = Table(title="one hop vs two hops (greedy: the texts must be equal)", expand=True)
+    for col in ("session", "same", "one hop", "two hops"):
+        t.add_column(col, overflow="fold", no_wrap=col in ("session", "same"))
+    for (sid, a), b in zip(one.handles.items(), two.handles.values(), strict=True):
+        same = a.generated == b.generated
+        t.add_row(sid, "[green]yes[/green]" if same else "[red]NO[/red]", tok.decode(a.generated),
+                  tok.decode(b.generated))
+    engine = [sum(float(sdict(client.hgetall(WorkerKeys(w).session_account(sid))).get("engine_seconds", 0))
+                  for sid in two.handles) for w in hop_ids]
+    legs = [h.legs[1] for h in two.handles.values() if isinstance(h, RouteHandle) and len(h.legs) > 1]
+    rows = sum(len(h.prompt) + max(len(h.generated) - 1, 0) for h in two.handles.values())
+    per_row = sum(leg.bytes_in for leg in legs) / rows if rows else 0.0
+    r1, r2 = one.tokens / one.wall, two.tokens / two.wall
+    t.caption = (f"one hop {r1:.1f} tok/s, two hops {r2:.1f} tok/s (ratio {r2 / r1:.2f}); engine seconds: "
+                 + ", ".join(f"{w} {e:.2f}" for w, e in zip(hop_ids, engine, strict=True))
+                 + f"; activations relayed per decode step: {per_row:.0f} bytes (one row, f32)")
+    return t
 
 
 def worker_batch_stats(client: redis.Redis, worker_id: str) -> dict[str, float]:

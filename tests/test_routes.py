@@ -220,3 +220,17 @@ def test_async_driver_gives_the_same_tokens(fleet: Fleet) -> None:
     got = asyncio.run(go())
     assert [got[f"ar-{i}"].generated for i in range(4)] == want
     wait_released(fleet, ROUTES[2])
+
+
+def test_demo_route_2_shows_the_same_text_as_one_hop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dgr demo --route 2` on the tiny model (reference engine here; the demo's own is llama.cpp)."""
+    from dgrtools.demo import run_demo
+
+    model = tmp_path / "tiny4.gguf"
+    write_tiny_model(model, seed=0, quant="q8_0", n_layer=N_LAYER)
+    rc = run_demo(model=str(model), sessions=3, max_tokens=6, redis_url=None, recipe="invariant", n_threads=1,
+                  route=2, engine="reference")
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "two hops give the same text as one hop" in out
+    assert len(list((tmp_path / "tiny4.gguf.hops").glob("*/hop-*.gguf"))) == 2  # cut once, cached by the model
