@@ -398,12 +398,17 @@ class RouteCore:
 
     @staticmethod
     def by_worker(handles: Iterable[RouteHandle]) -> dict[str, dict[str, tuple[RouteHandle, str]]]:
-        """Per worker: result stream key -> (handle, its cursor on that worker): one XREAD per worker."""
+        """Per worker: result stream key -> (handle, its cursor on that worker): one XREAD per worker, over
+        the streams where an answer is awaited (a session with none awaited anywhere: all of its streams).
+        Workers are ordered by how many answers they owe, most last (the driver blocks on that one)."""
         out: dict[str, dict[str, tuple[RouteHandle, str]]] = {}
+        owed: dict[str, int] = {}
         for h in handles:
-            for w, cursor in h.cursors.items():
-                out.setdefault(w, {})[WorkerKeys(w).results(h.session_id)] = (h, cursor)
-        return out
+            waiting = {leg.worker_id for leg in h.legs if leg.sent} or set(h.cursors)
+            for w in waiting:
+                out.setdefault(w, {})[WorkerKeys(w).results(h.session_id)] = (h, h.cursors[w])
+                owed[w] = owed.get(w, 0) + sum(len(leg.sent) for leg in h.legs if leg.worker_id == w)
+        return {w: out[w] for w in sorted(out, key=lambda w: (owed[w], w))}
 
 
 def _read_on(h: RouteHandle, worker_id: str, entries: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:

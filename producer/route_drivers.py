@@ -1,9 +1,10 @@
 """The I/O loops that drive routes of several hops over RouteCore (producer/route.py): sync and asyncio.
 
 One loop turn, for all the sessions being driven:
-  1. read: one XREAD per worker over the sessions' result streams on that worker (its keys share one hash
-     tag: Cluster safe), all workers in one pipeline, non-blocking, polled until something arrives (a
-     route's answers come from several workers, and one blocking XREAD cannot wait on two hash tags);
+  1. read: one XREAD per worker owing answers, over the sessions' result streams on that worker (its keys
+     share one hash tag: Cluster safe), all in one pipeline whose last XREAD (the worker owing the most)
+     BLOCKs: a route's answers come from several workers, and one blocking XREAD cannot wait on two hash
+     tags, so a result of another worker waits at most BLOCK_MS;
   2. fetch: GET every output blob named by the answers read, one pipeline;
   3. push: every session's next jobs (relays with their blobs, decode steps at hop 0, replays, releases) in
      one pipeline, not a transaction (its keys span several workers' tags).
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["arun_routes", "cancel_route", "generate_route", "run_routes"]
 
-POLL_S = 0.0005  # the pause between two empty polls of the result streams
+POLL_S = 0.0005  # the asyncio driver's pause between two empty polls of the result streams
+BLOCK_MS = 2  # with answers owed by several workers: the longest wait on one before the others are read again
 
 
 def _turn(core: RouteCore, live: Sequence[RouteHandle], resps: Sequence[Any],
@@ -61,10 +63,15 @@ async def _aexecute(p: AsyncProducer, fill: Callable[[Any], Any]) -> Any:
     return await fill(p.client.pipeline(transaction=False)).execute()
 
 
-def _xreads(pipe: Any, by_worker: dict[str, dict[str, tuple[RouteHandle, str]]]) -> Any:
-    """One XREAD per worker, from each session's current cursor on that worker."""
-    for w, by_key in by_worker.items():
-        pipe.xread({k: h.cursors[w] for k, (h, _) in by_key.items()}, count=READ_COUNT)
+def _xreads(pipe: Any, by_worker: dict[str, dict[str, tuple[RouteHandle, str]]], block_ms: int | None = None) -> Any:
+    """One XREAD per worker, from each session's current cursor on that worker; the last one (the worker
+    that owes the most answers) BLOCKs block_ms when given. In one pipeline, Redis answers the others
+    first, then waits on that one: one blocked round trip instead of a spinning poll (a blocking XREAD
+    over several workers' streams would span hash tags, which Redis Cluster refuses)."""
+    items = list(by_worker.items())
+    for i, (w, by_key) in enumerate(items):
+        block = block_ms if i == len(items) - 1 else None
+        pipe.xread({k: h.cursors[w] for k, (h, _) in by_key.items()}, count=READ_COUNT, block=block)
     return pipe
 
 
@@ -102,11 +109,13 @@ class _SyncRoutes:
         batch = Batch()
         while True:
             by_worker = self.core.by_worker(live)
-            resps = self.p._io(partial(self.execute, partial(_xreads, by_worker=by_worker)))
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            # one worker: block on it as long as asked; several: block on the busiest for at most BLOCK_MS
+            block = left_ms if len(by_worker) == 1 else min(BLOCK_MS, left_ms)
+            resps = self.p._io(partial(self.execute, partial(_xreads, by_worker=by_worker, block_ms=block)))
             touched = _turn(self.core, live, resps, by_worker, batch, self.on_result)
             if touched or time.monotonic() >= deadline:
                 return touched, batch
-            time.sleep(POLL_S)
 
     def fetch(self, touched: Sequence[RouteHandle], batch: Batch) -> None:
         """GET the output blobs the answers named (one pipeline) and queue the relays."""
