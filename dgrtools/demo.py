@@ -95,7 +95,7 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
         with console.status(f"model {model!r}: preparing"):
             model_path = resolve_model(model)
         console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   redis: {redis_url}")
-        client = redis.Redis.from_url(redis_url)
+        client = CountingRedis.from_url(redis_url)
         if route == 2:
             temperature = 0.0  # the comparison is between greedy sessions: the texts must be equal
         with ExitStack() as stack:
@@ -182,6 +182,24 @@ def hop_files(model_path: Path, cut: int, console: Console) -> list[Path]:
     return files
 
 
+class CountingRedis(redis.Redis):
+    """A client that counts its round trips (pipelines and direct calls the producer makes per loop)."""
+
+    round_trips = 0
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        self.round_trips += 1
+        return super().pipeline(*args, **kwargs)
+
+    def xread(self, *args: Any, **kwargs: Any) -> Any:
+        self.round_trips += 1
+        return super().xread(*args, **kwargs)
+
+
+def fused_calls(client: redis.Redis, workers: Sequence[str]) -> float:
+    return sum(float(sdict(client.hgetall(WorkerKeys(w).worker_account)).get("fused_calls", 0)) for w in workers)
+
+
 @dataclass
 class Run:
     handles: dict[str, SessionHandle]
@@ -189,6 +207,7 @@ class Run:
     last: dict[str, float]
     t0: float
     wall: float
+    round_trips: float = 0.0  # the producer's round trips per fused call (all hops)
 
     @property
     def tokens(self) -> int:
@@ -198,6 +217,9 @@ class Run:
 def live_run(console: Console, producer: Any, specs: list[tuple[SessionSpec, list[int]]], tok: Any,
              prompt_texts: list[str], title: str) -> Run:
     """Drive the sessions, their texts streamed live in a table; the handles and their timings."""
+    client = producer.client
+    workers = sorted({hop.worker_id for s, _ in specs for hop in s.route})
+    calls0, trips0 = fused_calls(client, workers), getattr(client, "round_trips", 0)
     ids = [s.session_id for s, _ in specs]
     texts = dict.fromkeys(ids, "")
     generated: dict[str, list[int]] = {sid: [] for sid in ids}
@@ -225,7 +247,10 @@ def live_run(console: Console, producer: Any, specs: list[tuple[SessionSpec, lis
                 live.update(render())
 
         handles = producer.run_many(specs, on_result=on_result)
-    return Run(handles=handles, first=first, last=last, t0=t0, wall=time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    calls = fused_calls(client, workers) - calls0
+    trips = (getattr(client, "round_trips", 0) - trips0) / calls if calls else 0.0
+    return Run(handles=handles, first=first, last=last, t0=t0, wall=wall, round_trips=trips)
 
 
 def compare_table(client: redis.Redis, tok: Any, hop_ids: list[str], one: Run, two: Run) -> Table:
@@ -248,7 +273,8 @@ def compare_table(client: redis.Redis, tok: Any, hop_ids: list[str], one: Run, t
     r1, r2 = one.tokens / one.wall, two.tokens / two.wall
     t.caption = (f"one hop {r1:.1f} tok/s, two hops {r2:.1f} tok/s (ratio {r2 / r1:.2f}); engine seconds: "
                  + ", ".join(f"{w} {e:.2f}" for w, e in zip(hop_ids, engine, strict=True))
-                 + f"; activations relayed per decode step: {per_row:.0f} bytes (one row, f32)")
+                 + f"; activations relayed per decode step: {per_row:.0f} bytes (one row, f32); Tracker round trips "
+                 f"per fused call: one hop {one.round_trips:.2f}, two hops {two.round_trips:.2f}")
     return t
 
 
