@@ -234,3 +234,45 @@ def test_demo_route_2_shows_the_same_text_as_one_hop(tmp_path: Path, capsys: pyt
     assert rc == 0, out[-3000:]
     assert "two hops give the same text as one hop" in out
     assert len(list((tmp_path / "tiny4.gguf.hops").glob("*/hop-*.gguf"))) == 2  # cut once, cached by the model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("cuts", [(6,), (12,), (6, 12)])
+def test_gemma_routes_equal_the_whole_model(gemma_model_path: Path, tmp_path: Path, cuts: tuple[int, ...]) -> None:
+    """Gemma 3 270M on llama.cpp, cut in two or three hops: 8 sessions, short and long prompts, greedy and
+    sampled, equal to the whole model bit for bit (DGR_SLOW=1)."""
+    from dgrtools.process import ConsumerProcess as LlamaConsumer
+    from dgrtools.tokenizer import Tokenizer
+
+    files = {"g": gemma_model_path}
+    ids = [f"g{k}" for k in range(len(cuts) + 1)]
+    for w, hop in zip(ids, split_route(gemma_model_path, tmp_path / "hops", cuts), strict=True):
+        files[w] = hop.path
+    tok = Tokenizer(gemma_model_path)
+    texts = ["The capital of France is", "Once upon a time, " * 30, "To make a cup of tea, first",
+             "The key idea behind continuous batching is " * 12, "A recipe for pancakes: mix", "My favourite book is",
+             "Photosynthesis is the process by which " * 20, "In 1969, the first humans"]
+    ps = [tok.encode(t, add_bos=True) for t in texts]
+    with LocalRedis(appendonly=False) as srv:
+        client = redis.Redis.from_url(srv.url)
+        procs = []
+        try:
+            for w, f in files.items():
+                procs.append(LlamaConsumer(srv.url, w, f, tmp_path / "logs", slots=8, threads=2))
+            p = Producer(client, prefill_chunk=64, timeout_s=300)
+            keys = {w: p.discover(w).keys[0] for w in files}
+
+            def specs(route: Sequence[str], prefix: str) -> list[tuple[SessionSpec, list[int]]]:
+                hops = tuple(RouteHop(worker_id=w, key=keys[w]) for w in route)
+                return [(SessionSpec(session_id=f"{prefix}-{i}", account_id="a", route=hops, max_tokens=16,
+                                     sampling=Sampling(temperature=0.8, top_p=0.95, seed=i) if i % 2 else Sampling()),
+                         q) for i, q in enumerate(ps)]
+
+            whole = p.run_many(specs(["g"], "w"))
+            got = p.run_many(specs(ids, "r"))
+            for i in range(len(ps)):
+                assert got[f"r-{i}"].generated == whole[f"w-{i}"].generated, i
+        finally:
+            for proc in procs:
+                proc.stop()
