@@ -44,6 +44,7 @@ from schemas.keys import WORKERS_INDEX
 from schemas.limits import CANCEL_MARKER_TTL_S, OUTAGE_MAX_S, SESSION_RECORD_TTL_S
 from schemas.retry import OutageRider, RetryPolicy
 
+from . import route_drivers
 from .core import (
     READ_COUNT,
     Batch,
@@ -55,6 +56,7 @@ from .core import (
     WorkerInfo,
     decode_str,
 )
+from .route import RouteHandle
 from .validate import check_id
 
 __all__ = ["AsyncProducer"]
@@ -420,6 +422,10 @@ class AsyncProducer(CoreSettings):
         self.core.cancel_ops(batch, worker_id, session_id)
         await self._send_now(batch, transaction=True)
 
+    async def cancel_route(self, h: RouteHandle) -> None:
+        """Cancel a session on every hop of its route (one transaction per worker)."""
+        await route_drivers.acancel_route(self, h)
+
     async def cancelled(self, worker_id: str, session_id: str) -> bool:
         """Whether the session's cancel marker is set (by this or any other process)."""
         keys = WorkerKeys(check_id(worker_id, "worker_id"))
@@ -498,6 +504,10 @@ class AsyncProducer(CoreSettings):
         """`async for token in producer.generate(spec, prompt)`: Producer.generate on asyncio. Replays
         after state_lost (up to max_attempts); raises SessionFailed on rejected/failed, ResultTimeout
         when its worker answers nothing for timeout_s; rides through Redis outages."""
+        if len(spec.route) > 1:  # a route of several hops: producer/route.py
+            async for token in route_drivers.agenerate_route(self, spec, prompt):
+                yield token
+            return
         h = await self.open(spec, prompt)
         sent = 0
         follow = self._follow(h)
@@ -519,6 +529,9 @@ class AsyncProducer(CoreSettings):
         is driven by its worker's reader; `on_result` may be a coroutine function. Backpressure on opening:
         "raise" raises, "wait" waits until the stream's lag is within the bound. Returns the handles by
         session id (resumed first, then in the order given)."""
+        if any(len(spec.route) > 1 for spec, _ in sessions) and not resume:  # routes of several hops
+            return dict(await route_drivers.arun_routes(self, sessions, on_result=on_result,
+                                                        replay_state_lost=replay_state_lost, start_times=start_times))
         if start_times is not None and len(start_times) != len(sessions):
             raise ValueError("start_times must give one time per session")
         ids = [spec.session_id for spec, _ in sessions] + [h.session_id for h in resume]

@@ -16,9 +16,10 @@ every session's unanswered jobs are pushed again, blobs included (same job ids, 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from .aio import AsyncProducer
     from .client import Producer
 
-__all__ = ["arun_routes", "cancel_route", "generate_route", "run_routes"]
+__all__ = ["acancel_route", "agenerate_route", "arun_routes", "cancel_route", "generate_route", "run_routes"]
 
 POLL_S = 0.0005  # the asyncio driver's pause between two empty polls of the result streams
 BLOCK_MS = 2  # with answers owed by several workers: the longest wait on one before the others are read again
@@ -232,35 +233,52 @@ def cancel_route(p: Producer, h: RouteHandle) -> None:
 
 
 async def arun_routes(p: AsyncProducer, sessions: Sequence[tuple[SessionSpec, Sequence[int]]],
-                      on_result: Callable[[RouteHandle, StepResult], None] | None = None,
-                      replay_state_lost: bool = True) -> dict[str, RouteHandle]:
-    """run_routes on an AsyncProducer: the same turns over RouteCore, awaited."""
+                      on_result: Callable[[RouteHandle, StepResult], Awaitable[None] | None] | None = None,
+                      replay_state_lost: bool = True,
+                      start_times: Sequence[float] | None = None) -> dict[str, RouteHandle]:
+    """run_routes on an AsyncProducer: the same turns over RouteCore, awaited (`on_result` may be a
+    coroutine function). One loop for all the sessions; AsyncProducer.run_many and generate use it for
+    routes of several hops."""
+    if start_times is not None and len(start_times) != len(sessions):
+        raise ValueError("start_times must give one time per session")
     ids = [spec.session_id for spec, _ in sessions]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate session ids")
     core = RouteCore(p.core)
+    times = list(start_times) if start_times is not None else [0.0] * len(sessions)
+    waiting = deque(sorted(range(len(sessions)), key=lambda i: times[i]))
 
     async def send(batch: Batch) -> None:
         if batch.ops:
-            await p._io(lambda: batch.apply_to(p.client.pipeline(transaction=False)).execute())
+            await p._io(partial(_aexecute, p, batch.apply_to))
 
     handles: dict[str, RouteHandle] = {}
-    batch = Batch()
-    for spec, prompt in sessions:
-        p.core.check_shape(spec, prompt, 0)
-        for w in core.route_workers_to_discover(spec):
-            await p.discover(w)
-        h = core.new_handle(spec, prompt)
-        await p._admit(h.input_stream("prefill"), wait=True)
-        core.queue_open(batch, h)
-        handles[h.session_id] = h
-    await send(batch)
-    last = time.monotonic()
+    seen: list[tuple[RouteHandle, StepResult]] = []  # the results of one turn, for on_result
+
+    def collect(h: RouteHandle, r: StepResult) -> None:
+        seen.append((h, r))
+
+    t0 = last = time.monotonic()
     outages = p.outages
     while True:
+        batch = Batch()
+        while waiting and times[waiting[0]] <= time.monotonic() - t0:
+            spec, prompt = sessions[waiting.popleft()]
+            p.core.check_shape(spec, prompt, 0)
+            for w in core.route_workers_to_discover(spec):
+                await p.discover(w)
+            h = core.new_handle(spec, prompt)
+            await p._admit(h.input_stream("prefill"), wait=True)
+            core.queue_open(batch, h)
+            handles[h.session_id] = h
+        await send(batch)
         live = [h for h in handles.values() if not h.finished]
         if not live:
-            return handles
+            if not waiting:
+                return handles
+            await asyncio.sleep(max(0.0, min(0.05, times[waiting[0]] - (time.monotonic() - t0))))
+            last = time.monotonic()
+            continue
         if p.outages != outages:
             outages, last = p.outages, time.monotonic()
             batch = Batch()
@@ -268,15 +286,21 @@ async def arun_routes(p: AsyncProducer, sessions: Sequence[tuple[SessionSpec, Se
                 core.queue_unanswered(batch, h)
             await send(batch)
         by_worker = core.by_worker(live)
-        resps = await p._io(partial(_aexecute, p, partial(_xreads, by_worker=by_worker)))
+        block = BLOCK_MS if len(by_worker) > 1 or waiting else 100
+        resps = await p._io(partial(_aexecute, p, partial(_xreads, by_worker=by_worker, block_ms=block)))
         batch = Batch()
-        touched = _turn(core, live, resps, by_worker, batch, on_result)
+        seen.clear()
+        touched = _turn(core, live, resps, by_worker, batch, collect)
         if not touched:
-            if time.monotonic() - last > p.timeout_s:
+            if p.outages == outages and time.monotonic() - last > p.timeout_s:
                 raise ResultTimeout(f"{len(live)} sessions: no result for {p.timeout_s} s")
-            await asyncio.sleep(POLL_S)
             continue
         last = time.monotonic()
+        if on_result is not None:
+            for h, r in seen:
+                got = on_result(h, r)
+                if inspect.isawaitable(got):
+                    await got
         wanted = [k for keys in core.fetches(touched).values() for k in keys]
         blobs: dict[str, bytes | None] = {}
         if wanted:
@@ -289,3 +313,33 @@ async def arun_routes(p: AsyncProducer, sessions: Sequence[tuple[SessionSpec, Se
                       and await p.cancelled(h.worker_id, h.session_id))
             core.advance(batch, h, replay_state_lost, cancel_marked=marked)
         await send(batch)
+
+
+async def agenerate_route(p: AsyncProducer, spec: SessionSpec, prompt: Sequence[int]) -> AsyncIterator[int]:
+    """AsyncProducer.generate over a route: the last hop's tokens as they arrive."""
+    queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+    def on_result(h: RouteHandle, r: StepResult) -> None:
+        if r.token is not None and h.legs and r.worker_id == h.legs[-1].worker_id:
+            queue.put_nowait(r.token)
+
+    task = asyncio.ensure_future(arun_routes(p, [(spec, prompt)], on_result=on_result))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (token := await queue.get()) is not None:
+            yield token
+        h = (await task)[spec.session_id]
+    finally:
+        task.cancel()
+    if h.status not in ("finished", "cancelled"):
+        raise SessionFailed(h)
+
+
+async def acancel_route(p: AsyncProducer, h: RouteHandle) -> None:
+    """cancel_route on an AsyncProducer."""
+    for batch in RouteCore(p.core).cancel_ops(h).values():
+        await p._io(partial(_atransaction, p, batch))
+
+
+async def _atransaction(p: AsyncProducer, batch: Batch) -> Any:
+    return await batch.apply_to(p.client.pipeline(transaction=True)).execute()

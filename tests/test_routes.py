@@ -210,15 +210,27 @@ def test_async_driver_gives_the_same_tokens(fleet: Fleet) -> None:
     ps = mixed_prompts(4, seed=5)
     want = whole_tokens(fleet, "aw", ps, 8, [False, True, False, True])
 
-    async def go() -> dict[str, RouteHandle]:
+    async def go() -> tuple[dict[str, RouteHandle], list[int], dict[str, RouteHandle]]:
         import redis.asyncio as aioredis
 
         client = aioredis.Redis.from_url(fleet.url)
         async with AsyncProducer(client, prefill_chunk=CHUNK, timeout_s=60) as p:
-            return await arun_routes(p, fleet.specs(2, "ar", ps, 8, [False, True, False, True]))
+            seen: list[str] = []
 
-    got = asyncio.run(go())
-    assert [got[f"ar-{i}"].generated for i in range(4)] == want
+            async def on_result(h: object, r: StepResult) -> None:  # a coroutine callback is awaited
+                seen.append(r.job_id)
+
+            many = await p.run_many(fleet.specs(2, "ar", ps, 8, [False, True, False, True]), on_result=on_result,
+                                    start_times=[0.0, 0.05, 0.0, 0.1])
+            assert len(seen) == len(set(seen)) >= 4 * 8
+            (spec, prompt), *_ = fleet.specs(3, "ag", ps, 8, [False, True, False, True])
+            streamed = [t async for t in p.generate(spec, prompt)]
+            direct = await arun_routes(p, fleet.specs(3, "ad", ps[2:3], 8))
+            return many, streamed, direct  # type: ignore[return-value]
+
+    many, streamed, direct = asyncio.run(go())
+    assert [many[f"ar-{i}"].generated for i in range(4)] == want
+    assert streamed == want[0] and direct["ad-0"].generated == want[2]
     wait_released(fleet, ROUTES[2])
 
 
