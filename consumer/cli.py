@@ -215,13 +215,15 @@ def demo(
                                             "sessions) and compare the texts with one hop.")] = 1,
     cut: Annotated[int, typer.Option(help="--route 2: the block the model is cut at (0: Gemma 3 at a multiple "
                                           "of 6 near half, others at half).")] = 0,
+    rounds: Annotated[int, typer.Option(help="--route 2: run one hop and two hops this many times, "
+                                             "alternating.")] = 1,
 ) -> None:
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from dgrtools.demo import run_demo
 
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
                               worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads,
-                              temperature=temperature, top_p=top_p, route=route, cut=cut))
+                              temperature=temperature, top_p=top_p, route=route, cut=cut, rounds=rounds))
 
 
 @app.command("tracker-sim")

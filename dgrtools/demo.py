@@ -66,7 +66,7 @@ def demo_sampling(i: int, temperature: float, top_p: float) -> Sampling:
 def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
              n_threads: int, worker_id: str = WORKER_ID, external: bool = False,
              temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P, route: int = 1,
-             cut: int = 0, engine: str = "llama") -> int:
+             cut: int = 0, engine: str = "llama", rounds: int = 1) -> int:
     """The demo. `route` 2: the model also runs as two hops (blocks [0, cut) and [cut, n), cut files
     cached next to the model) on two more consumers, with greedy sessions, and the texts are compared."""
     from consumer.runtime import resolve_model
@@ -115,26 +115,33 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
             texts = [PROMPTS[i % len(PROMPTS)] for i in range(sessions)]
             hops = (RouteHop(worker_id=worker_id, key=producer.discover(worker_id).keys[0]),)
             mode = "greedy" if temperature == 0 else f"temperature {temperature}, top_p {top_p}"
-            one = live_run(console, producer, demo_specs("demo", hops, prompts, max_tokens, temperature, top_p,
-                                                         tok.stop_tokens), tok, texts,
-                           f"dgr demo: {sessions} sessions, one hop, one fused call per step, {mode}")
-            console.print(summary_table(client, worker_id, one.handles, one.first, one.last, one.t0, one.wall))
-            if route == 2:
-                files = hop_files(model_path, cut, console)
-                ids = [f"{worker_id}-hop{k}" for k in range(len(files))]
-                for wid, f in zip(ids, files, strict=True):
-                    start(wid, f)
-                two_hops = tuple(RouteHop(worker_id=w, key=producer.discover(w).keys[0]) for w in ids)
-                two = live_run(console, producer, demo_specs("demo2", two_hops, prompts, max_tokens, temperature,
+            title = f"dgr demo: {sessions} sessions, one hop, one fused call per step, {mode}"
+            if route == 1:
+                one = live_run(console, producer, demo_specs("demo", hops, prompts, max_tokens, temperature, top_p,
+                                                             tok.stop_tokens), tok, texts, title)
+                console.print(summary_table(client, worker_id, one.handles, one.first, one.last, one.t0, one.wall))
+                return 0
+            files = hop_files(model_path, cut, console)
+            ids = [f"{worker_id}-hop{k}" for k in range(len(files))]
+            for wid, f in zip(ids, files, strict=True):
+                start(wid, f)
+            two_hops = tuple(RouteHop(worker_id=w, key=producer.discover(w).keys[0]) for w in ids)
+            same = True
+            for r in range(max(1, rounds)):  # one hop, then two hops, alternating: ratios within one run
+                tag = "" if r == 0 else f"-r{r}"
+                one = live_run(console, producer, demo_specs(f"demo{tag}", hops, prompts, max_tokens, temperature,
+                                                             top_p, tok.stop_tokens), tok, texts, title)
+                console.print(summary_table(client, worker_id, one.handles, one.first, one.last, one.t0, one.wall))
+                two = live_run(console, producer, demo_specs(f"demo2{tag}", two_hops, prompts, max_tokens, temperature,
                                                              top_p, tok.stop_tokens), tok, texts,
                                f"dgr demo: the same {sessions} sessions on two hops ({files[0].name} -> "
                                f"{files[1].name}), {mode}")
                 console.print(compare_table(client, tok, ids, one, two))
-                same = all(a.generated == b.generated for a, b in zip(one.handles.values(), two.handles.values(),
-                                                                        strict=True))
-                console.print("[green]two hops give the same text as one hop[/green]" if same
-                              else "[red]two hops give a different text than one hop[/red]")
-                return 0 if same else 1
+                same = same and all(a.generated == b.generated
+                                    for a, b in zip(one.handles.values(), two.handles.values(), strict=True))
+            console.print("[green]two hops give the same text as one hop[/green]" if same
+                          else "[red]two hops give a different text than one hop[/red]")
+            return 0 if same else 1
         return 0
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping the consumer and redis-server[/yellow]")
