@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from producer import SessionHandle
+from producer.route import RouteHandle
 from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 
@@ -22,27 +23,31 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
                     rate: float, cancel_fraction: float, temperature: float, top_k: int, top_p: float, seed: int,
                     json_out: Path | None, hmac_key_file: Path | None = None, use_async: bool = False) -> int:
     """Drive `sessions` sessions with the sync Producer's run_many, or (`use_async`) with one
-    AsyncProducer on asyncio: one task per session (`generate`-style, through run_many's tasks)."""
+    AsyncProducer on asyncio: one task per session (`generate`-style, through run_many's tasks).
+    `worker_id` "w0,w1,...": every session on the route of those hops (docs/routes.md), in order."""
     from producer import Producer
     from schemas import Signer
 
     console = Console()
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
     producer = Producer(redis.Redis.from_url(redis_url), signer=signer)
-    info = producer.discover(worker_id)
-    if not info.alive:
-        console.print(f"[red]worker {worker_id!r} has no live heartbeat at {redis_url}[/red]")
-        return 2
+    hop_ids = worker_id.split(",")
+    infos = [producer.discover(w) for w in hop_ids]
+    for w, hop_info in zip(hop_ids, infos, strict=True):
+        if not hop_info.alive:
+            console.print(f"[red]worker {w!r} has no live heartbeat at {redis_url}[/red]")
+            return 2
+    info = infos[0]
+    route = tuple(RouteHop(worker_id=w, key=i.keys[0]) for w, i in zip(hop_ids, infos, strict=True))
     rng = np.random.default_rng(seed)
     lo, hi = (int(x) for x in prompt_len.split(":"))
     vocab = int(info.info.get("vocab_size", 256))
-    key = info.keys[0]
     specs = []
     for i in range(sessions):
         n = int(rng.integers(lo, hi + 1))
         prompt = [int(t) for t in rng.integers(3, vocab, n)]
         spec = SessionSpec(session_id=f"sim-{seed}-{i}", account_id=f"sim-acct-{i % 3}",
-                           route=(RouteHop(worker_id=worker_id, key=key),),
+                           route=route,
                            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed * 1000 + i),
                            max_tokens=max_tokens)
         specs.append((spec, prompt))
@@ -55,6 +60,8 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     def observe(h: SessionHandle, r: StepResult) -> bool:
         """Record the inter-token latency; True when this session is to be cancelled now."""
+        if r.token is None:  # a hop that is not last: rows, no token
+            return False
         now = time.perf_counter()
         if r.session_id in last:
             latencies[r.session_id].append(now - last[r.session_id])
@@ -63,7 +70,10 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     def on_result(h: SessionHandle, r: StepResult) -> None:
         if observe(h, r):
-            producer.cancel(worker_id, r.session_id)
+            if isinstance(h, RouteHandle):
+                producer.cancel_route(h)  # every hop
+            else:
+                producer.cancel(worker_id, r.session_id)
 
     t0 = time.perf_counter()
     if use_async:
@@ -71,7 +81,8 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     else:
         handles = producer.run_many(specs, on_result=on_result, start_times=starts)
     wall = time.perf_counter() - t0
-    table = Table(title=f"tracker-sim: {sessions} sessions on {worker_id}" + (" (asyncio)" if use_async else ""))
+    where = worker_id if len(hop_ids) == 1 else f"the route {' -> '.join(hop_ids)}"
+    table = Table(title=f"tracker-sim: {sessions} sessions on {where}" + (" (asyncio)" if use_async else ""))
     for col in ("session", "status", "prompt", "generated", "p50 ms", "p99 ms"):
         table.add_column(col)
     rows = []
@@ -99,7 +110,10 @@ async def _run_async(redis_url: str, signer: Signer | None, worker_id: str,
     async with AsyncProducer(client, signer=signer) as producer:
         async def on_result(h: SessionHandle, r: StepResult) -> None:
             if observe(h, r):
-                await producer.cancel(worker_id, r.session_id)
+                if isinstance(h, RouteHandle):
+                    await producer.cancel_route(h)  # every hop
+                else:
+                    await producer.cancel(worker_id, r.session_id)
 
         handles = await producer.run_many(specs, on_result=on_result, start_times=starts)
     await client.aclose()

@@ -288,3 +288,26 @@ def test_gemma_routes_equal_the_whole_model(gemma_model_path: Path, tmp_path: Pa
         finally:
             for proc in procs:
                 proc.stop()
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_tracker_sim_drives_a_route_and_cancels_on_every_hop(fleet: Fleet, tmp_path: Path, use_async: bool) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim.json"
+    seed = 4 + use_async  # distinct session ids per run
+    run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--redis-url", fleet.url,
+                          "--worker-id", ",".join(ROUTES[3]), "--sessions", "6", "--prompt-len", "4:90",
+                          "--max-tokens", "8", "--rate", "50", "--cancel-fraction", "0.34", "--temperature", "0.8",
+                          "--seed", str(seed), "--json-out", str(out), *(["--async"] if use_async else [])],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "r3-0 -> r3-1 -> r3-2" in run.stdout
+    sessions = json.loads(out.read_text())["sessions"]
+    assert sorted(s["status"] for s in sessions) == ["cancelled"] * 2 + ["finished"] * 4
+    assert all(len(s["generated"]) == 8 for s in sessions if s["status"] == "finished")
+    for s in sessions:
+        if s["status"] == "cancelled":
+            assert all(fleet.client.exists(WorkerKeys(w).cancel_marker(s["session"])) for w in ROUTES[3])
+    wait_released(fleet, ROUTES[3])
