@@ -55,7 +55,8 @@ def _worker(client: redis.Redis, engine: NumpyReferenceEngine) -> Worker:
 def _opening(w: Worker, sid: str, hidden: Activations | None, n: int = 3, jid: str | None = None) -> StepJob:
     key = w.keys["prefill"]
     spec = SessionSpec(session_id=sid, account_id="acct", max_tokens=2,
-                       route=(RouteHop(worker_id="elsewhere", key=key), RouteHop(worker_id=w.settings.worker_id, key=key)))
+                       route=(RouteHop(worker_id="elsewhere", key=key),
+                              RouteHop(worker_id=w.settings.worker_id, key=key)))
     return StepJob(job_id=jid or f"{sid}.h1.p0", session_id=sid, hop=1, phase="prefill", compat=key.digest,
                    start_position=0, tokens=tuple(range(5, 5 + n)), sample=True, created_at=1.0, session=spec,
                    hidden=hidden)
@@ -98,7 +99,6 @@ def test_malformed_activations_are_answered_and_the_worker_keeps_serving(
     w = _worker(real_redis, hop1_engine)
     keys = WorkerKeys(w.settings.worker_id)
     good = np.ones((3, HIDDEN), np.float32)
-    inline, _ = encode(good[:1])
     blob_acts, raw = encode(good, blob=keys.activations_in("c-missing.h1.p0"), inline_max=0)
     assert raw is not None
     nan = good.copy()

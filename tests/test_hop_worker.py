@@ -65,11 +65,9 @@ def test_a_route_of_hops_equals_the_whole_model(real_redis: redis.Redis, deep_mo
                                                 whole: NumpyReferenceEngine, cuts: tuple[int, ...], n: int) -> None:
     d = _route(real_redis, deep_model, cuts)
     # long (several prefill chunks, blobs) and short (inline) prompts, together
-    ps = prompts(n, 500, seed=n, lo=3, hi=12) if n == 1 else \
-        [p for pair in zip(prompts(n // 2, 500, seed=n, lo=70, hi=140), prompts(n - n // 2, 500, seed=n + 1, lo=3, hi=12),
-                           strict=False) for p in pair]
-    if n == 1:
-        ps = prompts(1, 500, seed=7, lo=90, hi=90)
+    longs = prompts(n - n // 2, 500, seed=n, lo=70, hi=140)
+    shorts = prompts(n // 2, 500, seed=n + 1, lo=3, hi=12)
+    ps = [p for i in range(n) for p in ([longs[i // 2]] if i % 2 == 0 else [shorts[i // 2]])]
     for i, p in enumerate(ps):
         d.open(f"s{i}", p, max_tokens=6, chunk=48)
     d.run([f"s{i}" for i in range(len(ps))])
