@@ -24,6 +24,21 @@ Recipes (why each setting: docs/invariance.md):
   but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). Pass `extra_bufts=True` to opt into
   the repacked weight buffers on a machine known to be safe.
 
+Route hops (a GGUF written by dgrtools/split_model.py, `dgr model split`, holding blocks [a, b) of a
+source model; docs/hops.md): the engine reads the file's `dgr.split.*` metadata and becomes that hop.
+Its identity names the SOURCE model's sha256, its boundary the absolute range, n_embd and dtype f32.
+- A hop after the first consumes `batch.hidden`: the llama_batch carries `embd` (n_batch x n_embd floats)
+  and no token array, positions and seq ids as usual.
+- A hop before the last produces hidden rows: the residual stream leaving its last block, the graph
+  tensor `l_out-<n_blocks-1>`, copied out by the context's `cb_eval` callback with
+  `ggml_backend_tensor_get` (libggml-base). Every row of the call is marked for output (llama.cpp keeps
+  only the output rows in the last block otherwise), and the callback stops the graph right after that
+  tensor, so the output norm and head (vocab x n_embd per row) are never computed. Such a hop always
+  runs whole pieces (`_plan`): each `llama_decode` is then one micro-batch per run of sequences, in
+  (slot, position) order, which is the order the captured rows come in.
+- The last hop returns logits for the rows that want them, like a whole model.
+The invariance rules below hold per hop: each hop is a llama.cpp model of its own, run with the recipe.
+
 Positions are checked here before llama.cpp sees them (llama.cpp silently accepts a first token at
 p > 0 on an empty sequence). llama.cpp's log goes to Python logging, logger "dgr.llama".
 """
@@ -45,12 +60,13 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout, whole_model_boundary
+from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout
+from schemas.compat import hop_boundary
 
-from ..batch import BatchRow, FusedBatch
+from ..batch import BatchRow, EngineOutput, FusedBatch
 from ..cpuinfo import cpu_flags
-from .base import Engine, EngineCapacity, EngineError, LogitsEngine
-from .loader import ftype_name, gguf_sha256
+from .base import Engine, EngineCapacity, EngineError, LogitsEngine, check_hidden
+from .loader import SplitInfo, ftype_name, gguf_sha256, read_split_info
 
 LLAMA_CPP_PIN = "0.3.36"
 RUNTIME = f"llama-cpp-python=={LLAMA_CPP_PIN}"
@@ -70,6 +86,7 @@ _log_cb: Any = None  # the ctypes callback object: must stay referenced while ll
 _log_buf: list[str] = []
 _log_level = logging.INFO
 _decoded_in_process = False  # a llama_decode ran: ggml's once-per-process env reads are done
+_ggml_base: Any = None  # libggml-base (ctypes): tensor names and reads for the hop capture
 
 
 def _on_llama_log(level: int, text: bytes | None, _user: Any) -> None:
@@ -107,6 +124,59 @@ def llama_cpp_module() -> ModuleType:
             llama_cpp.llama_backend_init()
             _llama_mod = llama_cpp
         return _llama_mod
+
+
+def ggml_base() -> Any:
+    """libggml-base from llama-cpp-python's wheel, with the three functions the hop capture calls."""
+    global _ggml_base
+    with _lock:
+        if _ggml_base is None:
+            import llama_cpp
+
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+            lib.ggml_get_name.restype = ctypes.c_char_p
+            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_nbytes.restype = ctypes.c_size_t
+            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+            lib.ggml_backend_tensor_get.restype = None
+            lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                    ctypes.c_size_t]
+            _ggml_base = lib
+        return _ggml_base
+
+
+class _Capture:
+    """The `cb_eval` callback of a hop that produces hidden rows: copies each micro-batch's
+    `l_out-<n-1>` into `buf` (rows appended in compute order), then stops the graph (returns False):
+    nothing after the boundary (output norm, head) is needed."""
+
+    def __init__(self, name: str, n_embd: int, n_rows: int) -> None:
+        self._name = name.encode()
+        self._lib = ggml_base()
+        self.buf = np.zeros((n_rows, n_embd), dtype=np.float32)
+        self.row = 0  # rows captured in the current call
+        self.error: str | None = None
+        self._row_bytes = n_embd * 4
+        self.callback = llama_cpp_module().ggml_backend_sched_eval_callback(self._on_eval)
+
+    def _on_eval(self, tensor: Any, ask: bool, _user: Any) -> bool:
+        try:
+            if self._lib.ggml_get_name(tensor) != self._name:
+                return True  # not ours: compute on
+            if ask:
+                return True
+            nbytes = int(self._lib.ggml_nbytes(tensor))
+            rows = nbytes // self._row_bytes
+            if nbytes % self._row_bytes or self.row + rows > self.buf.shape[0]:
+                self.error = f"{self._name.decode()} of {nbytes} bytes does not fit the call's rows"
+                return False
+            dst = self.buf.ctypes.data + self.row * self._row_bytes
+            self._lib.ggml_backend_tensor_get(tensor, ctypes.c_void_p(dst), 0, nbytes)
+            self.row += rows
+            return False  # the boundary is all this hop gives: skip the output norm and the head
+        except Exception as e:  # never raise into C
+            self.error = repr(e)
+            return False
 
 
 def cpu_amx() -> dict[str, bool]:
@@ -192,6 +262,8 @@ class LlamaCppEngine(LogitsEngine):
 
         self._model: Any = None
         self._ctx: Any = None
+        self._split: SplitInfo | None = read_split_info(self.model_path)
+        self._capture: _Capture | None = None
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
         mp.use_extra_bufts = extra_bufts
@@ -199,6 +271,16 @@ class LlamaCppEngine(LogitsEngine):
         if not model:
             raise EngineError(f"llama.cpp could not load {self.model_path}")
         self._model = model
+        sp = self._split
+        self._consumes_hidden = sp is not None and not sp.is_first
+        self._produces_hidden = sp is not None and not sp.is_last
+        self._n_embd = int(L.llama_model_n_embd(model))
+        if self._produces_hidden:
+            # Every llama_decode must be one micro-batch per run of sequences, rows in order (see the
+            # module docstring), whatever the recipe; the capture buffer holds one call's rows.
+            self._whole_pieces = True
+            n_blk = int(L.llama_model_n_layer(model))
+            self._capture = _Capture(f"l_out-{n_blk - 1}", self._n_embd, n_batch)
         try:
             self._init_context(n_slots, ctx_per_session, n_batch, kv_cache_type, flash_attention)
         except BaseException:
@@ -217,11 +299,15 @@ class LlamaCppEngine(LogitsEngine):
         self._arch, self._quant, self._n_layer = arch, quant, n_layer
         self._kv_type, self._flash = kv_cache_type, flash_attention
 
-        self.identity = EngineIdentity(architecture=arch, gguf_sha256=gguf_sha256(self.model_path))
+        # A hop names its SOURCE model; the block range is in the boundary.
+        source_sha = sp.source_sha256 if sp is not None else gguf_sha256(self.model_path)
+        self.identity = EngineIdentity(architecture=arch, gguf_sha256=source_sha)
         self.recipe = Recipe(quantization=quant, kv_cache_type=kv_cache_type, ctx_per_session=ctx_per_session,
                              flash_attention=flash_attention, batch_invariant=invariant,
                              runtime=RUNTIME)
-        self.boundary: BoundarySchema = whole_model_boundary(n_layer)
+        self._first, self._last = (sp.first_block, sp.last_block) if sp is not None else (0, n_layer)
+        self.boundary: BoundarySchema = hop_boundary(self._first, self._last,
+                                                     sp.source_block_count if sp is not None else n_layer, n_embd)
         self.state_layout = StateLayout(kind="kv", dims={
             "n_layer": n_layer, "n_head_kv": n_head_kv, "head_dim": head_dim,
             "n_embd_k_gqa": n_head_kv * head_dim, "n_ctx_per_seq": int(self._n_ctx_seq),
@@ -246,6 +332,9 @@ class LlamaCppEngine(LogitsEngine):
         cp.type_k = kv_type
         cp.type_v = kv_type
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if self._capture is not None:
+            cp.cb_eval = self._capture.callback
+            cp.cb_eval_user_data = None
         ctx = L.llama_init_from_model(self._model, cp)
         if not ctx:
             raise EngineError("llama_init_from_model failed (see the dgr.llama log)")
@@ -275,8 +364,15 @@ class LlamaCppEngine(LogitsEngine):
         self._seq_ptrs = (i32p * n_batch)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n_batch)])
         b = L.llama_batch()
         b.n_tokens = 0
-        b.token = self._tok.ctypes.data_as(i32p)
-        b.embd = ctypes.POINTER(ctypes.c_float)()
+        # llama.cpp reads `token` when it is set, `embd` otherwise: a hop after the first sets only embd.
+        self._embd: npt.NDArray[np.float32] | None = None
+        if self._consumes_hidden:
+            self._embd = np.zeros((n_batch, self._n_embd), dtype=np.float32)
+            b.token = ctypes.POINTER(ctypes.c_int32)()
+            b.embd = self._embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        else:
+            b.token = self._tok.ctypes.data_as(i32p)
+            b.embd = ctypes.POINTER(ctypes.c_float)()
         b.pos = self._pos.ctypes.data_as(i32p)
         b.n_seq_id = self._nseq.ctypes.data_as(i32p)
         b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
@@ -294,6 +390,10 @@ class LlamaCppEngine(LogitsEngine):
         return self.recipe.batch_invariant
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
+        """forward()'s rows: logits for a whole model or a last hop, hidden rows for an earlier hop."""
+        return self.forward(batch).rows
+
+    def forward(self, batch: FusedBatch) -> EngineOutput:
         global _decoded_in_process
         if self._ctx is None:
             raise EngineError("engine is closed")
@@ -306,6 +406,7 @@ class LlamaCppEngine(LogitsEngine):
         positions = np.asarray(batch.positions, dtype=np.int64)
         tokens = np.asarray(batch.tokens, dtype=np.int64)
         wants = np.asarray(batch.wants_logits, dtype=np.bool_)
+        hidden_in = check_hidden(batch, self.boundary)
         self._validate(slots, positions, tokens)
 
         # llama.cpp splits a batch for a per-sequence KV cache into sub-batches of *consecutive*
@@ -319,20 +420,38 @@ class LlamaCppEngine(LogitsEngine):
         out_row = np.full(n, -1, dtype=np.int64)  # sorted row -> row of `out`
         wanted_sorted = where[np.flatnonzero(wants)]
         out_row[wanted_sorted] = np.arange(wanted_sorted.shape[0])
-        out = np.empty((wanted_sorted.shape[0], self._n_vocab), dtype=np.float32)
+        cap = self._capture
+        if cap is not None:  # a hop that is not the last: one hidden row per batch row
+            out = np.empty((n, self._n_embd), dtype=np.float32)
+            s_hidden_out = np.empty((n, self._n_embd), dtype=np.float32)
+        else:
+            out = np.empty((wanted_sorted.shape[0], self._n_vocab), dtype=np.float32)
+        s_hidden = hidden_in[order] if hidden_in is not None else None
         _decoded_in_process = True
         for rows in self._plan(s_slots):
             m = rows.shape[0]
             self._tok[:m] = s_tok[rows]
             self._pos[:m] = s_pos[rows]
             self._seq[:m] = s_slots[rows]
-            self._out_flags[:m] = s_wants[rows]
+            if s_hidden is not None:
+                assert self._embd is not None
+                self._embd[:m] = s_hidden[rows]
+            # A boundary hop marks every row: llama.cpp keeps only output rows in the last block.
+            self._out_flags[:m] = 1 if cap is not None else s_wants[rows]
             self._batch.n_tokens = m
+            if cap is not None:
+                cap.row, cap.error = 0, None
             rc = int(self._L.llama_decode(self._ctx, self._batch))
             if rc != 0:
                 self._rollback(slots, positions)
                 what = {1: "no KV cell free for the batch", 2: "aborted"}.get(rc, "error")
                 raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
+            if cap is not None:
+                if cap.error is not None or cap.row != m:
+                    self._rollback(slots, positions)
+                    raise EngineError(f"boundary capture got {cap.row} of {m} rows ({cap.error}); slots rolled back")
+                s_hidden_out[rows] = cap.buf[:m]
+                continue
             for i in np.flatnonzero(s_wants[rows]).tolist():
                 ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
                 if not ptr:
@@ -340,7 +459,10 @@ class LlamaCppEngine(LogitsEngine):
                     raise EngineError(f"llama.cpp has no logits for row {i}")
                 out[out_row[rows[i]]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
         np.maximum.at(self._next, slots, positions + 1)
-        return out
+        if cap is not None:
+            out[:] = s_hidden_out[where]  # back to the caller's row order
+            return EngineOutput.hidden(out)
+        return EngineOutput.logits(out)
 
     def _plan(self, s_slots: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
         """The llama_decode calls for rows sorted by (slot, position): lists of sorted-row indices.
@@ -394,6 +516,7 @@ class LlamaCppEngine(LogitsEngine):
             "cpu_path": self._cpu_path,
             "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
             "model": str(self.model_path),
+            "blocks": f"[{self._first}, {self._last}) ({self.boundary.consumes} -> {self.boundary.produces})",
             "architecture": self._arch,
             "gguf_sha256": self.identity.gguf_sha256,
             "quantization": self._quant,
@@ -427,7 +550,9 @@ class LlamaCppEngine(LogitsEngine):
         bad = np.unique(slots[(slots < 0) | (slots >= self._n_slots)])
         if bad.size:
             raise EngineError(f"slots {bad.tolist()} out of range [0, {self._n_slots})", tuple(int(s) for s in bad))
-        bad = np.unique(slots[(tokens < 0) | (tokens >= self._n_vocab)])
+        # A hop after the first ignores the tokens (its input is batch.hidden).
+        bad = np.unique(slots[(tokens < 0) | (tokens >= self._n_vocab)]) if not self._consumes_hidden \
+            else np.empty(0, np.int64)
         if bad.size:
             raise EngineError(f"token out of vocabulary [0, {self._n_vocab}) in slots {bad.tolist()}",
                               tuple(int(s) for s in bad))
