@@ -16,7 +16,9 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from consumer.engines.llama import LlamaCppEngine
 from consumer.engines.reference import NumpyReferenceEngine
+from dgrtools.split_model import split_route
 from dgrtools.tiny_model import write_tiny_model
 from schemas import Reason, Sampling, Status, StepJob, WorkerKeys, job_to_fields
 from schemas.activations import encode
@@ -192,3 +194,32 @@ def test_a_hop_that_loses_its_state_is_replayed_on_every_hop(real_redis: redis.R
     for w in d.workers:  # only the live attempt held, and nothing once finished
         assert w.scheduler.table.busy_slots == 0, w.settings.worker_id
         assert w.hops.held() == 0
+
+
+@pytest.mark.parametrize("cuts", [(2,), (1, 3)], ids=["2-hop", "3-hop"])
+def test_llama_cpp_hop_files_through_workers_equal_the_whole_model(
+        real_redis: redis.Redis, deep_model: Path, tmp_path: Path, cuts: tuple[int, ...]) -> None:
+    """The llama.cpp hop engine (split GGUF files, "invariant" recipe) behind real workers and the relay:
+    4 sessions (long and short prompts) give the whole model's tokens bit for bit."""
+    hops = split_route(deep_model, tmp_path / "hops", cuts)
+    tag = next(_ids)
+    engines = [LlamaCppEngine(h.path, recipe="invariant", n_slots=8, ctx_per_session=512, n_threads=1)
+               for h in hops]
+    whole_ll = LlamaCppEngine(deep_model, recipe="invariant", n_slots=1, ctx_per_session=512, n_threads=1)
+    try:
+        d = RouteDriver(real_redis, [make_hop_worker(real_redis, e, f"ll{tag}-hop{k}") for k, e in enumerate(engines)])
+        longs = prompts(2, 500, seed=21, lo=60, hi=120)
+        shorts = prompts(2, 500, seed=22, lo=2, hi=9)
+        ps = [longs[0], shorts[0], longs[1], shorts[1]]
+        for i, p in enumerate(ps):
+            d.open(f"s{i}", p, max_tokens=8, chunk=48)
+        d.run([f"s{i}" for i in range(4)])
+        assert not d.failures(), d.failures()[:3]
+        for i, p in enumerate(ps):
+            assert d.tokens[f"s{i}"] == solo_generate(whole_ll, p, 8), f"s{i}"
+        assert d.blob_bytes > 0 and d.inline_bytes > 0
+        for w in d.workers:
+            assert max(s for _, s in w.stats.recent_calls) >= 2
+    finally:
+        for e in (*engines, whole_ll):
+            e.close()
