@@ -298,6 +298,7 @@ class Worker:
         if answer is not None:
             answers.append(answer)
             return False
+        answers.extend(self.scheduler.supersede(job, inb.digest))  # a newer attempt re-opens (route replay)
         answer = self.scheduler.admit(job, inb.digest, inb.ref)
         if answer is not None:
             answers.append(answer)
