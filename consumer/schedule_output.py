@@ -32,6 +32,10 @@ class Answer:
     account_id: str | None  # None: a session this worker never held (nothing is charged)
     close: AnswerClose | None
     blob: bytes | None = None  # a non-last hop's output rows, written at result.hidden.blob by the completion
+    # The job's last answer: its delivery is acked with it. False only for a continuation job's token
+    # that is not its last (the job goes on: its entry stays pending, so a crash before its end leaves it
+    # to be redelivered and answered state_lost).
+    final: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,9 @@ class BatchItem:
     row_start: int
     samples: bool  # its last row wants logits and a token comes back (job.sample, and it ends the job)
     sampling: Sampling | None = None  # the session's sampling parameters, when `samples`
+    # A decode row's input token when it is not job.tokens[offset]: a continuation's later offsets,
+    # or a job with no token, feed the session's own last sampled token.
+    token: int | None = None
 
     @property
     def session_id(self) -> str:
@@ -63,6 +70,10 @@ class BatchItem:
 
     @property
     def completes_job(self) -> bool:
+        """The item ends its prefill job's tokens; for a decode job, it answers its offset (each
+        decode item gets an answer, a continuation's last one or not)."""
+        if self.job.phase == "decode":
+            return True
         return self.offset + self.n_tokens == len(self.job.tokens)
 
 
@@ -83,7 +94,7 @@ def _fuse(phase: Phase, items: Iterable[BatchItem]) -> tuple[FusedBatch, tuple[B
         if n == 1:
             slots.append(it.slot)
             positions.append(first)
-            tokens.append(it.job.tokens[it.offset])
+            tokens.append(it.token if it.token is not None else it.job.tokens[it.offset])
             wants.append(it.samples)
         else:
             slots.extend([it.slot] * n)

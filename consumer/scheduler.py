@@ -184,9 +184,11 @@ class Scheduler:
 
     def _result(self, job: StepJob, status: Status, reason: Reason | None, position: int, *,
                 detail: str = "", token: int | None = None, finished: bool = False,
-                accounting: Accounting | None = None, batch_size: int = 0) -> StepResult:
+                accounting: Accounting | None = None, batch_size: int = 0, offset: int = 0) -> StepResult:
+        # A continuation job's token `offset` and its ending answer have ids of their own (StepJob.answer_id).
+        rid = job.answer_id(offset, status == Status.OK, duplicate=reason == Reason.DUPLICATE)
         return StepResult(
-            job_id=job.job_id, session_id=job.session_id, status=status, reason=reason,
+            job_id=rid, session_id=job.session_id, status=status, reason=reason,
             detail=detail[:MAX_REASON_LEN], position=position, token=token, finished=finished,
             accounting=accounting if accounting is not None else Accounting(),
             worker_id=self.worker_id, batch_size=batch_size,
@@ -246,6 +248,10 @@ class Scheduler:
         if route is not None and (job.hop >= len(route) or route[job.hop].worker_id != self.worker_id):
             return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
                                 f"hop {job.hop} is not this worker's on the session's route")
+        if route is not None and len(route) > 1 and job.n > 1:
+            # Refused, not clamped: each token of a route of several hops travels back to hop 0 first.
+            return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
+                                "a continuation (n > 1) needs a route of one hop")
 
         known = entry if entry is not None else closed
         if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
@@ -267,9 +273,13 @@ class Scheduler:
             elif job.start_position > next_pos:
                 return self._reject(job, ref, Reason.POSITION_GAP, next_pos, account,
                                     f"position {job.start_position} > next position {next_pos}")
+        if entry is not None and not job.tokens and not entry.queued_samples:
+            # A job with no token feeds the token sampled at its position: none is sampled there.
+            return self._reject(job, ref, Reason.POSITION_GAP, next_pos, account,
+                                f"no token is sampled at position {job.start_position} to continue from")
 
         cap = self.config.capacity
-        top = max(job.tokens)
+        top = max(job.tokens, default=0)
         if top >= cap.vocab_size:
             return self._reject(job, ref, Reason.BAD_TOKEN, next_pos, account,
                                 f"token {top} >= vocab_size {cap.vocab_size}")
@@ -309,8 +319,9 @@ class Scheduler:
         self._seq += 1
         lane.jobs.append(_Queued(job=job, ref=ref, seq=self._seq))
         entry.queued_position = job.end_position
+        entry.queued_samples = job.sample
         self._queued_jobs[job.phase] += 1
-        self._queued_tokens[job.phase] += len(job.tokens)
+        self._queued_tokens[job.phase] += 1 if job.phase == "decode" else len(job.tokens)
         self.stats.admitted += 1
         self._refresh(lane)
         return None
@@ -447,15 +458,25 @@ class Scheduler:
             lane = self._pop_ready("decode")
             if lane is None:
                 break
-            q = lane.jobs.popleft()
-            q.consumed = 1
-            q.in_flight = (0, 1)
-            self._queued_jobs["decode"] -= 1
-            self._queued_tokens["decode"] -= 1
+            # A continuation job (n > 1) stays at the head of its lane until its last offset is handed
+            # out: each call takes its next offset, feeding the token the session sampled last.
+            q = lane.jobs[0]
+            offset = q.consumed
+            token = None if offset == 0 and q.job.tokens else lane.entry.last_token
+            q.consumed = offset + 1
+            q.in_flight = (offset, 1)
+            if q.consumed >= q.job.n:
+                lane.jobs.popleft()
+                self._queued_jobs["decode"] -= 1
+                self._queued_tokens["decode"] -= 1
+            else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
+                self._seq += 1
+                q.seq = self._seq
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
-            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=0, n_tokens=1,
-                                   row_start=len(items), samples=True, sampling=lane.entry.spec.sampling))
+            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=1,
+                                   row_start=len(items), samples=True, sampling=lane.entry.spec.sampling,
+                                   token=token))
         return items
 
     def _take_prefill(self) -> list[BatchItem]:
@@ -565,7 +586,8 @@ class Scheduler:
                 continue
             touched[it.slot] = lane
             share = seconds * it.n_tokens / total_rows
-            q.engine_seconds += share
+            # a decode job's answer carries its own call's share (one answer per offset)
+            q.engine_seconds = share if batch.phase == "decode" else q.engine_seconds + share
             if batch.phase == "prefill":
                 q.prompt_tokens += it.n_tokens
             reached = it.first_position + it.n_tokens
@@ -586,6 +608,7 @@ class Scheduler:
                 got = tokens[sampled]
                 token = None if got is None else int(got)
                 entry.generated += 1
+                entry.last_token = token
                 entry.state = SessionState.DECODING
                 if token is not None:
                     entry.generated_tokens += 1
@@ -594,13 +617,22 @@ class Scheduler:
                     token is not None and token in entry.spec.stop_tokens)
             elif batch.phase == "prefill":
                 entry.state = SessionState.PREFILLING
-            q.answered = True
+            final = finished or batch.phase != "decode" or it.offset + 1 >= q.job.n
+            if final and finished and lane.jobs and lane.jobs[0] is q:
+                # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
+                # answer, no charge), not answered FINISHED like a later job.
+                lane.jobs.popleft()
+                self._queued_jobs["decode"] -= 1
+                self._queued_tokens["decode"] -= 1
+            q.answered = final
             self.stats.jobs_ok += 1
             result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
                                   accounting=self._job_accounting(q, generated=1 if token is not None else 0),
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, offset=it.offset if batch.phase == "decode" else 0)
             out.append(Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
-                               close="finished" if finished else None))
+                               close="finished" if finished else None, final=final))
+            if batch.phase == "decode":
+                q.engine_seconds = 0.0  # charged with this answer; a later answer carries its own
             if finished:
                 out.extend(self._finish(lane, batch_size))
         self._settle(touched)
@@ -668,6 +700,10 @@ class Scheduler:
         """Whether the open session has a step queued or in a call (so it is not idle)."""
         lane = self._lanes.get(session_id)
         return lane is not None and bool(lane.jobs or lane.inflight)
+
+    def is_awaiting(self, session_id: str) -> bool:
+        """Whether the session is decoding with no step queued nor in flight (it holds no credit)."""
+        return session_id in self._awaiting
 
     def awaiting_decode(self) -> int:
         """Decoding sessions with no step queued nor in flight."""
@@ -776,7 +812,7 @@ class Scheduler:
         for q in lane.jobs:
             phase = q.job.phase
             self._queued_jobs[phase] -= 1
-            self._queued_tokens[phase] -= len(q.job.tokens) - q.consumed
+            self._queued_tokens[phase] -= 1 if phase == "decode" else len(q.job.tokens) - q.consumed
             if not q.answered:
                 q.answered = True
                 dropped.append(q)

@@ -48,6 +48,9 @@ class SessionEntry:
     position: int = 0  # next position the engine's slot holds (steps that completed)
     queued_position: int = 0  # next position counting the jobs admitted and not yet answered
     generated: int = 0  # tokens sampled so far (the max_tokens count)
+    # Continuation jobs (a decode job with no token feeds the session's own last sampled token):
+    last_token: int | None = None  # the last token sampled for it
+    queued_samples: bool = False  # the last job admitted samples (a token will be known at queued_position)
     prompt_tokens: int = 0  # accounting tallies
     generated_tokens: int = 0
     engine_seconds: float = 0.0

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field, replace
 from types import FrameType
 
 from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult, WorkerKeys
+from schemas.limits import MAX_CONTINUATION
 
 from .config import WorkerSettings
+from .continuation import acking, without_ack
 from .engines.base import Engine, EngineError, engine_key
 from .hop_steps import HopSteps
 from .idle import IdleSessions
@@ -365,7 +367,7 @@ class Worker:
         done = self._answered.get(jid)
         if done is not None:  # answered: re-send the same answer (no-op unless Redis lost it)
             self._answered.move_to_end(jid)
-            out.append(replace(done, ref=inb.ref))
+            out.append(acking(done, inb.ref))
             return True
         answered, cancelled = self._precheck
         if jid in answered:  # answered by an earlier process: the stored result stands, ack this one
@@ -387,13 +389,15 @@ class Worker:
         now = time.time()
         for a in answers:
             a = self.hops.finish(a)
-            out.append(self._remember(a))
+            out.append(without_ack(self._remember(a)))
             job = a.job
             if job is None:
                 continue
             ok = a.result.status == Status.OK
             if ok and job.created_at:
                 latencies.append((job.phase, max(0.0, now - job.created_at)))
+            if not a.final:  # a continuation goes on: still held, its twins acked with its last answer
+                continue
             self._held.pop(job.job_id, None)
             for twin, created_at in self._twins.pop(job.job_id, ()):
                 out.append(replace(a, ref=twin))
@@ -459,7 +463,10 @@ class Worker:
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
-        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
+        # Sessions that still hold credit (a continuation goes on, or the next one is queued) send nothing:
+        # the read must not wait for them.
+        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                         and self.scheduler.is_awaiting(o.result.session_id))
         return outcomes
 
     def _release_slots(self) -> None:
@@ -515,6 +522,7 @@ class Worker:
                 "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
                 "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
+                "max_continuation": MAX_CONTINUATION,  # the producer asks for n > 1 only when advertised
                 "prefill_budget": self.scheduler.config.prefill_budget, "prefill_max": self.pacer.max_tokens,
                 "prefill_ratio": self.pacer.ratio, "vocab_size": cap.vocab_size,
                 "engine": self.engine.describe(), "stats": self.stats.snapshot()}

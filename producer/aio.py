@@ -46,6 +46,7 @@ from schemas.retry import OutageRider, RetryPolicy
 
 from . import route_drivers
 from .core import (
+    DECODE_N,
     READ_COUNT,
     Batch,
     CoreSettings,
@@ -250,12 +251,13 @@ class AsyncProducer(CoreSettings):
                  max_attempts: int = 3, verify_route: bool = True, lag_cache_s: float = 0.1,
                  discover_cache_s: float = 1.0, signer: Signer | None = None, outage_max_s: float = OUTAGE_MAX_S,
                  cancel_ttl_s: int = CANCEL_MARKER_TTL_S, record_ttl_s: int = SESSION_RECORD_TTL_S,
+                 decode_n: int = DECODE_N,
                  read_block_ms: int = 1000,
                  poll_s: float = 0.002) -> None:
         self.core = ProducerCore(prefill_chunk=prefill_chunk, max_lag=max_lag, backpressure=backpressure,
                                  timeout_s=timeout_s, max_attempts=max_attempts, verify_route=verify_route,
                                  lag_cache_s=lag_cache_s, discover_cache_s=discover_cache_s, signer=signer,
-                                 cancel_ttl_s=cancel_ttl_s, record_ttl_s=record_ttl_s)
+                                 cancel_ttl_s=cancel_ttl_s, record_ttl_s=record_ttl_s, decode_n=decode_n)
         self.client = client
         self.read_block_ms = read_block_ms
         self.poll_s = poll_s

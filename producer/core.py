@@ -37,8 +37,16 @@ from schemas import (
     result_from_fields,
 )
 from schemas.lag import stream_lag
-from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN, MAX_POSITION, MAX_TOKENS_PER_JOB, SESSION_RECORD_TTL_S
+from schemas.limits import (
+    CANCEL_MARKER_TTL_S,
+    CANCEL_MAXLEN,
+    MAX_CONTINUATION,
+    MAX_POSITION,
+    MAX_TOKENS_PER_JOB,
+    SESSION_RECORD_TTL_S,
+)
 
+from . import credit
 from .validate import check_id, check_token, check_tokens, vocab_size
 
 __all__ = [
@@ -47,6 +55,9 @@ __all__ = [
 ]
 
 READ_COUNT = 1_000  # results read per stream per XREAD (and per XRANGE page of resume)
+# Tokens per decode job by default (a continuation job: producer/credit.py). 1 keeps one job per token
+# (the behaviour before continuation jobs); set decode_n (e.g. 16) to keep sessions in credit.
+DECODE_N = 1
 BackpressurePolicy = Literal["raise", "wait"]
 
 
@@ -139,6 +150,7 @@ class SessionHandle:
     last_result: StepResult | None = None
     opened_at: float = 0.0
     replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill (0: attempt 0)
+    credit: credit.Credit = field(default_factory=credit.Credit)  # continuation jobs (producer/credit.py)
 
     @property
     def session_id(self) -> str:
@@ -197,7 +209,7 @@ class ProducerCore:
                  backpressure: BackpressurePolicy = "raise", timeout_s: float = 60.0, max_attempts: int = 3,
                  verify_route: bool = True, lag_cache_s: float = 0.1, discover_cache_s: float = 1.0,
                  signer: Signer | None = None, cancel_ttl_s: int = CANCEL_MARKER_TTL_S,
-                 record_ttl_s: int = SESSION_RECORD_TTL_S) -> None:
+                 record_ttl_s: int = SESSION_RECORD_TTL_S, decode_n: int = DECODE_N) -> None:
         if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
             raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
         if backpressure not in ("raise", "wait"):
@@ -213,6 +225,9 @@ class ProducerCore:
         self.signer = signer
         self.cancel_ttl_s = cancel_ttl_s
         self.record_ttl_s = record_ttl_s
+        if isinstance(decode_n, bool) or not isinstance(decode_n, int) or not 1 <= decode_n <= MAX_CONTINUATION:
+            raise ValueError(f"decode_n must be an int in [1, {MAX_CONTINUATION}]")
+        self.decode_n = decode_n  # tokens per decode job (producer/credit.py; 1: one job per token)
         self.lag: dict[str, tuple[float, int]] = {}  # stream -> (monotonic time asked, lag)
         self.discovered: dict[str, tuple[float, WorkerInfo]] = {}
 
@@ -354,6 +369,9 @@ class ProducerCore:
         h.replayed_generated = len(h.generated)
         jobs = self.prefill_jobs(h)
         h.jobs = set()
+        h.credit.clear()
+        if not h.credit.n:
+            h.credit.n = credit.tokens_per_job(self, h)
         for job in jobs:
             self._push(batch, h, job)
             h.jobs.add(job.job_id)
@@ -363,7 +381,7 @@ class ProducerCore:
         h.reason, h.detail = None, ""
         record = WorkerKeys(h.worker_id).session_record(h.session_id)
         batch.hset(record, mapping={"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
-                                    "hop": str(h.hop), "attempt": str(h.attempt)})
+                                    "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n)})
         batch.expire(record, self.record_ttl_s)
 
     def queue_unanswered(self, batch: Batch, h: SessionHandle) -> int:
@@ -381,7 +399,7 @@ class ProducerCore:
             if job.job_id == h.pending_job:
                 self._push(batch, h, job)
                 n += 1
-        return n
+        return n + credit.requeue(self, batch, h)
 
     def queue_decode(self, batch: Batch, h: SessionHandle, token: int) -> str:
         if h.finished:
@@ -435,11 +453,16 @@ class ProducerCore:
                 h.pending_job = None
                 if r.token is not None:
                     h.generated.append(r.token)
+            elif credit.on_ok(h, r) and r.token is not None:  # a continuation job's token
+                h.generated.append(r.token)
             if r.finished:
                 h.finished, h.status = True, "finished"
+                h.jobs = set()  # credit left unused is dropped: what is answered for it is ignored
+                h.credit.clear()
         else:
             h.reason, h.detail = (r.reason.value if r.reason else None), r.detail
             h.jobs, h.pending_job = set(), None
+            h.credit.clear()
             if r.status == Status.STATE_LOST or (r.status == Status.REJECTED
                                                  and r.reason == Reason.UNKNOWN_SESSION):
                 h.status = "state_lost"
@@ -477,6 +500,13 @@ class ProducerCore:
             except SessionFailed:
                 return False
             return bool(h.jobs)
+        return self.queue_next(batch, h)
+
+    def queue_next(self, batch: Batch, h: SessionHandle) -> bool:
+        """The session's next decode job, when one is due: under credit (producer/credit.py) or, with
+        decode_n = 1, one job per token once the last one is answered. True when one was queued."""
+        if h.credit.n > 1 and h.generated:
+            return credit.queue_next(self, batch, h, h.credit.n)
         if h.pending_job is None and not h.jobs:
             if not h.generated:  # an ok sampling result without a token: nothing to feed
                 h.finished, h.status, h.detail = True, "failed", "sampling result carried no token"
@@ -524,6 +554,7 @@ class Resumer:
         self.h = SessionHandle(spec=spec, prompt=tuple(int(t) for t in record["prompt"].split(",")),
                                worker_id=worker_id, hop=int(record.get("hop", "0")), opened_at=time.time())
         self.attempts = int(record.get("attempt", "0"))
+        self.h.credit.n = max(1, int(record.get("decode_n", "1")))  # what the original driver used
         self.sink = Batch()  # the pushes the original driver made: rebuilt, not sent
         core.queue_prefill(self.sink, self.h)
         self.opening = job_id(self.h.session_id, self.h.hop, "prefill", 0, 0)
@@ -538,8 +569,8 @@ class Resumer:
                 if h.status == "state_lost":
                     if h.attempt < self.attempts:  # the driver replayed it: follow
                         self.core.queue_replay(self.sink, h, cancel_marked=False)
-                elif h.pending_job is None and not h.jobs and h.generated:
-                    self.core.queue_decode(self.sink, h, h.generated[-1])
+                elif h.generated:
+                    self.core.queue_next(self.sink, h)
         self.cursor = None if len(page) < READ_COUNT else "(" + h.last_result_id
 
     def finish(self) -> tuple[SessionHandle, Batch]:
@@ -582,6 +613,7 @@ class CoreSettings:
     signer = CoreSetting()
     cancel_ttl_s = CoreSetting()
     record_ttl_s = CoreSetting()
+    decode_n = CoreSetting()
 
     @property
     def _lag(self) -> dict[str, tuple[float, int]]:

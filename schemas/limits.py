@@ -9,7 +9,10 @@ MAX_ID_LEN: Final = 64  # session, job, account and worker ids
 # Pydantic (Rust regex) reads `$` as the end of the text. Python's `re` lets `$` match before a final
 # "\n": never use this pattern with re.match/re.search, use `is_id` (a full match) instead.
 ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$"
-MAX_TOKENS_PER_JOB: Final = 4096  # one prefill chunk at most; a decode job carries exactly one
+MAX_TOKENS_PER_JOB: Final = 4096  # one prefill chunk at most; a decode job carries one (or none: a continuation)
+# Most tokens one decode job may ask for (StepJob.n, a continuation job): the worker decodes the session
+# at every decode call until n tokens, a stop token, max_tokens or a cancellation.
+MAX_CONTINUATION: Final = 64
 MAX_TOKEN_ID: Final = 2**31 - 1
 MAX_POSITION: Final = 1 << 20
 MAX_GENERATE: Final = 32768  # max_tokens of a session

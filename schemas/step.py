@@ -9,19 +9,57 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .activations import Activations
 from .compat import Phase
-from .limits import ID_PATTERN, MAX_POSITION, MAX_REASON_LEN, MAX_TOKEN_ID, MAX_TOKENS_PER_JOB, SCHEMA_VERSION
+from .limits import (
+    ID_PATTERN,
+    MAX_CONTINUATION,
+    MAX_ID_LEN,
+    MAX_POSITION,
+    MAX_REASON_LEN,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_PER_JOB,
+    SCHEMA_VERSION,
+)
 from .session import SessionSpec
 
 Id = Field(pattern=ID_PATTERN)
 
+# A continuation job's result ids append a suffix to its job id: ".<offset>" (offset >= 1) for its
+# tokens, ".end" for the one answer that ends it without a token. The job id must leave room for it.
+_END_SUFFIX = ".end"
+MAX_CONTINUATION_JOB_ID = MAX_ID_LEN - len(_END_SUFFIX)
+
+
+def result_job_id(job_id: str, offset: int) -> str:
+    """The result id of a job's token number `offset` (0-based). Offset 0 keeps the job's own id, so a
+    job with n = 1 is answered exactly as before continuation jobs existed. Deterministic, so a
+    redelivery or a replay of the job writes the same result records (the worker's SET NX dedupes)."""
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, not {offset}")
+    return job_id if offset == 0 else f"{job_id}.{offset}"
+
+
+def end_job_id(job_id: str) -> str:
+    """The result id of the one answer that ends a continuation job (n > 1) without a token: a
+    cancellation, state_lost, a rejection, a failure. Distinct from every token's id, so an answer
+    after some tokens were published (a crash mid-job, then state_lost on redelivery) is never
+    swallowed by the record of the job's first token."""
+    return job_id + _END_SUFFIX
+
 
 class StepJob(BaseModel):
-    """One step of one session on one hop: a prefill chunk, or one decode token.
+    """One step of one session on one hop: a prefill chunk, or a decode step of up to `n` tokens.
 
     The first prefill chunk (start_position 0) carries the SessionSpec, which opens the session on the
     worker. `sample` asks for a token back: set on the last prefill chunk and on every decode step.
     `compat` is the digest of the compatibility key the producer meant; the consumer re-checks it
     against the stream it arrived on and its engine.
+
+    Continuation (docs/wire-format.md): a decode job with `n > 1` asks for up to n tokens. The worker
+    feeds its token at start_position, then each token it samples at the next position, one per
+    decode call, answering each under `result_job_id(job_id, offset)`, until n tokens, a stop token,
+    max_tokens or a cancellation. A decode job with no token (`tokens == ()`) continues from the
+    session's own last sampled token (a continuation pushed ahead, before the producer knows it):
+    it starts where the previous job's tokens end (`end_position`), which the worker checks.
     """
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
@@ -33,7 +71,7 @@ class StepJob(BaseModel):
     phase: Phase
     compat: str = Field(pattern=r"^[0-9a-f]{16}$")
     start_position: int = Field(ge=0, le=MAX_POSITION)
-    tokens: tuple[int, ...] = Field(min_length=1, max_length=MAX_TOKENS_PER_JOB)
+    tokens: tuple[int, ...] = Field(max_length=MAX_TOKENS_PER_JOB)
     sample: bool = True
     attempt: int = Field(default=0, ge=0, le=1000)
     created_at: float = Field(ge=0.0, allow_inf_nan=False)
@@ -41,6 +79,7 @@ class StepJob(BaseModel):
     # The input activations, one row per token: present exactly when the target hop consumes hidden
     # (the worker checks that against its boundary schema; tokens still name the session's tokens).
     hidden: Activations | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CONTINUATION)  # tokens asked for (decode only; 1: one step)
 
     @model_validator(mode="after")
     def _check(self) -> StepJob:
@@ -48,8 +87,14 @@ class StepJob(BaseModel):
             raise ValueError(f"hidden has {self.hidden.rows} rows for {len(self.tokens)} tokens")
         if any(t < 0 or t > MAX_TOKEN_ID for t in self.tokens):
             raise ValueError(f"tokens must be in [0, {MAX_TOKEN_ID}]")
-        if self.phase == "decode" and len(self.tokens) != 1:
-            raise ValueError("a decode step carries exactly one token")
+        if self.phase == "prefill" and not self.tokens:
+            raise ValueError("a prefill chunk carries tokens (at least one)")
+        if self.phase == "decode" and len(self.tokens) > 1:
+            raise ValueError("a decode step carries exactly one token (or none: the session's own last one)")
+        if self.phase != "decode" and self.n != 1:
+            raise ValueError("only a decode job asks for n > 1 tokens")
+        if self.n > 1 and len(self.job_id) > MAX_CONTINUATION_JOB_ID:
+            raise ValueError(f"a job with n > 1 has a job id of at most {MAX_CONTINUATION_JOB_ID} characters")
         if self.phase == "decode" and not self.sample:
             raise ValueError("a decode step always samples")
         if self.session is not None and self.session.session_id != self.session_id:
@@ -60,7 +105,19 @@ class StepJob(BaseModel):
 
     @property
     def end_position(self) -> int:
+        """Where the next job of the session starts: after the prefill chunk's tokens, or after the n
+        positions a decode job feeds (its last sampled token goes there)."""
+        if self.phase == "decode":
+            return self.start_position + self.n
         return self.start_position + len(self.tokens)
+
+    def answer_id(self, offset: int, ok: bool, duplicate: bool = False) -> str:
+        """The result id of this job's answer: token number `offset` when ok; for a job with n > 1 an
+        answer that ends it without a token takes `end_job_id` (a DUPLICATE keeps the job id: the
+        record of its first answer stands). A job with n = 1 always answers under its own id."""
+        if ok:
+            return result_job_id(self.job_id, offset)
+        return end_job_id(self.job_id) if self.n > 1 and not duplicate else self.job_id
 
 
 class Status(StrEnum):

@@ -33,7 +33,7 @@ _TOKENS: Final = re.compile(r"(?:0|[1-9][0-9]{0,9})(?:,(?:0|[1-9][0-9]{0,9}))*")
 _UFLOAT: Final = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:e[+-]?[0-9]{1,3})?")
 _BOOL: Final = {"0": False, "1": True}
 _JOB_FIELDS: Final = frozenset({"v", "job_id", "session_id", "hop", "phase", "compat", "pos", "tokens", "sample",
-                                "attempt", "created_at", "session", "hidden", SIGNATURE_FIELD})
+                                "attempt", "created_at", "session", "hidden", "n", SIGNATURE_FIELD})
 _CANCEL_FIELDS: Final = frozenset({"session_id", SIGNATURE_FIELD})
 _RESULT_FIELDS: Final = frozenset({"v", "job_id", "session_id", "status", "reason", "detail", "pos", "token",
                                    "finished", "prompt_tokens", "generated_tokens", "engine_seconds", "worker_id",
@@ -147,6 +147,8 @@ def job_to_fields(job: StepJob) -> dict[str, str]:
         out["session"] = job.session.model_dump_json()
     if job.hidden is not None:
         out["hidden"] = job.hidden.model_dump_json(exclude_none=True)
+    if job.n != 1:  # absent means 1: a job with n = 1 is the same entry as before continuation jobs
+        out["n"] = str(job.n)
     return out
 
 
@@ -177,12 +179,13 @@ def job_from_fields(fields: Fields) -> StepJob:
     tok = _field(f, "tokens")
     if tok.count(",") >= MAX_TOKENS_PER_JOB:
         raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **_ids(f))
-    if not _TOKENS.fullmatch(tok):
+    if tok and not _TOKENS.fullmatch(tok):
         raise WireError(Reason.MALFORMED, "field 'tokens' is not a comma-separated list of plain decimal integers",
                         **_ids(f))
-    tokens = tuple(int(t) for t in tok.split(","))
+    tokens = tuple(int(t) for t in tok.split(",")) if tok else ()  # none: a continuation (decode only)
     hop, pos, attempt = _int(f, "hop"), _int(f, "pos"), _int(f, "attempt")
     sample, created_at = _bool(f, "sample"), _float(f, "created_at")
+    n = _int(f, "n") if "n" in f else 1
     try:
         session = SessionSpec.model_validate_json(f["session"]) if "session" in f else None
     except ValidationError as e:
@@ -193,7 +196,7 @@ def job_from_fields(fields: Fields) -> StepJob:
             job_id=job_id, session_id=session_id, hop=hop,
             phase=_field(f, "phase"),  # type: ignore[arg-type]
             compat=_field(f, "compat"), start_position=pos, tokens=tokens, sample=sample, attempt=attempt,
-            created_at=created_at, session=session, hidden=hidden,
+            created_at=created_at, session=session, hidden=hidden, n=n,
         )
     except ValidationError as e:
         raise _validation(e, f, "StepJob") from None

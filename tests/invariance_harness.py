@@ -38,6 +38,7 @@ class Session:
     stop_at: int | None = None  # stop on the oracle's token number stop_at (a stop token that is hit)
     start_s: float = 0.0
     cancel_after: int | None = None  # cancel once this many tokens arrived
+    n: int = 1  # tokens per decode job (the producer's decode_n for this session: a continuation job)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,14 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
                         max_attempts=5)
     cancelled: set[str] = set()
     by_sid = {f"s{i}": s for i, s in enumerate(sessions)}
+    # n per session: the producer fixes a session's n when it opens it (producer/credit.py), from decode_n
+    queue_prefill = producer.core.queue_prefill
+
+    def per_session_n(batch: Any, h: Any) -> None:
+        producer.core.decode_n = by_sid[h.session_id].n
+        queue_prefill(batch, h)
+
+    producer.core.queue_prefill = per_session_n  # type: ignore[method-assign]
 
     def on_result(h: Any, _r: Any) -> None:
         s = by_sid[h.session_id]
@@ -178,6 +187,8 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
         want = solo(s, stops[sid])
         got = list(h.generated)
         out.replays += h.attempt
+        if h.credit.n != s.n:
+            out.mismatches.append(f"{sid}: ran with n = {h.credit.n}, not the drawn {s.n}")
         if sid in cancelled:
             if got != want[:len(got)]:
                 out.mismatches.append(f"{sid} (cancelled): {got} is not a prefix of {want}")

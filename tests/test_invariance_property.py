@@ -94,10 +94,12 @@ def sessions(draw: st.DrawFn, vocab: int = 512, max_prompt: int = MAX_PROMPT, ma
         out.append(Session(
             prompt=random_prompt(np.random.default_rng(seed), length, vocab),
             sampling=draw(st.sampled_from(_SAMPLINGS)),
-            max_tokens=draw(st.integers(1, 10)),
-            stop_at=draw(st.none() | st.integers(0, 9)),
+            max_tokens=draw(st.integers(1, 10) | st.integers(11, 40)),
+            stop_at=draw(st.none() | st.integers(0, 9) | st.integers(10, 39)),
             start_s=draw(st.sampled_from([0.0, 0.0, 0.005, 0.02, 0.08])),
-            cancel_after=draw(st.none() | st.none() | st.integers(0, 4)),
+            cancel_after=draw(st.none() | st.none() | st.integers(0, 4) | st.integers(5, 30)),
+            # tokens per decode job: 1 is one job per token; more, continuation jobs under credit
+            n=draw(st.sampled_from([1, 2, 3, 16])),
         ))
     return out
 

@@ -1,0 +1,362 @@
+"""Continuation jobs (StepJob.n > 1) searched for counterexamples: the producer's credit window
+(producer/credit.py) and the worker (scheduler, delivery rules) against each session run alone.
+
+The engine here keeps, per slot, a hash of every (position, token) row it was fed and answers a logits
+row whose argmax is that hash: a token fed at a wrong position, a wrong token, a row fed twice or left
+out changes every later token, so the session's tokens equal `oracle`'s only if the worker fed exactly
+the rows the session alone would have had. No Redis here (the in-memory transport, the completion
+script's first-answer rule mirrored): tests/test_continuation_e2e.py runs the same on real Redis.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.batch import FusedBatch
+from consumer.continuation import NO_ENTRY
+from consumer.sampling import argmax_rows, sample
+from consumer.transport_protocol import Delivery, Inbound
+from consumer.worker import Worker, WorkerSettings
+from producer.core import Batch, ProducerCore, SessionHandle
+from schemas import Reason, RouteHop, Sampling, SessionSpec, Status, StepJob, StepResult, job_from_fields
+from schemas.step import end_job_id, result_job_id
+from tests.doubles.null import NullEngine
+from tests.memory_transport import MemoryTransport
+
+SOAK = os.environ.get("DGR_SOAK") == "1"
+VOCAB = 64
+WID = "w-cont"
+_ids = itertools.count()
+
+
+def _mix(h: int, position: int, token: int) -> int:
+    return (h * 1_000_003 + position * 8191 + token * 131 + 7) % (1 << 61)
+
+
+class HistoryEngine(NullEngine):
+    """Logits: a one-hot row at (hash of the slot's rows so far) mod vocab. Rows out of order are recorded."""
+
+    def __init__(self, n_slots: int) -> None:
+        super().__init__(n_slots=n_slots, ctx_per_session=4096, vocab_size=VOCAB)
+        self.state: dict[int, tuple[int, int]] = {}  # slot -> (next position, hash)
+        self.errors: list[str] = []
+
+    def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
+        out = []
+        for slot, pos, tok, wants in zip(batch.slots.tolist(), batch.positions.tolist(), batch.tokens.tolist(),
+                                         batch.wants_logits.tolist(), strict=True):
+            nxt, h = self.state.get(slot, (0, 0))
+            if pos != nxt:
+                self.errors.append(f"slot {slot}: row at position {pos}, expected {nxt}")
+            h = _mix(h, pos, tok)
+            self.state[slot] = (pos + 1, h)
+            if wants:
+                out.append(h % VOCAB)
+        logits = np.zeros((len(out), VOCAB), np.float32)
+        logits[np.arange(len(out)), out] = 4.0
+        return logits
+
+    def release(self, slot: int) -> None:
+        self.state.pop(slot, None)
+
+
+@dataclass(frozen=True)
+class Sess:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    n: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_at: int | None = None  # the oracle's token number stop_at is a stop token
+    cancel_after: int | None = None  # cancel once this many tokens arrived
+    dup_every: int | None = None  # re-push a continuation job every this many results
+
+
+def oracle(s: Sess, stops: tuple[int, ...] = ()) -> list[int]:
+    """The session alone: prompt rows, then one row per token, the same sampler keyed by position."""
+    h = 0
+    for i, t in enumerate(s.prompt):
+        h = _mix(h, i, t)
+    pos, out = len(s.prompt), []
+    while True:
+        row = np.zeros(VOCAB, np.float32)
+        row[h % VOCAB] = 4.0
+        t = int(argmax_rows(row[None])[0]) if s.sampling.greedy else sample(row, s.sampling, pos)
+        out.append(t)
+        if len(out) >= s.max_tokens or t in stops:
+            return out
+        h = _mix(h, pos, t)
+        pos += 1
+
+
+@dataclass
+class Run:
+    handles: dict[str, SessionHandle]
+    published: dict[str, StepResult]  # result id -> the first answer (what Redis keeps)
+    order: list[StepResult]  # first answers in publication order
+    again: list[tuple[StepResult, StepResult]]  # (first, later answer under the same id)
+    unacked: list[Delivery]
+    engine_errors: list[str]
+    cancelled: set[str]
+    stops: dict[str, tuple[int, ...]]
+    crashed: bool = False
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None,
+        max_iterations: int = 5_000) -> Run:
+    """Drive the sessions through ProducerCore (credit) and a Worker on the in-memory transport. A crash
+    (after the iteration's completion) replaces worker and engine; entries read and not acked are handed
+    out again, as the transport's recovery does."""
+    t = MemoryTransport()
+    engines: list[HistoryEngine] = []
+    cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0)
+
+    def new_worker() -> Worker:
+        engines.append(HistoryEngine(n_slots))
+        w = Worker(engines[-1], t, cfg)
+        w.start()
+        return w
+
+    w = new_worker()
+    core = ProducerCore(verify_route=False, prefill_chunk=7)
+    entries: dict[str, Inbound] = {}
+    acked: set[str] = set()
+
+    def send(batch: Batch) -> None:
+        for name, args, _kw in batch.ops:
+            if name == "xadd":
+                d = t.push(job_from_fields(args[1]))
+                entries[d.entry_id] = t.queues[d.phase][-1]
+
+    stops: dict[str, tuple[int, ...]] = {}
+    handles: dict[str, SessionHandle] = {}
+    by_sid: dict[str, Sess] = {}
+    for i, s in enumerate(sessions):
+        sid = f"s{i}-{next(_ids)}"
+        full = oracle(s)
+        stops[sid] = (full[s.stop_at],) if s.stop_at is not None and s.stop_at < len(full) else ()
+        spec = SessionSpec(session_id=sid, account_id="acct", route=(RouteHop(worker_id=WID, key=w.keys["prefill"]),),
+                           max_tokens=s.max_tokens, stop_tokens=stops[sid], sampling=s.sampling)
+        h = core.new_handle(spec, s.prompt, 0)
+        h.credit.n = s.n  # what tokens_per_job gives against a worker that advertises continuation
+        b = Batch()
+        core.queue_prefill(b, h)
+        send(b)
+        handles[sid], by_sid[sid] = h, s
+    published: dict[str, StepResult] = {}
+    order: list[StepResult] = []
+    again: list[tuple[StepResult, StepResult]] = []
+    cancelled: set[str] = set()
+    seen = 0
+    seen_by: dict[str, int] = dict.fromkeys(handles, 0)
+    crashed = False
+    for it in range(max_iterations):
+        if all(h.finished for h in handles.values()):
+            break
+        w.run_once()
+        for a in t.answers[seen:]:  # what the completion acked (with the results, in one script)
+            if isinstance(a.ref, Delivery) and a.ref.entry_id != NO_ENTRY:
+                acked.add(a.ref.entry_id)
+        if crash_at is not None and it == crash_at and not crashed:
+            crashed = True
+            w = new_worker()  # kill -9 after the completion: the engine state is gone
+            read = [entries[e] for e in entries if e not in acked]
+            queued = {id(x) for q in t.queues.values() for x in q}
+            lost = [x for x in read if id(x) not in queued and x.ref.entry_id not in acked]
+            for phase in ("decode", "prefill"):
+                t.queues[phase] = deque([x for x in lost if x.phase == phase] + list(t.queues[phase]))
+        batch = Batch()
+        for a in t.answers[seen:]:
+            ref = a.ref
+            assert isinstance(ref, Delivery)
+            if ref.entry_id != NO_ENTRY:
+                acked.add(ref.entry_id)
+            r = a.result
+            first = published.get(r.job_id)
+            if first is not None:
+                again.append((first, r))
+                continue
+            published[r.job_id] = r
+            order.append(r)
+            h = handles[r.session_id]
+            s = by_sid[r.session_id]
+            core.apply(h, r)
+            seen_by[r.session_id] += 1
+            if s.cancel_after is not None and r.session_id not in cancelled and len(h.generated) >= s.cancel_after:
+                cancelled.add(r.session_id)
+                t.cancel(r.session_id)
+            if s.dup_every and seen_by[r.session_id] % s.dup_every == 0 and h.credit.jobs:
+                core._push(batch, h, next(iter(h.credit.jobs.values())))  # a twice-pushed continuation
+        seen = len(t.answers)
+        for sid, h in handles.items():
+            core.advance(batch, h, True, cancel_marked=sid in t.cancel_markers)
+        send(batch)
+    else:
+        pytest.fail(f"not done after {max_iterations} iterations: "
+                    + ", ".join(f"{h.session_id} {h.status} {len(h.generated)}" for h in handles.values()
+                                if not h.finished))
+    # drain: answers to the last pushes (a continuation pushed ahead of a stop, a duplicate) and acks
+    for _ in range(50):
+        if not w.run_once():
+            break
+    for a in t.answers[seen:]:
+        ref = a.ref
+        assert isinstance(ref, Delivery)
+        if ref.entry_id != NO_ENTRY:
+            acked.add(ref.entry_id)
+        if a.result.job_id in published:
+            again.append((published[a.result.job_id], a.result))
+        else:
+            published[a.result.job_id] = a.result
+            order.append(a.result)
+    unacked = [x.ref for e, x in entries.items() if e not in acked]
+    return Run(handles, published, order, again, unacked, [e for eng in engines for e in eng.errors],
+               cancelled, stops, crashed)
+
+
+def check(sessions: list[Sess], r: Run) -> None:
+    assert r.engine_errors == []
+    by_sid = dict(zip(r.handles, sessions, strict=True))
+    for sid, h in r.handles.items():
+        s = by_sid[sid]
+        want = oracle(s, r.stops[sid])
+        got = list(h.generated)
+        if sid in r.cancelled:
+            assert got == want[:len(got)], (sid, got, want)
+            assert h.status in ("cancelled", "finished"), (sid, h.status, h.reason, h.detail)
+        else:
+            assert (h.status, got) == ("finished", want), (sid, h.status, h.reason, h.detail, got, want)
+        mine = [x for x in r.order if x.session_id == sid]
+        tokens = [x for x in mine if x.status == Status.OK and x.token is not None]
+        # one published result and one charge per token the session got, none after its last
+        assert [x.token for x in tokens] == got, (sid, [x.job_id for x in tokens])
+        assert sum(x.accounting.generated_tokens for x in mine) == len(got)
+        assert all(x.token is None or x.status == Status.OK for x in mine)
+        ends = [i for i, x in enumerate(mine) if x.finished]
+        if ends:
+            after = mine[ends[0] + 1:]
+            assert all(x.token is None and x.accounting.generated_tokens == 0 for x in after), after
+            assert all(x.reason == Reason.FINISHED for x in after), after
+    # a redelivery or a twin answers under an id already answered the same way (the record stands)
+    for first, later in r.again:
+        assert (later.status, later.token) == (first.status, first.token) or later.reason == Reason.DUPLICATE, \
+            (first, later)
+    assert r.unacked == [], "every entry is acked once its job ended"
+
+
+@st.composite
+def sessions(draw: st.DrawFn) -> list[Sess]:
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        seed = draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        out.append(Sess(
+            prompt=tuple(int(x) for x in rng.integers(3, VOCAB, draw(st.integers(1, 20)))),
+            max_tokens=draw(st.integers(1, 6) | st.integers(7, 40)),
+            n=draw(st.sampled_from([1, 2, 3, 16])),
+            sampling=draw(st.sampled_from([Sampling(), Sampling(temperature=0.9, seed=5)])),
+            stop_at=draw(st.none() | st.integers(0, 39)),
+            cancel_after=draw(st.none() | st.none() | st.integers(0, 30)),
+            dup_every=draw(st.none() | st.integers(1, 5)),
+        ))
+    return out
+
+
+@settings(max_examples=1000 if SOAK else 60, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ss=sessions(), extra_slots=st.integers(0, 3), max_batch=st.integers(1, 8),
+       crash_at=st.none() | st.integers(0, 60))
+def test_continuation_tokens_results_and_charges_equal_n1_alone(ss: list[Sess], extra_slots: int, max_batch: int,
+                                                                 crash_at: int | None) -> None:
+    r = run(ss, len(ss) + extra_slots, max_batch, crash_at)
+    check(ss, r)
+
+
+# ---- kept cases --------------------------------------------------------------------------------------
+
+def test_continuation_decodes_without_a_new_job_and_ids_are_derived() -> None:
+    s = Sess(prompt=(5, 6, 7), max_tokens=40, n=16)
+    r = run([s], 1, 4)
+    check([s], r)
+    ids = [x.job_id for x in r.order if x.token is not None]
+    assert len(ids) == 40 and len(set(ids)) == 40
+    sizes: dict[str, int] = {}
+    for j in ids:  # offset 0 keeps the job's own id; offset k is "<job id>.<k>"
+        base = j.split(".")[0]
+        sizes[base] = sizes.get(base, 0) + 1
+        assert j == result_job_id(base, sizes[base] - 1)
+    # the prefill's token, then decode jobs of 16, 16 and 7: never past max_tokens, so no credit is left over
+    assert list(sizes.values()) == [1, 16, 16, 7]
+
+
+def test_stop_mid_continuation_drops_the_rest_of_the_credit_uncharged() -> None:
+    s = Sess(prompt=(9, 8), max_tokens=40, n=16, stop_at=5)
+    r = run([s], 1, 4)
+    check([s], r)
+    (h,) = r.handles.values()
+    assert len(h.generated) == 6 and h.status == "finished"
+    assert sum(x.accounting.generated_tokens for x in r.order) == 6
+
+
+def test_cancel_between_continuations_ends_the_session_with_a_prefix() -> None:
+    for after in (1, 8, 9, 17):
+        s = Sess(prompt=(3, 4, 5, 6), max_tokens=40, n=8, cancel_after=after)
+        r = run([s], 1, 4)
+        check([s], r)
+        (h,) = r.handles.values()
+        assert h.status in ("cancelled", "finished") and len(h.generated) >= after
+
+
+def test_duplicate_push_of_a_continuation_yields_one_result_per_offset() -> None:
+    s = Sess(prompt=(3, 4), max_tokens=30, n=4, dup_every=1)
+    r = run([s], 1, 2)
+    check([s], r)
+    assert r.again, "the duplicates were answered (acked) under ids already answered"
+
+
+def test_crash_mid_continuation_is_answered_state_lost_under_the_end_id_and_replayed() -> None:
+    s = Sess(prompt=(3, 4, 5), max_tokens=30, n=16)
+    r = run([s], 1, 4, crash_at=5)
+    check([s], r)
+    (h,) = r.handles.values()
+    assert r.crashed and h.attempt == 1
+    lost = [x for x in r.order if x.status == Status.STATE_LOST]
+    assert lost and all(x.job_id.endswith(".end") for x in lost)
+
+
+def test_result_ids() -> None:
+    assert result_job_id("abc", 0) == "abc" and result_job_id("abc", 3) == "abc.3"
+    assert end_job_id("abc") == "abc.end"
+    with pytest.raises(ValueError):
+        result_job_id("abc", -1)
+
+
+def test_schema_rules_for_n() -> None:
+    from pydantic import ValidationError
+
+    from schemas import job_to_fields
+    from schemas.step import MAX_CONTINUATION_JOB_ID
+
+    base = dict(session_id="s", phase="decode", compat="0" * 16, start_position=4, created_at=1.0)
+    j = StepJob(job_id="j", tokens=(), n=16, **base)  # type: ignore[arg-type]
+    assert j.end_position == 20 and job_from_fields(job_to_fields(j)) == j
+    one = StepJob(job_id="j", tokens=(1,), **base)  # type: ignore[arg-type]
+    assert "n" not in job_to_fields(one)  # n = 1: the entry is the same as before continuation jobs
+    assert one.answer_id(0, ok=False) == "j" and j.answer_id(0, ok=False) == "j.end"
+    assert j.answer_id(0, ok=False, duplicate=True) == "j"
+    with pytest.raises(ValidationError):
+        StepJob(job_id="x" * (MAX_CONTINUATION_JOB_ID + 1), tokens=(1,), n=2, **base)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        StepJob(job_id="j", tokens=(1,), n=65, **base)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        StepJob(job_id="j", session_id="s", phase="prefill", compat="0" * 16, start_position=4, created_at=1.0,
+                tokens=(1,), n=2)
