@@ -86,6 +86,9 @@ def consumer(
     idle_session_s: Annotated[float, typer.Option(
         envvar="DGR_IDLE_SESSION_S", help="Cancel an open session with no step for this long (0: never).")
     ] = _W.idle_session_s,
+    overlap: Annotated[bool, typer.Option(envvar="DGR_OVERLAP",
+                                          help="Publish a fused call's results while the next call runs.")
+                       ] = _W.overlap,
     max_read_entries: Annotated[int, typer.Option(
         envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")
     ] = _W.max_read_entries,
@@ -158,7 +161,8 @@ def consumer(
                               await_ms=await_ms, heartbeat_s=min(heartbeat_s, lease_ms / 4000),
                               recover_every_s=recover_every_s, standby=on_lease_held == "wait",
                               answered_memory=answered_memory, max_read_entries=max_read_entries,
-                              max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s),
+                              max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s,
+                              overlap=overlap),
         transport=TransportSettings(block_ms=block_ms, gather_ms=gather_ms, max_deliveries=max_deliveries,
                                     result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
                                     dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,
@@ -357,11 +361,18 @@ def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JS
 
 @bench_app.command("scale")
 def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
-                repeats: int = 3) -> None:
-    """Worker time per fused call with 10,000 idle sessions known to it vs none."""
+                repeats: int = 3,
+                sessions: Annotated[str, typer.Option(help="Batch sizes for the worker's time per session per "
+                                                           "fused call ('' to skip).")] = "64,128,256",
+                session_calls: Annotated[int, typer.Option(help="Fused calls timed per batch size.")] = 100,
+                profile: Annotated[bool, typer.Option(help="Also time every stage of the loop and Redis's "
+                                                           "CPU per command, per batch size.")] = False) -> None:
+    """Worker time per session per fused decode call at 64-256 sessions (overlap off/on), and per call with
+    10,000 idle sessions known to it vs none (--idle 0 skips that part)."""
     from dgrtools.bench.scale import run
 
-    run(out, idle=idle, active=active, calls=calls, repeats=repeats)
+    run(out, idle=idle, active=active, calls=calls, repeats=repeats, sessions=_ints(sessions) if sessions else (),
+        session_calls=session_calls, profile=profile)
 
 
 @bench_app.command("producer")

@@ -8,7 +8,7 @@ from typing import Literal
 
 from .engines.base import Engine
 
-EngineKind = Literal["llama", "reference"]
+EngineKind = str  # "llama", "reference" or "sleep:<time>" (e.g. sleep:2ms)
 RecipeName = Literal["fast", "invariant"]
 
 
@@ -41,6 +41,10 @@ def resolve_model(model: str) -> Path:
 def make_engine(model_path: Path, *, kind: EngineKind = "llama", recipe: RecipeName = "invariant",
                 n_slots: int = 16, ctx_per_session: int = 1024, n_batch: int = 2048,
                 n_threads: int | None = None, n_gpu_layers: int = 0) -> Engine:
+    if kind.startswith("sleep:"):  # a stand-in for a GPU step (benchmarks): consumer/engines/sleep.py
+        from .engines.sleep import SleepEngine, parse_sleep_spec
+
+        return SleepEngine(parse_sleep_spec(kind), n_slots=n_slots, ctx_per_session=ctx_per_session)
     if kind == "reference":
         from .engines.reference import NumpyReferenceEngine
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import FrameType
 
@@ -110,6 +111,10 @@ class Worker:
         self._answered: OrderedDict[str, Answer] = OrderedDict()  # job id -> its answer, ref dropped (LRU)
         self._precheck: tuple[set[str], set[str]] = (set(), set())  # (answered job ids, cancelled sessions)
         self._outages_seen = 0
+        # Overlap (issue 15): the completion of fused call k (one Lua publish) runs on this single
+        # thread while the loop reads, admits and runs call k+1; one thread, so results stay in order.
+        self._publisher: ThreadPoolExecutor | None = None
+        self._publishing: Future[None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,12 +145,19 @@ class Worker:
         if not self._registered:
             self.start()
         idle_since = time.monotonic()
+        flush = not self.settings.overlap
         try:
-            while not self._stop.is_set():
-                if self.run_once():
-                    idle_since = time.monotonic()
-                elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
-                    break
+            try:
+                while not self._stop.is_set():
+                    if self.run_once(flush=flush):
+                        idle_since = time.monotonic()
+                    elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
+                        self.flush()
+                        break
+            except BaseException:
+                self._drain_quietly()  # the in-flight publish finishes (or fails) before the error goes on
+                raise
+            self.flush()  # the last call's results are out before the last heartbeat
         except LeaseLost:
             # Another process serves this worker id now: write nothing more (no heartbeat, no release).
             log.error("lease lost to another consumer: stopping without writing", extra={"worker": self._m})
@@ -153,9 +165,51 @@ class Worker:
         self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
         self.transport.release_lease()
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
+        self._close_publisher()
+
+    # ---- overlapped completion -----------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for the in-flight completion (if any); its error (LeaseLost, a Redis outage given up
+        on) is raised here, in the loop's thread."""
+        pending, self._publishing = self._publishing, None
+        if pending is not None:
+            pending.result()
+
+    def _drain_quietly(self) -> None:
+        try:
+            self.flush()
+        except Exception:
+            log.warning("in-flight completion failed while the loop was stopping on another error", exc_info=True)
+
+    def _close_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
+            self._publisher = None
+
+    def _publish(self, completions: Sequence[Answer], dead: Sequence[DeadLetter], call: FusedCallStats | None,
+                 closing: Sequence[tuple[str, str]], flush: bool) -> None:
+        """transport.complete, then the closures no answer carried: at once (flush), or on the publisher
+        thread after the previous publish (the loop goes on to the next call meanwhile)."""
+        def work() -> None:
+            if completions or dead or call:
+                self.transport.complete(completions, dead, call)
+            if closing:
+                self.transport.close_sessions(closing)
+
+        self.flush()  # call k-1's results before call k's: a session's results stay in order
+        if not (completions or dead or call or closing):
+            return
+        if flush:
+            work()
+            return
+        if self._publisher is None:
+            self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dgr-publish-{self._m}")
+        self._publishing = self._publisher.submit(work)
 
     # ---- one iteration ---------------------------------------------------------------------
-    def run_once(self) -> bool:
+    def run_once(self, *, flush: bool = True) -> bool:
+        """One iteration. flush=False (the loop, with `overlap` on): this call's completion may still be
+        in flight on return; the next iteration (or `flush()`) waits for it before publishing again."""
         t0 = time.perf_counter()
         self._housekeeping()
         answers: list[Answer] = []
@@ -183,9 +237,7 @@ class Worker:
                                   engine_seconds=engine_s)
         latencies: list[tuple[Phase, float]] = []
         completions = wire_rejects + self._completions(answers, latencies)
-        if completions or dead or call:
-            self.transport.complete(completions, dead, call)
-        self._close_uncarried(completions, not_held)
+        self._publish(completions, dead, call, self._uncarried(completions, not_held), flush)
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
         self._observe(batch, call, completions, dead, latencies)
@@ -414,15 +466,15 @@ class Worker:
             self._answered.popitem(last=False)
         return a
 
-    def _close_uncarried(self, completions: Sequence[Answer], cancelled_not_held: Sequence[str]) -> None:
-        """Close the accounting of sessions whose closure no answer carried: a cancel with nothing
-        queued, a failed engine call, a cancel of a session this worker does not hold (an earlier
-        process may have charged it)."""
+    def _uncarried(self, completions: Sequence[Answer], cancelled_not_held: Sequence[str]) -> list[tuple[str, str]]:
+        """The sessions whose accounting no answer closes, to close after the completion: a cancel with
+        nothing queued, a failed engine call, a cancel of a session this worker does not hold (an
+        earlier process may have charged it)."""
         carried = {c.result.session_id for c in completions if c.close is not None}
-        todo = [(cs.session_id, cs.kind) for cs in self.scheduler.drain_closed() if cs.session_id not in carried]
+        todo: list[tuple[str, str]] = [(cs.session_id, cs.kind) for cs in self.scheduler.drain_closed()
+                                       if cs.session_id not in carried]
         todo += [(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
-        if todo:
-            self.transport.close_sessions(todo)
+        return todo
 
     def _run_batch(self, batch: ScheduledBatch) -> list[Answer]:
         """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
@@ -477,6 +529,12 @@ class Worker:
     # ---- periodic --------------------------------------------------------------------------
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if self._publishing is not None and (
+                self.transport.outages != self._outages_seen or now - self._last_heartbeat >= self.settings.heartbeat_s
+                or now - self._last_recover >= self.settings.recover_every_s):
+            # The lease check, the heartbeat, trims and the ownership sweep see the transport with
+            # nothing in flight (the sweep reads which entries are still outstanding).
+            self.flush()
         if self.transport.outages != self._outages_seen:
             self._after_outage()
         if now - self._last_heartbeat >= self.settings.heartbeat_s:
@@ -503,6 +561,7 @@ class Worker:
         self._recover()
 
     def _recover(self) -> None:
+        self.flush()
         inbound, dead = self.transport.recover()
         self.hops.prefetch(self.transport, inbound)
         answers: list[Answer] = []
