@@ -459,7 +459,9 @@ class Worker:
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
-        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
+        # Only one-hop sessions: on a longer route the next step comes back through every hop (no use waiting).
+        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                         and o.job is not None and o.job.hop == 0)
         return outcomes
 
     def _release_slots(self) -> None:
