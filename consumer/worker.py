@@ -453,8 +453,14 @@ class Worker:
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        # A hop that is not last answers activations (no sampling); the last hop samples as one whole model.
-        tokens = self.hops.collect(batch, output) if output.kind == "hidden" else self.sampler(batch, output)
+        if output.kind == "hidden":  # a hop that is not last answers activations, no sampling
+            try:
+                tokens: Sequence[int | None] = self.hops.collect(batch, output)
+            except Exception as e:  # the engine ran (its state moved) but its rows are unusable: no retry
+                log.warning("hop output refused", extra={"sessions": len(batch.session_ids), "error": str(e)})
+                return self.scheduler.fail(batch, f"hop output: {e}"[:200])
+        else:  # the last hop (or a whole model) samples
+            tokens = self.sampler(batch, output)
         outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
         if self.idle is not None:
             for o in outcomes:

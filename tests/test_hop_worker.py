@@ -223,3 +223,51 @@ def test_llama_cpp_hop_files_through_workers_equal_the_whole_model(
     finally:
         for e in (*engines, whole_ll):
             e.close()
+
+
+def test_a_hop_engine_answering_bad_rows_fails_only_its_sessions(real_redis: redis.Redis, deep_model: Path,
+                                                                 whole: NumpyReferenceEngine) -> None:
+    """Hop 0's engine answers NaN rows for one session and too few rows for another: those two sessions
+    fail (engine_error; nothing is relayed that the next hop would compute on), the worker keeps serving
+    and the other sessions give the whole model's tokens."""
+    from consumer.batch import EngineOutput
+
+    class Faulty:
+        def __init__(self, inner: NumpyReferenceEngine) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def forward(self, batch):  # type: ignore[no-untyped-def]
+            out = self.inner.forward(batch)
+            rows = out.rows.copy()
+            nan = np.asarray(batch.tokens) == 499
+            rows[nan] = np.nan
+            if (np.asarray(batch.tokens) == 498).any():
+                rows = rows[:-1]  # a row short: the call fails as a whole, then bisects
+            return EngineOutput.hidden(rows)
+
+    d = _route(real_redis, deep_model, (2,))
+    eng0 = NumpyReferenceEngine(deep_model, n_slots=8, ctx_per_session=512, layers=(0, 2))
+    d.workers[0].transport.release_lease()
+    workers = list(d.workers)
+    workers[0] = make_hop_worker(real_redis, Faulty(eng0), d.workers[0].settings.worker_id)  # type: ignore[arg-type]
+    d.workers = workers
+    ps = prompts(4, 400, seed=8, lo=5, hi=20)
+    ps[1] = [*ps[1][:2], 499, *ps[1][2:]]
+    for i, p in enumerate(ps):
+        d.open(f"s{i}", p, max_tokens=5)
+    d.run([f"s{i}" for i in range(4)])
+    failed = {r.session_id: r for _, r in d.failures()}
+    assert set(failed) == {"s1"} and failed["s1"].reason == Reason.ENGINE_ERROR
+    for i in (0, 2, 3):
+        assert d.tokens[f"s{i}"] == solo_generate(whole, ps[i], 5)
+    # too few rows: the call's sessions fail (the engine's state moved, no retry), the worker goes on
+    d.open("t0", [5, 6, 498, 7], max_tokens=3)
+    d.run(["t0"])
+    assert [r.reason for _, r in d.failures() if r.session_id == "t0"] == [Reason.ENGINE_ERROR]
+    d.open("t1", ps[0], max_tokens=5)
+    d.run(["t1"])
+    assert d.tokens["t1"] == solo_generate(whole, ps[0], 5)
+    assert d.workers[0].hops.held() == 0
