@@ -298,7 +298,11 @@ class Worker:
         if answer is not None:
             answers.append(answer)
             return False
-        answers.extend(self.scheduler.supersede(job, inb.digest))  # a newer attempt re-opens (route replay)
+        if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
+            answers.extend(self.scheduler.supersede(job, inb.digest))
+            # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
+            # attempt can take it: a full worker re-opens every session of a replayed route.
+            self._release_slots()
         answer = self.scheduler.admit(job, inb.digest, inb.ref)
         if answer is not None:
             answers.append(answer)

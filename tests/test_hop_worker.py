@@ -172,7 +172,7 @@ def test_a_hop_that_loses_its_state_is_replayed_on_every_hop(real_redis: redis.R
     id): it answers state_lost, the Tracker replays every hop (attempt + 1), the hops that still hold the
     older attempt drop it for the newer one (Scheduler.supersede), and every session ends with its
     whole-model tokens; no slot of the dead attempt stays taken."""
-    d = _route(real_redis, deep_model, (1, 3))
+    d = _route(real_redis, deep_model, (1, 3), n_slots=4)  # full: a re-open must reuse the dropped slot
     ps = prompts(4, 500, seed=lost, lo=5, hi=70)
     for i, p in enumerate(ps):
         d.open(f"s{i}", p, max_tokens=10, chunk=32)
@@ -183,7 +183,7 @@ def test_a_hop_that_loses_its_state_is_replayed_on_every_hop(real_redis: redis.R
     assert not all(d.done(f"s{i}") for i in range(4))
     old = d.workers[lost]
     old.transport.release_lease()
-    eng = NumpyReferenceEngine(deep_model, n_slots=8, ctx_per_session=512,
+    eng = NumpyReferenceEngine(deep_model, n_slots=4, ctx_per_session=512,
                                layers=((0, 1), (1, 3), (3, 4))[lost])
     workers = list(d.workers)
     workers[lost] = make_hop_worker(real_redis, eng, old.settings.worker_id)
