@@ -253,6 +253,11 @@ class Scheduler:
             return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
                                 "a continuation (n > 1) needs a route of one hop")
 
+        held_attempt = self._attempts.get(sid) if entry is not None else None
+        if held_attempt is not None and job.attempt < held_attempt:
+            # A step of an attempt this worker dropped for a newer one (a route replay): never computed.
+            return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
+                                f"attempt {job.attempt} is older than the session's attempt {held_attempt}")
         known = entry if entry is not None else closed
         if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
             # A cancel is final whatever the step's position: a later prompt chunk or a replay's new

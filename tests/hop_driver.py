@@ -134,7 +134,12 @@ class RouteDriver:
             got = [lane.pop(0) for lane in lanes]
         # one GET pipeline for the blobs of this poll's results
         blobs = [r.hidden.blob for _, r in got if r.hidden is not None and r.hidden.blob is not None]
-        fetched = dict(zip(blobs, self.client.mget(blobs), strict=True)) if blobs else {}
+        fetched: dict[str, bytes | None] = {}
+        if blobs:  # GETs in one pipeline (not one MGET: the blobs are in several workers' hash tags)
+            get = self.client.pipeline(transaction=False)
+            for b in blobs:
+                get.get(b)
+            fetched = dict(zip(blobs, get.execute(), strict=True))
         pipe = self.client.pipeline(transaction=False)
         for hop, r in got:
             self.results[r.session_id].append((hop, r))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def test_malformed_activations_are_answered_and_the_worker_keeps_serving(
     assert out.shape == (3, HIDDEN)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200 if os.environ.get("DGR_SOAK") == "1" else 25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_activations_never_stop_the_worker(real_redis: redis.Redis, hop1_engine: NumpyReferenceEngine,
                                                   data: st.DataObject) -> None:

@@ -172,7 +172,7 @@ def test_a_hop_that_loses_its_state_is_replayed_on_every_hop(real_redis: redis.R
     id): it answers state_lost, the Tracker replays every hop (attempt + 1), the hops that still hold the
     older attempt drop it for the newer one (Scheduler.supersede), and every session ends with its
     whole-model tokens; no slot of the dead attempt stays taken."""
-    d = _route(real_redis, deep_model, (1, 3))
+    d = _route(real_redis, deep_model, (1, 3), n_slots=4)  # full: a re-open must reuse the dropped slot
     ps = prompts(4, 500, seed=lost, lo=5, hi=70)
     for i, p in enumerate(ps):
         d.open(f"s{i}", p, max_tokens=10, chunk=32)
@@ -183,7 +183,7 @@ def test_a_hop_that_loses_its_state_is_replayed_on_every_hop(real_redis: redis.R
     assert not all(d.done(f"s{i}") for i in range(4))
     old = d.workers[lost]
     old.transport.release_lease()
-    eng = NumpyReferenceEngine(deep_model, n_slots=8, ctx_per_session=512,
+    eng = NumpyReferenceEngine(deep_model, n_slots=4, ctx_per_session=512,
                                layers=((0, 1), (1, 3), (3, 4))[lost])
     workers = list(d.workers)
     workers[lost] = make_hop_worker(real_redis, eng, old.settings.worker_id)
@@ -220,6 +220,78 @@ def test_llama_cpp_hop_files_through_workers_equal_the_whole_model(
         assert d.blob_bytes > 0 and d.inline_bytes > 0
         for w in d.workers:
             assert max(s for _, s in w.stats.recent_calls) >= 2
+    finally:
+        for e in (*engines, whole_ll):
+            e.close()
+
+
+def test_a_hop_engine_answering_bad_rows_fails_only_its_sessions(real_redis: redis.Redis, deep_model: Path,
+                                                                 whole: NumpyReferenceEngine) -> None:
+    """Hop 0's engine answers NaN rows for one session and too few rows for another: those two sessions
+    fail (engine_error; nothing is relayed that the next hop would compute on), the worker keeps serving
+    and the other sessions give the whole model's tokens."""
+    from consumer.batch import EngineOutput
+
+    class Faulty:
+        def __init__(self, inner: NumpyReferenceEngine) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def forward(self, batch):  # type: ignore[no-untyped-def]
+            out = self.inner.forward(batch)
+            rows = out.rows.copy()
+            nan = np.asarray(batch.tokens) == 499
+            rows[nan] = np.nan
+            if (np.asarray(batch.tokens) == 498).any():
+                rows = rows[:-1]  # a row short: the call fails as a whole, then bisects
+            return EngineOutput.hidden(rows)
+
+    d = _route(real_redis, deep_model, (2,))
+    eng0 = NumpyReferenceEngine(deep_model, n_slots=8, ctx_per_session=512, layers=(0, 2))
+    d.workers[0].transport.release_lease()
+    workers = list(d.workers)
+    workers[0] = make_hop_worker(real_redis, Faulty(eng0), d.workers[0].settings.worker_id)  # type: ignore[arg-type]
+    d.workers = workers
+    ps = prompts(4, 400, seed=8, lo=5, hi=20)
+    ps[1] = [*ps[1][:2], 499, *ps[1][2:]]
+    for i, p in enumerate(ps):
+        d.open(f"s{i}", p, max_tokens=5)
+    d.run([f"s{i}" for i in range(4)])
+    failed = {r.session_id: r for _, r in d.failures()}
+    assert set(failed) == {"s1"} and failed["s1"].reason == Reason.ENGINE_ERROR
+    for i in (0, 2, 3):
+        assert d.tokens[f"s{i}"] == solo_generate(whole, ps[i], 5)
+    # too few rows: the call's sessions fail (the engine's state moved, no retry), the worker goes on
+    d.open("t0", [5, 6, 498, 7], max_tokens=3)
+    d.run(["t0"])
+    assert [r.reason for _, r in d.failures() if r.session_id == "t0"] == [Reason.ENGINE_ERROR]
+    d.open("t1", ps[0], max_tokens=5)
+    d.run(["t1"])
+    assert d.tokens["t1"] == solo_generate(whole, ps[0], 5)
+    assert d.workers[0].hops.held() == 0
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("cuts", [(6,), (6, 12)], ids=["2-hop", "3-hop"])
+def test_gemma_hops_through_workers_equal_the_whole_model(real_redis: redis.Redis, gemma_model_path: Path,
+                                                          tmp_path: Path, cuts: tuple[int, ...]) -> None:
+    """Gemma 3 270M cut at block 6 (and 12), llama.cpp "invariant" hops behind workers, relayed: 3 sessions
+    (long and short prompts, fused per call) equal the whole model bit for bit (DGR_SLOW=1)."""
+    hops = split_route(gemma_model_path, tmp_path / "hops", cuts)
+    tag = next(_ids)
+    engines = [LlamaCppEngine(h.path, recipe="invariant", n_slots=4, ctx_per_session=512) for h in hops]
+    whole_ll = LlamaCppEngine(gemma_model_path, recipe="invariant", n_slots=1, ctx_per_session=512)
+    try:
+        d = RouteDriver(real_redis, [make_hop_worker(real_redis, e, f"g{tag}-hop{k}") for k, e in enumerate(engines)])
+        ps = [*prompts(1, 20000, seed=31, lo=40, hi=40), *prompts(2, 20000, seed=32, lo=3, hi=9)]
+        for i, p in enumerate(ps):
+            d.open(f"s{i}", p, max_tokens=4, chunk=32)
+        d.run([f"s{i}" for i in range(3)])
+        assert not d.failures(), d.failures()[:3]
+        for i, p in enumerate(ps):
+            assert d.tokens[f"s{i}"] == solo_generate(whole_ll, p, 4), f"s{i}"
     finally:
         for e in (*engines, whole_ll):
             e.close()
