@@ -271,6 +271,9 @@ class ProducerCore:
         return toks
 
     def new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> SessionHandle:
+        if len(spec.route) > 1:  # its hop 0 answers rows, not tokens: producer/route.py drives it
+            raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), "
+                             "not step by step")
         toks = self.validate(spec, prompt, hop)
         return SessionHandle(spec=spec, prompt=toks, worker_id=spec.route[hop].worker_id, hop=hop,
                              opened_at=time.time())
