@@ -124,13 +124,16 @@ class HopSteps:
         parts = self._outputs.pop(job.job_id, None)
         if not self.produces_hidden or a.result.status != Status.OK or a.result.hidden is not None:
             return a
-        if parts is None:
-            raise ValueError(f"no output rows kept for job {job.job_id}")
-        rows = np.concatenate(parts, axis=0)
-        if rows.shape[0] != len(job.tokens):
-            raise ValueError(f"{rows.shape[0]} output rows for the {len(job.tokens)} tokens of {job.job_id}")
-        acts, blob = encode(rows, self.dtype, blob=self.keys.activations_out(job.job_id))
         r = a.result
+        rows = np.concatenate(parts, axis=0) if parts else np.zeros((0, 1), np.float32)
+        if rows.shape[0] != len(job.tokens) or not np.isfinite(rows).all():
+            # Never an answer the next hop would compute on: the step fails (a bug, said loudly).
+            detail = (f"hop output of {rows.shape[0]} rows for {len(job.tokens)} tokens" if rows.shape[0] !=
+                      len(job.tokens) else "hop output holds NaN or inf")
+            failed = StepResult(**{**dict(r), "status": Status.FAILED, "reason": Reason.ENGINE_ERROR,
+                                   "detail": detail, "accounting": Accounting(), "token": None})
+            return replace(a, result=failed)
+        acts, blob = encode(rows, self.dtype, blob=self.keys.activations_out(job.job_id))
         accounting = Accounting(engine_seconds=r.accounting.engine_seconds)
         result = StepResult(**{**dict(r), "hidden": acts, "accounting": accounting, "token": None})
         return replace(a, result=result, blob=blob)

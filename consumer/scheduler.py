@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -174,6 +174,9 @@ class Scheduler:
         self._current: dict[Phase, int] = {"decode": 0, "prefill": 0}  # smooth WRR state
         self._weight: dict[Phase, int] = {"decode": config.w_decode, "prefill": config.w_prefill}
         self._seq = 0
+        # session id -> the attempt of the opening that opened it (open sessions and recently closed
+        # ones, bounded like the closed LRU): a newer attempt's opening supersedes it (`supersede`).
+        self._attempts: OrderedDict[str, int] = OrderedDict()
         # Bounded: a worker that never drains it loses the oldest (counted in stats.closed_dropped).
         self._closed_log: deque[ClosedSession] = deque(maxlen=self.CLOSED_LOG_MAX)
 
@@ -244,6 +247,11 @@ class Scheduler:
             return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
                                 f"hop {job.hop} is not this worker's on the session's route")
 
+        held_attempt = self._attempts.get(sid) if entry is not None else None
+        if held_attempt is not None and job.attempt < held_attempt:
+            # A step of an attempt this worker dropped for a newer one (a route replay): never computed.
+            return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
+                                f"attempt {job.attempt} is older than the session's attempt {held_attempt}")
         known = entry if entry is not None else closed
         if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
             # A cancel is final whatever the step's position: a later prompt chunk or a replay's new
@@ -297,6 +305,10 @@ class Scheduler:
                                     f"all {cap.n_slots} slots are taken")
             self.stats.sessions_opened += 1
             self._lanes[sid] = _Lane(entry=entry)
+            self._attempts[sid] = job.attempt
+            self._attempts.move_to_end(sid)
+            while len(self._attempts) > self.config.closed_capacity + cap.n_slots:
+                self._attempts.popitem(last=False)
 
         lane = self._lanes[sid]
         self._seq += 1
@@ -307,6 +319,51 @@ class Scheduler:
         self.stats.admitted += 1
         self._refresh(lane)
         return None
+
+    # ---- a newer attempt ------------------------------------------------------------------------
+
+    def supersede(self, job: StepJob, stream_digest: str) -> list[Answer]:
+        """Before admitting `job`: when it opens (prefill at 0, a compatible key) a newer attempt of a
+        session this scheduler holds or recently finished, drop the older attempt, so admit() opens
+        the new one. On a route of several hops a lost state on ANY hop makes the Tracker replay every
+        hop of the route (attempt + 1), and the hops that did not lose it still hold the older attempt.
+        Its queued steps are answered REJECTED already_open ("superseded"); its state is forgotten with
+        no accounting closure (the session goes on, under its new attempt). A cancelled session stays
+        cancelled; an older or equal attempt changes nothing; a session with a call in flight is left
+        as is (admit answers already_open). Returns the answers of the dropped steps."""
+        sid = job.session_id
+        if not (job.phase == "prefill" and job.start_position == 0 and job.attempt > 0):
+            return []
+        if job.compat != stream_digest or job.compat != self.engine_digests.get(job.phase):
+            return []
+        held = self._attempts.get(sid)
+        if held is None or job.attempt <= held:
+            return []
+        lane = self._lanes.get(sid)
+        if lane is None:
+            closed = self.table.closed(sid)
+            if closed is not None and closed.kind == "finished":
+                self.table.forget_closed(sid)
+                del self._attempts[sid]
+            return []
+        if lane.inflight or lane.entry.opening_job_id == job.job_id:
+            return []
+        entry = lane.entry
+        answers = []
+        for q in self._drop_queued(lane):
+            self.stats.rejected += 1
+            answers.append(Answer(
+                ref=q.ref, job=q.job,
+                result=self._result(q.job, Status.REJECTED, Reason.ALREADY_OPEN, entry.position,
+                                    detail=f"superseded by attempt {job.attempt} of the session"),
+                account_id=entry.account_id, close=None))
+        self._unready(lane)
+        self._awaiting.discard(sid)
+        self.table.close(sid, "failed")  # forgotten outright (no closed record), the slot released
+        del self._lanes[sid]
+        del self._attempts[sid]
+        lane.closed = "failed"
+        return answers
 
     # ---- cancellation ---------------------------------------------------------------------------
 

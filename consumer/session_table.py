@@ -177,6 +177,10 @@ class SessionTable:
             if len(self._closed) > self.closed_capacity:
                 self._closed.popitem(last=False)
 
+    def forget_closed(self, session_id: str) -> None:
+        """Drop the closed record of a session (a newer attempt of it re-opens: consumer/scheduler.py)."""
+        self._closed.pop(session_id, None)
+
     def closed(self, session_id: str) -> ClosedSession | None:
         """The closed record of a recently closed session (refreshes its place in the LRU)."""
         rec = self._closed.get(session_id)

@@ -298,6 +298,11 @@ class Worker:
         if answer is not None:
             answers.append(answer)
             return False
+        if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
+            answers.extend(self.scheduler.supersede(job, inb.digest))
+            # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
+            # attempt can take it: a full worker re-opens every session of a replayed route.
+            self._release_slots()
         answer = self.scheduler.admit(job, inb.digest, inb.ref)
         if answer is not None:
             answers.append(answer)
@@ -452,13 +457,21 @@ class Worker:
             self.stats.decode_sessions += len(batch.session_ids)
         self.stats.engine_seconds += elapsed
         self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        # A hop that is not last answers activations (no sampling); the last hop samples as one whole model.
-        tokens = self.hops.collect(batch, output) if output.kind == "hidden" else self.sampler(batch, output)
+        if output.kind == "hidden":  # a hop that is not last answers activations, no sampling
+            try:
+                tokens: Sequence[int | None] = self.hops.collect(batch, output)
+            except Exception as e:  # the engine ran (its state moved) but its rows are unusable: no retry
+                log.warning("hop output refused", extra={"sessions": len(batch.session_ids), "error": str(e)})
+                return self.scheduler.fail(batch, f"hop output: {e}"[:200])
+        else:  # the last hop (or a whole model) samples
+            tokens = self.sampler(batch, output)
         outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
-        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished)
+        # Only one-hop sessions: on a longer route the next step comes back through every hop (no use waiting).
+        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                         and o.job is not None and o.job.hop == 0)
         return outcomes
 
     def _release_slots(self) -> None:

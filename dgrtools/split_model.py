@@ -53,8 +53,12 @@ def source_block_count(path: str | os.PathLike[str]) -> int:
     return int(r.get_field(f"{arch}.block_count").contents())  # type: ignore[union-attr]
 
 
-def split_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], first: int, last: int) -> HopFile:
-    """Write the hop file of blocks [first, last) of `src` to `dst` (atomically); return its facts."""
+def split_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], first: int, last: int, *,
+               allow_pattern_shift: bool = False) -> HopFile:
+    """Write the hop file of blocks [first, last) of `src` to `dst` (atomically); return its facts.
+
+    `allow_pattern_shift=True` writes a cut that shifts an index-derived attention pattern anyway: a
+    wrong model, for the test that shows the refusal matters."""
     import gguf
 
     src, dst = Path(src), Path(dst)
@@ -66,7 +70,7 @@ def split_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], first: 
     if not 0 <= first < last <= n:
         raise ValueError(f"blocks [{first}, {last}) are not a non-empty range inside [0, {n})")
     period = _INDEX_PATTERN_PERIOD.get(arch)
-    if period is not None and first % period:
+    if period is not None and first % period and not allow_pattern_shift:
         raise ValueError(f"{arch}: llama.cpp derives sliding-window blocks from the block index (period "
                          f"{period}); a hop must start at a multiple of {period}, not {first}")
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -121,3 +125,117 @@ def split_route(src: str | os.PathLike[str], out_dir: str | os.PathLike[str],
         raise ValueError(f"cuts {cuts} must be increasing inside (0, {n})")
     out = Path(out_dir)
     return [split_gguf(src, out / f"hop-{a}-{b}.gguf", a, b) for a, b in pairwise(bounds)]
+
+
+# ------------------------------------------------------------------------------------- benchmark
+def bench_route_decode(model: str | os.PathLike[str], cuts: tuple[int, ...], *, sessions: int = 8,
+                       steps: int = 16, prompt_len: int = 32, repeats: int = 3, n_threads: int | None = None,
+                       out_dir: str | os.PathLike[str] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Decode engine time per step at `sessions` sessions: the whole model (one hop) vs the route cut at
+    `cuts` (each hop's own engine time), llama.cpp "invariant" recipe, one fused call per hop per step.
+
+    The two sides alternate `repeats` times on identical work (same prompts, greedy tokens of the whole
+    model fed to both) and each keeps its fastest run: on a shared machine compare the ratio of one run.
+    Also checks that every step's logits are bit-identical on both sides.
+    """
+    import tempfile
+    import time
+
+    import numpy as np
+
+    from consumer.batch import BatchRow, FusedBatch
+    from consumer.engines.llama import LlamaCppEngine
+
+    tmp = tempfile.TemporaryDirectory() if out_dir is None else None
+    where = Path(out_dir) if out_dir is not None else Path(tmp.name)  # type: ignore[union-attr]
+    hops = split_route(model, where, cuts)
+    ctx = max(256, prompt_len + steps + 1)
+    kw: dict[str, Any] = dict(recipe="invariant", n_slots=sessions, ctx_per_session=ctx, n_threads=n_threads)
+    whole = LlamaCppEngine(model, **kw)
+    route = [LlamaCppEngine(h.path, **kw) for h in hops]
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(3, whole.capacity.vocab_size, size=(sessions, prompt_len))
+
+    def run(engines: list[LlamaCppEngine], rows: list[BatchRow], phase: str, clock: list[float]) -> Any:
+        hidden = None
+        for k, eng in enumerate(engines):
+            t0 = time.perf_counter()
+            out = eng.forward(FusedBatch.from_rows(phase, rows, hidden))  # type: ignore[arg-type]
+            clock[k] += time.perf_counter() - t0
+            hidden = out.rows
+        return hidden
+
+    def play(engines: list[LlamaCppEngine],
+             tokens: list[list[int]] | None) -> tuple[list[float], list[Any], list[list[int]]]:
+        for eng in engines:
+            for s in range(sessions):
+                eng.release(s)
+        rows = [BatchRow(s, p, int(prompts[s, p]), p == prompt_len - 1) for s in range(sessions)
+                for p in range(prompt_len)]
+        nxt = np.argmax(run(engines, rows, "prefill", [0.0] * len(engines)), axis=1)
+        clock = [0.0] * len(engines)
+        logits, fed = [], []
+        for k in range(steps):
+            feed = tokens[k] if tokens is not None else [int(t) for t in nxt]
+            fed.append(feed)
+            rows = [BatchRow(s, prompt_len + k, feed[s], True) for s in range(sessions)]
+            lg = run(engines, rows, "decode", clock)
+            logits.append(lg)
+            nxt = np.argmax(lg, axis=1)
+        return clock, logits, fed
+
+    best_whole, best_route = [float("inf")], [float("inf")] * len(route)
+    exact = True
+    try:
+        for _ in range(max(1, repeats)):
+            cw, lw, fed = play([whole], None)
+            cr, lr, _ = play(route, fed)
+            exact = exact and all(np.array_equal(a, b) for a, b in zip(lw, lr, strict=True))
+            best_whole = [min(best_whole[0], cw[0])]
+            if sum(cr) < sum(best_route):
+                best_route = cr
+    finally:
+        for eng in [whole, *route]:
+            eng.close()
+        if tmp is not None:
+            tmp.cleanup()
+    n_embd = whole.boundary.hidden_size or int(route[0].boundary.hidden_size)
+    return {
+        "sessions": sessions, "steps": steps, "cuts": list(cuts),
+        "whole_step_ms": 1000 * best_whole[0] / steps,
+        "hop_step_ms": [1000 * c / steps for c in best_route],
+        "route_step_ms": 1000 * sum(best_route) / steps,
+        "route_over_whole": sum(best_route) / best_whole[0],
+        "boundary_bytes_per_session_step": n_embd * 4,  # f32 activations, per hop boundary crossed
+        "boundaries": len(cuts),
+        "logits_bit_identical": exact,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dgrtools.split_model MODEL --cuts 6[,12] [--sessions 8] [--steps 16]`: the decode
+    benchmark above, printed as JSON."""
+    import argparse
+    import json
+
+    from consumer.runtime import resolve_model
+
+    ap = argparse.ArgumentParser(prog="python -m dgrtools.split_model")
+    ap.add_argument("model", help="'tiny', 'gemma' or a GGUF path")
+    ap.add_argument("--cuts", required=True, help="block indices where the route is cut, e.g. 6 or 6,12")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+    res = bench_route_decode(resolve_model(args.model), tuple(int(x) for x in args.cuts.split(",")),
+                             sessions=args.sessions, steps=args.steps, prompt_len=args.prompt_len,
+                             repeats=args.repeats, n_threads=args.threads)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -293,3 +293,26 @@ def test_default_two_block_model_splits_in_two(tiny_model_path: Path, tmp_path: 
         assert differences(play_route(hops, sessions), play_route([whole], sessions)) == []
         for e in [*hops, whole]:
             e.close()
+
+
+def test_fast_recipe_boundary_rows_keep_their_order(tiny4: Path, tmp_path: Path) -> None:
+    """The "fast" recipe lets llama.cpp cut a call into micro-batches as it likes, which would reorder
+    the captured boundary rows (with consecutive slots, llama.cpp's split_equal takes the same number of
+    rows from each sequence per micro-batch): a boundary hop runs whole pieces whatever the recipe.
+    Unequal prompts in one call, against the whole model (flash attention off, so that only the row
+    order could make a difference larger than rounding)."""
+    kw: dict[str, Any] = dict(recipe="fast", flash_attention=False, n_slots=SLOTS, ctx_per_session=CTX, n_threads=1)
+    hops = [LlamaCppEngine(h.path, **kw) for h in split_route(tiny4, tmp_path, (2,))]
+    whole = LlamaCppEngine(tiny4, **kw)
+    try:
+        ps = {1: prompts(1, seed=1)[0], 2: (9, 10, 11), 3: prompts(1, seed=2)[0][:33], 6: (5, 6, 7, 8)}
+        rows = [BatchRow(s, i, t, True) for s, p in ps.items() for i, t in enumerate(p)]
+        rows.sort(key=lambda r: (r.position, -r.slot))  # interleaved, slots descending
+        got = run_hops(hops, FusedBatch.from_rows("prefill", rows)).rows
+        want = whole.forward(FusedBatch.from_rows("prefill", rows)).rows
+        assert got.shape == want.shape
+        assert float(np.abs(got - want).max()) < 1e-3
+        assert np.array_equal(got.argmax(axis=1), want.argmax(axis=1))
+    finally:
+        for e in [*hops, whole]:
+            e.close()

@@ -18,7 +18,7 @@ class NullEngine(LogitsEngine):
         self.identity = EngineIdentity(architecture="null", gguf_sha256="0" * 64)
         self.recipe = Recipe(quantization="none", kv_cache_type="none", ctx_per_session=ctx_per_session,
                              flash_attention=False, batch_invariant=True, runtime="null/1")
-        self.boundary = whole_model_boundary(0)
+        self.boundary = whole_model_boundary(1)  # a block range is never empty (schemas/compat.py)
         self.state_layout = StateLayout(kind="kv", dims={})
         self.capacity = EngineCapacity(n_slots=n_slots, ctx_per_session=ctx_per_session,
                                        max_tokens_per_call=4096, vocab_size=vocab_size)
