@@ -372,3 +372,13 @@ def test_the_step_by_step_flow_refuses_a_route_of_several_hops() -> None:
         assert "run_many" in str(e)
     else:
         raise AssertionError("open() of a 2-hop route would push to hop 0 and wait for a token that never comes")
+    rc = RouteCore(ProducerCore(verify_route=False))
+    h = rc.new_handle(spec, [1, 2])
+    for step in (lambda: rc.core.queue_decode(Batch(), h, 3), lambda: rc.core.queue_replay(Batch(), h,
+                                                                                         cancel_marked=False)):
+        try:
+            step()
+        except ValueError as e:
+            assert "run_many" in str(e)
+        else:
+            raise AssertionError("a one-hop step was queued for a route of several hops")
