@@ -262,7 +262,6 @@ class LlamaCppEngine(LogitsEngine):
 
         self._model: Any = None
         self._ctx: Any = None
-        self._split: SplitInfo | None = read_split_info(self.model_path)
         self._capture: _Capture | None = None
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
@@ -271,7 +270,12 @@ class LlamaCppEngine(LogitsEngine):
         if not model:
             raise EngineError(f"llama.cpp could not load {self.model_path}")
         self._model = model
-        sp = self._split
+        try:  # after llama.cpp accepted the file: a file that is no GGUF is its "could not load"
+            sp: SplitInfo | None = read_split_info(self.model_path)
+        except ValueError as e:
+            self.close()
+            raise EngineError(f"{self.model_path}: {e}") from e
+        self._split = sp
         self._consumes_hidden = sp is not None and not sp.is_first
         self._produces_hidden = sp is not None and not sp.is_last
         self._n_embd = int(L.llama_model_n_embd(model))
