@@ -286,6 +286,9 @@ class ProducerCore:
         return toks
 
     def new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> SessionHandle:
+        if len(spec.route) > 1:  # its hop 0 answers rows, not tokens: producer/route.py drives it
+            raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), "
+                             "not step by step")
         toks = self.validate(spec, prompt, hop)
         return SessionHandle(spec=spec, prompt=toks, worker_id=spec.route[hop].worker_id, hop=hop,
                              opened_at=time.time())
@@ -402,6 +405,7 @@ class ProducerCore:
         return n + credit.requeue(self, batch, h)
 
     def queue_decode(self, batch: Batch, h: SessionHandle, token: int) -> str:
+        _one_hop(h)
         if h.finished:
             raise ValueError(f"session {h.session_id} is {h.status}")
         job = self.decode_job(h, h.position, token)
@@ -415,6 +419,7 @@ class ProducerCore:
         """After state_lost: attempt + 1 and the prefill of prompt + generated. `cancel_marked`: the
         session's cancel marker is set (the driver asked Redis): then nothing is pushed, it ends
         cancelled. SessionFailed when max_attempts is spent."""
+        _one_hop(h)
         if cancel_marked:
             h.finished, h.status, h.jobs, h.pending_job = True, "cancelled", set(), None
             h.reason, h.detail = Reason.CANCELLED.value, "cancelled before the replay"
@@ -622,6 +627,12 @@ class CoreSettings:
     @property
     def _discovered(self) -> dict[str, tuple[float, WorkerInfo]]:
         return self.core.discovered
+
+
+def _one_hop(h: SessionHandle) -> None:
+    if len(h.spec.route) > 1:  # producer/route.py drives those
+        raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), "
+                         "not step by step")
 
 
 def read_on(h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:

@@ -4,7 +4,8 @@ One loop turn, for all the sessions being driven:
   1. read: one XREAD per worker owing answers, over the sessions' result streams on that worker (its keys
      share one hash tag: Cluster safe), all in one pipeline whose last XREAD (the worker owing the most)
      BLOCKs: a route's answers come from several workers, and one blocking XREAD cannot wait on two hash
-     tags, so a result of another worker waits at most BLOCK_MS;
+     tags, so a result of another worker waits at most a tenth of the usual gap between answers
+     (BLOCK_MS..MAX_BLOCK_MS): a slow engine is not robbed of CPU by a spinning Tracker;
   2. fetch: GET every output blob named by the answers read, one pipeline;
   3. push: every session's next jobs (relays with their blobs, decode steps at hop 0, replays, releases) in
      one pipeline, not a transaction (its keys span several workers' tags).
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 __all__ = ["acancel_route", "agenerate_route", "arun_routes", "cancel_route", "generate_route", "run_routes"]
 
 POLL_S = 0.0005  # the asyncio driver's pause between two empty polls of the result streams
-BLOCK_MS = 2  # with answers owed by several workers: the longest wait on one before the others are read again
+BLOCK_MS = 2  # with answers owed by several workers: the shortest wait on one before the others are read again
+MAX_BLOCK_MS = 20  # ... and the longest (a tenth of the usual gap between answers in between)
 
 
 def _turn(core: RouteCore, live: Sequence[RouteHandle], resps: Sequence[Any],
@@ -85,6 +87,11 @@ class _SyncRoutes:
         self.core = RouteCore(p.core)
         self.on_result = on_result
         self.replay = replay_state_lost
+        self.gap_s = 0.0  # moving average of the time between two reads that brought answers
+        self.answered_at = time.monotonic()
+
+    def block_ms(self) -> int:
+        return int(min(MAX_BLOCK_MS, max(BLOCK_MS, self.gap_s * 100)))
 
     def execute(self, fill: Callable[[Any], Any]) -> Any:
         """One pipeline (not a transaction): `fill` queues its commands."""
@@ -111,10 +118,15 @@ class _SyncRoutes:
         while True:
             by_worker = self.core.by_worker(live)
             left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            # one worker: block on it as long as asked; several: block on the busiest for at most BLOCK_MS
-            block = left_ms if len(by_worker) == 1 else min(BLOCK_MS, left_ms)
+            # one worker: block on it as long as asked; several: block on the busiest for a tenth of the
+            # usual gap between answers (BLOCK_MS..MAX_BLOCK_MS), so the poll costs the engines little CPU
+            block = left_ms if len(by_worker) == 1 else min(self.block_ms(), left_ms)
             resps = self.p._io(partial(self.execute, partial(_xreads, by_worker=by_worker, block_ms=block)))
             touched = _turn(self.core, live, resps, by_worker, batch, self.on_result)
+            if touched:
+                now = time.monotonic()
+                self.gap_s += 0.2 * (now - self.answered_at - self.gap_s)
+                self.answered_at = now
             if touched or time.monotonic() >= deadline:
                 return touched, batch
 

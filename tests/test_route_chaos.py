@@ -38,8 +38,6 @@ def redis_srv(tmp_path: Path) -> RestartableRedis:
     srv.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="worker side missing (rcons): an opening of a newer attempt is answered "
-                   "already_open by a hop that still holds the older attempt (/work/shared/notes/routes-tracker.md)")
 def test_kill_9_of_the_middle_hop_then_every_session_completes_exactly(redis_srv: RestartableRedis,
                                                                       tmp_path: Path) -> None:
     rng = random.Random(SEED)

@@ -362,3 +362,23 @@ def test_validate_refuses_routes_that_do_not_join() -> None:
         assert "hop 1" in str(e)
     else:
         raise AssertionError("a worker that does not advertise its hop's key was accepted")
+
+
+def test_the_step_by_step_flow_refuses_a_route_of_several_hops() -> None:
+    spec = route_spec("s", [0, 1, 2], ["a", "b"], 4)
+    try:
+        ProducerCore(verify_route=False).new_handle(spec, [1, 2], 0)
+    except ValueError as e:
+        assert "run_many" in str(e)
+    else:
+        raise AssertionError("open() of a 2-hop route would push to hop 0 and wait for a token that never comes")
+    rc = RouteCore(ProducerCore(verify_route=False))
+    h = rc.new_handle(spec, [1, 2])
+    for step in (lambda: rc.core.queue_decode(Batch(), h, 3), lambda: rc.core.queue_replay(Batch(), h,
+                                                                                         cancel_marked=False)):
+        try:
+            step()
+        except ValueError as e:
+            assert "run_many" in str(e)
+        else:
+            raise AssertionError("a one-hop step was queued for a route of several hops")
