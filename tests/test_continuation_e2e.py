@@ -162,3 +162,23 @@ def test_xack_of_no_entry_acks_nothing(real_redis: redis.Redis) -> None:
     real_redis.xreadgroup("g", "c", {"cont:probe": ">"})
     assert real_redis.xack("cont:probe", "g", "0-0") == 0
     assert int(real_redis.xpending("cont:probe", "g")["pending"]) == 1
+
+
+def test_resume_mid_continuation_follows_the_same_jobs(real_redis: redis.Redis, running: Running) -> None:
+    """A handle rebuilt by resume() in another producer (which never discovered the worker) follows the
+    continuation jobs the first one pushed (n is in the session's record) and finishes exactly."""
+    s = Sess(prompt=(6, 5, 4), max_tokens=30, n=8)
+    spec = _spec(running, "rs", s)
+    first = Producer(real_redis, timeout_s=30, decode_n=8)
+    h = first.open(spec, list(s.prompt))
+    while len(h.generated) < 11:  # into the second decode job
+        first.read_results([h], block_ms=200)
+        batch = Batch()
+        first.core.advance(batch, h, True)
+        first._send(batch)
+    other = Producer(real_redis, timeout_s=30, decode_n=1)
+    again = other.resume(running.wid, "rs")
+    assert again.credit.n == 8
+    done = other.drive([again])["rs"]
+    assert (done.status, done.generated) == ("finished", oracle(s))
+    assert _pending(real_redis, running) == 0
