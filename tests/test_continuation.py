@@ -438,3 +438,52 @@ def test_a_continuation_pushed_ahead_continues_from_the_sessions_own_token() -> 
     toks = [a.result.token for a in t.answers if a.result.token is not None]
     assert toks == oracle(Sess(prompt=(3, 4, 5), max_tokens=11, n=5))
     assert [a.result.job_id for a in t.answers if a.result.reason == Reason.DUPLICATE] == ["ah-d8x"]
+
+
+def test_decode_calls_are_full_under_credit() -> None:
+    """Four sessions under credit and a slow producer (it acts on results only every third fused call, as
+    a Tracker whose round trip is longer than a step): after their prompts, every iteration of the worker
+    is a decode call with all four sessions; none waits on the producer between jobs. (With n = 1 two
+    iterations in three would have no call.)"""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(4), t, WorkerSettings(worker_id=WID, max_batch=8, block_ms=0, gather_ms=0.0, await_ms=0))
+    w.start()
+    core = ProducerCore(verify_route=False)
+    handles = []
+
+    def send(b: Batch) -> None:
+        for name, args, _kw in b.ops:
+            if name == "xadd":
+                t.push(job_from_fields(args[1]))
+
+    for i in range(4):
+        hop = RouteHop(worker_id=WID, key=w.keys["prefill"])
+        spec = SessionSpec(session_id=f"full{i}", account_id="a", route=(hop,), max_tokens=40)
+        h = core.new_handle(spec, (3, 4, 5 + i), 0)
+        h.credit.n = 16
+        b = Batch()
+        core.queue_prefill(b, h)
+        send(b)
+        handles.append(h)
+    seen = 0
+    calls: list[int] = []  # per iteration: sessions in its decode call (0: none)
+    for it in range(500):
+        if all(h.finished for h in handles):
+            break
+        n_calls = len(t.calls)
+        w.run_once()
+        new = [c for c in t.calls[n_calls:] if c.phase == "decode"]
+        calls.append(new[0].batch_size if new else 0)
+        if it % 3:
+            continue
+        b = Batch()
+        for a in t.answers[seen:]:
+            core.apply(next(h for h in handles if h.session_id == a.result.session_id), a.result)
+        seen = len(t.answers)
+        for h in handles:
+            core.advance(b, h, True)
+        send(b)
+    assert all(h.status == "finished" and len(h.generated) == 40 for h in handles)
+    first = next(i for i, c in enumerate(calls) if c)
+    last = max(i for i, c in enumerate(calls) if c)
+    assert calls[first:last + 1] == [4] * 39, calls
