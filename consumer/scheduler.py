@@ -31,7 +31,13 @@ tests/test_scheduler_properties.py checks these bounds on the scheduler itself o
 patterns.
 
 Decode calls: up to `max_batch` sessions, oldest queued step first, one row each, every row wants
-logits. Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
+logits. A continuation job (StepJob.n > 1) stays at the head of its lane and gives one row per call,
+its next offset re-queued behind the steps admitted meanwhile (so FIFO holds as if each token were a
+step of its own); the row's input is the session's last sampled token (SessionEntry.last_token) unless
+the job's first offset carries one. Each offset is answered under its own result id; the job's last
+answer (its n-th token, a stop, max_tokens) is `final` (it acks the entry).
+
+Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
 `prefill_budget` tokens per call; a job longer than what is left of the budget is split across
 calls (BatchItem.offset / n_tokens). Only the item that finishes a job with `job.sample` wants
 logits, on its last row. A session's next prefill job may follow it in the same call (its
