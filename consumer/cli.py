@@ -295,6 +295,9 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0,
               sampling: Annotated[str, typer.Option(help="The sessions' sampling: greedy, typical "
                                                          "(t0.8/k40/p0.95) or top-p (t0.8/p0.95).")] = "greedy",
+              decode_n: Annotated[int, typer.Option("--decode-n", min=1, max=64,
+                                                    help="Tokens per decode job (the producer's continuation "
+                                                         "jobs; 1: one job per token).")] = 1,
               ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
@@ -307,10 +310,10 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
         raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
     if len(recipes) > 1:
         run_recipes(out, recipes, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats,
-                    threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling)
+                    threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
         return
     run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
-        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling)
+        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
 
 
 @bench_app.command("sampler")

@@ -31,7 +31,13 @@ tests/test_scheduler_properties.py checks these bounds on the scheduler itself o
 patterns.
 
 Decode calls: up to `max_batch` sessions, oldest queued step first, one row each, every row wants
-logits. Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
+logits. A continuation job (StepJob.n > 1) stays at the head of its lane and gives one row per call,
+its next offset re-queued behind the steps admitted meanwhile (so FIFO holds as if each token were a
+step of its own); the row's input is the session's last sampled token (SessionEntry.last_token) unless
+the job's first offset carries one. Each offset is answered under its own result id; the job's last
+answer (its n-th token, a stop, max_tokens) is `final` (it acks the entry).
+
+Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
 `prefill_budget` tokens per call; a job longer than what is left of the budget is split across
 calls (BatchItem.offset / n_tokens). Only the item that finishes a job with `job.sample` wants
 logits, on its last row. A session's next prefill job may follow it in the same call (its
@@ -171,6 +177,7 @@ class Scheduler:
         self._queued_jobs: dict[Phase, int] = {"decode": 0, "prefill": 0}
         self._queued_tokens: dict[Phase, int] = {"decode": 0, "prefill": 0}  # not yet handed out
         self._awaiting: set[str] = set()  # DECODING sessions with nothing queued nor in flight
+        self._continuing: set[str] = set()  # sessions amid a continuation job (its next job is on its way)
         self._current: dict[Phase, int] = {"decode": 0, "prefill": 0}  # smooth WRR state
         self._weight: dict[Phase, int] = {"decode": config.w_decode, "prefill": config.w_prefill}
         self._seq = 0
@@ -474,9 +481,11 @@ class Scheduler:
                 lane.jobs.popleft()
                 self._queued_jobs["decode"] -= 1
                 self._queued_tokens["decode"] -= 1
+                self._continuing.discard(lane.session_id)
             else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
                 self._seq += 1
                 q.seq = self._seq
+                self._continuing.add(lane.session_id)
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
             items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=1,
@@ -629,6 +638,7 @@ class Scheduler:
                 lane.jobs.popleft()
                 self._queued_jobs["decode"] -= 1
                 self._queued_tokens["decode"] -= 1
+                self._continuing.discard(lane.session_id)
             q.answered = final
             self.stats.jobs_ok += 1
             result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
@@ -686,15 +696,16 @@ class Scheduler:
     def want(self) -> dict[Phase, int]:
         """How many new stream entries to read per phase.
 
-        decode: the decoding sessions that have no step queued, up to two calls' worth of queued
-        decode steps (at least 1 while under that cap, so steps for sessions this worker does not
-        hold are still read and answered state_lost).
+        decode: the decoding sessions that have no step queued, and those amid a continuation job
+        (their next job is pushed ahead), up to two calls' worth of queued decode steps (at least 1
+        while under that cap, so steps for sessions this worker does not hold are still read and
+        answered state_lost).
         prefill: 0 while two calls' worth of prefill tokens are queued, else enough entries to
         bring the queued prefill jobs up to max_batch (at least 1).
         """
         cfg = self.config
         room = 2 * cfg.max_batch - self._queued_jobs["decode"]
-        decode = max(1, min(len(self._awaiting), room)) if room > 0 else 0
+        decode = max(1, min(len(self._awaiting) + len(self._continuing), room)) if room > 0 else 0
         if self._queued_tokens["prefill"] >= 2 * cfg.prefill_budget:
             prefill = 0
         else:
@@ -813,6 +824,7 @@ class Scheduler:
     def _drop_queued(self, lane: _Lane) -> list[_Queued]:
         """Empty the lane's queue; the jobs not answered yet, to be answered by the caller."""
         self._unready(lane)
+        self._continuing.discard(lane.session_id)
         dropped: list[_Queued] = []
         for q in lane.jobs:
             phase = q.job.phase
@@ -828,6 +840,7 @@ class Scheduler:
         sid = lane.session_id
         self._unready(lane)
         self._awaiting.discard(sid)
+        self._continuing.discard(sid)
         busy = bool(lane.inflight)
         closed = self.table.close(sid, kind, release_slot=not busy)
         del self._lanes[sid]

@@ -450,7 +450,7 @@ class Worker:
             if job is None:
                 continue
             ok = a.result.status == Status.OK
-            if ok and job.created_at:
+            if ok and job.created_at and a.result.job_id == job.job_id:  # a continuation's first token only
                 latencies.append((job.phase, max(0.0, now - job.created_at)))
             if not a.final:  # a continuation goes on: still held, its twins acked with its last answer
                 continue

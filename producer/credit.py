@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from schemas import StepJob, StepResult
-from schemas.step import end_job_id, result_job_id
+from schemas.step import result_job_id
 
 if TYPE_CHECKING:
     from .core import Batch, ProducerCore, SessionHandle
@@ -133,9 +133,3 @@ def requeue(core: ProducerCore, batch: Batch, h: SessionHandle) -> int:
     for job in h.credit.jobs.values():
         core._push(batch, h, job)
     return len(h.credit.jobs)
-
-
-def end_ids(job: StepJob) -> tuple[str, ...]:
-    """Every result id the job can be answered under (for tests and tools)."""
-    return tuple(result_job_id(job.job_id, k) for k in range(job.n)) + (
-        (end_job_id(job.job_id),) if job.n > 1 else ())

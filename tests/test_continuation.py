@@ -360,3 +360,130 @@ def test_schema_rules_for_n() -> None:
     with pytest.raises(ValidationError):
         StepJob(job_id="j", session_id="s", phase="prefill", compat="0" * 16, start_position=4, created_at=1.0,
                 tokens=(1,), n=2)
+
+
+def _worker(n_slots: int = 2) -> tuple[Worker, MemoryTransport]:
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(n_slots), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0))
+    w.start()
+    return w, t
+
+
+def _open(w: Worker, sid: str, route_len: int = 1, sample: bool = True) -> StepJob:
+    hop = RouteHop(worker_id=WID, key=w.keys["prefill"])
+    spec = SessionSpec(session_id=sid, account_id="a", route=(hop,) * route_len, max_tokens=30)
+    return StepJob(job_id=f"{sid}-open", session_id=sid, phase="prefill", compat=w.keys["prefill"].digest,
+                   start_position=0, tokens=(3, 4, 5), sample=sample, created_at=1.0, session=spec)
+
+
+def _decode(w: Worker, sid: str, pos: int, tokens: tuple[int, ...], n: int, tag: str = "") -> StepJob:
+    return StepJob(job_id=f"{sid}-d{pos}{tag}", session_id=sid, phase="decode", compat=w.keys["decode"].digest,
+                   start_position=pos, tokens=tokens, created_at=1.0, n=n)
+
+
+def test_a_route_of_several_hops_refuses_n_above_one() -> None:
+    w, t = _worker()
+    t.push(_open(w, "mh", route_len=2))
+    w.run_once()
+    token = t.answers[-1].result.token
+    assert token is not None
+    t.push(_decode(w, "mh", 3, (token,), 4))
+    w.run_once()
+    r = t.answers[-1].result
+    assert (r.status, r.reason, r.job_id) == (Status.REJECTED, Reason.WRONG_HOP, "mh-d3.end")
+    t.push(_decode(w, "mh", 3, (token,), 1))  # n = 1 is served on any route
+    w.run_once()
+    assert t.answers[-1].result.status == Status.OK
+
+
+def test_producer_keeps_n_1_on_a_route_of_several_hops() -> None:
+    from producer import credit
+
+    w, _ = _worker()
+    core = ProducerCore(verify_route=False, decode_n=16)
+    spec = _open(w, "p2", route_len=2).session
+    assert spec is not None
+    h = SessionHandle(spec=spec, prompt=(3, 4, 5), worker_id=WID)
+    assert credit.tokens_per_job(core, h) == 1
+    one = SessionHandle(spec=_open(w, "p1").session, prompt=(3, 4, 5), worker_id=WID)  # type: ignore[arg-type]
+    assert credit.tokens_per_job(core, one) == 1  # the worker was never discovered: it may not know n
+
+
+def test_a_continuation_with_no_token_needs_a_sampled_token_before_it() -> None:
+    w, t = _worker()
+    t.push(_open(w, "gap", sample=False))
+    w.run_once()
+    t.push(_decode(w, "gap", 3, (), 4))
+    w.run_once()
+    r = t.answers[-1].result
+    assert (r.status, r.reason) == (Status.REJECTED, Reason.POSITION_GAP)
+
+
+def test_a_continuation_pushed_ahead_continues_from_the_sessions_own_token() -> None:
+    """The opening samples; a job with no token behind it (pushed before the producer read the token) feeds
+    that token: the same tokens as the session alone. A second one pushed ahead at the wrong position is
+    refused (below: duplicate, above: gap) and changes nothing."""
+    w, t = _worker()
+    t.push(_open(w, "ah"))
+    w.run_once()  # the worker reads decode entries before prefill ones: open first
+    t.push(_decode(w, "ah", 3, (), 5))
+    t.push(_decode(w, "ah", 9, (), 5))  # a gap: the first one ends at 8
+    t.push(_decode(w, "ah", 8, (), 5))
+    t.push(_decode(w, "ah", 8, (), 2, "x"))  # the same start again under another id: duplicate
+    for _ in range(20):
+        w.run_once()
+    by_id = {a.result.job_id: a.result for a in t.answers}
+    assert by_id["ah-d9.end"].reason == Reason.POSITION_GAP
+    assert by_id["ah-d8"].status == Status.OK
+    toks = [a.result.token for a in t.answers if a.result.token is not None]
+    assert toks == oracle(Sess(prompt=(3, 4, 5), max_tokens=11, n=5))
+    assert [a.result.job_id for a in t.answers if a.result.reason == Reason.DUPLICATE] == ["ah-d8x"]
+
+
+def test_decode_calls_are_full_under_credit() -> None:
+    """Four sessions under credit and a slow producer (it acts on results only every third fused call, as
+    a Tracker whose round trip is longer than a step): after their prompts, every iteration of the worker
+    is a decode call with all four sessions; none waits on the producer between jobs. (With n = 1 two
+    iterations in three would have no call.)"""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(4), t, WorkerSettings(worker_id=WID, max_batch=8, block_ms=0, gather_ms=0.0, await_ms=0))
+    w.start()
+    core = ProducerCore(verify_route=False)
+    handles = []
+
+    def send(b: Batch) -> None:
+        for name, args, _kw in b.ops:
+            if name == "xadd":
+                t.push(job_from_fields(args[1]))
+
+    for i in range(4):
+        hop = RouteHop(worker_id=WID, key=w.keys["prefill"])
+        spec = SessionSpec(session_id=f"full{i}", account_id="a", route=(hop,), max_tokens=40)
+        h = core.new_handle(spec, (3, 4, 5 + i), 0)
+        h.credit.n = 16
+        b = Batch()
+        core.queue_prefill(b, h)
+        send(b)
+        handles.append(h)
+    seen = 0
+    calls: list[int] = []  # per iteration: sessions in its decode call (0: none)
+    for it in range(500):
+        if all(h.finished for h in handles):
+            break
+        n_calls = len(t.calls)
+        w.run_once()
+        new = [c for c in t.calls[n_calls:] if c.phase == "decode"]
+        calls.append(new[0].batch_size if new else 0)
+        if it % 3:
+            continue
+        b = Batch()
+        for a in t.answers[seen:]:
+            core.apply(next(h for h in handles if h.session_id == a.result.session_id), a.result)
+        seen = len(t.answers)
+        for h in handles:
+            core.advance(b, h, True)
+        send(b)
+    assert all(h.status == "finished" and len(h.generated) == 40 for h in handles)
+    first = next(i for i, c in enumerate(calls) if c)
+    last = max(i for i, c in enumerate(calls) if c)
+    assert calls[first:last + 1] == [4] * 39, calls

@@ -162,3 +162,52 @@ def test_xack_of_no_entry_acks_nothing(real_redis: redis.Redis) -> None:
     real_redis.xreadgroup("g", "c", {"cont:probe": ">"})
     assert real_redis.xack("cont:probe", "g", "0-0") == 0
     assert int(real_redis.xpending("cont:probe", "g")["pending"]) == 1
+
+
+def test_resume_mid_continuation_follows_the_same_jobs(real_redis: redis.Redis, running: Running) -> None:
+    """A handle rebuilt by resume() in another producer (which never discovered the worker) follows the
+    continuation jobs the first one pushed (n is in the session's record) and finishes exactly."""
+    s = Sess(prompt=(6, 5, 4), max_tokens=30, n=8)
+    spec = _spec(running, "rs", s)
+    first = Producer(real_redis, timeout_s=30, decode_n=8)
+    h = first.open(spec, list(s.prompt))
+    while len(h.generated) < 11:  # into the second decode job
+        first.read_results([h], block_ms=200)
+        batch = Batch()
+        first.core.advance(batch, h, True)
+        first._send(batch)
+    other = Producer(real_redis, timeout_s=30, decode_n=1)
+    again = other.resume(running.wid, "rs")
+    assert again.credit.n == 8
+    done = other.drive([again])["rs"]
+    assert (done.status, done.generated) == ("finished", oracle(s))
+    assert _pending(real_redis, running) == 0
+
+
+def test_async_producer_drives_continuation_jobs(redis_server: object, running: Running) -> None:
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from producer.aio import AsyncProducer
+
+    sessions = [Sess(prompt=(2, 3, 4 + i), max_tokens=20 + i, n=8) for i in range(3)]
+
+    async def main() -> list[list[int]]:
+        client = aioredis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
+        async with AsyncProducer(client, timeout_s=30, decode_n=8) as p:
+            async def one(i: int, s: Sess) -> list[int]:
+                return [t async for t in p.generate(_spec(running, f"as{i}", s), list(s.prompt))]
+
+            got = await asyncio.gather(*(one(i, s) for i, s in enumerate(sessions)))
+        await client.aclose()
+        return list(got)
+
+    assert asyncio.run(main()) == [oracle(s) for s in sessions]
+    client = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
+    for i, s in enumerate(sessions):
+        results = _results(client, running.wid, f"as{i}")
+        assert any("." in r.job_id for r in results)  # type: ignore[attr-defined]  # continuation ids: n was 8
+        assert [r.token for r in results if r.token is not None] == oracle(s)  # type: ignore[attr-defined]
+    assert _pending(client, running) == 0
+    client.close()

@@ -40,9 +40,11 @@ SAMPLINGS: dict[str, Sampling] = {
 }
 
 
-def result_name(model: str, recipe: str, sampling: str = "greedy") -> str:
-    """The JSON's name: as before for greedy, the sampling appended otherwise."""
-    return f"e2e-{model}-{recipe}" if sampling == "greedy" else f"e2e-{model}-{recipe}-{sampling}"
+def result_name(model: str, recipe: str, sampling: str = "greedy", decode_n: int = 1) -> str:
+    """The JSON's name: as before for greedy, the sampling appended otherwise (and `-n<decode_n>` when
+    the producer runs continuation jobs)."""
+    name = f"e2e-{model}-{recipe}" if sampling == "greedy" else f"e2e-{model}-{recipe}-{sampling}"
+    return name if decode_n == 1 else f"{name}-n{decode_n}"
 
 
 def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
@@ -116,7 +118,7 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
 
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
         repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0,
-        sampling: str = "greedy") -> dict[str, Any]:
+        sampling: str = "greedy", decode_n: int = 1) -> dict[str, Any]:
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
     params = SAMPLINGS[sampling]
@@ -130,7 +132,7 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                                    threads=threads, extra=extra)
         engine = make_engine(path, recipe=recipe, n_slots=slots, ctx_per_session=ctx,  # type: ignore[arg-type]
                              n_threads=threads or None, n_gpu_layers=n_gpu_layers)
-        producer = Producer(redis.Redis.from_url(server.url))
+        producer = Producer(redis.Redis.from_url(server.url), decode_n=decode_n)  # tokens per decode job
         try:
             e2e_rate(producer, consumer, 1, 4, "warm", sampling=params)  # first-call costs out of the way
             raw_fused_rate(engine, 1, 4)
@@ -160,11 +162,11 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
              r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
     console.print(table(f"e2e vs raw fused decode ({model}, {recipe}, {sampling} sampling)", cols, data))
     payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "sampling": sampling,
-               "tokens": tokens,
+               "tokens": tokens, "decode_n": decode_n,
                "repeats": repeats, "threads": threads, "n_gpu_layers": n_gpu_layers, "rows": rows,
                "prefill_prompt": PREFILL_PROMPT, "prefill_tok_s": prefill,
                "markdown": markdown(cols, data)}
-    name = result_name(model, recipe, sampling)
+    name = result_name(model, recipe, sampling, decode_n)
     save(out_dir, name, payload)
     bs = [float(r["batch"]) for r in rows]
     plot(out_dir, name, f"decode tokens/s, {model} ({recipe}, {sampling} sampling)", "concurrent sessions",
@@ -174,7 +176,8 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
 
 
 def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_sizes: tuple[int, ...], tokens: int,
-                repeats: int, threads: int, n_gpu_layers: int, sampling: str = "greedy") -> dict[str, Any]:
+                repeats: int, threads: int, n_gpu_layers: int, sampling: str = "greedy",
+                decode_n: int = 1) -> dict[str, Any]:
     """`dgr bench e2e --recipe fast,invariant`: the bench once per recipe, each in its own process (ggml
     reads GGML_CPU_TILED_MM once per process), one after the other in this run; then invariant / fast."""
     import json
@@ -187,9 +190,9 @@ def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_si
         args = [sys.executable, "-m", "consumer", "bench", "e2e", "--recipe", recipe, "--model", model,
                 "--batches", ",".join(map(str, batch_sizes)), "--tokens", str(tokens), "--repeats", str(repeats),
                 "--threads", str(threads), "--n-gpu-layers", str(n_gpu_layers), "--sampling", sampling,
-                "--out", str(sub)]
+                "--decode-n", str(decode_n), "--out", str(sub)]
         subprocess.run(args, check=True)
-        payloads[recipe] = json.loads((sub / f"{result_name(model, recipe, sampling)}.json").read_text())
+        payloads[recipe] = json.loads((sub / f"{result_name(model, recipe, sampling, decode_n)}.json").read_text())
     cols = ["batch", *(f"{r} e2e tok/s" for r in recipes)]
     data = [[b, *(next(row["e2e_tok_s"] for row in payloads[r]["rows"] if row["batch"] == b) for r in recipes)]
             for b in batch_sizes]
