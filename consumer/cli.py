@@ -294,26 +294,43 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               threads: Annotated[int, typer.Option("--threads")] = 0,
               n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0,
               sampling: Annotated[str, typer.Option(help="The sessions' sampling: greedy, typical "
-                                                         "(t0.8/k40/p0.95) or top-p (t0.8/p0.95).")] = "greedy",
+                                                         "(t0.8/k40/p0.95) or top-p (t0.8/p0.95); several "
+                                                         "comma-separated: alternated in one run.")] = "greedy",
               decode_n: Annotated[int, typer.Option("--decode-n", min=1, max=64,
                                                     help="Tokens per decode job (the producer's continuation "
                                                          "jobs; 1: one job per token).")] = 1,
+              engine: Annotated[str, typer.Option(help="llama, or sleep:<time> (e.g. sleep:2ms): an engine that "
+                                                       "only sleeps per fused call, a stand-in for a GPU step.")
+                                ] = "llama",
+              overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, or both (two consumers, "
+                                                        "alternated in one run).")] = "on",
               ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
     from dgrtools.bench.e2e import SAMPLINGS, run, run_recipes
 
-    if sampling not in SAMPLINGS:
-        raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
+    names = tuple(x for x in sampling.split(",") if x)
+    if not names or any(x not in SAMPLINGS for x in names):
+        raise typer.BadParameter(f"sampling must be among {', '.join(SAMPLINGS)}, not {sampling!r}")
     recipes = tuple(r for r in recipe.split(",") if r)
     if not recipes or any(r not in ("fast", "invariant") for r in recipes):
         raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
+    if engine != "llama":
+        from consumer.engines.sleep import parse_sleep_spec
+
+        try:
+            parse_sleep_spec(engine)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    if overlap not in ("on", "off", "both"):
+        raise typer.BadParameter(f"overlap must be on, off or both, not {overlap!r}")
     if len(recipes) > 1:
         run_recipes(out, recipes, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats,
                     threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
         return
     run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
-        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
+        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n, engine_kind=engine,
+        overlap=overlap)
 
 
 @bench_app.command("sampler")
@@ -343,12 +360,20 @@ def bench_interference(out: Out = Path("bench-out/interference"), model: str = "
 def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int = 64, repeats: int = 3,
                recipe: RecipeOpt = "fast", threads: Annotated[int, typer.Option("--threads")] = 2,
                cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
+               sampling: Annotated[str, typer.Option(help="Both sides' sampling: greedy, typical (t0.8/k40/p0.95) "
+                                                          "or top-p (t0.8/p0.95); request/session i seeded i.")
+                                   ] = "greedy",
+               no_repack: Annotated[bool, typer.Option("--with-no-repack/--without-no-repack",
+                                                       help="Also run a llama-server with --no-repack.")] = True,
                ) -> None:
     """llama.cpp's llama-server (-np, continuous batching) vs dgr on Gemma: same prompts, same tokens."""
+    from dgrtools.bench.e2e import SAMPLINGS
     from dgrtools.bench.peer import run
 
+    if sampling not in SAMPLINGS:
+        raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
     run(out, cache_dir=cache_dir, sessions=sessions, tokens=tokens, repeats=repeats, recipe=recipe,
-        threads=threads)
+        threads=threads, sampling=sampling, no_repack=no_repack)
 
 
 @bench_app.command("report")

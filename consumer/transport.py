@@ -228,6 +228,9 @@ def _pairs(flat: Sequence[bytes] | None) -> dict[bytes, bytes]:
 def _fields(fields: Mapping[bytes, bytes] | None) -> dict[bytes, bytes]:
     if not fields:
         return {}
+    # The client returns bytes (decode_responses=False is checked at construction): usually a copy is all.
+    if all(type(k) is bytes and type(v) is bytes for k, v in fields.items()):
+        return dict(fields)
     return {_b(k): _b(v) for k, v in fields.items()}
 
 

@@ -463,11 +463,15 @@ class Worker:
 
     def _remember(self, a: Answer) -> Answer:
         # Kept without its delivery (a prompt chunk, a session spec): a re-send names its own entry.
-        # ... and without a hop's output rows (the first completion wrote them; a re-send is a no-op).
-        self._answered[a.result.job_id] = replace(a, ref=None, blob=None)
-        self._answered.move_to_end(a.result.job_id)
-        while len(self._answered) > self.settings.answered_memory:
-            self._answered.popitem(last=False)
+        # (The constructor, not dataclasses.replace: this runs once per session per fused call.) Kept
+        # without a hop's output rows too: the first completion wrote them, a re-send is a no-op.
+        jid = a.result.job_id
+        answered = self._answered
+        answered[jid] = Answer(ref=None, job=a.job, result=a.result, account_id=a.account_id, close=a.close,
+                               blob=None, final=a.final)
+        answered.move_to_end(jid)
+        while len(answered) > self.settings.answered_memory:
+            answered.popitem(last=False)
         return a
 
     def _uncarried(self, completions: Sequence[Answer], cancelled_not_held: Sequence[str]) -> list[tuple[str, str]]:
@@ -605,11 +609,22 @@ class Worker:
             m.batch_size.labels(w, call.phase).observe(call.batch_size)
             m.tokens.labels(w, call.phase).inc(call.tokens)
             m.engine_seconds.labels(w, call.phase).inc(call.engine_seconds)
+        # Counted per label set, then one labels() lookup each: this runs for every session of every call.
+        outcomes: dict[tuple[str, str], int] = {}
         for c in completions:
             r = c.result
-            m.results.labels(w, r.status.value, r.reason.value if r.reason else "").inc()
-        for phase, seconds in latencies:
-            m.step_latency.labels(w, phase).observe(seconds)
+            key = (r.status.value, r.reason.value if r.reason else "")
+            outcomes[key] = outcomes.get(key, 0) + 1
+        for (status, reason), n in outcomes.items():
+            m.results.labels(w, status, reason).inc(n)
+        if latencies:
+            by_phase: dict[Phase, list[float]] = {}
+            for phase, seconds in latencies:
+                by_phase.setdefault(phase, []).append(seconds)
+            for phase, values in by_phase.items():
+                hist = m.step_latency.labels(w, phase)
+                for seconds in values:
+                    hist.observe(seconds)
         for dl in dead:
             m.dead_letters.labels(w, dl.reason.value).inc()
         m.busy_slots.labels(w).set(self.scheduler.table.busy_slots)

@@ -3,8 +3,8 @@
 `--engine sleep:2ms` measures the loop's efficiency at GPU step times on any machine: the sleep
 releases the GIL (as ctypes does around `llama_decode`), so whatever the worker overlaps with the
 engine runs while it "computes". The logits are cheap and deterministic: each logit row peaks at one
-token, a hash of (slot, position, input token), so sessions produce distinct, replayable streams and
-a greedy sampler finds the same token on every run and in any batch (batch-invariant by construction).
+token, a hash of (position, input token): never of the slot, so a session's tokens are the same
+whichever slot and batch it lands in (batch-invariant by construction), and replay is exact.
 """
 
 from __future__ import annotations
@@ -60,10 +60,9 @@ class SleepEngine(LogitsEngine):
         """The token each logit row peaks at (what greedy sampling returns): a hash of the row, never
         0..2 (kept clear of the usual special tokens)."""
         keep = batch.wants_logits
-        s = batch.slots[keep].astype(np.int64)
         p = batch.positions[keep].astype(np.int64)
         t = batch.tokens[keep].astype(np.int64)
-        h = (s * 1_000_003 + p * 7_919 + t * 104_729) % (self.capacity.vocab_size - 3)
+        h = (p * 7_919 + t * 104_729) % (self.capacity.vocab_size - 3)
         return h + 3
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:

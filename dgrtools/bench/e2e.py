@@ -9,6 +9,11 @@ until the first session finishes), so prefill and ramp-down do not blur the stea
 `--sampling` sets the e2e sessions' Sampling (greedy by default; typical = t0.8/k40/p0.95, top-p = t0.8/p0.95,
 session i seeded i). The raw side is the engine alone and always takes the argmax: e2e / raw then shows what
 sampling costs through the service.
+
+`--engine sleep:2ms` (consumer/engines/sleep.py) stands in for a GPU step: the raw side is then the
+engine-bound rate (B tokens per sleep), and e2e / raw is the loop's efficiency at that step time.
+`--overlap on|off|both`: the consumer's overlap setting; `both` runs two consumers (one each) in the same
+Redis and alternates them, so the two sides are measured within one run.
 """
 
 from __future__ import annotations
@@ -116,57 +121,106 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
     return PREFILL_PROMPT / (time.perf_counter() - t0)
 
 
+OVERLAPS = ("on", "off", "both")
+
+
+def _side_label(sampling: str, overlap: str, samplings: tuple[str, ...], overlaps: tuple[str, ...]) -> str:
+    parts = ([sampling] if len(samplings) > 1 else []) + ([f"overlap {overlap}"] if len(overlaps) > 1 else [])
+    return ", ".join(parts) or "e2e"
+
+
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
         repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0,
-        sampling: str = "greedy", decode_n: int = 1) -> dict[str, Any]:
-    if sampling not in SAMPLINGS:
-        raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
-    params = SAMPLINGS[sampling]
-    path = resolve_model(model)
+        sampling: str = "greedy", engine_kind: str = "llama", overlap: str = "on", decode_n: int = 1) -> dict[str, Any]:
+    """`sampling` may name several (comma-separated) and `overlap` may be `both`: every (sampling, overlap)
+    side is measured in this run, alternating with the raw side and with each other (the order reversed
+    every other repeat); ratios to the first side are reported. The first side's figures keep the
+    single-side names (e2e_tok_s, efficiency...); every side's are in row["sides"]."""
+    samplings = tuple(x for x in sampling.split(",") if x)
+    bad = [x for x in samplings if x not in SAMPLINGS]
+    if bad or not samplings:
+        raise ValueError(f"sampling must be among {', '.join(SAMPLINGS)}, not {sampling!r}")
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}, not {overlap!r}")
+    sleep = engine_kind.startswith("sleep:")
+    path = resolve_model("tiny" if sleep else model)  # the sleep engine reads no model
+    if sleep:
+        model = engine_kind
     slots = max(batch_sizes)
     ctx = 1024  # the prefill measurement's prompt needs PREFILL_PROMPT + 1 positions
+    overlaps = ("on", "off") if overlap == "both" else (overlap,)
+    sides = [(smp, ov) for smp in samplings for ov in overlaps]
+    labels = {side: _side_label(*side, samplings, overlaps) for side in sides}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dgr-bench-") as tmp, LocalRedis() as server:
         extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
-        consumer = ConsumerProcess(server.url, "bench-e2e", path, Path(tmp), recipe=recipe, slots=slots,
-                                   threads=threads, extra=extra)
-        engine = make_engine(path, recipe=recipe, n_slots=slots, ctx_per_session=ctx,  # type: ignore[arg-type]
-                             n_threads=threads or None, n_gpu_layers=n_gpu_layers)
+        consumers = {ov: ConsumerProcess(server.url, f"bench-e2e-{ov}" if overlap == "both" else "bench-e2e",
+                                         path, Path(tmp), engine=engine_kind, recipe=recipe, slots=slots,
+                                         threads=threads, extra=[*extra, f"--{'' if ov == 'on' else 'no-'}overlap"])
+                     for ov in overlaps}
+        engine = make_engine(path, kind=engine_kind, recipe=recipe,  # type: ignore[arg-type]
+                             n_slots=slots, ctx_per_session=ctx, n_threads=threads or None, n_gpu_layers=n_gpu_layers)
         producer = Producer(redis.Redis.from_url(server.url), decode_n=decode_n)  # tokens per decode job
         try:
-            e2e_rate(producer, consumer, 1, 4, "warm", sampling=params)  # first-call costs out of the way
+            for c in consumers.values():  # first-call costs out of the way
+                e2e_rate(producer, c, 1, 4, f"warm-{c.worker_id}", sampling=SAMPLINGS[samplings[-1]])
             raw_fused_rate(engine, 1, 4)
             for b in batch_sizes:
-                raws, e2es = [], []
-                for r in range(repeats):  # alternate the two sides: these machines are noisy
+                raws: list[float] = []
+                e2es: dict[tuple[str, str], list[dict[str, float]]] = {side: [] for side in sides}
+                for r in range(repeats):  # alternate the sides: these machines are noisy
                     raws.append(raw_fused_rate(engine, b, tokens, seed=r))
-                    e2es.append(e2e_rate(producer, consumer, b, tokens, f"b{b}r{r}", seed=r, sampling=params))
+                    for smp, ov in (sides if r % 2 == 0 else sides[::-1]):
+                        e2es[(smp, ov)].append(e2e_rate(producer, consumers[ov], b, tokens, f"b{b}r{r}{smp}{ov}",
+                                                        seed=r, sampling=SAMPLINGS[smp]))
                 raw = statistics.median(raws)
-                e2e = statistics.median(e["tok_s"] for e in e2es)
-                row = {"batch": b, "raw_tok_s": raw, "e2e_tok_s": e2e, "efficiency": e2e / raw,
-                       "batch_fill": statistics.median(e["mean_batch"] for e in e2es) / b,
-                       "round_trips_per_call": statistics.median(e["round_trips_per_call"] for e in e2es),
-                       "overhead_us_per_call": statistics.median(e["overhead_us_per_call"] for e in e2es),
-                       "raw_runs": raws, "e2e_runs": [e["tok_s"] for e in e2es]}
+                row: dict[str, Any] = {"batch": b, "raw_tok_s": raw, "raw_runs": raws, "sides": {}}
+                for side in sides:
+                    es = e2es[side]
+                    e2e = statistics.median(e["tok_s"] for e in es)
+                    fig = {"e2e_tok_s": e2e, "efficiency": e2e / raw,
+                           "batch_fill": statistics.median(e["mean_batch"] for e in es) / b,
+                           "round_trips_per_call": statistics.median(e["round_trips_per_call"] for e in es),
+                           "overhead_us_per_call": statistics.median(e["overhead_us_per_call"] for e in es),
+                           "e2e_runs": [e["tok_s"] for e in es], "sampling": side[0], "overlap": side[1]}
+                    first = row["sides"].get(labels[sides[0]])
+                    fig["vs_first"] = e2e / first["e2e_tok_s"] if first and first["e2e_tok_s"] else 1.0
+                    row["sides"][labels[side]] = fig
+                    console.print(f"B={b} {labels[side]}: raw {raw:.1f} tok/s, e2e {e2e:.1f} tok/s, "
+                                  f"efficiency {e2e / raw:.3f}, batch fill {fig['batch_fill']:.3f}")
+                row |= {k: v for k, v in row["sides"][labels[sides[0]]].items() if k not in ("sampling", "overlap")}
                 rows.append(row)
-                console.print(f"B={b}: raw {raw:.1f} tok/s, e2e {e2e:.1f} tok/s, efficiency {e2e / raw:.3f}, "
-                              f"batch fill {row['batch_fill']:.3f}")
-            prefill = statistics.median(e2e_prefill_rate(producer, consumer, f"p{r}", seed=r)
+            first_c = consumers[overlaps[0]]
+            prefill = statistics.median(e2e_prefill_rate(producer, first_c, f"p{r}", seed=r)
                                         for r in range(max(1, repeats)))
             console.print(f"prefill of a {PREFILL_PROMPT}-token prompt through the service: {prefill:.1f} tok/s")
         finally:
             engine.close()
-            consumer.stop()
-    cols = ["batch", "raw tok/s", "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call"]
-    data = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
-             r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
-    console.print(table(f"e2e vs raw fused decode ({model}, {recipe}, {sampling} sampling)", cols, data))
+            for c in consumers.values():
+                c.stop()
+    raw_name = "engine-bound tok/s" if sleep else "raw tok/s"
+    cols = ["batch", raw_name, "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call"]
+    data: list[list[Any]] = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
+                              r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
+    first_label = labels[sides[0]]
+    if len(sides) > 1:
+        cols[2:4] = [f"e2e tok/s ({first_label})", f"e2e/raw ({first_label})"]
+        for side in sides[1:]:
+            lab = labels[side]
+            cols += [f"e2e/raw ({lab})", f"{lab} / {first_label}"]
+            for res, d in zip(rows, data, strict=True):
+                d += [res["sides"][lab]["efficiency"], res["sides"][lab]["vs_first"]]
+    console.print(table(f"e2e vs raw fused decode ({model}, {recipe}, {sampling} sampling, overlap {overlap})",
+                        cols, data))
     payload = {"bench": "e2e", "model": model, "model_path": str(path), "recipe": recipe, "sampling": sampling,
-               "tokens": tokens, "decode_n": decode_n,
+               "engine": engine_kind, "overlap": overlap, "decode_n": decode_n, "sides": [labels[x] for x in sides],
+               "tokens": tokens,
                "repeats": repeats, "threads": threads, "n_gpu_layers": n_gpu_layers, "rows": rows,
                "prefill_prompt": PREFILL_PROMPT, "prefill_tok_s": prefill,
                "markdown": markdown(cols, data)}
-    name = result_name(model, recipe, sampling, decode_n)
+    name = result_name(model.replace(":", "-"), recipe, sampling.replace(",", "+"), decode_n)
+    if overlap == "both":
+        name += "-overlap"
     save(out_dir, name, payload)
     bs = [float(r["batch"]) for r in rows]
     plot(out_dir, name, f"decode tokens/s, {model} ({recipe}, {sampling} sampling)", "concurrent sessions",

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dgrtools.localredis import free_port
+from schemas import Sampling
 
 from .cpu_probe import server_system_info
 from .rates import SideResult, wall_rate, window_rate
@@ -63,10 +64,20 @@ def server_cmd(binary: Path, model: Path, *, port: int, threads: int, sessions: 
     return cmd + list(extra)
 
 
-def completion_body(prompt: Sequence[int], tokens: int, *, stream: bool = True) -> dict[str, Any]:
-    """Greedy, a fixed number of tokens, no prompt cache. The prompt goes as token ids: exactly dgr's."""
-    return {"prompt": list(prompt), "n_predict": tokens, "temperature": 0.0, "top_k": 1, "ignore_eos": True,
-            "cache_prompt": False, "stream": stream, "return_tokens": True}
+def completion_body(prompt: Sequence[int], tokens: int, *, stream: bool = True,
+                    sampling: Sampling | None = None) -> dict[str, Any]:
+    """A fixed number of tokens, no prompt cache; the prompt goes as token ids: exactly dgr's. Greedy by
+    default; with `sampling`, dgr's settings (temperature, top_k with 0 = off, top_p, seed) and every other
+    llama.cpp sampler neutral (min_p 0, typical_p 1, no penalties, no DRY, no XTC), so both sides run the
+    same sampler stages."""
+    body: dict[str, Any] = {"prompt": list(prompt), "n_predict": tokens, "temperature": 0.0, "top_k": 1,
+                            "ignore_eos": True, "cache_prompt": False, "stream": stream, "return_tokens": True}
+    if sampling is not None and not sampling.greedy:
+        body |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                 "seed": sampling.seed, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+                 "top_n_sigma": -1.0}
+    return body
 
 
 def parse_sse_line(line: bytes) -> dict[str, Any] | None:
@@ -175,12 +186,15 @@ class LlamaServer:
             conn.close()
             out["stamps"], out["tokens"] = stamps, toks
 
-    def complete_many(self, prompts: Sequence[Sequence[int]], tokens: int) -> SideResult:
+    def complete_many(self, prompts: Sequence[Sequence[int]], tokens: int,
+                      sampling: Sampling | None = None) -> SideResult:
+        """S streamed requests at once; with `sampling`, request i is seeded i (as dgr's session i)."""
         barrier = threading.Barrier(len(prompts) + 1)
         outs: list[dict[str, Any]] = [{} for _ in prompts]
-        threads = [threading.Thread(target=self._one, args=(json.dumps(completion_body(p, tokens)).encode(),
-                                                            barrier, o), daemon=True)
-                   for p, o in zip(prompts, outs, strict=True)]
+        bodies = [completion_body(p, tokens, sampling=sampling.model_copy(update={"seed": i}) if sampling else None)
+                  for i, p in enumerate(prompts)]
+        threads = [threading.Thread(target=self._one, args=(json.dumps(b).encode(), barrier, o), daemon=True)
+                   for b, o in zip(bodies, outs, strict=True)]
         for t in threads:
             t.start()
         barrier.wait()

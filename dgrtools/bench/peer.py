@@ -43,13 +43,16 @@ from .rates import SideResult, peer_ratios, ratio, summarize, token_agreement, w
 
 # ---------------------------------------------------------------------------------------- dgr
 def dgr_complete_many(producer: Any, consumer: Any, prompts: Sequence[Sequence[int]], tokens: int,
-                      tag: str) -> SideResult:
-    """S sessions through the whole service, greedy, exactly `tokens` each (no stop tokens)."""
+                      tag: str, sampling: Any = None) -> SideResult:
+    """S sessions through the whole service, exactly `tokens` each (no stop tokens); greedy, or `sampling`
+    with session i seeded i."""
     from schemas import RouteHop, Sampling, SessionSpec, StepResult
 
     info = producer.discover(consumer.worker_id)
     hop = RouteHop(worker_id=consumer.worker_id, key=info.keys[0])
-    specs = [(SessionSpec(session_id=f"{tag}-{i}", account_id="bench", route=(hop,), sampling=Sampling(),
+    base = sampling or Sampling()
+    specs = [(SessionSpec(session_id=f"{tag}-{i}", account_id="bench", route=(hop,),
+                          sampling=base.model_copy(update={"seed": i}),
                           max_tokens=tokens, stop_tokens=()), list(p)) for i, p in enumerate(prompts)]
     stamps: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
     toks: dict[str, list[int]] = {s.session_id: [] for s, _ in specs}
@@ -136,7 +139,8 @@ class _Measured:
 
 
 def _measure(out_dir: Path, binary: Path, model: Path, prompts: list[list[int]], *, sessions: int, tokens: int,
-             repeats: int, recipe: str, threads: int, ctx: int, no_repack: bool) -> _Measured:
+             repeats: int, recipe: str, threads: int, ctx: int, no_repack: bool,
+             sampling: Any = None) -> _Measured:
     """Start every side (llama-server, optionally a --no-repack one, a dgr consumer, the raw engine), warm
     them up, then run `repeats` rounds, alternating sides so that every one sees the same noise."""
     import redis
@@ -175,17 +179,17 @@ def _measure(out_dir: Path, binary: Path, model: Path, prompts: list[list[int]],
         producer = Producer(redis.Redis.from_url(rs.url))
 
         say("warming up every side")
-        dgr_complete_many(producer, consumer, prompts, 8, "warm")
+        dgr_complete_many(producer, consumer, prompts, 8, "warm", sampling)
         for srv in servers.values():
-            srv.complete_many(prompts, 8)
+            srv.complete_many(prompts, 8, sampling)
         raw_fused_rate(engine, sessions, 8)
         loads: list[list[float]] = []
         for r in range(repeats):  # alternate: every side sees the same noise; the others sit idle
             raw = raw_fused_rate(engine, sessions, tokens, seed=r)  # no prefill in its timing: wall = decode
             runs["raw fused"].append(SideResult(raw, raw, float("nan"), [], {}))
-            runs["dgr"].append(dgr_complete_many(producer, consumer, prompts, tokens, f"r{r}"))
+            runs["dgr"].append(dgr_complete_many(producer, consumer, prompts, tokens, f"r{r}", sampling))
             for side, srv in servers.items():
-                runs[side].append(srv.complete_many(prompts, tokens))
+                runs[side].append(srv.complete_many(prompts, tokens, sampling))
             loads.append(_loadavg()[:1])
             say(f"repeat {r + 1}/{repeats} (load {loads[-1]}): " + ", ".join(
                 f"{s} {rs_[-1].wall_tok_s:.1f}/{rs_[-1].decode_tok_s:.1f}" for s, rs_ in runs.items())
@@ -229,7 +233,8 @@ def _print(title: str, cols: list[str], data: list[list[Any]], warnings: list[st
 
 
 def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, tokens: int = 64, repeats: int = 3,
-        recipe: str = "fast", threads: int = 2, build: bool = True, no_repack: bool = True) -> dict[str, Any]:
+        recipe: str = "fast", threads: int = 2, build: bool = True, no_repack: bool = True,
+        sampling: str = "greedy") -> dict[str, Any]:
     """dgr vs llama-server (and the raw fused engine), same Gemma file, same prompts, alternated.
 
     `no_repack`: also run a second llama-server with `--no-repack`, i.e. plain CPU weight buffers as dgr's
@@ -239,9 +244,12 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
     from dgrtools.tokenizer import Tokenizer
 
     from .common import markdown, save
+    from .e2e import SAMPLINGS
 
     if recipe not in ("fast", "invariant"):
         raise ValueError(f"recipe must be 'fast' or 'invariant', not {recipe!r}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
     cache = (cache_dir or default_cache_dir()).expanduser()
     binary = server_binary(cache)
     if not binary.is_file() and not build:
@@ -254,7 +262,7 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
     ours = system_features()
     load_before = _loadavg()
     m = _measure(out_dir, binary, model, prompts, sessions=sessions, tokens=tokens, repeats=repeats,
-                 recipe=recipe, threads=threads, ctx=ctx, no_repack=no_repack)
+                 recipe=recipe, threads=threads, ctx=ctx, no_repack=no_repack, sampling=SAMPLINGS[sampling])
     load_after = _loadavg()
     runs = m.runs
 
@@ -275,10 +283,11 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
              ratio(dgr["wall_tok_s"], s["wall_tok_s"]) if side != "raw fused" else "-",
              ratio(dgr["decode_tok_s"], s["decode_tok_s"])] for side, s in summary.items()]
     title = f"dgr vs llama-server: Gemma 270M Q4_K_M, {sessions} sessions x {tokens} tokens, recipe {recipe}, " \
-            f"{threads} threads, median of {repeats}"
+            f"{sampling} sampling, {threads} threads, median of {repeats}"
     _print(title, cols, data, warnings, ratios, dgr)
     payload: dict[str, Any] = {
-        "bench": "peer", "model": str(model), "recipe": recipe, "sessions": sessions, "tokens": tokens,
+        "bench": "peer", "model": str(model), "recipe": recipe, "sampling": sampling, "sessions": sessions,
+        "tokens": tokens,
         "repeats": repeats, "threads": threads, "ctx_per_session": ctx,
         "prompt_tokens": [len(p) for p in prompts], "prompts": prompts_for(sessions),
         "build": build_info, "server": m.server_info, "dgr_engine": m.engine_desc,
@@ -290,8 +299,9 @@ def run(out_dir: Path, *, cache_dir: Path | None = None, sessions: int = 8, toke
         "summary": summary, "ratios": ratios, "warnings": warnings, "token_agreement_last_repeat": agreement,
         "markdown": markdown(cols, data),
     }
-    save(out_dir, f"peer-{recipe}", payload)
-    bar_plot(out_dir, f"peer-{recipe}", f"Gemma 270M, {sessions} sessions x {tokens} tokens ({recipe})",
+    name = f"peer-{recipe}" if sampling == "greedy" else f"peer-{recipe}-{sampling}"
+    save(out_dir, name, payload)
+    bar_plot(out_dir, name, f"Gemma 270M, {sessions} sessions x {tokens} tokens ({recipe}, {sampling})",
              {side: {"wall (incl. prefill)": s["wall_tok_s"], "decode window": s["decode_tok_s"]}
               for side, s in summary.items()})
     return payload

@@ -72,6 +72,76 @@ def _headline(found: dict[str, list[dict[str, Any]]]) -> list[str]:
     return out or ["- (no benchmark results found)"]
 
 
+def _at(run: dict[str, Any], batch: int) -> dict[str, Any] | None:
+    return next((r for r in run.get("rows", []) if r.get("batch") == batch), None)
+
+
+def _side(row: dict[str, Any] | None, label: str) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return row.get("sides", {}).get(label) or (row if label in ("e2e", "") else None)
+
+
+def goals(found: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
+    """Issue 15's goals next to what this run measured: [figure, goal, measured, met?, source]."""
+    out: list[list[Any]] = []
+
+    def add(figure: str, goal: str, value: float | None, ok: bool | None, source: str) -> None:
+        out.append([figure, goal, "not measured" if value is None else f"{value:.3g}",
+                    "-" if ok is None or value is None else ("yes" if ok else "NO"), source])
+
+    e2e = found.get("e2e", [])
+    gemma = [r for r in e2e if r.get("model") == "gemma" and len(r.get("sides", [])) > 1
+             and "greedy" in str(r.get("sampling"))]
+    g = gemma[-1] if gemma else None
+    row = _at(g, 8) if g else None
+    src = "bench e2e --model gemma --sampling greedy,typical,top-p"
+    for label, figure in (("greedy", "e2e / raw, Gemma, 8 sessions, greedy"),
+                          ("typical", "e2e / raw, Gemma, 8 sessions, typical")):
+        s = _side(row, label)
+        add(figure, ">= 0.97", s["efficiency"] if s else None, s is not None and s["efficiency"] >= 0.97, src)
+    for label, goal in (("typical", 0.95), ("top-p", 0.9)):
+        s = _side(row, label)
+        add(f"{label} / greedy, Gemma, 8 sessions (same run)", f">= {goal}", s["vs_first"] if s else None,
+            s is not None and s["vs_first"] >= goal, src)
+    for engine, batch in (("sleep:2ms", 8), ("sleep:2ms", 32), ("sleep:10ms", 256)):
+        runs = [r for r in e2e if r.get("engine") == engine]
+        row = _at(runs[-1], batch) if runs else None
+        eff = row["efficiency"] if row else None
+        add(f"e2e / engine-bound, {engine} engine, {batch} sessions (overlap on)", ">= 0.9", eff,
+            eff is not None and eff >= 0.9, f"bench e2e --engine {engine}")
+        off = _side(row, "overlap off")
+        if off is not None and eff is not None:
+            gain = f" (on / off {eff / off['efficiency']:.2f}x)" if off["efficiency"] else ""
+            add(f"... overlap off{gain}", "-", off["efficiency"], None, f"bench e2e --engine {engine}")
+    scale = [r for r in found.get("scale", []) if r.get("per_session")]
+    per = scale[-1]["per_session"] if scale else None
+    for b in (64, 128, 256):
+        prow = next((r for r in per["rows"] if r["sessions"] == b), None) if per else None
+        for tag in ("on", "off"):
+            v = prow[f"us_per_session_{tag}"] if prow else None
+            add(f"worker us per session per fused decode call, {b} sessions, overlap {tag}", "<= 20", v,
+                v is not None and v <= 20, "bench scale --sessions 64,128,256")
+    if per:
+        for tag in ("on", "off"):
+            v = per["fit"][tag]["us_per_call_fixed"]
+            add(f"worker us per call independent of the batch (line fit), overlap {tag}", "< 1000", v, v < 1000,
+                "bench scale")
+    for sampling, goal in (("greedy", 1.05), ("typical", 1.0)):
+        runs = [r for r in found.get("peer", []) if r.get("sampling", "greedy") == sampling]
+        v = runs[-1].get("ratios", {}).get("wall_dgr_over_server") if runs else None
+        add(f"dgr / llama-server, Gemma, 8 sessions, {sampling} (wall)", f">= {goal}", v,
+            v is not None and v >= goal, f"bench peer --sampling {sampling}")
+    tiny = [r for r in e2e if r.get("model") == "tiny"]
+    row = _at(tiny[-1], 8) if tiny else None
+    add("e2e / raw, tiny model, 8 sessions (no goal)", "-", row["efficiency"] if row else None, None,
+        "bench e2e --model tiny")
+    off = _side(row, "overlap off")
+    if off is not None:
+        add("... overlap off", "-", off["efficiency"], None, "bench e2e --model tiny --overlap both")
+    return out
+
+
 def write(root: Path, out: Path, command: str) -> Path:
     found = _load(root)
     any_run = next((r for runs in found.values() for r in runs), {})
@@ -85,6 +155,11 @@ def write(root: Path, out: Path, command: str) -> Path:
              f"Python {m.get('python', '?')}; no GPU", "", "## Headline", "", "<!-- headline -->"]
     lines += _headline(found)
     lines += ["<!-- /headline -->", ""]
+    from .common import markdown
+
+    lines += ["## Goals of issue 15", "", "Each goal next to this run's measurement (`yes`/`NO`: met or not; the "
+              "notes below the tables say what limits a missed one).", "",
+              markdown(["figure", "goal", "measured", "met", "command"], goals(found)), ""]
     for name in ORDER:
         for run in found.get(name, []):
             settings = {k: v for k, v in run.items()

@@ -1,0 +1,236 @@
+"""Overlap (issue 15): publishing fused call k's results on the helper thread while the loop runs call
+k+1 must change nothing a session or an account can see.
+
+Differential: the same random workload (sessions opened at random iterations, greedy or seeded sampled,
+cancelled at a random token, with or without a step in the same read) is driven through a worker with
+overlap off (the oracle) and on, on the real redis-server; every session's results (status, position,
+token, finished, accounting) and every accounting hash must be identical. The overlap changes which
+sessions share a fused call, so the engine is batch-invariant (the sleep engine at 0 s: no arithmetic).
+Then the edges: a stop in the middle publishes everything computed, a lease lost in the middle writes
+nothing after the takeover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.engines.sleep import SleepEngine
+from consumer.transport import LeaseLost, RedisTransport
+from consumer.worker import Worker, WorkerSettings
+from schemas import (
+    RouteHop,
+    Sampling,
+    SessionSpec,
+    StepJob,
+    StepResult,
+    WorkerKeys,
+    cancel_to_fields,
+    job_to_fields,
+    result_from_fields,
+)
+
+_runs = itertools.count()
+_PER_CALL = (b"fused_calls", b"calls:", b"sessions:", b"tokens:", b"batch_size", b"engine_seconds")
+
+
+@dataclass(frozen=True)
+class Plan:
+    opens_at: int  # driver iteration the session opens at
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampled: bool  # typical sampling (t0.8/k40/p0.95), seeded; else greedy
+    cancel_after: int | None  # cancel once this many tokens were seen
+    cancel_with_step: bool  # ... pushing its next step too (cancelled while queued), or instead
+
+
+plans = st.lists(st.builds(
+    Plan, opens_at=st.integers(0, 6), prompt=st.lists(st.integers(3, 255), min_size=1, max_size=12).map(tuple),
+    max_tokens=st.integers(1, 9), sampled=st.booleans(), cancel_after=st.none() | st.integers(0, 9),
+    cancel_with_step=st.booleans()), min_size=1, max_size=6)
+
+
+class Driver:
+    """The Tracker's part by hand: push steps, read results, push the next step or a cancellation."""
+
+    def __init__(self, client: redis.Redis, worker: Worker, wid: str, plans: list[Plan]) -> None:
+        self.client, self.worker, self.wid, self.plans = client, worker, wid, plans
+        self.key = worker.keys["prefill"]
+        self.keys = WorkerKeys(wid)
+        self.last = {i: b"0-0" for i in range(len(plans))}
+        self.pos: dict[int, int] = {}
+        self.seen: dict[int, list[StepResult]] = {i: [] for i in range(len(plans))}
+        self.over: set[int] = set()
+
+    def sid(self, i: int) -> str:
+        return f"s{i}"
+
+    def push(self, job: StepJob) -> None:
+        key = self.key.for_phase(job.phase)
+        self.client.xadd(self.keys.input_stream(key.digest, job.phase), job_to_fields(job))  # type: ignore[arg-type]
+
+    def cancel(self, i: int) -> None:
+        self.client.set(self.keys.cancel_marker(self.sid(i)), "1", ex=300)
+        self.client.xadd(self.keys.cancellations, cancel_to_fields(self.sid(i)))  # type: ignore[arg-type]
+        self.over.add(i)
+
+    def step(self, i: int, token: int) -> None:
+        p = self.pos[i]
+        self.push(StepJob(job_id=f"{self.sid(i)}-{p}", session_id=self.sid(i), phase="decode",
+                          compat=self.key.for_phase("decode").digest, start_position=p, tokens=(token,),
+                          created_at=time.time()))
+        self.pos[i] = p + 1
+
+    def tick(self, it: int) -> None:
+        for i, plan in enumerate(self.plans):
+            if plan.opens_at == it:
+                sampling = (Sampling(temperature=0.8, top_k=40, top_p=0.95, seed=i) if plan.sampled else Sampling())
+                spec = SessionSpec(session_id=self.sid(i), account_id=f"acct{i % 2}",
+                                   route=(RouteHop(worker_id=self.wid, key=self.key),), sampling=sampling,
+                                   max_tokens=plan.max_tokens)
+                self.push(StepJob(job_id=f"{self.sid(i)}-0", session_id=self.sid(i), phase="prefill",
+                                  compat=self.key.digest, start_position=0, tokens=plan.prompt,
+                                  created_at=time.time(), session=spec))
+                self.pos[i] = len(plan.prompt)
+                if plan.cancel_after == 0:
+                    self.cancel(i)
+        for i in list(self.pos):
+            for entry_id, fields in self.client.xrange(self.keys.results(self.sid(i)), min=b"(" + self.last[i]):
+                self.last[i] = entry_id
+                r = result_from_fields(fields)
+                self.seen[i].append(r)
+                if r.token is None or r.finished or i in self.over:
+                    continue
+                n = sum(1 for x in self.seen[i] if x.token is not None)
+                if self.plans[i].cancel_after == n:
+                    if self.plans[i].cancel_with_step:
+                        self.step(i, r.token)
+                    self.cancel(i)
+                else:
+                    self.step(i, r.token)
+
+    def settled(self) -> bool:
+        """Every session finished, answered cancelled, or (cancelled with nothing queued: no answer) closed."""
+        def done(i: int) -> bool:
+            if i not in self.pos:
+                return False
+            last = self.seen[i][-1] if self.seen[i] else None
+            if last is not None and (last.finished or last.token is None):
+                return True
+            return i in self.over and self.client.hget(self.keys.session_account(self.sid(i)), "closed") is not None
+        return all(done(i) for i in range(len(self.plans)))
+
+
+def _worker(client: redis.Redis, wid: str, overlap: bool, **kw: object) -> Worker:
+    engine = SleepEngine(0.0, n_slots=8, ctx_per_session=256)
+    settings_ = WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8,
+                               overlap=overlap, **kw)  # type: ignore[arg-type]
+    w = Worker(engine, RedisTransport(client, wid, consumer_name=wid), settings_)
+    w.start()
+    return w
+
+
+def _accounts(client: redis.Redis, wid: str) -> dict[str, dict[bytes, bytes]]:
+    keys = WorkerKeys(wid)
+    out = {}
+    for k in client.scan_iter(match=f"{keys.base}:acct:*"):
+        name = k.decode()[len(keys.base):]
+        if client.type(k) == b"hash":
+            # what depends on how sessions were batched (calls, rows per call, seconds) is left out
+            out[name] = {f: v for f, v in client.hgetall(k).items() if not f.startswith(_PER_CALL)}
+    return out
+
+
+def _drive(client: redis.Redis, plans: list[Plan], overlap: bool) -> tuple[dict[int, list[tuple[object, ...]]],
+                                                                           dict[str, dict[bytes, bytes]]]:
+    wid = f"ov{next(_runs)}"
+    w = _worker(client, wid, overlap)
+    d = Driver(client, w, wid, plans)
+    for it in range(400):
+        d.tick(it)
+        w.run_once(flush=not overlap)
+        if it > 6 and d.settled():
+            break
+    w.flush()
+    d.tick(10_000)
+    assert d.settled(), "the workload did not finish"
+    seen = {i: [(r.status, r.reason, r.position, r.token, r.finished, r.accounting.prompt_tokens,
+                 r.accounting.generated_tokens) for r in rs] for i, rs in d.seen.items()}
+    return seen, _accounts(client, wid)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plans=plans)
+def test_overlap_changes_no_result_and_no_account(real_redis: redis.Redis, plans: list[Plan]) -> None:
+    off = _drive(real_redis, plans, overlap=False)
+    on = _drive(real_redis, plans, overlap=True)
+    assert on[0] == off[0]
+    assert on[1] == off[1]
+
+
+def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis) -> None:
+    """run() with overlap on, stopped while sessions decode: every token the engine produced is published
+    before run() returns (no result left in flight), and the last heartbeat says stopped."""
+    wid = f"ov{next(_runs)}"
+    w = _worker(real_redis, wid, overlap=True)
+    plans = [Plan(0, (5, 6, 7), 10_000 // 100, False, None, False) for _ in range(6)]
+    d = Driver(real_redis, w, wid, plans)
+    stop_at = threading.Event()
+
+    def drive() -> None:
+        for it in range(10_000):
+            if stop_at.is_set():
+                return
+            d.tick(it)
+            if sum(len(v) for v in d.seen.values()) >= 30:
+                w.request_stop()
+                return
+            time.sleep(0.001)
+
+    t = threading.Thread(target=drive)
+    t.start()
+    w.run(max_idle_s=20)
+    stop_at.set()
+    t.join()
+    assert w._publishing is None
+    published = sum(real_redis.xlen(WorkerKeys(wid).results(d.sid(i))) for i in range(len(plans)))
+    assert published == w.stats.sessions_in_calls  # one result per session per fused call, all out
+    assert b'"stopped":true' in (real_redis.get(WorkerKeys(wid).heartbeat) or b"")
+
+
+def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis: redis.Redis) -> None:
+    """The lease is taken over while results are in flight: LeaseLost stops the loop; nothing (result,
+    accounting, heartbeat) is written after the takeover, whichever publish was in flight."""
+    wid = f"ov{next(_runs)}"
+    w = _worker(real_redis, wid, overlap=True, heartbeat_s=0.05)
+    plans = [Plan(0, (5, 6, 7), 100, False, None, False) for _ in range(6)]
+    d = Driver(real_redis, w, wid, plans)
+    keys = WorkerKeys(wid)
+    taken: list[int] = []
+    for it in range(2_000):
+        d.tick(it)
+        if not taken and sum(len(v) for v in d.seen.values()) >= 20:
+            pipe = real_redis.pipeline(transaction=True)  # take over and count, atomically
+            pipe.set(keys.lease, "99:elsewhere:1:z", px=60_000)
+            pipe.incr(keys.lease_epoch)
+            pipe.hget(keys.worker_account, "steps")
+            pipe.get(keys.heartbeat)
+            taken = [int(pipe.execute()[2] or 0)]
+            hb = real_redis.get(keys.heartbeat)
+        try:
+            w.run_once(flush=False)
+        except LeaseLost:
+            break
+    else:
+        raise AssertionError("the worker never noticed the takeover")
+    with contextlib.suppress(LeaseLost):
+        w.flush()
+    assert taken and int(real_redis.hget(keys.worker_account, "steps") or 0) == taken[0]
+    assert real_redis.get(keys.heartbeat) == hb
