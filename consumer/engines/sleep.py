@@ -46,7 +46,7 @@ class SleepEngine(LogitsEngine):
         self.identity = EngineIdentity(architecture="sleep", gguf_sha256=digest)
         self.recipe = Recipe(quantization="none", kv_cache_type="none", ctx_per_session=ctx_per_session,
                              flash_attention=False, batch_invariant=True, runtime="sleep/1")
-        self.boundary = whole_model_boundary(0)
+        self.boundary = whole_model_boundary(1)  # no layers, but a block range may not be empty
         self.state_layout = StateLayout(kind="kv", dims={})
         self.capacity = EngineCapacity(n_slots=n_slots, ctx_per_session=ctx_per_session,
                                        max_tokens_per_call=max_tokens_per_call, vocab_size=vocab_size)
