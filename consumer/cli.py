@@ -89,6 +89,9 @@ def consumer(
     overlap: Annotated[bool, typer.Option(envvar="DGR_OVERLAP",
                                           help="Publish a fused call's results while the next call runs.")
                        ] = _W.overlap,
+    overlap_max_call_ms: Annotated[float, typer.Option(
+        envvar="DGR_OVERLAP_MAX_CALL_MS", help="Overlap only while fused calls take less than this (ms; 0: always).")
+    ] = _W.overlap_max_call_ms,
     max_read_entries: Annotated[int, typer.Option(
         envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")
     ] = _W.max_read_entries,
@@ -162,7 +165,7 @@ def consumer(
                               recover_every_s=recover_every_s, standby=on_lease_held == "wait",
                               answered_memory=answered_memory, max_read_entries=max_read_entries,
                               max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s,
-                              overlap=overlap),
+                              overlap=overlap, overlap_max_call_ms=overlap_max_call_ms),
         transport=TransportSettings(block_ms=block_ms, gather_ms=gather_ms, max_deliveries=max_deliveries,
                                     result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
                                     dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,

@@ -73,6 +73,10 @@ class WorkerSettings:
     # runs call k+1 (the engine releases the GIL); one publish in flight at a time, so a session's
     # results stay in order. docs/benchmarks.md has what it buys on 2 cores.
     overlap: bool = True
+    # ... but only while fused calls are shorter than this (ms; 0: whatever their length): a long CPU call
+    # has little to gain (the publish is a small share of it) and its spinning threads lose a core to the
+    # publish (Gemma on 2 cores measured slower with it, the tiny model and the sleep engines faster).
+    overlap_max_call_ms: float = 20.0
 
 
 @dataclass(frozen=True)

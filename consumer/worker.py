@@ -115,6 +115,7 @@ class Worker:
         # thread while the loop reads, admits and runs call k+1; one thread, so results stay in order.
         self._publisher: ThreadPoolExecutor | None = None
         self._publishing: Future[None] | None = None
+        self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,11 +146,10 @@ class Worker:
         if not self._registered:
             self.start()
         idle_since = time.monotonic()
-        flush = not self.settings.overlap
         try:
             try:
                 while not self._stop.is_set():
-                    if self.run_once(flush=flush):
+                    if self.run_once(flush=not self._overlapping()):
                         idle_since = time.monotonic()
                     elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
                         self.flush()
@@ -168,6 +168,11 @@ class Worker:
         self._close_publisher()
 
     # ---- overlapped completion -----------------------------------------------------------------
+    def _overlapping(self) -> bool:
+        """Publish on the helper thread this iteration? (settings.overlap, while fused calls are short)"""
+        limit = self.settings.overlap_max_call_ms
+        return self.settings.overlap and (limit <= 0 or 1e3 * self._last_call_s <= limit)
+
     def flush(self) -> None:
         """Wait for the in-flight completion (if any); its error (LeaseLost, a Redis outage given up
         on) is raised here, in the loop's thread."""
@@ -233,6 +238,7 @@ class Worker:
             before = self.stats.engine_seconds
             answers.extend(self._run_batch(batch))
             engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+            self._last_call_s = engine_s
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
         latencies: list[tuple[Phase, float]] = []

@@ -128,8 +128,8 @@ class Driver:
         return all(done(i) for i in range(len(self.plans)))
 
 
-def _worker(client: redis.Redis, wid: str, overlap: bool, **kw: object) -> Worker:
-    engine = SleepEngine(0.0, n_slots=8, ctx_per_session=256)
+def _worker(client: redis.Redis, wid: str, overlap: bool, step_s: float = 0.0, **kw: object) -> Worker:
+    engine = SleepEngine(step_s, n_slots=8, ctx_per_session=256)
     settings_ = WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8,
                                overlap=overlap, **kw)  # type: ignore[arg-type]
     w = Worker(engine, RedisTransport(client, wid, consumer_name=wid), settings_)
@@ -234,3 +234,21 @@ def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis
         w.flush()
     assert taken and int(real_redis.hget(keys.worker_account, "steps") or 0) == taken[0]
     assert real_redis.get(keys.heartbeat) == hb
+
+
+def test_the_overlap_is_used_only_while_fused_calls_are_short(real_redis: redis.Redis) -> None:
+    """overlap_max_call_ms: after a fused call longer than it, the loop publishes in line; 0: always overlap."""
+    for step_s, limit, expect in ((0.03, 20.0, False), (0.03, 0.0, True), (0.0, 20.0, True)):
+        wid = f"ov{next(_runs)}"
+        w = _worker(real_redis, wid, overlap=True, step_s=step_s, overlap_max_call_ms=limit)
+        d = Driver(real_redis, w, wid, [Plan(0, (5, 6), 3, False, None, False)])
+        assert w._overlapping()  # before any call
+        for it in range(50):
+            d.tick(it)
+            w.run_once(flush=not w._overlapping())
+            if w.stats.fused_calls:
+                break
+        w.flush()
+        assert w._overlapping() is expect
+    off = _worker(real_redis, f"ov{next(_runs)}", overlap=False, overlap_max_call_ms=0.0)
+    assert not off._overlapping()

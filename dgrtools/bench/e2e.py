@@ -13,7 +13,8 @@ sampling costs through the service.
 `--engine sleep:2ms` (consumer/engines/sleep.py) stands in for a GPU step: the raw side is then the
 engine-bound rate (B tokens per sleep), and e2e / raw is the loop's efficiency at that step time.
 `--overlap on|off|both`: the consumer's overlap setting; `both` runs two consumers (one each) in the same
-Redis and alternates them, so the two sides are measured within one run.
+Redis and alternates them, so the two sides are measured within one run (the on side then overlaps
+whatever the fused call's length: --overlap-max-call-ms 0).
 """
 
 from __future__ import annotations
@@ -124,6 +125,14 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
 OVERLAPS = ("on", "off", "both")
 
 
+def _overlap_args(side: str, overlap: str) -> list[str]:
+    """The consumer's flags for one side. With `both`, the on side overlaps whatever the call length
+    (--overlap-max-call-ms 0): the comparison is then the overlap itself, not its length rule."""
+    if side == "off":
+        return ["--no-overlap"]
+    return ["--overlap", "--overlap-max-call-ms", "0"] if overlap == "both" else ["--overlap"]
+
+
 def _side_label(sampling: str, overlap: str, samplings: tuple[str, ...], overlaps: tuple[str, ...]) -> str:
     parts = ([sampling] if len(samplings) > 1 else []) + ([f"overlap {overlap}"] if len(overlaps) > 1 else [])
     return ", ".join(parts) or "e2e"
@@ -156,7 +165,7 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
         extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
         consumers = {ov: ConsumerProcess(server.url, f"bench-e2e-{ov}" if overlap == "both" else "bench-e2e",
                                          path, Path(tmp), engine=engine_kind, recipe=recipe, slots=slots,
-                                         threads=threads, extra=[*extra, f"--{'' if ov == 'on' else 'no-'}overlap"])
+                                         threads=threads, extra=[*extra, *_overlap_args(ov, overlap)])
                      for ov in overlaps}
         engine = make_engine(path, kind=engine_kind, recipe=recipe,  # type: ignore[arg-type]
                              n_slots=slots, ctx_per_session=ctx, n_threads=threads or None, n_gpu_layers=n_gpu_layers)
