@@ -250,6 +250,8 @@ def tracker_sim(
     hmac_key_file: HmacKeyFile = None,
     use_async: Annotated[bool, typer.Option("--async", help="Drive the sessions with one AsyncProducer on "
                                                               "asyncio (one task per session).")] = False,
+    decode_n: Annotated[int | None, typer.Option("--decode-n", min=1, max=64,
+                                                 help="Tokens per decode job (default: the producer's).")] = None,
 ) -> None:
     """A load generator on the producer API: drives sessions against a running consumer."""
     from dgrtools.tracker_sim import run_tracker_sim
@@ -258,7 +260,7 @@ def tracker_sim(
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file,
-                                     use_async=use_async))
+                                     use_async=use_async, decode_n=decode_n))
 
 Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
 Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]

@@ -21,16 +21,22 @@ from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len: str, max_tokens: int,
                     rate: float, cancel_fraction: float, temperature: float, top_k: int, top_p: float, seed: int,
-                    json_out: Path | None, hmac_key_file: Path | None = None, use_async: bool = False) -> int:
+                    json_out: Path | None, hmac_key_file: Path | None = None, use_async: bool = False,
+                    decode_n: int | None = None) -> int:
     """Drive `sessions` sessions with the sync Producer's run_many, or (`use_async`) with one
     AsyncProducer on asyncio: one task per session (`generate`-style, through run_many's tasks).
-    `worker_id` "w0,w1,...": every session on the route of those hops (docs/routes.md), in order."""
+    `worker_id` "w0,w1,...": every session on the route of those hops (docs/routes.md), in order.
+    `decode_n`: tokens per decode job (None: the producer's default). With n > 1 the worker runs ahead
+    of the Tracker, so a cancel decided at token k may arrive after the session finished."""
     from producer import Producer
     from schemas import Signer
 
     console = Console()
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
-    producer = Producer(redis.Redis.from_url(redis_url), signer=signer)
+    from producer.core import DECODE_N
+
+    n = DECODE_N if decode_n is None else decode_n
+    producer = Producer(redis.Redis.from_url(redis_url), signer=signer, decode_n=n)
     hop_ids = worker_id.split(",")
     infos = [producer.discover(w) for w in hop_ids]
     for w, hop_info in zip(hop_ids, infos, strict=True):
@@ -77,7 +83,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     t0 = time.perf_counter()
     if use_async:
-        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe))
+        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe, n))
     else:
         handles = producer.run_many(specs, on_result=on_result, start_times=starts)
     wall = time.perf_counter() - t0
@@ -103,11 +109,12 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
 async def _run_async(redis_url: str, signer: Signer | None, worker_id: str,
                      specs: Sequence[tuple[SessionSpec, list[int]]], starts: Sequence[float],
-                     observe: Callable[[SessionHandle, StepResult], bool]) -> dict[str, SessionHandle]:
+                     observe: Callable[[SessionHandle, StepResult], bool],
+                     decode_n: int) -> dict[str, SessionHandle]:
     from producer.aio import AsyncProducer
 
     client = aioredis.Redis.from_url(redis_url)
-    async with AsyncProducer(client, signer=signer) as producer:
+    async with AsyncProducer(client, signer=signer, decode_n=decode_n) as producer:
         async def on_result(h: SessionHandle, r: StepResult) -> None:
             if observe(h, r):
                 if isinstance(h, RouteHandle):

@@ -55,9 +55,11 @@ __all__ = [
 ]
 
 READ_COUNT = 1_000  # results read per stream per XREAD (and per XRANGE page of resume)
-# Tokens per decode job by default (a continuation job: producer/credit.py). 1 keeps one job per token
-# (the behaviour before continuation jobs); set decode_n (e.g. 16) to keep sessions in credit.
-DECODE_N = 1
+# Tokens per decode job by default (a continuation job: producer/credit.py), so a session never waits on
+# the Tracker between tokens. 1 keeps one job per token (the behaviour before continuation jobs). The
+# producer asks for n > 1 only from a worker that advertises max_continuation, and never on a route of
+# several hops.
+DECODE_N = 166
 BackpressurePolicy = Literal["raise", "wait"]
 
 

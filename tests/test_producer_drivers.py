@@ -123,6 +123,7 @@ def test_tracker_sim_async_drives_a_consumer_and_cancels_on_purpose(redis_server
         run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--async", "--redis-url",
                               redis_server.url, "--worker-id", "sim-async", "--sessions", "6", "--prompt-len", "4:20",
                               "--max-tokens", "8", "--rate", "50", "--cancel-fraction", "0.34", "--seed", "4",
+                              "--decode-n", "1",  # one job per token: the cancel at token 4 lands before token 8
                               "--json-out", str(out)], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "(asyncio)" in run.stdout and "tok/s" in run.stdout
