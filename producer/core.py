@@ -59,7 +59,7 @@ READ_COUNT = 1_000  # results read per stream per XREAD (and per XRANGE page of 
 # the Tracker between tokens. 1 keeps one job per token (the behaviour before continuation jobs). The
 # producer asks for n > 1 only from a worker that advertises max_continuation, and never on a route of
 # several hops.
-DECODE_N = 166
+DECODE_N = 16
 BackpressurePolicy = Literal["raise", "wait"]
 
 
