@@ -271,3 +271,27 @@ def test_a_hop_engine_answering_bad_rows_fails_only_its_sessions(real_redis: red
     d.run(["t1"])
     assert d.tokens["t1"] == solo_generate(whole, ps[0], 5)
     assert d.workers[0].hops.held() == 0
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("cuts", [(6,), (6, 12)], ids=["2-hop", "3-hop"])
+def test_gemma_hops_through_workers_equal_the_whole_model(real_redis: redis.Redis, gemma_model_path: Path,
+                                                          tmp_path: Path, cuts: tuple[int, ...]) -> None:
+    """Gemma 3 270M cut at block 6 (and 12), llama.cpp "invariant" hops behind workers, relayed: 3 sessions
+    (long and short prompts, fused per call) equal the whole model bit for bit (DGR_SLOW=1)."""
+    hops = split_route(gemma_model_path, tmp_path / "hops", cuts)
+    tag = next(_ids)
+    engines = [LlamaCppEngine(h.path, recipe="invariant", n_slots=4, ctx_per_session=512) for h in hops]
+    whole_ll = LlamaCppEngine(gemma_model_path, recipe="invariant", n_slots=1, ctx_per_session=512)
+    try:
+        d = RouteDriver(real_redis, [make_hop_worker(real_redis, e, f"g{tag}-hop{k}") for k, e in enumerate(engines)])
+        ps = [*prompts(1, 20000, seed=31, lo=40, hi=40), *prompts(2, 20000, seed=32, lo=3, hi=9)]
+        for i, p in enumerate(ps):
+            d.open(f"s{i}", p, max_tokens=4, chunk=32)
+        d.run([f"s{i}" for i in range(3)])
+        assert not d.failures(), d.failures()[:3]
+        for i, p in enumerate(ps):
+            assert d.tokens[f"s{i}"] == solo_generate(whole_ll, p, 4), f"s{i}"
+    finally:
+        for e in (*engines, whole_ll):
+            e.close()
