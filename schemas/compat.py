@@ -67,8 +67,8 @@ class BoundarySchema(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> BoundarySchema:
-        if self.last_layer <= self.first_layer:
-            raise ValueError(f"empty block range [{self.first_layer}, {self.last_layer})")
+        if self.last_layer < self.first_layer:
+            raise ValueError(f"block range [{self.first_layer}, {self.last_layer}) runs backwards")
         if "hidden" in (self.consumes, self.produces) and self.hidden_size == 0:
             raise ValueError("a boundary that consumes or produces hidden needs hidden_size > 0")
         if self.consumes == "hidden" and self.first_layer == 0:

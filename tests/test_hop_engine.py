@@ -316,3 +316,25 @@ def test_fast_recipe_boundary_rows_keep_their_order(tiny4: Path, tmp_path: Path)
     finally:
         for e in [*hops, whole]:
             e.close()
+
+
+def test_boundary_schema_rules() -> None:
+    """hop_boundary names what a hop consumes and produces; hidden needs a size; a whole model's
+    canonical form has no hidden fields (its digest predates hops), a hop's always has both."""
+    from pydantic import ValidationError
+
+    from schemas.compat import BoundarySchema, hop_boundary, whole_model_boundary
+
+    assert hop_boundary(0, 4, 4, 128) == whole_model_boundary(4)
+    assert "hidden_size" not in whole_model_boundary(4).model_dump()
+    mid = hop_boundary(1, 3, 4, 128, "f16")
+    assert mid.model_dump()["hidden_size"] == 128 and mid.model_dump()["dtype"] == "f16"
+    assert BoundarySchema.model_validate(mid.model_dump()) == mid
+    assert hop_boundary(1, 3, 4, 128) != mid  # the wire dtype is part of the key
+    for a, b in [(2, 2), (3, 1), (0, 5), (-1, 2)]:
+        with pytest.raises(ValueError):
+            hop_boundary(a, b, 4, 128)
+    base = mid.model_dump()
+    for bad in ({"hidden_size": 0}, {"first_layer": 0}, {"first_layer": 3, "last_layer": 1}, {"dtype": "bf16"}):
+        with pytest.raises(ValidationError):
+            BoundarySchema.model_validate({**base, **bad})
