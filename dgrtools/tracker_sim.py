@@ -35,8 +35,8 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
     from producer.core import DECODE_N
 
-    n = DECODE_N if decode_n is None else decode_n
-    producer = Producer(redis.Redis.from_url(redis_url), signer=signer, decode_n=n)
+    per_job = DECODE_N if decode_n is None else decode_n
+    producer = Producer(redis.Redis.from_url(redis_url), signer=signer, decode_n=per_job)
     hop_ids = worker_id.split(",")
     infos = [producer.discover(w) for w in hop_ids]
     for w, hop_info in zip(hop_ids, infos, strict=True):
@@ -83,7 +83,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     t0 = time.perf_counter()
     if use_async:
-        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe, n))
+        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe, per_job))
     else:
         handles = producer.run_many(specs, on_result=on_result, start_times=starts)
     wall = time.perf_counter() - t0

@@ -145,9 +145,11 @@ def test_any_job_pushed_twice_gets_exactly_one_real_answer(tiny_model_path: Path
 
 def test_a_duplicate_decode_while_queued_is_held_and_acked_with_the_original(
         redis_client: redis.Redis, tiny_model_path: Path, engine: NumpyReferenceEngine) -> None:
-    """The issue's case: two sessions waiting, a decode delivered twice before it is answered."""
+    """The issue's case: two sessions waiting, a decode delivered twice before it is answered. One job per
+    token (decode_n=1), so a decode job is in flight after each token; a continuation pushed twice is
+    tests/test_continuation_e2e.py's case."""
     worker = make_worker(redis_client, engine)
-    producer = Producer(redis_client, prefill_chunk=64)
+    producer = Producer(redis_client, prefill_chunk=64, decode_n=1)
     specs = specs_for(redis_client, WID, "twin", prompts(2, 300, seed=3), 4)
     stepper = Stepper(producer, worker)
     for spec, prompt in specs:
