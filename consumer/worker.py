@@ -28,6 +28,7 @@ from types import FrameType
 
 from schemas import PHASES, Phase, Reason, Status, StepJob, StepResult, WorkerKeys
 from schemas.limits import MAX_CONTINUATION
+from schemas.step import end_job_id, result_job_id
 
 from .config import WorkerSettings
 from .continuation import acking, without_ack
@@ -423,13 +424,17 @@ class Worker:
         session cancelled before it opened). True when the job must not reach the scheduler."""
         jid = job.job_id
         if self._held.get(jid) == (job.session_id, job.start_position):
-            # queued or in a call: complete it with the original's answer
+            # queued or in a call: complete it with the original's answer. A continuation under way also
+            # re-sends the tokens it published so far (acking nothing): the producer pushes a job again
+            # when Redis lost results, and a lost token must not wait for a job that never re-sends it.
             self._twins.setdefault(jid, []).append((inb.ref, job.created_at))
+            if job.n > 1:
+                out.extend(without_ack(replace(a, ref=inb.ref, final=False)) for a in self._remembered(job))
             return True
-        done = self._answered.get(jid)
-        if done is not None:  # answered: re-send the same answer (no-op unless Redis lost it)
-            self._answered.move_to_end(jid)
-            out.append(acking(done, inb.ref))
+        done = self._remembered(job)
+        if done:  # answered: re-send the same answers (no-op unless Redis lost them), the last one acks
+            out.extend(without_ack(replace(a, ref=inb.ref, final=False)) for a in done[:-1])
+            out.append(acking(done[-1], inb.ref))
             return True
         answered, cancelled = self._precheck
         if jid in answered:  # answered by an earlier process: the stored result stands, ack this one
@@ -443,6 +448,22 @@ class Worker:
             out.append(self._remember(self.scheduler.refuse_cancelled(job, inb.ref)))
             return True
         return False
+
+    def _remembered(self, job: StepJob) -> list[Answer]:
+        """The answers this worker remembers for the job, in offset order. A continuation job (n > 1) has
+        one per token and maybe an ending one: a redelivery after it ended (the producer re-pushes it when
+        Redis lost some of its results) re-sends them all, so every lost one is published again (found
+        by tests/test_delivery.py's lost-data-set test: re-sending the first token's alone left the
+        others lost and put a stale token after the newer ones)."""
+        jid = job.job_id
+        ids = [jid] if job.n == 1 else [*(result_job_id(jid, k) for k in range(job.n)), end_job_id(jid)]
+        out: list[Answer] = []
+        for rid in ids:
+            a = self._answered.get(rid)
+            if a is not None:
+                self._answered.move_to_end(rid)
+                out.append(a)
+        return out
 
     def _completions(self, answers: Sequence[Answer], latencies: list[tuple[Phase, float]]) -> list[Answer]:
         """Every answer, plus one per twin delivery of its job (same result); the step latency of

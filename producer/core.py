@@ -456,13 +456,14 @@ class ProducerCore:
         h.jobs.discard(r.job_id)
         h.last_result = r
         if r.status == Status.OK:
+            finished = r.finished
             if r.job_id == h.pending_job:
                 h.pending_job = None
                 if r.token is not None:
                     h.generated.append(r.token)
-            elif credit.on_ok(h, r) and r.token is not None:  # a continuation job's token
-                h.generated.append(r.token)
-            if r.finished:
+            elif credit.on_ok(h, r):  # a continuation job's token: in position order
+                finished = credit.place(h, r)
+            if finished:
                 h.finished, h.status = True, "finished"
                 h.jobs = set()  # credit left unused is dropped: what is answered for it is ignored
                 h.credit.clear()

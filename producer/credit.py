@@ -27,7 +27,7 @@ from schemas.step import result_job_id
 if TYPE_CHECKING:
     from .core import Batch, ProducerCore, SessionHandle
 
-__all__ = ["Credit", "job_n", "on_ok", "queue_continuation", "queue_next", "requeue", "tokens_per_job"]
+__all__ = ["Credit", "job_n", "on_ok", "place", "queue_continuation", "queue_next", "requeue", "tokens_per_job"]
 
 
 @dataclass
@@ -40,11 +40,16 @@ class Credit:
     # Tokens per decode job, fixed when the session opens (tokens_per_job) and kept in its record, so a
     # handle rebuilt by resume() follows the same jobs. 0: not fixed yet.
     n: int = 0
+    # Token results that arrived ahead of a token still missing, by the session position they name. A
+    # continuation's tokens can arrive out of order: after Redis lost some results, the worker re-sends
+    # them when the job is pushed again, behind newer ones.
+    early: dict[int, StepResult] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.jobs.clear()
         self.tokens.clear()
         self.left.clear()
+        self.early.clear()
 
 
 def tokens_per_job(core: ProducerCore, h: SessionHandle) -> int:
@@ -126,6 +131,26 @@ def on_ok(h: SessionHandle, r: StepResult) -> bool:
         job = c.jobs.pop(jid)
         h.jobs.discard(job.answer_id(0, ok=False))
     return True
+
+
+def place(h: SessionHandle, r: StepResult) -> bool:
+    """Put a continuation's token result in its place: a result's position is the session's next one,
+    so token number i (0: the prompt's) has position len(prompt) + i. Tokens are appended in position
+    order; one ahead of a missing one waits in `early` (never appended out of order: that would corrupt
+    the text silently). True when the session's finishing token is now in place."""
+    c = h.credit
+    if r.token is None:
+        return False
+    c.early[r.position] = r
+    finished = False
+    nxt = len(h.prompt) + len(h.generated)
+    while nxt in c.early:
+        q = c.early.pop(nxt)
+        assert q.token is not None
+        h.generated.append(q.token)
+        finished = finished or q.finished
+        nxt += 1
+    return finished
 
 
 def requeue(core: ProducerCore, batch: Batch, h: SessionHandle) -> int:
