@@ -303,7 +303,8 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
                                                          "comma-separated: alternated in one run.")] = "greedy",
               decode_n: Annotated[int, typer.Option("--decode-n", min=1, max=64,
                                                     help="Tokens per decode job (the producer's continuation "
-                                                         "jobs; 1: one job per token).")] = 1,
+                                                         "jobs, default the producer's; 1: one job per token).")
+                                  ] = 16,
               engine: Annotated[str, typer.Option(help="llama, or sleep:<time> (e.g. sleep:2ms): an engine that "
                                                        "only sleeps per fused call, a stand-in for a GPU step.")
                                 ] = "llama",

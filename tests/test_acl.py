@@ -109,6 +109,21 @@ def test_producer_user_drives_sessions_but_reads_no_accounting(acl_server: Local
             cmd()
 
 
+def test_producer_user_relays_activation_blobs_and_nothing_more(acl_server: LocalRedis) -> None:
+    """A route's relay (docs/routes.md): GET + DEL of a hop's output blob, SET of the next hop's input blob."""
+    w1 = redis.Redis.from_url(url(acl_server, "dgr-worker-w1", "pw-w1"))
+    p = redis.Redis.from_url(url(acl_server, "dgr-tracker", "pw-tracker"))
+    out_k, in_k = WorkerKeys("w1").activations_out("j1"), WorkerKeys("w2").activations_in("j2")
+    w1.set(out_k, b"rows", ex=60)  # the hop's completion writes it (as the worker user)
+    assert p.get(out_k) == b"rows"
+    assert p.set(in_k, b"rows", ex=60)
+    assert p.delete(out_k) == 1
+    for cmd in (lambda: p.set(out_k, b"forged"), lambda: p.get(in_k), lambda: p.delete(in_k),
+                lambda: p.set(WorkerKeys("w1").result_record("x"), b"forged")):
+        with pytest.raises(NoPermissionError):
+            cmd()
+
+
 def test_ops_user_runs_the_control_plane_and_rq(acl_server: LocalRedis) -> None:
     ops_url = url(acl_server, "dgr-ops", "pw-ops")
     c = connect(ops_url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from schemas.activations import ActivationError, Activations, decode, encode, ra
 from schemas.limits import INLINE_MAX_BYTES
 from schemas.wire import job_from_fields, job_to_fields, result_from_fields, result_to_fields
 
+SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
+
 KEY = "dgr:{w1}:act:in:j-1"
 
 
@@ -26,7 +29,7 @@ def _job(tokens: tuple[int, ...], hidden: Activations | None, phase: str = "pref
                    start_position=pos, tokens=tokens, sample=True, created_at=1.0, hidden=hidden)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300 if SOAK else 30, deadline=None)
 @given(rows=st.integers(1, 64), hidden=st.integers(1, 300), dtype=st.sampled_from(["f32", "f16"]),
        seed=st.integers(0, 2**32 - 1))
 def test_encode_decode_round_trip_is_exact(rows: int, hidden: int, dtype: str, seed: int) -> None:
@@ -92,7 +95,7 @@ def test_decode_refuses_each_malformation_by_name() -> None:
     assert "bytes" in _refused(f16, None)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=1000 if SOAK else 80, deadline=None)
 @given(st.binary(max_size=200), st.integers(1, 8), st.integers(1, 8), st.sampled_from(["f32", "f16"]))
 def test_random_bytes_never_decode_silently(body: bytes, rows: int, hidden: int, dtype: str) -> None:
     """Random bytes under a header: decoded only when size, digest and finiteness all hold."""
@@ -112,7 +115,7 @@ def _job_fields_with(hidden_json: str, tokens: str = "1,2") -> dict[str, str]:
     return f
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1500 if SOAK else 100, deadline=None)
 @given(st.dictionaries(st.sampled_from(["v", "dtype", "hidden_size", "rows", "data", "blob", "sha256", "x"]),
                        st.one_of(st.none(), st.integers(-3, 70000), st.text(max_size=40),
                                  st.sampled_from(["f32", "f16", "f64", 1, 2, "AAAA" * 2, "a" * 64])),

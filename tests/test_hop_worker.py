@@ -6,6 +6,7 @@ jobs; accounting charges billable tokens on the last hop only."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from schemas.activations import encode
 
 from .hop_driver import RouteDriver, make_hop_worker
 from .support import prompts, solo_generate
+
+SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 N_LAYER = 4
 _ids = itertools.count()
@@ -87,7 +90,7 @@ def test_a_route_of_hops_equals_the_whole_model(real_redis: redis.Redis, deep_mo
         assert not list(real_redis.scan_iter(match=WorkerKeys(w.settings.worker_id).activations_in("*")))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60 if SOAK else 6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_hops_equal_the_whole_model_for_any_split_prompt_and_arrival_order(
         real_redis: redis.Redis, deep_model: Path, whole: NumpyReferenceEngine, data: st.DataObject) -> None:

@@ -5,12 +5,16 @@ of a dropped attempt are never computed. Hypothesis searches the orderings."""
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer.scheduler import Scheduler
 from schemas import Reason, Status, StepJob
 from tests.test_scheduler import DIGESTS, decode, make, opening, run
+
+SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 
 def replace(job: StepJob, **kw: object) -> StepJob:
@@ -85,7 +89,7 @@ def test_a_finished_session_reopens_on_a_newer_attempt() -> None:
     assert s.table.get("s") is not None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=1000 if SOAK else 60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["open", "decode", "run", "cancel"]), st.integers(0, 3)),
                 min_size=1, max_size=25))
 def test_every_admitted_step_is_answered_once_and_slots_balance(ops: list[tuple[str, int]]) -> None:

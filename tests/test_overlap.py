@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from schemas import (
     job_to_fields,
     result_from_fields,
 )
+
+SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 _runs = itertools.count()
 _PER_CALL = (b"fused_calls", b"calls:", b"sessions:", b"tokens:", b"batch_size", b"engine_seconds")
@@ -166,7 +169,7 @@ def _drive(client: redis.Redis, plans: list[Plan], overlap: bool) -> tuple[dict[
     return seen, _accounts(client, wid)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60 if SOAK else 6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plans=plans)
 def test_overlap_changes_no_result_and_no_account(real_redis: redis.Redis, plans: list[Plan]) -> None:
     off = _drive(real_redis, plans, overlap=False)

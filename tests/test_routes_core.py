@@ -9,6 +9,7 @@ session at any moment (a crash): every session must still end with the oracle's 
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from schemas import (
 from schemas.activations import decode, encode
 from schemas.compat import EngineIdentity, Recipe, StateLayout, hop_boundary
 from schemas.keys import parse_input_stream
+
+SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 VOCAB = 97
 HIDDEN = 3
@@ -267,7 +270,7 @@ def make(n_hops: int, same_worker: bool, inline_max: int = 0,
     return RouteCore(pc), SimCluster(hops), workers, cuts
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300 if SOAK else 25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_hops=st.integers(1, 3), same_worker=st.booleans(), n_sessions=st.integers(1, 4),
        lens=st.lists(st.integers(1, 40), min_size=4, max_size=4), chunk=st.integers(1, 16),
        max_tokens=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),

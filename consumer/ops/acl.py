@@ -2,8 +2,9 @@
 
 * a worker (consumer) may touch only its own `dgr:{W}:*` keys, plus SADD itself to `dgr:workers`;
 * the Tracker's producer may read the advertisements and heartbeats, write step jobs and
-  cancellations, read result streams and the input-stream lag, of every worker, and nothing else
-  (no accounting, no stored results, no dead letters);
+  cancellations, read result streams and the input-stream lag, relay a route's activation blobs
+  (read and delete a hop's output blob, write the next hop's input blob), of every worker, and nothing
+  else (no accounting, no stored results, no dead letters);
 * the control plane (`dgr inspect`, `dgr ops`, `rq worker dgr-ops`) reads and writes `dgr:*`
   and RQ's `rq:*` keys.
 
@@ -40,6 +41,10 @@ PRODUCER_COMMANDS = (
 # Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.
 PRODUCER_STATE_SELECTOR = (f"(~{ANY_WORKER.cancel_marker('*')} ~{ANY_WORKER.session_record('*')} "
                            "+set +exists +hset +hgetall +expire)")
+# Routes of several hops (docs/routes.md): the Tracker relays a prefill chunk's rows, reading and deleting
+# a hop's output blob and writing the next hop's input blob, and nothing else on those keys.
+PRODUCER_RELAY_SELECTORS = (f"(~{ANY_WORKER.activations_out('*')} +get +del)",
+                            f"(~{ANY_WORKER.activations_in('*')} +set)")
 
 
 def worker_rules(worker_id: str) -> list[str]:
@@ -52,7 +57,7 @@ def producer_rules() -> list[str]:
     w = ANY_WORKER
     return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"~{w.input_pattern}",
             f"%R~{w.results('*')}", f"%W~{w.cancellations}", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
-            PRODUCER_STATE_SELECTOR]
+            PRODUCER_STATE_SELECTOR, *PRODUCER_RELAY_SELECTORS]
 
 
 def ops_rules() -> list[str]:

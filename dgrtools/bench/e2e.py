@@ -34,6 +34,7 @@ from consumer.runtime import make_engine, resolve_model
 from dgrtools.localredis import LocalRedis
 from dgrtools.process import ConsumerProcess
 from producer import Producer
+from producer.core import DECODE_N
 from schemas import RouteHop, Sampling, SessionSpec, StepResult
 
 from .common import console, markdown, plot, save, table
@@ -46,11 +47,11 @@ SAMPLINGS: dict[str, Sampling] = {
 }
 
 
-def result_name(model: str, recipe: str, sampling: str = "greedy", decode_n: int = 1) -> str:
-    """The JSON's name: as before for greedy, the sampling appended otherwise (and `-n<decode_n>` when
-    the producer runs continuation jobs)."""
+def result_name(model: str, recipe: str, sampling: str = "greedy", decode_n: int = DECODE_N) -> str:
+    """The JSON's name: as before for greedy, the sampling appended otherwise (and `-n<decode_n>` when the
+    producer's decode jobs ask for another number of tokens than its default)."""
     name = f"e2e-{model}-{recipe}" if sampling == "greedy" else f"e2e-{model}-{recipe}-{sampling}"
-    return name if decode_n == 1 else f"{name}-n{decode_n}"
+    return name if decode_n == DECODE_N else f"{name}-n{decode_n}"
 
 
 def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
@@ -140,7 +141,8 @@ def _side_label(sampling: str, overlap: str, samplings: tuple[str, ...], overlap
 
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
         repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0,
-        sampling: str = "greedy", engine_kind: str = "llama", overlap: str = "on", decode_n: int = 1) -> dict[str, Any]:
+        sampling: str = "greedy", engine_kind: str = "llama", overlap: str = "on",
+        decode_n: int = DECODE_N) -> dict[str, Any]:
     """`sampling` may name several (comma-separated) and `overlap` may be `both`: every (sampling, overlap)
     side is measured in this run, alternating with the raw side and with each other (the order reversed
     every other repeat); ratios to the first side are reported. The first side's figures keep the
@@ -240,7 +242,7 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
 
 def run_recipes(out_dir: Path, recipes: tuple[str, ...], *, model: str, batch_sizes: tuple[int, ...], tokens: int,
                 repeats: int, threads: int, n_gpu_layers: int, sampling: str = "greedy",
-                decode_n: int = 1) -> dict[str, Any]:
+                decode_n: int = DECODE_N) -> dict[str, Any]:
     """`dgr bench e2e --recipe fast,invariant`: the bench once per recipe, each in its own process (ggml
     reads GGML_CPU_TILED_MM once per process), one after the other in this run; then invariant / fast."""
     import json
