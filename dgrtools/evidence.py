@@ -42,6 +42,7 @@ CRITERIA = (
                   "tests/test_scheduler.py::test_incompatible_when_job_compat_differs_or_engine_lacks_the_phase",
                   "tests/test_cluster.py::test_every_key_of_a_worker_is_in_one_slot",
                   f"{E2E}::test_bad_input_is_answered_while_other_sessions_run",
+                  "tests/test_hop_worker.py::test_hop_and_whole_model_steps_never_share_a_fused_call",
               ), quick=("tests/test_schemas.py::test_every_field_separates_keys",
                         "tests/test_scheduler.py::test_incompatible_stream")),
     Criterion("isolation", "Preserve per-session positions, sequence IDs, outputs, cancellation, and accounting.", (
@@ -54,6 +55,10 @@ CRITERIA = (
         "tests/test_transport.py::test_complete_publishes_once_and_replay_is_a_noop",
         f"{E2E}::test_cancellation_mid_prefill_and_mid_decode_then_slot_reuse",
         f"{E2E}::test_kill_9_then_restart_every_session_completes_exactly",
+        "tests/test_continuation.py::test_continuation_tokens_results_and_charges_equal_n1_alone",
+        "tests/test_continuation_e2e.py::test_results_charges_and_acks_per_token",
+        "tests/test_routes.py::test_cancel_mid_route_reaches_every_hop",
+        "tests/test_route_chaos.py::test_kill_9_of_the_middle_hop_then_every_session_completes_exactly",
     ), quick=("tests/test_scheduler.py::test_positions_count_queued_jobs",
               "tests/test_transport.py::test_accounting_invariant",
               "tests/test_llama_engine.py::test_one_decode_per_step_whatever_the_sessions")),
@@ -77,6 +82,9 @@ CRITERIA = (
         f"{INV}::test_regression_no_single_prompt_row",
         f"{INV}::test_regression_replay_computes_generated_tokens_one_row_each",
         f"{INV}::test_shape_probe_sees_a_single_prompt_row",
+        "tests/test_hop_engine.py::test_property_route_equals_each_session_alone",
+        "tests/test_hop_worker.py::test_a_route_of_hops_equals_the_whole_model",
+        "tests/test_routes.py::test_route_tokens_equal_the_whole_model",
     ), quick=("tests/test_concurrency.py::test_reference_batched_equals_solo_exactly",
               "tests/test_concurrency.py::test_llama_invariant_batched_equals_solo_exactly",
               "tests/test_concurrency.py::test_corruption_is_detected_on_llama")),
@@ -99,8 +107,9 @@ LIMITATIONS = (
     "Phase is part of the compatibility key, so prefill chunks never share a fused call with decode rows "
     "(no Sarathi-style mixed batches); the prefill pacer bounds a prefill call's length instead.",
     "Session state (the KV cache) lives in the worker process: a crash loses it, and the producer replays "
-    "prompt + generated tokens (`state_lost`). Multi-hop routes carry a hop index and boundary schema in the "
-    "contract, but this service runs whole-model hops only.",
+    "prompt + generated tokens (`state_lost`); on a route of several hops every hop is replayed.",
+    "A route of several hops decodes one token per job (each token travels back to hop 0 through the Tracker), "
+    "so continuation jobs (n > 1) serve one-hop routes only; `Producer.resume` rebuilds one-hop sessions only.",
     "Default tests use the generated tiny model (no download, no GPU). Gemma runs only in the demo, the benchmarks "
     "and the opt-in slow tests (DGR_SLOW=1). No GPU figures unless docs/benchmarks.md has GPU rows.",
 )

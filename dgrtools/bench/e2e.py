@@ -97,6 +97,9 @@ def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int,
     calls = after["calls_by_phase"]["decode"] - before["calls_by_phase"]["decode"]
     sessions = after["decode_sessions"] - before["decode_sessions"]
     fused = after["fused_calls"] - before["fused_calls"]
+    if t_end <= t_start:  # 0.0 below is no measurement: the run needs more tokens per session
+        console.print(f"[yellow]{tag}: no window where all {b} sessions decode (the first finished before the "
+                      "last one's first token): give more --tokens[/yellow]")
     return {
         "tok_s": n / (t_end - t_start) if t_end > t_start else 0.0,
         "mean_batch": sessions / calls if calls else 0.0,

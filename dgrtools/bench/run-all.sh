@@ -19,7 +19,7 @@ cmds=(
   "$DGR bench e2e --model gemma --batches 8 --tokens 64 --repeats 2 --overlap both --out $OUT/e2e-gemma-overlap"
   "$DGR bench e2e --model tiny --overlap both --out $OUT/e2e-tiny"
   "$DGR bench e2e --engine sleep:2ms --batches 8,32 --tokens 64 --repeats 3 --overlap both --out $OUT/e2e-sleep2ms"
-  "$DGR bench e2e --engine sleep:10ms --batches 256 --tokens 96 --repeats 2 --overlap both --out $OUT/e2e-sleep10ms"
+  "$DGR bench e2e --engine sleep:10ms --batches 256 --tokens 512 --repeats 1 --overlap both --out $OUT/e2e-sleep10ms"
   "$DGR bench interference --model gemma --out $OUT/interference"
   "$DGR bench peer --out $OUT/peer"
   "$DGR bench peer --sampling typical --without-no-repack --out $OUT/peer-typical"
