@@ -366,15 +366,7 @@ class Scheduler:
             return []
         if lane.inflight or lane.entry.opening_job_id == job.job_id:
             return []
-        entry = lane.entry
-        answers = []
-        for q in self._drop_queued(lane):
-            self.stats.rejected += 1
-            answers.append(Answer(
-                ref=q.ref, job=q.job,
-                result=self._result(q.job, Status.REJECTED, Reason.ALREADY_OPEN, entry.position,
-                                    detail=f"superseded by attempt {job.attempt} of the session"),
-                account_id=entry.account_id, close=None))
+        answers = self._reject_queued(lane, Reason.ALREADY_OPEN, f"superseded by attempt {job.attempt} of the session")
         self._unready(lane)
         self._awaiting.discard(sid)
         self.table.close(sid, "failed")  # forgotten outright (no closed record), the slot released
@@ -856,16 +848,19 @@ class Scheduler:
         self._closed_log.append(closed)
 
     def _finish(self, lane: _Lane, batch_size: int) -> list[Answer]:
+        answers = self._reject_queued(lane, Reason.FINISHED, "session finished before this step")
+        self._close(lane, "finished")
+        return answers
+
+    def _reject_queued(self, lane: _Lane, reason: Reason, detail: str) -> list[Answer]:
+        """Answer every step still queued for the lane REJECTED with `reason` (they never run)."""
         entry = lane.entry
         answers = []
         for q in self._drop_queued(lane):
             self.stats.rejected += 1
-            answers.append(Answer(
-                ref=q.ref, job=q.job,
-                result=self._result(q.job, Status.REJECTED, Reason.FINISHED, entry.position,
-                                    detail="session finished before this step"),
-                account_id=entry.account_id, close=None))
-        self._close(lane, "finished")
+            answers.append(Answer(ref=q.ref, job=q.job,
+                                  result=self._result(q.job, Status.REJECTED, reason, entry.position, detail=detail),
+                                  account_id=entry.account_id, close=None))
         return answers
 
     def _claim(self, it: BatchItem) -> tuple[_Lane | None, _Queued | None]:
