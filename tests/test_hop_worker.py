@@ -214,12 +214,7 @@ def test_llama_cpp_hop_files_through_workers_equal_the_whole_model(
         longs = prompts(2, 500, seed=21, lo=60, hi=120)
         shorts = prompts(2, 500, seed=22, lo=2, hi=9)
         ps = [longs[0], shorts[0], longs[1], shorts[1]]
-        for i, p in enumerate(ps):
-            d.open(f"s{i}", p, max_tokens=8, chunk=48)
-        d.run([f"s{i}" for i in range(4)])
-        assert not d.failures(), d.failures()[:3]
-        for i, p in enumerate(ps):
-            assert d.tokens[f"s{i}"] == solo_generate(whole_ll, p, 8), f"s{i}"
+        _assert_route_equals_whole(d, whole_ll, ps, max_tokens=8, chunk=48)
         assert d.blob_bytes > 0 and d.inline_bytes > 0
         for w in d.workers:
             assert max(s for _, s in w.stats.recent_calls) >= 2
@@ -289,12 +284,19 @@ def test_gemma_hops_through_workers_equal_the_whole_model(real_redis: redis.Redi
     try:
         d = RouteDriver(real_redis, [make_hop_worker(real_redis, e, f"g{tag}-hop{k}") for k, e in enumerate(engines)])
         ps = [*prompts(1, 20000, seed=31, lo=40, hi=40), *prompts(2, 20000, seed=32, lo=3, hi=9)]
-        for i, p in enumerate(ps):
-            d.open(f"s{i}", p, max_tokens=4, chunk=32)
-        d.run([f"s{i}" for i in range(3)])
-        assert not d.failures(), d.failures()[:3]
-        for i, p in enumerate(ps):
-            assert d.tokens[f"s{i}"] == solo_generate(whole_ll, p, 4), f"s{i}"
+        _assert_route_equals_whole(d, whole_ll, ps, max_tokens=4, chunk=32)
     finally:
         for e in (*engines, whole_ll):
             e.close()
+
+
+def _assert_route_equals_whole(d: RouteDriver, whole: LlamaCppEngine, ps: list[list[int]], *, max_tokens: int,
+                               chunk: int) -> None:
+    """Open every prompt on the route, run them together, and require each session's tokens to equal the
+    whole model's run alone."""
+    for i, p in enumerate(ps):
+        d.open(f"s{i}", p, max_tokens=max_tokens, chunk=chunk)
+    d.run([f"s{i}" for i in range(len(ps))])
+    assert not d.failures(), d.failures()[:3]
+    for i, p in enumerate(ps):
+        assert d.tokens[f"s{i}"] == solo_generate(whole, p, max_tokens), f"s{i}"
