@@ -191,7 +191,6 @@ def consumer(
     worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
     try:
-        worker.start()
         worker.run(max_idle_s=svc.max_idle_s or None)
     except LeaseHeld as e:
         logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": worker_id})

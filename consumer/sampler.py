@@ -45,7 +45,7 @@ from schemas import Sampling
 
 from .batch import EngineOutput
 from .sampling import argmax_rows, draw
-from .schedule_output import ScheduledBatch
+from .sched.outputs import ScheduledBatch
 
 __all__ = ["BatchSampler", "sample_rows"]
 

@@ -34,7 +34,7 @@ from schemas import (
     WorkerKeys,
     cancel_to_fields,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
 from schemas.lag import stream_lag
 from schemas.limits import (
@@ -639,11 +639,16 @@ def _one_hop(h: SessionHandle) -> None:
 
 
 def read_on(h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:
-    """The decodable results among a result stream's entries, in order, moving h.last_result_id past
-    every entry (an undecodable one included, so it is never read again)."""
+    """The session's results among a result stream's entries (records of rows, schemas/wire.py), in
+    order, moving h.last_result_id past every entry (an undecodable one included, so it is never read
+    again)."""
+    sid = h.session_id
     for entry_id, fields in entries:
         h.last_result_id = decode_str(entry_id)
         try:
-            yield result_from_fields(fields)
+            rows = results_from_fields(fields)
         except WireError:
             continue
+        for r in rows:
+            if r.session_id == sid:
+                yield r

@@ -202,10 +202,10 @@ class RouteCore:
         nxt = self._job(h, hop, prev.phase, prev.start_position, prev.tokens, prev.sample, prev.session, None,
                         prev.created_at)
         if acts.inline:
-            return Sent(nxt.model_copy(update={"hidden": acts}))
+            return Sent(nxt.replace(hidden=acts))
         assert raw is not None
         moved = acts.moved(WorkerKeys(h.legs[hop].worker_id).activations_in(nxt.job_id))
-        return Sent(StepJob.model_validate({**nxt.model_dump(), "hidden": moved.model_dump()}), raw)
+        return Sent(nxt.replace(hidden=moved), raw)
 
     # ---------------------------------------------------------------- results
 

@@ -1,6 +1,6 @@
 """Wire contracts shared by the Tracker-side producer and the worker-side consumer."""
 
-from .activations import ActivationError, Activations
+from .activations import Activations
 from .compat import (
     PHASES,
     BoundarySchema,
@@ -11,19 +11,22 @@ from .compat import (
     StateLayout,
     whole_model_boundary,
 )
+from .errors import ActivationError, DgrError, EngineError, ProducerError, TransportError, WireError
 from .keys import GROUP, PREFIX, WorkerKeys, parse_input_stream
-from .limits import SCHEMA_VERSION
+from .limits import SCHEMA_VERSION, WIRE_VERSION
+from .reasons import Reason, Status
 from .session import RouteHop, Sampling, SessionSpec
 from .signing import Signer
-from .step import Accounting, Reason, Status, StepJob, StepResult
+from .step import Accounting, StepJob, StepResult
 from .wire import (
-    WireError,
+    Charges,
+    ResultRecord,
     cancel_from_fields,
     cancel_to_fields,
+    decode_record,
     job_from_fields,
     job_to_fields,
-    result_from_fields,
-    result_to_fields,
+    results_from_fields,
 )
 
 __all__ = [
@@ -31,15 +34,21 @@ __all__ = [
     "PHASES",
     "PREFIX",
     "SCHEMA_VERSION",
+    "WIRE_VERSION",
     "Accounting",
     "ActivationError",
     "Activations",
     "BoundarySchema",
+    "Charges",
     "CompatibilityKey",
+    "DgrError",
+    "EngineError",
     "EngineIdentity",
     "Phase",
+    "ProducerError",
     "Reason",
     "Recipe",
+    "ResultRecord",
     "RouteHop",
     "Sampling",
     "SessionSpec",
@@ -48,14 +57,15 @@ __all__ = [
     "Status",
     "StepJob",
     "StepResult",
+    "TransportError",
     "WireError",
     "WorkerKeys",
     "cancel_from_fields",
     "cancel_to_fields",
+    "decode_record",
     "job_from_fields",
     "job_to_fields",
     "parse_input_stream",
-    "result_from_fields",
-    "result_to_fields",
+    "results_from_fields",
     "whole_model_boundary",
 ]

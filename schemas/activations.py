@@ -15,12 +15,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
 from typing import Final, Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .errors import ActivationError
 from .limits import (
     ACTIVATIONS_VERSION,
     INLINE_MAX_BYTES,
@@ -35,37 +37,51 @@ ITEMSIZE: Final[dict[str, int]] = {"f32": 4, "f16": 2}
 _NP: Final[dict[str, str]] = {"f32": "<f4", "f16": "<f2"}
 # base64 of INLINE_MAX_BYTES raw bytes (4 characters per 3 bytes, padded).
 INLINE_MAX_CHARS: Final = 4 * ((INLINE_MAX_BYTES + 2) // 3)
+_SHA256: Final = re.compile(r"[0-9a-f]{64}")
 
 __all__ = ["INLINE_MAX_CHARS", "ITEMSIZE", "ActivationError", "Activations", "Dtype", "decode", "encode",
            "raw_bytes"]
 
 
-class ActivationError(ValueError):
-    """The activations of a step cannot be used: the worker answers the step `bad_activations`."""
+class Activations(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The header of one step's activations; the rows are in `data` (inline) or in the string `blob`.
+    Every value is checked in `__post_init__` (built or decoded alike)."""
 
-
-class Activations(BaseModel):
-    """The header of one step's activations; the rows are in `data` (inline) or in the string `blob`."""
-
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
-
-    v: Literal[1] = ACTIVATIONS_VERSION
     dtype: Dtype
-    hidden_size: int = Field(ge=1, le=MAX_HIDDEN_SIZE)
-    rows: int = Field(ge=1, le=MAX_TOKENS_PER_JOB)
-    data: str | None = Field(default=None, max_length=INLINE_MAX_CHARS)
-    blob: str | None = Field(default=None, min_length=1, max_length=2 * MAX_NAME_LEN)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    hidden_size: int
+    rows: int
+    sha256: str
+    data: str | None = None
+    blob: str | None = None
+    v: int = ACTIVATIONS_VERSION
 
-    @model_validator(mode="after")
-    def _check(self) -> Activations:
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem is not None:
+            raise ActivationError(problem)
+
+    def _problem(self) -> str | None:
+        if self.v != ACTIVATIONS_VERSION or type(self.v) is not int:
+            return f"activation format version {self.v!r} is not {ACTIVATIONS_VERSION}"
+        if self.dtype not in ITEMSIZE:
+            return f"dtype {self.dtype!r} is not one of {sorted(ITEMSIZE)}"
+        if type(self.hidden_size) is not int or not 1 <= self.hidden_size <= MAX_HIDDEN_SIZE:
+            return f"hidden_size must be an int in [1, {MAX_HIDDEN_SIZE}]"
+        if type(self.rows) is not int or not 1 <= self.rows <= MAX_TOKENS_PER_JOB:
+            return f"rows must be an int in [1, {MAX_TOKENS_PER_JOB}]"
+        if type(self.sha256) is not str or not _SHA256.fullmatch(self.sha256):
+            return "sha256 is not 64 lowercase hex digits"
         if (self.data is None) == (self.blob is None):
-            raise ValueError("exactly one of data (inline) and blob (a key) is set")
+            return "exactly one of data (inline) and blob (a key) is set"
+        if self.data is not None and (type(self.data) is not str or len(self.data) > INLINE_MAX_CHARS):
+            return f"inline data is not a string of at most {INLINE_MAX_CHARS} characters"
+        if self.blob is not None and (type(self.blob) is not str or not 1 <= len(self.blob) <= 2 * MAX_NAME_LEN):
+            return f"blob is not a key of 1 to {2 * MAX_NAME_LEN} characters"
         if self.nbytes > MAX_ACTIVATION_BYTES:
-            raise ValueError(f"{self.nbytes} bytes of activations, over {MAX_ACTIVATION_BYTES}")
+            return f"{self.nbytes} bytes of activations, over {MAX_ACTIVATION_BYTES}"
         if self.data is not None and self.nbytes > INLINE_MAX_BYTES:
-            raise ValueError(f"{self.nbytes} bytes inline, over {INLINE_MAX_BYTES}: use a blob")
-        return self
+            return f"{self.nbytes} bytes inline, over {INLINE_MAX_BYTES}: use a blob"
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +91,20 @@ class Activations(BaseModel):
     @property
     def inline(self) -> bool:
         return self.data is not None
+
+    def json(self) -> str:
+        """The header as the wire carries it (strict JSON, absent fields left out)."""
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Activations:
+        """A header from its JSON; ActivationError for anything that is not one."""
+        try:
+            return _DECODER.decode(raw)
+        except ActivationError:
+            raise
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ActivationError(f"invalid activations header: {e}"[:200]) from None
 
     def moved(self, blob: str | None, raw: bytes | None = None) -> Activations:
         """The same rows under another home: the blob key `blob`, or inline (blob None, `raw` given) when
@@ -86,6 +116,9 @@ class Activations(BaseModel):
                                data=base64.b64encode(raw).decode("ascii"), sha256=self.sha256)
         return Activations(dtype=self.dtype, hidden_size=self.hidden_size, rows=self.rows, blob=blob,
                            sha256=self.sha256)
+
+
+_DECODER: Final = msgspec.json.Decoder(Activations)
 
 
 def raw_bytes(array: npt.NDArray[np.floating], dtype: Dtype) -> bytes:

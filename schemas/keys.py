@@ -47,12 +47,25 @@ class WorkerKeys:
     def input_pattern(self) -> str:
         return f"{self.base}:in:*"
 
-    def results(self, session_id: str) -> str:
-        return f"{self.base}:out:{session_id}"
+    def results(self, reply: str) -> str:
+        """The result stream named by a job's `reply_to` (one per Tracker), or by its session id when the
+        job names none: one result record per completion call (schemas/wire.py)."""
+        return f"{self.base}:out:{reply}"
+
+    @property
+    def results_pattern(self) -> str:
+        return f"{self.base}:out:*"
 
     def result_record(self, job_id: str) -> str:
-        """The stored StepResult of one job (SET NX): the once-only marker of a completed step."""
+        """The once-only marker of an answer that is not ok (SET NX, with its record): ok answers are
+        made once-only by the session's ledger entry (docs/accounting.md)."""
         return f"{self.base}:res:{job_id}"
+
+    @property
+    def ledger(self) -> str:
+        """Hash: one field per session this worker charges and has not closed (docs/accounting.md): what
+        it charged since the field was made, and the positions answered and charged so far."""
+        return f"{self.base}:ledger"
 
     def activations_in(self, job_id: str) -> str:
         """String (EX ACTIVATION_TTL_S): the input activations of job `job_id` on this worker, written by

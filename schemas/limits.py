@@ -3,7 +3,10 @@
 import re
 from typing import Final
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 1  # the compatibility key's and the SessionSpec's version (golden digests pin it)
+# The version of what travels on the streams: job entries and result records (docs/wire-format.md). Both
+# sides refuse another one by name (Reason.SCHEMA_VERSION); a worker advertises its own in its info.
+WIRE_VERSION: Final = 2
 
 MAX_ID_LEN: Final = 64  # session, job, account and worker ids
 # Pydantic (Rust regex) reads `$` as the end of the text. Python's `re` lets `$` match before a final
@@ -25,7 +28,7 @@ MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire
 
 # Stream lengths (XADD MAXLEN ~, XTRIM) and TTLs of what several writers touch: one number each.
 CANCEL_MAXLEN: Final = 100_000  # a worker's cancellation stream: the producer, the reaper and the worker's trim
-RESULT_MAXLEN: Final = 10_000  # each session's result stream (the worker's default)
+RESULT_MAXLEN: Final = 10_000  # each result stream (one entry per completion call; the worker's default)
 DLQ_MAXLEN: Final = 100_000  # a worker's dead-letter stream (the worker's default)
 DLQ_AUDIT_MAXLEN: Final = 100_000  # a worker's dead-letter replay audit stream (dgr ops dlq replay)
 CANCEL_MARKER_TTL_S: Final = 86_400  # a session's cancel marker: the producer's and the reaper's

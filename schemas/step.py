@@ -1,38 +1,50 @@
-"""Step jobs (Tracker -> worker) and step results (worker -> Tracker)."""
+"""Step jobs (Tracker -> worker) and step results (worker -> Tracker).
+
+Both are msgspec Structs: the per-token path (a worker reading jobs, a Tracker reading results) builds
+and parses them without a validation library; the strict codec is schemas/wire.py. A job's values are
+checked once, in `StepJob.__post_init__`, whether the job was decoded from the wire or built by a
+producer. The session's spec (`SessionSpec`, once per session) stays a pydantic model: an edge.
+"""
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Literal
+import math
+import re
+from typing import Final
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import msgspec
 
 from .activations import Activations
 from .compat import Phase
 from .limits import (
-    ID_PATTERN,
     MAX_CONTINUATION,
     MAX_ID_LEN,
     MAX_POSITION,
-    MAX_REASON_LEN,
     MAX_TOKEN_ID,
     MAX_TOKENS_PER_JOB,
-    SCHEMA_VERSION,
+    WIRE_VERSION,
+    is_id,
 )
+from .reasons import Reason, Status
 from .session import SessionSpec
 
-Id = Field(pattern=ID_PATTERN)
+__all__ = [
+    "MAX_CONTINUATION_JOB_ID", "Accounting", "Reason", "Status", "StepJob", "StepResult", "end_job_id",
+    "result_job_id",
+]
 
 # A continuation job's result ids append a suffix to its job id: ".<offset>" (offset >= 1) for its
 # tokens, ".end" for the one answer that ends it without a token. The job id must leave room for it.
-_END_SUFFIX = ".end"
-MAX_CONTINUATION_JOB_ID = MAX_ID_LEN - len(_END_SUFFIX)
+_END_SUFFIX: Final = ".end"
+MAX_CONTINUATION_JOB_ID: Final = MAX_ID_LEN - len(_END_SUFFIX)
+_COMPAT: Final = re.compile(r"[0-9a-f]{16}")
+_PHASES: Final = ("prefill", "decode")
 
 
 def result_job_id(job_id: str, offset: int) -> str:
     """The result id of a job's token number `offset` (0-based). Offset 0 keeps the job's own id, so a
     job with n = 1 is answered exactly as before continuation jobs existed. Deterministic, so a
-    redelivery or a replay of the job writes the same result records (the worker's SET NX dedupes)."""
+    redelivery or a replay of the job writes the same result ids."""
     if offset < 0:
         raise ValueError(f"offset must be >= 0, not {offset}")
     return job_id if offset == 0 else f"{job_id}.{offset}"
@@ -46,13 +58,18 @@ def end_job_id(job_id: str) -> str:
     return job_id + _END_SUFFIX
 
 
-class StepJob(BaseModel):
+def _int_in(value: object, lo: int, hi: int) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+class StepJob(msgspec.Struct, frozen=True, kw_only=True):
     """One step of one session on one hop: a prefill chunk, or a decode step of up to `n` tokens.
 
     The first prefill chunk (start_position 0) carries the SessionSpec, which opens the session on the
     worker. `sample` asks for a token back: set on the last prefill chunk and on every decode step.
     `compat` is the digest of the compatibility key the producer meant; the consumer re-checks it
-    against the stream it arrived on and its engine.
+    against the stream it arrived on and its engine. `reply_to` names the result stream the answers go
+    to (`WorkerKeys.results(reply_to)`, one per Tracker: docs/wire-format.md); None: the session's own.
 
     Continuation (docs/wire-format.md): a decode job with `n > 1` asks for up to n tokens. The worker
     feeds its token at start_position, then each token it samples at the next position, one per
@@ -60,48 +77,90 @@ class StepJob(BaseModel):
     max_tokens or a cancellation. A decode job with no token (`tokens == ()`) continues from the
     session's own last sampled token (a continuation pushed ahead, before the producer knows it):
     it starts where the previous job's tokens end (`end_position`), which the worker checks.
+
+    Every value is checked in `__post_init__` (ValueError / TypeError), built or decoded alike.
     """
 
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
-
-    v: Literal[1] = SCHEMA_VERSION
-    job_id: str = Id
-    session_id: str = Id
-    hop: int = Field(default=0, ge=0, lt=16)
+    job_id: str
+    session_id: str
     phase: Phase
-    compat: str = Field(pattern=r"^[0-9a-f]{16}$")
-    start_position: int = Field(ge=0, le=MAX_POSITION)
-    tokens: tuple[int, ...] = Field(max_length=MAX_TOKENS_PER_JOB)
+    compat: str
+    start_position: int
+    tokens: tuple[int, ...]
+    created_at: float
+    hop: int = 0
     sample: bool = True
-    attempt: int = Field(default=0, ge=0, le=1000)
-    created_at: float = Field(ge=0.0, allow_inf_nan=False)
+    attempt: int = 0
     session: SessionSpec | None = None
     # The input activations, one row per token: present exactly when the target hop consumes hidden
     # (the worker checks that against its boundary schema; tokens still name the session's tokens).
     hidden: Activations | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CONTINUATION)  # tokens asked for (decode only; 1: one step)
+    n: int = 1  # tokens asked for (decode only; 1: one step)
+    reply_to: str | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> StepJob:
+    def __post_init__(self) -> None:
+        if type(self.tokens) is not tuple:
+            msgspec.structs.force_setattr(self, "tokens", tuple(self.tokens))
+        problem = self._problem()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _problem(self) -> str | None:
+        if not is_id(self.job_id):
+            return "job_id is not an id (docs/wire-format.md)"
+        if not is_id(self.session_id):
+            return "session_id is not an id"
+        if self.phase not in _PHASES:
+            return "phase is not 'prefill' or 'decode'"
+        if type(self.compat) is not str or not _COMPAT.fullmatch(self.compat):
+            return "compat is not 16 lowercase hex digits"
+        if not _int_in(self.start_position, 0, MAX_POSITION):
+            return f"start_position is not an int in [0, {MAX_POSITION}]"
+        toks = self.tokens
+        if len(toks) > MAX_TOKENS_PER_JOB:
+            return f"more than {MAX_TOKENS_PER_JOB} tokens"
+        if toks and (any(type(t) is not int for t in toks) or min(toks) < 0 or max(toks) > MAX_TOKEN_ID):
+            return f"tokens must be ints in [0, {MAX_TOKEN_ID}]"
+        if type(self.created_at) not in (float, int) or not math.isfinite(self.created_at) or self.created_at < 0:
+            return "created_at must be a finite number >= 0"
+        if not _int_in(self.hop, 0, 15):
+            return "hop must be an int in [0, 15]"
+        if type(self.sample) is not bool:
+            return "sample must be a bool"
+        if not _int_in(self.attempt, 0, 1000):
+            return "attempt must be an int in [0, 1000]"
+        if not _int_in(self.n, 1, MAX_CONTINUATION):
+            return f"n must be an int in [1, {MAX_CONTINUATION}]"
+        if self.reply_to is not None and not is_id(self.reply_to):
+            return "reply_to is not an id"
+        if self.session is not None and not isinstance(self.session, SessionSpec):
+            return "session must be a SessionSpec"
+        if self.hidden is not None and not isinstance(self.hidden, Activations):
+            return "hidden must be an Activations header"
+        return self._consistency()
+
+    def _consistency(self) -> str | None:
         if self.hidden is not None and self.hidden.rows != len(self.tokens):
-            raise ValueError(f"hidden has {self.hidden.rows} rows for {len(self.tokens)} tokens")
-        if any(t < 0 or t > MAX_TOKEN_ID for t in self.tokens):
-            raise ValueError(f"tokens must be in [0, {MAX_TOKEN_ID}]")
+            return f"hidden has {self.hidden.rows} rows for {len(self.tokens)} tokens"
         if self.phase == "prefill" and not self.tokens:
-            raise ValueError("a prefill chunk carries tokens (at least one)")
+            return "a prefill chunk carries tokens (at least one)"
         if self.phase == "decode" and len(self.tokens) > 1:
-            raise ValueError("a decode step carries exactly one token (or none: the session's own last one)")
+            return "a decode step carries exactly one token (or none: the session's own last one)"
         if self.phase != "decode" and self.n != 1:
-            raise ValueError("only a decode job asks for n > 1 tokens")
+            return "only a decode job asks for n > 1 tokens"
         if self.n > 1 and len(self.job_id) > MAX_CONTINUATION_JOB_ID:
-            raise ValueError(f"a job with n > 1 has a job id of at most {MAX_CONTINUATION_JOB_ID} characters")
+            return f"a job with n > 1 has a job id of at most {MAX_CONTINUATION_JOB_ID} characters"
         if self.phase == "decode" and not self.sample:
-            raise ValueError("a decode step always samples")
+            return "a decode step always samples"
         if self.session is not None and self.session.session_id != self.session_id:
-            raise ValueError("session.session_id differs from session_id")
+            return "session.session_id differs from session_id"
         if (self.phase == "prefill" and self.start_position == 0) != (self.session is not None):
-            raise ValueError("the SessionSpec travels exactly with the opening prefill (start_position 0)")
-        return self
+            return "the SessionSpec travels exactly with the opening prefill (start_position 0)"
+        return None
+
+    @property
+    def v(self) -> int:
+        return WIRE_VERSION
 
     @property
     def end_position(self) -> int:
@@ -111,6 +170,11 @@ class StepJob(BaseModel):
             return self.start_position + self.n
         return self.start_position + len(self.tokens)
 
+    @property
+    def reply(self) -> str:
+        """The result stream suffix the answers go to: `reply_to`, else the session id."""
+        return self.reply_to if self.reply_to is not None else self.session_id
+
     def answer_id(self, offset: int, ok: bool, duplicate: bool = False) -> str:
         """The result id of this job's answer: token number `offset` when ok; for a job with n > 1 an
         answer that ends it without a token takes `end_job_id` (a DUPLICATE keeps the job id: the
@@ -119,72 +183,50 @@ class StepJob(BaseModel):
             return result_job_id(self.job_id, offset)
         return end_job_id(self.job_id) if self.n > 1 and not duplicate else self.job_id
 
-
-class Status(StrEnum):
-    OK = "ok"
-    CANCELLED = "cancelled"
-    REJECTED = "rejected"
-    STATE_LOST = "state_lost"
-    FAILED = "failed"
+    def replace(self, **changes: object) -> StepJob:
+        """A copy with some fields changed, checked again."""
+        return msgspec.structs.replace(self, **changes)
 
 
-class Reason(StrEnum):
-    """Why a step was not served as asked. Each admission check has its own code."""
+class Accounting(msgspec.Struct, frozen=True, kw_only=True):
+    """What one answer charged: `prompt_tokens` and `generated_tokens` are what the worker's counters
+    charged for it (docs/accounting.md: each prompt position and each sampled token once per session),
+    `recomputed_tokens` the positions it re-computed and did not charge (a replay), `engine_seconds`
+    its share of its fused calls. A duplicate publication of an answer charges nothing."""
 
-    INCOMPATIBLE = "incompatible"  # compatibility key differs from the stream's or the engine's
-    DUPLICATE = "duplicate"  # position below the session's next: already served
-    POSITION_GAP = "position_gap"  # position above the session's next
-    BAD_TOKEN = "bad_token"  # token id outside the vocabulary
-    TOO_LONG = "too_long"  # over the context per session or the tokens per call
-    CANCELLED = "cancelled"
-    CAPACITY = "capacity"  # no free sequence slot for a new session
-    UNKNOWN_SESSION = "unknown_session"  # a step for a session this worker does not hold
-    ALREADY_OPEN = "already_open"  # an opening prefill for a session that is open
-    FINISHED = "finished"  # a step after the session reached max_tokens or a stop token
-    ENGINE_ERROR = "engine_error"
-    MALFORMED = "malformed"  # not a valid StepJob (dead-lettered when no session can be told)
-    SCHEMA_VERSION = "schema_version"
-    TOO_MANY_DELIVERIES = "too_many_deliveries"
-    WRONG_HOP = "wrong_hop"  # the hop is not on the session's route, or the hop's worker is not this worker
-    ACCOUNT_LIMIT = "account_limit"  # the billing account holds its most slots on this worker
-    BAD_SIGNATURE = "bad_signature"  # signing is on and the entry's HMAC is missing or wrong (dead letter only)
-    BAD_ACTIVATIONS = "bad_activations"  # the step's activations are missing, malformed or not this hop's schema
-
-
-class Accounting(BaseModel):
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
-
-    prompt_tokens: int = Field(default=0, ge=0)
-    generated_tokens: int = Field(default=0, ge=0)
-    engine_seconds: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    recomputed_tokens: int = 0
+    engine_seconds: float = 0.0
 
     @property
     def tokens_charged(self) -> int:
         return self.prompt_tokens + self.generated_tokens
 
 
-class StepResult(BaseModel):
-    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+_NO_CHARGE: Final = Accounting()
 
-    v: Literal[1] = SCHEMA_VERSION
-    job_id: str = Id
-    session_id: str = Id
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One step's answer as a Tracker reads it: one row of a result record (schemas/wire.py)."""
+
+    job_id: str
+    session_id: str
     status: Status
+    position: int  # the session's next position after this step
+    worker_id: str
     reason: Reason | None = None
-    detail: str = Field(default="", max_length=MAX_REASON_LEN)
-    position: int = Field(ge=0, le=MAX_POSITION + MAX_TOKENS_PER_JOB)  # the session's next position
-    token: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)
+    detail: str = ""
+    token: int | None = None
     finished: bool = False  # max_tokens or a stop token reached: the worker released the session
-    accounting: Accounting = Accounting()
-    worker_id: str = Id
-    batch_size: int = Field(default=0, ge=0, le=1 << 16)  # sessions in the fused call that served it
+    accounting: Accounting = _NO_CHARGE
+    batch_size: int = 0  # sessions in the fused call that served it
     # A non-last hop's OK answer: its output activations, one row per token of the job (no token).
     hidden: Activations | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> StepResult:
+    def __post_init__(self) -> None:
         if (self.status == Status.OK) != (self.reason is None):
             raise ValueError("a reason is given exactly when status is not ok")
         if self.hidden is not None and (self.status != Status.OK or self.token is not None):
             raise ValueError("activations come only with an OK answer that sampled no token")
-        return self
+

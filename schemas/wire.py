@@ -1,252 +1,317 @@
-"""How step jobs and results travel as Redis stream entries: flat maps of short ASCII fields.
+"""How step jobs and results travel as Redis stream entries (wire version 2, docs/wire-format.md).
+
+A job entry is `v` (`2`), `j` (the job as strict JSON) and, with signing on, `sig`. A result entry is
+one *record* per completion call and result stream: `v`, `r` (the worker's columnar record: one row
+per answer, as SGLang's `BatchTokenIDOutput`) and `c` (what the completion script charged for each row,
+written by the script itself, so a reader sees exactly what the counters moved). Cancellation entries
+are one `session_id` field (and `sig`).
 
 Decoding never raises anything but `WireError`, whose `reason` says what was wrong and whose
-`session_id`/`job_id` are set when they could be read, so a consumer can answer the session
-(`rejected`) instead of dead-lettering the entry. Parsing is strict (docs/wire-format.md, "Lexical
-rules"): ids by full match, integers in plain ASCII decimal, booleans exactly `0`/`1`, no unknown
-field. Whatever the producer writes passes; anything else is refused by name, never read leniently.
+`session_id` / `job_id` / `reply_to` are set when they could be read, so a consumer can answer the
+session (`rejected`) instead of only dead-lettering the entry. One strict codec (msgspec): JSON types
+exactly as written (an int is never a float nor a string, a bool is `true`/`false`), no unknown key,
+every value checked once (`StepJob.__post_init__`). Another version is refused by name
+(`schema_version`), before anything else is read.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from typing import Final, TypeVar
+from typing import Any, Final
 
+import msgspec
 from pydantic import ValidationError
 
 from .activations import Activations
-from .limits import MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB, SCHEMA_VERSION, is_id
+from .compat import Phase
+from .errors import ActivationError, WireError
+from .limits import MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB, WIRE_VERSION, is_id
+from .reasons import Reason, Status
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
-from .step import Accounting, Reason, Status, StepJob, StepResult
+from .step import Accounting, StepJob, StepResult, end_job_id, result_job_id
+
+__all__ = [
+    "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields", "cancel_to_fields",
+    "decode_record", "encode_record", "job_from_fields", "job_to_fields", "record_fields", "results_from_fields",
+    "row_result_id",
+]
 
 Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
-_SUPPORTED = str(SCHEMA_VERSION)
-E = TypeVar("E", Status, Reason)
-
-MAX_FIELDS: Final = 32  # more fields than any entry has: refused before anything is decoded
-# Plain ASCII decimal: no sign, no spaces, no "_", no leading zero, no other script's digits.
-_UINT: Final = re.compile(r"0|[1-9][0-9]{0,18}")
-_TOKENS: Final = re.compile(r"(?:0|[1-9][0-9]{0,9})(?:,(?:0|[1-9][0-9]{0,9}))*")
-# What repr(float) writes for a finite, non-negative float: digits, an optional fraction, an exponent.
-_UFLOAT: Final = re.compile(r"[0-9]{1,20}(?:\.[0-9]{1,20})?(?:e[+-]?[0-9]{1,3})?")
-_BOOL: Final = {"0": False, "1": True}
-_JOB_FIELDS: Final = frozenset({"v", "job_id", "session_id", "hop", "phase", "compat", "pos", "tokens", "sample",
-                                "attempt", "created_at", "session", "hidden", "n", SIGNATURE_FIELD})
+_VERSION: Final = str(WIRE_VERSION).encode()
+_JOB_FIELDS: Final = frozenset({b"v", b"j", SIGNATURE_FIELD.encode()})
+_RESULT_FIELDS: Final = frozenset({b"v", b"r", b"c"})
 _CANCEL_FIELDS: Final = frozenset({"session_id", SIGNATURE_FIELD})
-_RESULT_FIELDS: Final = frozenset({"v", "job_id", "session_id", "status", "reason", "detail", "pos", "token",
-                                   "finished", "prompt_tokens", "generated_tokens", "engine_seconds", "worker_id",
-                                   "batch_size", "hidden", SIGNATURE_FIELD})
+MAX_FIELDS: Final = 32  # more fields than any entry has: refused before anything is decoded
+# A row's status travels as its index in this tuple.
+STATUSES: Final[tuple[Status, ...]] = (Status.OK, Status.CANCELLED, Status.REJECTED, Status.STATE_LOST,
+                                       Status.FAILED)
+STATUS_CODE: Final[dict[Status, int]] = {s: i for i, s in enumerate(STATUSES)}
+END_OFFSET: Final = -1  # a row's `off` for a continuation's ending answer (result id `<job>.end`)
 
 
-class WireError(ValueError):
-    def __init__(self, reason: Reason, message: str, *, session_id: str | None = None,
-                 job_id: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.session_id = session_id
-        self.job_id = job_id
+def _b(x: bytes | str) -> bytes:
+    return x if isinstance(x, bytes) else x.encode()
 
 
-def _text(fields: Fields) -> dict[str, str]:
-    """Field names (ASCII) and values (UTF-8) as str; every problem a WireError naming the ids if it can."""
+def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str) -> dict[bytes, bytes]:
+    """The entry as bytes -> bytes, its version checked first (another version: schema_version, naming
+    the v1 ids when they are there), then the field names and sizes."""
     if len(fields) > MAX_FIELDS:
         raise WireError(Reason.MALFORMED, f"{len(fields)} fields, more than {MAX_FIELDS}")
-    out: dict[str, str] = {}
-    problem: str | None = None
-    for k, val in fields.items():
-        try:
-            key = k.decode("ascii") if isinstance(k, bytes) else str(k)
-        except UnicodeDecodeError:
-            problem = problem or f"field name {k[:32]!r} is not ASCII"
-            continue
+    f = {_b(k): _b(v) for k, v in fields.items()}
+    v = f.get(b"v")
+    if v is None:
+        raise WireError(Reason.MALFORMED, f"{what} entry has no version field 'v'", **_v1_ids(f))
+    if v != _VERSION:
+        raise WireError(Reason.SCHEMA_VERSION,
+                        f"{what} wire version {v[:16]!r} is not supported (this side speaks {WIRE_VERSION})",
+                        **_v1_ids(f))
+    extra = sorted(set(f) - known)
+    if extra:
+        raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}")
+    for k, val in f.items():
         if len(val) > MAX_FIELD_BYTES:
-            problem = problem or f"field {key!r} is {len(val)} bytes, over {MAX_FIELD_BYTES}"
-            continue
+            raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {MAX_FIELD_BYTES}")
+    return f
+
+
+def _v1_ids(f: Mapping[bytes, bytes]) -> dict[str, str | None]:
+    """The ids a version-1 entry carried as fields of their own (so its session can be told)."""
+    out: dict[str, str | None] = {}
+    for name in ("session_id", "job_id"):
+        raw = f.get(name.encode())
         try:
-            out[key] = val.decode("utf-8") if isinstance(val, bytes) else str(val)
+            value = raw.decode("ascii") if raw is not None else None
         except UnicodeDecodeError:
-            problem = problem or f"field {key!r} is not UTF-8"
-    if problem:  # the ids may still be readable: then the session can be told
-        raise WireError(Reason.MALFORMED, problem, **_ids(out))
+            value = None
+        out[name] = value if is_id(value) else None
     return out
 
 
-def _ids(f: Mapping[str, str]) -> dict[str, str | None]:
-    """The entry's ids, each only when it is a whole valid id (a full match, see limits.is_id)."""
-    sid, jid = f.get("session_id"), f.get("job_id")
-    return {"session_id": sid if is_id(sid) else None, "job_id": jid if is_id(jid) else None}
+# ---------------------------------------------------------------------------------------------- jobs
 
 
-def _known(f: dict[str, str], known: frozenset[str], what: str) -> None:
-    extra = sorted(set(f) - known)
-    if extra:
-        raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}", **_ids(f))
+class _JobBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The JSON of a job entry's `j` field. `session` and `hidden` stay raw here: a bad one has a reason
+    of its own, and the SessionSpec is a pydantic model (decoded once per session)."""
+
+    job_id: str
+    session_id: str
+    phase: str
+    compat: str
+    pos: int
+    tokens: list[int]
+    created_at: float | int
+    hop: int = 0
+    sample: bool = True
+    attempt: int = 0
+    n: int = 1
+    reply_to: str | None = None
+    # Raw JSON (empty: absent); `null` is refused: the producer leaves an absent field out.
+    session: msgspec.Raw = msgspec.Raw()
+    hidden: msgspec.Raw = msgspec.Raw()
 
 
-def _version(f: dict[str, str], what: str) -> None:
-    v = f.get("v")
-    if v is None:
-        raise WireError(Reason.MALFORMED, f"{what} entry has no schema version field 'v'", **_ids(f))
-    if v != _SUPPORTED:
-        raise WireError(Reason.SCHEMA_VERSION,
-                        f"{what} schema version {v[:16]!r} is not supported (supported: {_SUPPORTED})", **_ids(f))
+class _Ids(msgspec.Struct):
+    """What can still be read of a job body that is not valid: its ids, to tell its session."""
+
+    job_id: Any = None
+    session_id: Any = None
+    reply_to: Any = None
 
 
-def _field(f: dict[str, str], name: str) -> str:
+_BODY: Final = msgspec.json.Decoder(_JobBody)
+_IDS: Final = msgspec.json.Decoder(_Ids)
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def _body_ids(raw: bytes) -> dict[str, str | None]:
     try:
-        return f[name]
-    except KeyError:
-        raise WireError(Reason.MALFORMED, f"missing field {name!r}", **_ids(f)) from None
-
-
-def _int(f: dict[str, str], name: str) -> int:
-    raw = _field(f, name)
-    if not _UINT.fullmatch(raw):
-        raise WireError(Reason.MALFORMED, f"field {name!r} is not a plain decimal integer", **_ids(f))
-    return int(raw)
-
-
-def _float(f: dict[str, str], name: str) -> float:
-    raw = _field(f, name)
-    if not _UFLOAT.fullmatch(raw):
-        raise WireError(Reason.MALFORMED, f"field {name!r} is not a plain decimal number", **_ids(f))
-    return float(raw)
-
-
-def _bool(f: dict[str, str], name: str) -> bool:
-    value = _BOOL.get(_field(f, name))
-    if value is None:
-        raise WireError(Reason.MALFORMED, f"field {name!r} is not '0' or '1'", **_ids(f))
-    return value
-
-
-def _id(f: dict[str, str], name: str) -> str:
-    raw = _field(f, name)
-    if not is_id(raw):
-        raise WireError(Reason.MALFORMED, f"field {name!r} is not an id (see docs/wire-format.md)", **_ids(f))
-    return raw
-
-
-def _validation(e: ValidationError, f: dict[str, str], what: str) -> WireError:
-    first = e.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "(entry)"
-    reason = Reason.TOO_LONG if loc == "tokens" and first["type"].startswith("too_long") else Reason.MALFORMED
-    return WireError(reason, f"invalid {what}: {loc}: {first['msg']}", **_ids(f))
+        ids = _IDS.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return {}
+    return {name: value if is_id(value) else None
+            for name, value in (("session_id", ids.session_id), ("job_id", ids.job_id), ("reply_to", ids.reply_to))}
 
 
 def job_to_fields(job: StepJob) -> dict[str, str]:
-    out = {
-        "v": str(job.v), "job_id": job.job_id, "session_id": job.session_id, "hop": str(job.hop),
-        "phase": job.phase, "compat": job.compat, "pos": str(job.start_position),
-        "tokens": ",".join(map(str, job.tokens)), "sample": "1" if job.sample else "0",
-        "attempt": str(job.attempt), "created_at": repr(job.created_at),
+    """A job's stream entry (without `sig`: the signer adds it over these fields)."""
+    body: dict[str, Any] = {
+        "job_id": job.job_id, "session_id": job.session_id, "phase": job.phase, "compat": job.compat,
+        "pos": job.start_position, "tokens": job.tokens, "created_at": float(job.created_at),
     }
+    # Fields at their defaults are left out: the entry a producer wrote is the one the worker reads.
+    if job.hop:
+        body["hop"] = job.hop
+    if not job.sample:
+        body["sample"] = False
+    if job.attempt:
+        body["attempt"] = job.attempt
+    if job.n != 1:
+        body["n"] = job.n
+    if job.reply_to is not None:
+        body["reply_to"] = job.reply_to
     if job.session is not None:
-        out["session"] = job.session.model_dump_json()
+        body["session"] = msgspec.Raw(job.session.model_dump_json().encode())
     if job.hidden is not None:
-        out["hidden"] = job.hidden.model_dump_json(exclude_none=True)
-    if job.n != 1:  # absent means 1: a job with n = 1 is the same entry as before continuation jobs
-        out["n"] = str(job.n)
-    return out
-
-
-def _hidden(f: dict[str, str], rows: int | None) -> Activations | None:
-    """The `hidden` field (an Activations header, strict JSON), or None; a bad one is `bad_activations`."""
-    raw = f.get("hidden")
-    if raw is None:
-        return None
-    try:
-        acts = Activations.model_validate_json(raw)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "(header)"
-        raise WireError(Reason.BAD_ACTIVATIONS, f"invalid activations: {loc}: {first['msg']}"[:200],
-                        **_ids(f)) from None
-    if rows is not None and acts.rows != rows:
-        raise WireError(Reason.BAD_ACTIVATIONS, f"activations have {acts.rows} rows for {rows} tokens", **_ids(f))
-    return acts
+        body["hidden"] = job.hidden
+    return {"v": str(WIRE_VERSION), "j": _ENCODER.encode(body).decode()}
 
 
 def job_from_fields(fields: Fields) -> StepJob:
     """A StepJob from a stream entry, by the rules of docs/wire-format.md. A `sig` field is ignored here
     (schemas/signing.py checks it)."""
-    f = _text(fields)
-    _version(f, "StepJob")  # before the field names: a newer version may add fields
-    _known(f, _JOB_FIELDS, "StepJob")
-    job_id, session_id = _id(f, "job_id"), _id(f, "session_id")
-    tok = _field(f, "tokens")
-    if tok.count(",") >= MAX_TOKENS_PER_JOB:
-        raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **_ids(f))
-    if tok and not _TOKENS.fullmatch(tok):
-        raise WireError(Reason.MALFORMED, "field 'tokens' is not a comma-separated list of plain decimal integers",
-                        **_ids(f))
-    tokens = tuple(int(t) for t in tok.split(",")) if tok else ()  # none: a continuation (decode only)
-    hop, pos, attempt = _int(f, "hop"), _int(f, "pos"), _int(f, "attempt")
-    sample, created_at = _bool(f, "sample"), _float(f, "created_at")
-    n = _int(f, "n") if "n" in f else 1
+    f = _bytes_fields(fields, _JOB_FIELDS, "job")
+    raw = f.get(b"j")
+    if raw is None:
+        raise WireError(Reason.MALFORMED, "job entry has no field 'j'")
     try:
-        session = SessionSpec.model_validate_json(f["session"]) if "session" in f else None
-    except ValidationError as e:
-        raise WireError(Reason.MALFORMED, f"invalid StepJob: session: {e.errors()[0]['msg']}", **_ids(f)) from None
-    hidden = _hidden(f, len(tokens))
+        body = _BODY.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_body_ids(raw)) from None
+    ids = {"session_id": body.session_id if is_id(body.session_id) else None,
+           "job_id": body.job_id if is_id(body.job_id) else None,
+           "reply_to": body.reply_to if is_id(body.reply_to) else None}
+    if len(body.tokens) > MAX_TOKENS_PER_JOB:
+        raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **ids)
     try:
-        return StepJob(
-            job_id=job_id, session_id=session_id, hop=hop,
-            phase=_field(f, "phase"),  # type: ignore[arg-type]
-            compat=_field(f, "compat"), start_position=pos, tokens=tokens, sample=sample, attempt=attempt,
-            created_at=created_at, session=session, hidden=hidden, n=n,
-        )
+        session = SessionSpec.model_validate_json(bytes(body.session)) if body.session else None
     except ValidationError as e:
-        raise _validation(e, f, "StepJob") from None
+        raise WireError(Reason.MALFORMED, f"invalid job: session: {e.errors()[0]['msg']}"[:200], **ids) from None
+    try:
+        hidden = Activations.from_json(bytes(body.hidden)) if body.hidden else None
+        if hidden is not None and hidden.rows != len(body.tokens):
+            raise ActivationError(f"activations have {hidden.rows} rows for {len(body.tokens)} tokens")
+    except ActivationError as e:
+        raise WireError(Reason.BAD_ACTIVATIONS, str(e)[:200], **ids) from None
+    phase: Phase = body.phase  # type: ignore[assignment]  # StepJob checks it
+    try:
+        return StepJob(job_id=body.job_id, session_id=body.session_id, phase=phase, compat=body.compat,
+                       start_position=body.pos, tokens=tuple(body.tokens), created_at=body.created_at,
+                       hop=body.hop, sample=body.sample, attempt=body.attempt, session=session, hidden=hidden,
+                       n=body.n, reply_to=body.reply_to)
+    except (ValueError, TypeError) as e:
+        raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **ids) from None
 
 
-def result_to_fields(r: StepResult) -> dict[str, str]:
-    out = {
-        "v": str(r.v), "job_id": r.job_id, "session_id": r.session_id, "status": r.status.value,
-        "pos": str(r.position), "finished": "1" if r.finished else "0",
-        "prompt_tokens": str(r.accounting.prompt_tokens),
-        "generated_tokens": str(r.accounting.generated_tokens),
-        "engine_seconds": repr(r.accounting.engine_seconds), "worker_id": r.worker_id,
-        "batch_size": str(r.batch_size),
-    }
-    if r.reason is not None:
-        out["reason"] = r.reason.value
-    if r.detail:
-        out["detail"] = r.detail
-    if r.token is not None:
-        out["token"] = str(r.token)
-    if r.hidden is not None:
-        out["hidden"] = r.hidden.model_dump_json(exclude_none=True)
+# ------------------------------------------------------------------------------------------- results
+
+
+class RowExtra(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What a row carries besides its columns (rare): why it is not ok, and a hop's output activations."""
+
+    reason: Reason | None = None
+    detail: str = ""
+    hidden: Activations | None = None
+
+
+class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The worker's answers of one completion call to one result stream, as columns (row i is one
+    answer). A row's result id is `job[i]` for offset 0, `<job>.<off>` for a continuation's token
+    `off`, `<job>.end` for `off == END_OFFSET`. `fed`: positions the answer's job processed in prefill
+    (the positions `pos - fed .. pos - 1`), before the charging rules (`Charges` says what was charged).
+    `es`: its share of engine seconds. `st`: index into STATUSES; `tok` -1: no token; `fin` 1: finished."""
+
+    worker: str
+    call: str  # "<lease epoch>:<sequence>": unique per completion call of a worker
+    batch: int  # sessions in the fused call (0: answers decided without one)
+    sid: list[str]
+    job: list[str]
+    off: list[int]
+    att: list[int]
+    st: list[int]
+    pos: list[int]
+    tok: list[int]
+    fin: list[int]
+    fed: list[int]
+    es: list[float]
+    x: dict[str, RowExtra] = msgspec.field(default_factory=dict)  # row index (decimal) -> extra
+
+    def __post_init__(self) -> None:
+        n = len(self.sid)
+        if not all(len(col) == n for col in (self.job, self.off, self.att, self.st, self.pos, self.tok, self.fin,
+                                              self.fed, self.es)):
+            raise ValueError("columns of unequal length")
+        if n and (min(self.st) < 0 or max(self.st) >= len(STATUSES)):
+            raise ValueError("a status code out of range")
+        for k in self.x:
+            if not k.isdigit() or int(k) >= n:
+                raise ValueError(f"extra for a row that does not exist: {k[:16]!r}")
+
+    def __len__(self) -> int:
+        return len(self.sid)
+
+
+class Charges(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the completion script charged for each row of a record (docs/accounting.md): prompt tokens,
+    generated tokens, recomputed positions (not charged); `d` lists the rows it did not publish (an
+    answer already published: a re-sent completion, a twin delivery); those charge nothing."""
+
+    p: list[int]
+    g: list[int]
+    r: list[int]
+    d: list[int]
+
+
+_RECORD: Final = msgspec.json.Decoder(ResultRecord)
+_CHARGES: Final = msgspec.json.Decoder(Charges)
+
+
+def encode_record(record: ResultRecord) -> bytes:
+    return _ENCODER.encode(record)
+
+
+def record_fields(record: bytes, charges: bytes | str) -> dict[str, bytes | str]:
+    """A result entry as the completion script writes it (for tests and tools that write one)."""
+    return {"v": str(WIRE_VERSION), "r": record, "c": charges}
+
+
+def decode_record(fields: Fields) -> tuple[ResultRecord, Charges]:
+    """The record and its charges of a result entry; WireError for anything else."""
+    f = _bytes_fields(fields, _RESULT_FIELDS, "result")
+    try:
+        rec = _RECORD.decode(f[b"r"])
+        chg = _CHARGES.decode(f[b"c"])
+    except KeyError as e:
+        raise WireError(Reason.MALFORMED, f"result entry has no field {e.args[0]!r}") from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise WireError(Reason.MALFORMED, f"invalid result record: {e}"[:200]) from None
+    n = len(rec)
+    if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or any(not 0 <= d < n for d in chg.d):
+        raise WireError(Reason.MALFORMED, "charges do not match the record's rows")
+    return rec, chg
+
+
+def row_result_id(job_id: str, off: int) -> str:
+    return end_job_id(job_id) if off == END_OFFSET else result_job_id(job_id, off)
+
+
+def results_from_fields(fields: Fields) -> list[StepResult]:
+    """Every published row of a result entry as a StepResult (rows the script did not publish, `d`,
+    are left out). For tools, tests and callbacks: a Tracker's hot path reads the columns."""
+    rec, chg = decode_record(fields)
+    skip = set(chg.d)
+    out: list[StepResult] = []
+    try:
+        for i in range(len(rec)):
+            if i in skip:
+                continue
+            extra = rec.x.get(str(i))
+            tok = rec.tok[i]
+            out.append(StepResult(
+                job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
+                position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
+                detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
+                accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
+                                      recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
+                batch_size=rec.batch, hidden=extra.hidden if extra else None))
+    except ValueError as e:
+        raise WireError(Reason.MALFORMED, f"invalid result row: {e}"[:200]) from None
     return out
 
 
-def _enum(cls: type[E], f: dict[str, str], name: str) -> E:
-    try:
-        return cls(f[name])
-    except (KeyError, ValueError):
-        raise WireError(Reason.MALFORMED, f"field {name!r} is not one of {[m.value for m in cls]}", **_ids(f)) from None
-
-
-def result_from_fields(fields: Fields) -> StepResult:
-    f = _text(fields)
-    _version(f, "StepResult")
-    _known(f, _RESULT_FIELDS, "StepResult")
-    try:
-        return StepResult(
-            job_id=_id(f, "job_id"), session_id=_id(f, "session_id"),
-            status=_enum(Status, f, "status"),
-            reason=_enum(Reason, f, "reason") if "reason" in f else None,
-            detail=f.get("detail", ""), position=_int(f, "pos"),
-            token=_int(f, "token") if "token" in f else None, finished=_bool(f, "finished"),
-            accounting=Accounting(prompt_tokens=_int(f, "prompt_tokens"),
-                                  generated_tokens=_int(f, "generated_tokens"),
-                                  engine_seconds=_float(f, "engine_seconds")),
-            worker_id=_id(f, "worker_id"), batch_size=_int(f, "batch_size"), hidden=_hidden(f, None),
-        )
-    except ValidationError as e:
-        raise _validation(e, f, "StepResult") from None
+# ------------------------------------------------------------------------------------- cancellations
 
 
 def cancel_to_fields(session_id: str) -> dict[str, str]:
@@ -258,6 +323,24 @@ def cancel_to_fields(session_id: str) -> dict[str, str]:
 
 def cancel_from_fields(fields: Fields) -> str:
     """The session id of a cancellation entry: exactly one field `session_id` (and `sig`), a whole id."""
-    f = _text(fields)
-    _known(f, _CANCEL_FIELDS, "cancellation")
-    return _id(f, "session_id")
+    if len(fields) > MAX_FIELDS:
+        raise WireError(Reason.MALFORMED, f"{len(fields)} fields, more than {MAX_FIELDS}")
+    f: dict[str, bytes] = {}
+    for k, v in fields.items():
+        try:
+            name = k.decode("ascii") if isinstance(k, bytes) else str(k)
+        except UnicodeDecodeError:
+            raise WireError(Reason.MALFORMED, "a field name is not ASCII") from None
+        f[name] = _b(v)
+    extra = sorted(set(f) - _CANCEL_FIELDS)
+    if extra:
+        raise WireError(Reason.MALFORMED, f"unknown cancellation fields {[x[:32] for x in extra[:4]]}")
+    raw = f.get("session_id")
+    try:
+        sid = raw.decode("ascii") if raw is not None else None
+    except UnicodeDecodeError:
+        sid = None
+    if not is_id(sid):
+        raise WireError(Reason.MALFORMED, "field 'session_id' is not an id (see docs/wire-format.md)")
+    assert sid is not None
+    return sid

@@ -18,7 +18,7 @@ Recipes (why each setting: docs/invariance.md):
   more, and with a per-sequence KV it cuts a call's rows into micro-batches of equal rows per sequence,
   so a call carrying unequal pieces is run as one `llama_decode` per group of equal pieces (decode calls,
   one row per session, stay one `llama_decode`). The scheduler sizes the pieces
-  (consumer/prefill_shape.py).
+  (consumer/sched/prefill_shape.py).
 - "fast": llama.cpp's defaults (flash attention on, tiled matmul allowed), still `use_extra_bufts=False`
   on CPU: llama.cpp builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs advertise it
   but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). Pass `extra_bufts=True` to opt into

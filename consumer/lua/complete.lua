@@ -1,69 +1,74 @@
--- complete.lua: answer a batch of step jobs in one round trip (see consumer/transport.py).
+-- complete.lua: file one completion call (a fused call's answers, and what was answered without a call
+-- in the same loop iteration) in one round trip: wire version 2 (docs/wire-format.md, accounting.md).
 --
--- Runs after lease.lua. When a lease token is given, the script first checks that this process
--- still holds the worker's lease (or takes it back if it lapsed and nobody took it since); a fenced
--- process gets the error DGRFENCED and nothing is written.
+-- Runs after lease.lua. When a lease token is given, the script first checks that this process still
+-- holds the worker's lease (or takes it back if it lapsed and nobody took it since); a fenced process
+-- gets the error DGRFENCED and nothing is written. Then the call guard: the worker hash's `last_call`
+-- holds '<epoch> <seq>' of the last call filed; a call of the same epoch with a sequence not above it
+-- is a completion re-sent after a reconnect whose first send ran: nothing is written again ('DUP').
 --
--- The job id decides, not the delivery: for each completion, XACK the entry, then SET the result
--- record NX EX; only when that SET succeeded (this job id was never answered, or Redis lost the
--- answer together with everything else the answering call wrote): XADD the result to the session's
--- result stream (MAXLEN ~), EXPIRE it, and count the accounting (session and billing account when
--- the account is known, worker always). So a completion re-sent after a reconnect, a second delivery
--- of the same entry, or a second entry carrying an answered job id changes nothing, and an entry whose
--- delivery record Redis lost (restart) still gets its one answer.
--- "XACK returned 1" below means: XACK returned 1 for this entry in this call, here or earlier in the
--- same call (the worker may answer one malformed delivery with a rejection AND a dead letter).
--- An answer with a billing account is one of a session this worker holds (or held): record and
--- result stream live `result ttl`, the session hash is counted and lives `result ttl` after its last
--- step. An answer without one (a session this worker does not hold: rejected before it opened,
--- state_lost, an undecodable entry) touches no session hash, its record lives `reject ttl`, and its
--- result stream lives at least `reject ttl` (a longer TTL is never shortened): so a flood of entries
--- naming made-up sessions leaves nothing behind once `reject ttl` has passed.
--- Route hops (docs/wire-format.md, "Activations"): a completion may name its job's input blob (deleted
--- whatever the answer: the job is answered, its rows are not needed again) and an output blob, SET with
--- its bytes EX act_ttl_s only together with the first answer (with the result record's SET NX), so the
--- result that names the blob and the blob appear at once, and a re-sent completion writes neither.
--- For each dead letter: XACK; only when it returned 1: XADD the dead-letter entry (MAXLEN ~). A dead
--- letter with stream index 0 is a cancellation entry (no consumer group, nothing to ack): it is
--- added only when its id is above the worker hash's `cancel_dead_letters_upto` (a restarted worker
--- re-reads the cancel stream and must not dead-letter the same entry twice), which it then moves.
--- If a fused-call record is given (and the batch is not a pure replay): per-worker call counters.
--- Recomputation (docs/accounting.md): a replayed prefill (attempt > 0) re-feeds positions this
--- session was already charged for; those (below the session's prompt + generated tokens so far)
--- count as recomputed_tokens, not prompt_tokens.
--- Every key comes in KEYS; no key name is built here.
+-- Each record (one per result stream) holds the answers as columns (row i = one answer). Per row:
+--   * once only: an ok row by its session's ledger entry (published when its (attempt, position) is
+--     above the last ok answer published for the session), a row that is not ok by `SET NX` of its
+--     result id's marker (`res` key). A row that is not fresh is neither published nor charged: its
+--     index goes to the charges' `d` list;
+--   * charged (rows with a billing account): prompt positions fed (`fed`, the positions pos - fed ..
+--     pos - 1) above the session's charged high-water mark `hw`, the rest recomputed; a sampled token
+--     at position pos >= hw; then hw moves past them. So every prompt position and every sampled
+--     token is charged once per session, however often it is replayed, re-sent or redelivered;
+--   * counted: ledger deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
+-- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was
+-- charged) unless no row of it is fresh. Then the acks (one XACK per input stream), input blobs to
+-- delete, closures (a closed session's ledger entry is folded into its session hash and removed),
+-- dead letters, and the fused call's counters.
 --
--- KEYS[1] worker account hash, KEYS[2] billing accounts index set, KEYS[3] dead-letter stream,
--- KEYS[4] lease, KEYS[5] lease epoch, KEYS[6..] the other keys, each once, referred to from ARGV by index.
--- The layout is named once in Python (consumer/transport.py: COMPLETE_ARGV, COMPLETION_ARGV,
--- DEAD_LETTER_ARGV, FUSED_CALL_ARGV); tests/test_lua.py checks it against the lines below.
--- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen,
--- [5] n_completions, [6] n_dead_letters, [7] has_call ('1' when a fused-call record follows),
--- [8] reject_ttl_s, [9] lease_token ('' : no lease check), [10] lease_epoch, [11] lease_ms,
--- [12] act_ttl_s.
--- Completion (20 + 2*nf): stream_k, entry_id, record_k, record_value, results_k, session_k,
---   account_k ('0' for none), account_id, status, phase, prompt_tokens, generated_tokens,
---   engine_seconds, close ('' for none), start (position), replay ('1' for a prefill of attempt > 0),
---   in_blob_k ('0' for none), out_blob_k ('0' for none), out_blob (its bytes),
---   nf, then nf field/value pairs.
--- Dead letter (3 + 2*nf): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
--- Fused call (4): phase, batch_size, tokens, engine_seconds.
--- Returns one integer per completion: 1 when it was the first to finish, else 0.
+-- Ledger entry (one field per session of KEYS[6]): 'att pub hw prompt gen recomp steps es t'. A new
+-- entry starts from the session hash (a session closed and opened again: a route's replay) or empty.
+-- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
+--
+-- KEYS[1] worker hash, [2] billing accounts index set, [3] dead-letter stream, [4] lease, [5] lease
+-- epoch, [6] ledger, [7..] the other keys, each once, referred to by index.
+-- The layout is named once in Python (consumer/transport/publish.py: COMPLETE_ARGV); tests/test_lua.py
+-- checks it against the lines below.
+-- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen, [5] reject_ttl_s,
+-- [6] lease_token ('' : no lease check), [7] lease_epoch, [8] lease_ms, [9] act_ttl_s, [10] call_seq,
+-- [11] now (unix seconds), [12] control (JSON, below), then the records, blob bytes and dead letters
+-- the control refers to by ARGV index.
+-- control: {"records": [{"out": K, "r": A, "acct": [n per row], "skey": [K per row], "res": {"row": K},
+--            "blob": {"row": [K, A]}}],
+--           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
+--           "acks": [[K, ["entry id", ...]], ...], "del": [K, ...],
+--           "close": [["session id", K of its hash, "finished"|"cancelled"|"failed", acct n], ...],
+--           "dead": A of the first dead letter (0: none), "nd": count,
+--           "call": ["phase", sessions, rows, "engine seconds"] or absent}
+-- Dead letter (3 + 2*nf ARGV): stream_k ('0': the cancel stream), entry_id, nf, then nf field/value pairs.
+-- Returns: 'DUP', or the charges JSON of every record, in order.
 
 local unpack = unpack or table.unpack
 local group = ARGV[1]
-local ttl = ARGV[2]
+local ttl = tonumber(ARGV[2])
 local rmax = ARGV[3]
 local dmax = ARGV[4]
-local nc = tonumber(ARGV[5])
-local nd = tonumber(ARGV[6])
-local has_call = ARGV[7] == '1'
-local rttl = ARGV[8]
-local act_ttl = ARGV[12]
-local worker, index, dlq = KEYS[1], KEYS[2], KEYS[3]
+local rttl = tonumber(ARGV[5])
+local act_ttl = ARGV[9]
+local now = ARGV[11]
+local ctl = cjson.decode(ARGV[12])
+local worker, index, dlq, ledger = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 
-if ARGV[9] ~= '' and not hold_lease(KEYS[4], KEYS[5], ARGV[9], ARGV[10], ARGV[11]) then
+if ARGV[6] ~= '' and not hold_lease(KEYS[4], KEYS[5], ARGV[6], ARGV[7], ARGV[8]) then
   return redis.error_reply('DGRFENCED the lease of this worker is held by ' .. tostring(redis.call('GET', KEYS[4])))
+end
+
+-- The call guard (only with a lease: the epoch names this process).
+if ARGV[6] ~= '' then
+  local last = redis.call('HGET', worker, 'last_call')
+  if last then
+    local e, q = string.match(last, '^(%d+) (%d+)$')
+    if e == ARGV[7] and tonumber(q) >= tonumber(ARGV[10]) then
+      return 'DUP'
+    end
+  end
+  redis.call('HSET', worker, 'last_call', ARGV[7] .. ' ' .. ARGV[10])
 end
 
 local function fmt(x)
@@ -85,126 +90,246 @@ local function id_above(a, b)
 end
 
 local function expire_at_least(key, secs)
-  if redis.call('TTL', key) < tonumber(secs) then
+  if redis.call('TTL', key) < secs then
     redis.call('EXPIRE', key, secs)
   end
 end
 
-local acked = {}
-local function ack(k, stream, entry)
-  local key = k .. ' ' .. entry
-  local r = acked[key]
-  if r == nil then
-    r = redis.call('XACK', stream, group, entry) == 1
-    acked[key] = r
+-- ---------------------------------------------------------------- the ledger entries this call touches
+local L = {}  -- session id -> entry table (loaded or new)
+do
+  local want, seen = {}, {}
+  for _, rec in ipairs(ctl.records) do
+    local R = cjson.decode(ARGV[rec.r])
+    rec.R = R
+    for i = 1, #R.sid do
+      if rec.acct[i] > 0 and not seen[R.sid[i]] then
+        seen[R.sid[i]] = true
+        want[#want + 1] = R.sid[i]
+      end
+    end
   end
-  return r
+  for _, c in ipairs(ctl.close or {}) do
+    if not seen[c[1]] then
+      seen[c[1]] = true
+      want[#want + 1] = c[1]
+    end
+  end
+  if #want > 0 then
+    local got = redis.call('HMGET', ledger, unpack(want))
+    for j, sid in ipairs(want) do
+      local v = got[j]
+      if v then
+        local a, p, h, pr, g, rc, st, es, t = string.match(v,
+          '^(%-?%d+) (%-?%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%S+) (%S+)$')
+        L[sid] = {att = tonumber(a), pub = tonumber(p), hw = tonumber(h), prompt = tonumber(pr), gen = tonumber(g),
+                  recomp = tonumber(rc), steps = tonumber(st), es = tonumber(es), t = t, stored = true}
+      end
+    end
+  end
 end
 
+-- A new entry: from the session hash when it exists. A hash already closed makes the entry *late* (an
+-- answer filed after its session's closure, or a session opened again after it closed): its counts
+-- go straight into the hash, so a closed session's hash and its account's sums stay equal.
+local function entry(sid, skey, a)
+  local e = L[sid]
+  if e == nil then
+    e = {att = -1, pub = -1, hw = 0, prompt = 0, gen = 0, recomp = 0, steps = 0, es = 0.0, t = now}
+    local h = redis.call('HMGET', KEYS[skey], 'att', 'pub', 'hw', 'closed')
+    if h[3] then
+      e.att, e.pub, e.hw = tonumber(h[1]) or -1, tonumber(h[2]) or -1, tonumber(h[3]) or 0
+    end
+    e.late = h[4] ~= false and h[4] ~= nil
+    L[sid] = e
+  end
+  e.skey, e.acct = skey, a
+  return e
+end
+
+-- ---------------------------------------------------------------- rows
+local accounts = {}  -- acct n -> sums
+local w = {prompt = 0, gen = 0, recomp = 0, steps = 0, share = 0.0}
+local by_status = {}
+local STATUS = {[0] = 'ok', 'cancelled', 'rejected', 'state_lost', 'failed'}
 local out = {}
-local any_first = false
-local w_prompt, w_generated, w_recomputed, w_steps, w_share = 0, 0, 0, 0, 0.0
-local by_status, by_phase = {}, {}
-local accounts, account_order = {}, {}
-local i = 13
-for c = 1, nc do
-  local sk = ARGV[i]
-  local stream = KEYS[tonumber(sk)]
-  local entry = ARGV[i + 1]
-  local record = KEYS[tonumber(ARGV[i + 2])]
-  local value = ARGV[i + 3]
-  local results = KEYS[tonumber(ARGV[i + 4])]
-  local session = KEYS[tonumber(ARGV[i + 5])]
-  local ak = tonumber(ARGV[i + 6])
-  local account_id = ARGV[i + 7]
-  local status = ARGV[i + 8]
-  local phase = ARGV[i + 9]
-  local prompt = tonumber(ARGV[i + 10])
-  local generated = tonumber(ARGV[i + 11])
-  local secs = ARGV[i + 12]
-  local close = ARGV[i + 13]
-  local start = tonumber(ARGV[i + 14])
-  local replay = ARGV[i + 15] == '1'
-  local in_blob = tonumber(ARGV[i + 16])
-  local out_blob = tonumber(ARGV[i + 17])
-  local nf = tonumber(ARGV[i + 19])
-  local first = 0
-  ack(sk, stream, entry)
-  if in_blob > 0 then
-    redis.call('DEL', KEYS[in_blob])
+
+for ri, rec in ipairs(ctl.records) do
+  local R = rec.R
+  local n = #R.sid
+  local P, G, RC, D = {}, {}, {}, {}
+  local any_acct, published = false, 0
+  for i = 1, n do
+    local sid, st, pos, a = R.sid[i], R.st[i], R.pos[i], rec.acct[i]
+    local e = nil
+    if a > 0 then
+      e = entry(sid, rec.skey[i], a)
+    end
+    local fresh
+    if st == 0 and e ~= nil then
+      local att = R.att[i]
+      fresh = att > e.att or (att == e.att and pos > e.pub)
+      if fresh then
+        e.att, e.pub = att, pos
+      end
+    elseif st == 0 then
+      fresh = true
+    else
+      local rk = rec.res[tostring(i - 1)]
+      fresh = redis.call('SET', KEYS[rk], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
+    end
+    local p, g, rc = 0, 0, 0
+    if fresh then
+      published = published + 1
+      if e ~= nil then
+        local fed = R.fed[i]
+        if fed > 0 then
+          local from = math.max(pos - fed, e.hw)
+          p = math.max(0, pos - from)
+          rc = fed - p
+          if pos > e.hw then
+            e.hw = pos
+          end
+        end
+        if R.tok[i] >= 0 then
+          if pos >= e.hw then
+            g = 1
+            e.hw = pos + 1
+          else
+            rc = rc + 1
+          end
+        end
+        local es = R.es[i]
+        e.prompt, e.gen, e.recomp, e.steps, e.es = e.prompt + p, e.gen + g, e.recomp + rc, e.steps + 1, e.es + es
+        e.t, e.dirty = now, true
+        local s = accounts[a]
+        if s == nil then
+          s = {prompt = 0, gen = 0, recomp = 0, steps = 0, es = 0.0}
+          accounts[a] = s
+        end
+        s.prompt, s.gen, s.recomp, s.steps, s.es = s.prompt + p, s.gen + g, s.recomp + rc, s.steps + 1, s.es + es
+        any_acct = true
+      end
+      w.prompt, w.gen, w.recomp, w.steps, w.share = w.prompt + p, w.gen + g, w.recomp + rc, w.steps + 1,
+        w.share + R.es[i]
+      local name = STATUS[st]
+      by_status[name] = (by_status[name] or 0) + 1
+      local b = rec.blob[tostring(i - 1)]
+      if b ~= nil then
+        redis.call('SET', KEYS[b[1]], ARGV[b[2]], 'EX', act_ttl)
+      end
+    else
+      D[#D + 1] = i - 1
+    end
+    P[i], G[i], RC[i] = p, g, rc
   end
-  if redis.call('SET', record, value, 'NX', 'EX', ak > 0 and ttl or rttl) then
-    first = 1
-    any_first = true
-    if out_blob > 0 then
-      redis.call('SET', KEYS[out_blob], ARGV[i + 18], 'EX', act_ttl)
+  local charges = '{"p":[' .. table.concat(P, ',') .. '],"g":[' .. table.concat(G, ',') .. '],"r":[' ..
+    table.concat(RC, ',') .. '],"d":[' .. table.concat(D, ',') .. ']}'
+  out[ri] = charges
+  if published > 0 then
+    local stream = KEYS[rec.out]
+    redis.call('XADD', stream, 'MAXLEN', '~', rmax, '*', 'v', '2', 'r', ARGV[rec.r], 'c', charges)
+    if any_acct then
+      redis.call('EXPIRE', stream, ttl)
+    else
+      expire_at_least(stream, rttl)
     end
-    if nf > 0 then
-      redis.call('XADD', results, 'MAXLEN', '~', rmax, '*', unpack(ARGV, i + 20, i + 19 + 2 * nf))
-      if ak > 0 then
-        redis.call('EXPIRE', results, ttl)
-      else
-        expire_at_least(results, rttl)
-      end
-    end
-    local recomputed = 0
-    if ak > 0 then
-      if replay and prompt > 0 then
-        local done = (tonumber(redis.call('HGET', session, 'prompt_tokens')) or 0)
-                     + (tonumber(redis.call('HGET', session, 'generated_tokens')) or 0)
-        recomputed = math.max(0, math.min(prompt, done - start))
-        prompt = prompt - recomputed
-      end
-      redis.call('HINCRBY', session, 'prompt_tokens', int(prompt))
-      redis.call('HINCRBY', session, 'generated_tokens', int(generated))
-      if recomputed > 0 then
-        redis.call('HINCRBY', session, 'recomputed_tokens', int(recomputed))
-      end
-      redis.call('HINCRBY', session, 'steps', 1)
-      redis.call('HINCRBYFLOAT', session, 'engine_seconds', secs)
-      if close ~= '' then
-        redis.call('HSET', session, 'account', account_id, 'closed', close)
-      else
-        redis.call('HSET', session, 'account', account_id)
-      end
-      redis.call('EXPIRE', session, ttl)
-      local a = accounts[ak]
-      if a == nil then
-        a = {id = account_id, prompt = 0, generated = 0, recomputed = 0, steps = 0, secs = 0.0}
-        accounts[ak] = a
-        account_order[#account_order + 1] = ak
-      end
-      a.prompt = a.prompt + prompt
-      a.generated = a.generated + generated
-      a.recomputed = a.recomputed + recomputed
-      a.steps = a.steps + 1
-      a.secs = a.secs + tonumber(secs)
-    elseif close ~= '' and redis.call('EXISTS', session) == 1 then
-      redis.call('HSETNX', session, 'closed', close)  -- no account: close what exists, create nothing
-    end
-    w_prompt = w_prompt + prompt
-    w_generated = w_generated + generated
-    w_recomputed = w_recomputed + recomputed
-    w_steps = w_steps + 1
-    w_share = w_share + tonumber(secs)
-    by_status[status] = (by_status[status] or 0) + 1
-    by_phase[phase] = (by_phase[phase] or 0) + 1
   end
-  out[c] = first
-  i = i + 20 + 2 * nf
 end
 
-for d = 1, nd do
+-- ---------------------------------------------------------------- acks, input blobs
+for _, a in ipairs(ctl.acks or {}) do
+  redis.call('XACK', KEYS[a[1]], group, unpack(a[2]))
+end
+for _, k in ipairs(ctl.del or {}) do
+  redis.call('DEL', KEYS[k])
+end
+
+-- ---------------------------------------------------------------- closures, the ledger
+local acct_ids = ctl.accounts or {}
+for _, c in ipairs(ctl.close or {}) do
+  local e = L[c[1]]
+  if e ~= nil then
+    e.closing, e.skey = c[3], c[2]
+    if c[4] > 0 then e.acct = c[4] end
+  elseif redis.call('EXISTS', KEYS[c[2]]) == 1 then
+    redis.call('HSETNX', KEYS[c[2]], 'closed', c[3])  -- nothing charged since it closed: mark it, create nothing
+  end
+end
+do
+  local pairs_ = {}
+  for sid, e in pairs(L) do
+    if e.closing or e.late then
+      -- Folded into the session hash: a closing session's entry, or a late one (see entry()).
+      if e.dirty or e.closing then
+        local hk = KEYS[e.skey]
+        redis.call('HINCRBY', hk, 'prompt_tokens', int(e.prompt))
+        redis.call('HINCRBY', hk, 'generated_tokens', int(e.gen))
+        redis.call('HINCRBY', hk, 'recomputed_tokens', int(e.recomp))
+        redis.call('HINCRBY', hk, 'steps', int(e.steps))
+        redis.call('HINCRBYFLOAT', hk, 'engine_seconds', fmt(e.es))
+        redis.call('HSET', hk, 'att', int(e.att), 'pub', int(e.pub), 'hw', int(e.hw))
+        if e.acct ~= nil and e.acct > 0 then
+          redis.call('HSET', hk, 'account', acct_ids[e.acct][2])
+        end
+        if e.closing then
+          redis.call('HSETNX', hk, 'closed', e.closing)
+        end
+        redis.call('EXPIRE', hk, ttl)
+      end
+      if e.stored then
+        redis.call('HDEL', ledger, sid)
+      end
+    elseif e.dirty then
+      pairs_[#pairs_ + 1] = sid
+      pairs_[#pairs_ + 1] = int(e.att) .. ' ' .. int(e.pub) .. ' ' .. int(e.hw) .. ' ' .. int(e.prompt) .. ' ' ..
+        int(e.gen) .. ' ' .. int(e.recomp) .. ' ' .. int(e.steps) .. ' ' .. fmt(e.es) .. ' ' .. e.t
+      if #pairs_ >= 2000 then
+        redis.call('HSET', ledger, unpack(pairs_))
+        pairs_ = {}
+      end
+    end
+  end
+  if #pairs_ > 0 then
+    redis.call('HSET', ledger, unpack(pairs_))
+  end
+end
+for n, s in pairs(accounts) do
+  local key = KEYS[acct_ids[n][1]]
+  redis.call('HINCRBY', key, 'prompt_tokens', int(s.prompt))
+  redis.call('HINCRBY', key, 'generated_tokens', int(s.gen))
+  redis.call('HINCRBY', key, 'steps', int(s.steps))
+  if s.recomp > 0 then
+    redis.call('HINCRBY', key, 'recomputed_tokens', int(s.recomp))
+  end
+  redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(s.es))
+  redis.call('SADD', index, acct_ids[n][2])
+end
+if w.steps > 0 then
+  redis.call('HINCRBY', worker, 'steps', int(w.steps))
+  redis.call('HINCRBY', worker, 'prompt_tokens', int(w.prompt))
+  redis.call('HINCRBY', worker, 'generated_tokens', int(w.gen))
+  if w.recomp > 0 then
+    redis.call('HINCRBY', worker, 'recomputed_tokens', int(w.recomp))
+  end
+  redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w.share))
+  for status, k in pairs(by_status) do
+    redis.call('HINCRBY', worker, 'results:' .. status, int(k))
+  end
+end
+
+-- ---------------------------------------------------------------- dead letters
+local i = ctl.dead or 0
+for _ = 1, (ctl.nd or 0) do
   local sk = ARGV[i]
-  local stream = sk ~= '0' and KEYS[tonumber(sk)] or nil
-  local entry = ARGV[i + 1]
+  local entry_id = ARGV[i + 1]
   local nf = tonumber(ARGV[i + 2])
   local fresh
   if sk == '0' then
-    fresh = id_above(entry, redis.call('HGET', worker, 'cancel_dead_letters_upto') or '0-0')
-    if fresh then redis.call('HSET', worker, 'cancel_dead_letters_upto', entry) end
+    fresh = id_above(entry_id, redis.call('HGET', worker, 'cancel_dead_letters_upto') or '0-0')
+    if fresh then redis.call('HSET', worker, 'cancel_dead_letters_upto', entry_id) end
   else
-    fresh = ack(sk, stream, entry)
+    fresh = redis.call('XACK', KEYS[tonumber(sk)], group, entry_id) == 1
   end
   if fresh then
     redis.call('XADD', dlq, 'MAXLEN', '~', dmax, '*', unpack(ARGV, i + 3, i + 2 + 2 * nf))
@@ -213,42 +338,16 @@ for d = 1, nd do
   i = i + 3 + 2 * nf
 end
 
-if w_steps > 0 then
-  redis.call('HINCRBY', worker, 'steps', int(w_steps))
-  redis.call('HINCRBY', worker, 'prompt_tokens', int(w_prompt))
-  redis.call('HINCRBY', worker, 'generated_tokens', int(w_generated))
-  if w_recomputed > 0 then
-    redis.call('HINCRBY', worker, 'recomputed_tokens', int(w_recomputed))
-  end
-  redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
-  for status, n in pairs(by_status) do
-    redis.call('HINCRBY', worker, 'results:' .. status, int(n))
-  end
-  for phase, n in pairs(by_phase) do
-    redis.call('HINCRBY', worker, 'steps:' .. phase, int(n))
-  end
-  for _, ak in ipairs(account_order) do
-    local a = accounts[ak]
-    local key = KEYS[ak]
-    redis.call('HINCRBY', key, 'prompt_tokens', int(a.prompt))
-    redis.call('HINCRBY', key, 'generated_tokens', int(a.generated))
-    redis.call('HINCRBY', key, 'steps', int(a.steps))
-    if a.recomputed > 0 then
-      redis.call('HINCRBY', key, 'recomputed_tokens', int(a.recomputed))
-    end
-    redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(a.secs))
-    redis.call('SADD', index, a.id)
-  end
-end
-
-if has_call and (nc == 0 or any_first) then
-  local phase = ARGV[i]
+-- ---------------------------------------------------------------- the fused call
+local call = ctl.call
+if call ~= nil and call ~= cjson.null then
+  local phase, sessions = call[1], int(call[2])
   redis.call('HINCRBY', worker, 'fused_calls', 1)
   redis.call('HINCRBY', worker, 'calls:' .. phase, 1)
-  redis.call('HINCRBY', worker, 'sessions:' .. phase, ARGV[i + 1])
-  redis.call('HINCRBY', worker, 'tokens:' .. phase, ARGV[i + 2])
-  redis.call('HINCRBY', worker, 'batch_size:' .. ARGV[i + 1], 1)
-  redis.call('HINCRBYFLOAT', worker, 'engine_seconds', ARGV[i + 3])
+  redis.call('HINCRBY', worker, 'sessions:' .. phase, sessions)
+  redis.call('HINCRBY', worker, 'tokens:' .. phase, int(call[3]))
+  redis.call('HINCRBY', worker, 'batch_size:' .. sessions, 1)
+  redis.call('HINCRBYFLOAT', worker, 'engine_seconds', call[4])
 end
 
 return out

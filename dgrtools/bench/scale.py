@@ -29,7 +29,7 @@ from consumer.engines.sleep import SleepEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from dgrtools.localredis import LocalRedis
-from schemas import RouteHop, Sampling, SessionSpec, StepJob, WorkerKeys, job_to_fields, result_from_fields
+from schemas import RouteHop, Sampling, SessionSpec, StepJob, WorkerKeys, job_to_fields, results_from_fields
 
 from .common import console, markdown, plot, save, table
 
@@ -54,10 +54,11 @@ def _open_all(client: redis.Redis, worker: Worker, sids: list[str]) -> None:
 
 # What --profile times: (object attribute of the worker, method names). Wrappers sit on the instances.
 PROFILED: dict[str, tuple[str, ...]] = {
-    "transport": ("complete", "close_sessions", "cancellations", "checks", "inbound", "read_streams"),
+    "transport": ("complete", "cancellations", "checks", "inbound", "read_streams"),
     "scheduler": ("admit", "next_batch", "update_from_output", "want", "cancel"),
-    "worker": ("_read_and_admit", "_admit", "_precheck_openings", "_completions", "_observe", "_run_batch",
-               "_housekeeping", "_release_slots", "_uncarried"),
+    "admission": ("read_and_admit", "admit_all", "admit"),
+    "ledger": ("completions", "duplicate", "openings_to_check"),
+    "worker": ("_observe", "_run_batch", "_housekeeping", "_release_slots", "_uncarried"),
 }
 
 
@@ -107,7 +108,7 @@ def _measure(url: str, idle: int, active: int, calls: int, *, overlap: bool = Fa
         for sid in actives:
             for entry_id, fields in client.xrange(keys.results(sid), min=b"(" + last[sid]) or []:
                 last[sid] = entry_id  # type: ignore[assignment]
-                r = result_from_fields(fields)  # type: ignore[arg-type]
+                r = results_from_fields(fields)[-1]
                 job = StepJob(job_id=f"{sid}-{pos[sid]}", session_id=sid, phase="decode", compat=decode.digest,
                               start_position=pos[sid], tokens=(r.token or 0,), created_at=time.time())
                 pipe.xadd(dstream, job_to_fields(job))  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import numpy as np
 
 from consumer.batch import EngineCapacity, EngineOutput
 from consumer.sampler import BatchSampler
-from consumer.scheduler import Scheduler, SchedulerConfig
+from consumer.sched import Scheduler, SchedulerConfig
 from schemas import (
     PHASES,
     BoundarySchema,

@@ -181,7 +181,7 @@ class SessionTable:
                 self._closed.popitem(last=False)
 
     def forget_closed(self, session_id: str) -> None:
-        """Drop the closed record of a session (a newer attempt of it re-opens: consumer/scheduler.py)."""
+        """Drop the closed record of a session (a newer attempt of it re-opens: consumer/sched/scheduler.py)."""
         self._closed.pop(session_id, None)
 
     def closed(self, session_id: str) -> ClosedSession | None:

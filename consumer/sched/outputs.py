@@ -1,10 +1,11 @@
 """What the scheduler hands out: plain, typed outputs (as vLLM v1's scheduler_output). The decisions
-that produce them live in consumer/scheduler.py.
+that produce them live in consumer/sched/scheduler.py and output_processor.py.
 
-Names: a step's answer on the wire is a `StepResult` (schemas/); inside the worker it travels as an
-`Answer` (the result plus what the transport needs to file it: the delivery handle, the job, the
-billing account, the closure). Every answer, whether decided at admission, by a cancellation or after
-a fused call, is an `Answer`."""
+Names: what the scheduler decided for one step (or one token of a continuation) is an `Outcome`; with
+what the transport needs to file it (the delivery handle, the job, the billing account, the closure)
+it is an `Answer`. Every answer, whether decided at admission, by a cancellation or after a fused
+call, is an `Answer`. The scheduler builds no wire model: the transport turns a call's answers into
+one columnar result record (schemas/wire.py), and a Tracker reads the answers as `StepResult`s."""
 
 from __future__ import annotations
 
@@ -14,11 +15,40 @@ from typing import Literal
 
 import numpy as np
 
-from schemas import Phase, Sampling, StepJob, StepResult
+from schemas import Accounting, Activations, Phase, Reason, Sampling, Status, StepJob
 
-from .batch import FusedBatch
+from ..batch import FusedBatch
 
 AnswerClose = Literal["finished", "cancelled"]  # what an answer's `close` can say (transport contract)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the scheduler decided for one step, or one token of a continuation job: what a Tracker will
+    read as a StepResult (same names), before the completion script's charging rules."""
+
+    job_id: str  # the result id (StepJob.answer_id)
+    session_id: str
+    status: Status
+    reason: Reason | None
+    position: int  # the session's next position after this answer
+    detail: str = ""
+    token: int | None = None
+    finished: bool = False
+    prompt_tokens: int = 0  # positions the job computed in prefill calls (docs/accounting.md charges them)
+    engine_seconds: float = 0.0
+    batch_size: int = 0
+    hidden: Activations | None = None  # a non-last hop's OK answer: its output rows (no token)
+
+    @property
+    def generated_tokens(self) -> int:
+        return 0 if self.token is None else 1
+
+    @property
+    def accounting(self) -> Accounting:
+        """What the answer carries to be charged (the counters decide: schemas.Charges)."""
+        return Accounting(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                          engine_seconds=self.engine_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +58,7 @@ class Answer:
 
     ref: object  # the handle given to admit() (the transport's delivery), returned untouched
     job: StepJob | None  # None: the entry could not be decoded into a job (a wire rejection)
-    result: StepResult
+    result: Outcome
     account_id: str | None  # None: a session this worker never held (nothing is charged)
     close: AnswerClose | None
     blob: bytes | None = None  # a non-last hop's output rows, written at result.hidden.blob by the completion
@@ -36,6 +66,7 @@ class Answer:
     # that is not its last (the job goes on: its entry stays pending, so a crash before its end leaves it
     # to be redelivered and answered state_lost).
     final: bool = True
+    reply: str = ""  # the result stream it goes to (StepJob.reply; a wire rejection: its readable reply_to)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ With nothing decoding it returns the full budget, so prompt-only load keeps its 
 Time to first token is bounded in fused calls: the budget never drops below `min_tokens` (F, the
 worker's `--prefill-floor`, default 32, capped by the configured budget B). Prefill is FIFO by
 admission and served at least once in every w_decode + w_prefill calls while it has work, and a call
-takes at least F - 1 prompt tokens (the shape rule of consumer/prefill_shape.py may hold one back).
+takes at least F - 1 prompt tokens (the shape rule of consumer/sched/prefill_shape.py may hold one back).
 So a prompt of L tokens with Q prompt tokens admitted before it gets its first token within
 (w_decode + w_prefill) * ceil((Q + L) / (min(F, B) - 1)) fused calls, whatever the decode load
 (tests/test_worker_inprocess.py counts it).

@@ -1,23 +1,26 @@
 """What the worker needs from a transport, and the plain records it exchanges with one.
 
-The worker speaks only to `Transport`: it asks for so many entries per phase and gets decoded jobs
-(or why an entry is not one), hands back `Answer`s and dead letters, and never sees a stream name, an
-entry's raw fields, a signature or a Redis command. `consumer.transport.RedisTransport` implements it;
-tests/memory_transport.py implements it in memory for worker unit tests (as Dramatiq's broker /
-worker split).
+The worker speaks only to `Transport`, a broker of a few primitives (as Dramatiq's broker / worker
+split): it asks for so many entries per phase and gets decoded jobs (or why an entry is not one), hands
+back `Answer`s, dead letters, closures and deliveries to ack, and never sees a stream name, an entry's
+raw fields, an entry id, a signature or a Redis command. `consumer.transport.RedisTransport`
+implements it; tests/memory_transport.py implements it in memory for worker unit tests.
+
+Thread rule: a transport is used by one thread at a time. The worker calls it from its loop, or hands
+whole calls (`read`, `complete`) to its one I/O thread and waits for that thread before calling again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from schemas import CompatibilityKey, Phase, Reason, StepJob
 
-from .schedule_output import Answer
+from ..sched.outputs import Answer
 
-__all__ = ["DeadLetter", "Delivery", "FusedCallStats", "Inbound", "Refusal", "Transport"]
+__all__ = ["Closure", "DeadLetter", "Delivery", "FusedCallStats", "Inbound", "Refusal", "Transport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +42,14 @@ class Refusal:
     detail: str
     session_id: str | None = None  # the session the entry names, when readable: its caller is told
     job_id: str | None = None
+    reply_to: str | None = None  # the result stream it names, when readable
 
 
 @dataclass(frozen=True, slots=True)
 class Inbound:
     """One entry read for the worker: a decoded job, or the refusal that stands in for one."""
 
-    ref: Delivery  # pass back untouched (as an Answer's ref, or in a DeadLetter)
+    ref: Delivery  # pass back untouched (as an Answer's ref, in a DeadLetter, or to ack)
     phase: Phase  # the phase of the stream it came on (the job may claim another: admission refuses it)
     digest: str  # the compatibility digest of that stream
     name: str  # unique per entry ("<phase>.<entry id>"): for logs, and the job id of an answer to a job with none
@@ -61,6 +65,16 @@ class DeadLetter:
 
 
 @dataclass(frozen=True, slots=True)
+class Closure:
+    """A session's accounting is closed (docs/accounting.md): it finished, was cancelled, or an engine
+    call failed on it. `account_id`: its billing account, when the worker held it."""
+
+    session_id: str
+    kind: Literal["finished", "cancelled", "failed"]
+    account_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class FusedCallStats:
     """Per-worker counters for one fused engine call."""
 
@@ -71,7 +85,7 @@ class FusedCallStats:
 
 
 class Transport(Protocol):
-    """Everything the worker loop asks of the outside world. One loop thread per instance."""
+    """Everything the worker loop asks of the outside world. One thread at a time (module docstring)."""
 
     @property
     def round_trips(self) -> int: ...
@@ -81,7 +95,7 @@ class Transport(Protocol):
         """Outages of the backing store ridden through so far (the worker re-registers after one)."""
         ...
 
-    def acquire_lease(self, *, wait: bool = True) -> str: ...
+    def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str: ...
 
     def renew_lease(self) -> None: ...
 
@@ -106,20 +120,21 @@ class Transport(Protocol):
         """The bytes of each input activations blob (None: missing), in one round trip."""
         ...
 
-    def checks(self, job_ids: Sequence[str], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        """(job ids already answered, session ids with a cancel marker)."""
+    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(the job ids of the openings already answered, the session ids with a cancel marker)."""
         ...
 
-    def cancellations(self) -> list[str]: ...
-
-    def drain_rejected_cancellations(self) -> list[DeadLetter]: ...
+    def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
+        """Session ids cancelled since the last call, and the cancel entries refused (to dead-letter)."""
+        ...
 
     def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None) -> list[bool]:
-        """File every answer (each Answer.ref is the Delivery it answers) and dead letter, count the call."""
+                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
+                 acks: Sequence[Delivery] = ()) -> object:
+        """File one completion call: every answer (published once, charged once; its delivery acked when
+        the answer is its job's last), dead letters, closures, deliveries to ack without an answer (the
+        job was answered by an earlier process), the fused call's counters."""
         ...
-
-    def close_sessions(self, closures: Sequence[tuple[str, str]]) -> int: ...
 
     def input_lag(self) -> dict[str, dict[str, int]]:
         """Per input (an opaque label): length, lag, pending."""

@@ -21,13 +21,13 @@ from dataclasses import replace
 import numpy as np
 import numpy.typing as npt
 
-from schemas import Accounting, BoundarySchema, Reason, Status, StepJob, StepResult, WorkerKeys
-from schemas.activations import ActivationError, decode, encode
+from schemas import ActivationError, BoundarySchema, Reason, Status, StepJob, WorkerKeys
+from schemas.activations import decode, encode
 from schemas.limits import ACTIVATIONS_VERSION, MAX_REASON_LEN
 
-from .batch import EngineOutput, FusedBatch
-from .schedule_output import Answer, ScheduledBatch
-from .transport_protocol import Inbound, Transport
+from ..batch import EngineOutput, FusedBatch
+from ..sched import Answer, Outcome, ScheduledBatch
+from ..transport.protocol import Inbound, Transport
 
 __all__ = ["HopSteps"]
 
@@ -51,13 +51,20 @@ class HopSteps:
     # ---- reading ----------------------------------------------------------------------------
     def prefetch(self, transport: Transport, inbound: Sequence[Inbound]) -> None:
         """Fetch the input blobs of every job just read, in one round trip (none when no job has one)."""
-        self._fetched = {}
+        self.use_fetched(self.fetch(transport, inbound))
+
+    def fetch(self, transport: Transport, inbound: Sequence[Inbound]) -> dict[str, bytes | None]:
+        """The input blobs of the jobs read (blob key -> bytes), fetched in one round trip. Touches no
+        state of this object: the worker's I/O thread runs it next to the read."""
         if not self.consumes_hidden:
-            return
+            return {}
         blobs = [inb.job.hidden.blob for inb in inbound
                  if inb.job is not None and inb.job.hidden is not None and inb.job.hidden.blob is not None]
-        if blobs:
-            self._fetched = dict(zip(blobs, transport.fetch_activations(blobs), strict=True))
+        return dict(zip(blobs, transport.fetch_activations(blobs), strict=True)) if blobs else {}
+
+    def use_fetched(self, fetched: dict[str, bytes | None]) -> None:
+        """The blobs the next admissions read their rows from (those of the last read)."""
+        self._fetched = fetched
 
     def admit(self, job: StepJob, stream_digest: str, engine_digest: str | None, position: int,
               worker_id: str, ref: object) -> Answer | None:
@@ -69,9 +76,8 @@ class HopSteps:
         try:
             rows = self._rows(job)
         except ActivationError as e:
-            detail = str(e)[:MAX_REASON_LEN]
-            result = StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.REJECTED,
-                                reason=Reason.BAD_ACTIVATIONS, detail=detail, position=position, worker_id=worker_id)
+            result = Outcome(job.job_id, job.session_id, Status.REJECTED, Reason.BAD_ACTIVATIONS, position,
+                             str(e)[:MAX_REASON_LEN])
             return Answer(ref=ref, job=job, result=result, account_id=None, close=None)
         if rows is not None:
             self._inputs[job.job_id] = rows
@@ -130,12 +136,12 @@ class HopSteps:
             # Never an answer the next hop would compute on: the step fails (a bug, said loudly).
             detail = (f"hop output of {rows.shape[0]} rows for {len(job.tokens)} tokens" if rows.shape[0] !=
                       len(job.tokens) else "hop output holds NaN or inf")
-            failed = StepResult(**{**dict(r), "status": Status.FAILED, "reason": Reason.ENGINE_ERROR,
-                                   "detail": detail, "accounting": Accounting(), "token": None})
+            failed = replace(r, status=Status.FAILED, reason=Reason.ENGINE_ERROR, detail=detail, prompt_tokens=0,
+                             engine_seconds=0.0, token=None)
             return replace(a, result=failed)
         acts, blob = encode(rows, self.dtype, blob=self.keys.activations_out(job.job_id))
-        accounting = Accounting(engine_seconds=r.accounting.engine_seconds)
-        result = StepResult(**{**dict(r), "hidden": acts, "accounting": accounting, "token": None})
+        # A hop that is not last charges no billable tokens (docs/accounting.md): only its engine seconds.
+        result = replace(r, hidden=acts, prompt_tokens=0, token=None)
         return replace(a, result=result, blob=blob)
 
     def held(self) -> int:

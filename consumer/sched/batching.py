@@ -1,0 +1,150 @@
+"""Which queued steps go into the next fused call: the phase by smooth weighted round-robin, then up to
+max_batch decode rows, oldest first, or prefill pieces up to the token budget (consumer/sched/scheduler.py
+states the bounds)."""
+
+from __future__ import annotations
+
+from schemas import Phase
+
+from .outputs import BatchItem, ScheduledBatch
+from .prefill_shape import MIN_BUDGET, piece_rows
+from .state import SchedulerState, _Lane
+
+__all__ = ["Batching"]
+
+
+class Batching(SchedulerState):
+    def _pick_phase(self) -> Phase | None:
+        ready_d = self._n_ready["decode"] > 0
+        ready_p = self._n_ready["prefill"] > 0
+        if not (ready_d and ready_p):
+            return "decode" if ready_d else "prefill" if ready_p else None
+        cur, w = self._current, self._weight
+        cur["decode"] += w["decode"]
+        cur["prefill"] += w["prefill"]
+        phase: Phase = "decode" if cur["decode"] >= cur["prefill"] else "prefill"
+        cur[phase] -= w["decode"] + w["prefill"]
+        return phase
+
+    def next_batch(self) -> ScheduledBatch | None:
+        """The next fused call, or None when nothing is ready. See the module docstring."""
+        while True:
+            before = dict(self._current)
+            phase = self._pick_phase()
+            if phase is None:
+                return None
+            items = self._take_decode() if phase == "decode" else self._take_prefill()
+            if items:
+                break
+            # Every ready prefill session waits for more of its prompt (and left the ready heap): the
+            # round did not happen, so the weights are as they were; pick again.
+            self._current = before
+        batch = ScheduledBatch.build(phase, items)
+        if phase == "decode":
+            self.stats.calls_decode += 1
+            self.stats.rows_decode += len(batch.fused)
+        else:
+            self.stats.calls_prefill += 1
+            self.stats.rows_prefill += len(batch.fused)
+        return batch
+
+    def _take_decode(self) -> list[BatchItem]:
+        items: list[BatchItem] = []
+        while len(items) < self.config.max_batch:
+            lane = self._pop_ready("decode")
+            if lane is None:
+                break
+            # A continuation job (n > 1) stays at the head of its lane until its last offset is handed
+            # out: each call takes its next offset, feeding the token the session sampled last.
+            q = lane.jobs[0]
+            offset = q.consumed
+            token = None if offset == 0 and q.job.tokens else lane.entry.last_token
+            q.consumed = offset + 1
+            q.in_flight = (offset, 1)
+            if q.consumed >= q.job.n:
+                lane.jobs.popleft()
+                self._queued_jobs["decode"] -= 1
+                self._queued_tokens["decode"] -= 1
+                self._continuing.discard(lane.session_id)
+            else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
+                self._seq += 1
+                q.seq = self._seq
+                self._continuing.add(lane.session_id)
+            lane.inflight.append(q)
+            self._inflight[lane.entry.slot] = lane
+            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=1,
+                                   row_start=len(items), samples=True, sampling=lane.entry.spec.sampling,
+                                   token=token))
+        return items
+
+    def _take_prefill(self) -> list[BatchItem]:
+        """Prefill pieces in admission order up to the budget. Each session takes one piece, which may
+        span several of its queued jobs and is sized by consumer/sched/prefill_shape.py (no single prompt row
+        left behind, replayed generated tokens one at a time), so its numbers do not depend on how the
+        prompt was cut. A session that cannot take a piece until more of its prompt arrives waits out of
+        the ready heap (admit() puts it back)."""
+        items: list[BatchItem] = []
+        full = self.config.prefill_budget
+        budget = full
+        rows = 0
+        while budget > 0:
+            lane = self._pop_ready("prefill")
+            if lane is None:
+                break
+            start, queued_end, prompt_end = self._prefill_extent(lane)
+            if full < MIN_BUDGET:  # an engine that takes fewer rows per call: no shape rule possible
+                n = min(budget, queued_end - start)
+            else:
+                n = piece_rows(start, budget, queued_end, prompt_end)
+            if n == 0:
+                if piece_rows(start, full, queued_end, prompt_end) > 0:
+                    self._push_ready(lane)  # it fits a call of its own: first in the next one
+                    break
+                continue  # waits for more of its prompt
+            rows = self._take_piece(lane, n, rows, items)
+            budget -= n
+        return items
+
+    def _prefill_extent(self, lane: _Lane) -> tuple[int, int, int | None]:
+        """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
+        head = lane.jobs[0]
+        start = head.job.start_position + head.consumed
+        queued_end = start
+        sampled_end: int | None = None  # where a sampling job (or a decode step) ends the prefill
+        for q in lane.jobs:
+            if q.job.start_position + q.consumed != queued_end:
+                break
+            if q.job.phase != "prefill":  # a decode step follows on: the prompt ends here
+                sampled_end = queued_end
+                break
+            queued_end = q.job.end_position
+            if q.job.sample:
+                sampled_end = queued_end
+                break
+        prompt_end = lane.entry.spec.prompt_len
+        if sampled_end is not None:
+            prompt_end = sampled_end if prompt_end is None else min(prompt_end, sampled_end)
+        return start, queued_end, prompt_end
+
+    def _take_piece(self, lane: _Lane, n: int, rows: int, items: list[BatchItem]) -> int:
+        """Hand the lane's next n prefill tokens to the call, across its jobs; returns the rows so far."""
+        while n > 0:
+            q = lane.jobs[0]
+            offset = q.consumed
+            k = min(len(q.job.tokens) - offset, n)
+            done = offset + k == len(q.job.tokens)
+            q.consumed = offset + k
+            q.in_flight = (offset, k)
+            self._queued_tokens["prefill"] -= k
+            if done:
+                lane.jobs.popleft()
+                self._queued_jobs["prefill"] -= 1
+            lane.inflight.append(q)
+            self._inflight[lane.entry.slot] = lane
+            samples = done and q.job.sample
+            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=k,
+                                   row_start=rows, samples=samples,
+                                   sampling=lane.entry.spec.sampling if samples else None))
+            rows += k
+            n -= k
+        return rows

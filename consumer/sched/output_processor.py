@@ -1,0 +1,193 @@
+"""What a fused call's report does (vLLM v1's `update_from_output`, SGLang's output processor): the
+sampled tokens advance positions, finish sessions and become answers; a failed call fails its sessions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from schemas import Reason, Status
+
+from .outputs import Answer, BatchItem, ScheduledBatch
+from .session_table import SessionState
+from .state import SchedulerState, _Lane, _Queued
+
+__all__ = ["OutputProcessor"]
+
+
+class OutputProcessor(SchedulerState):
+    def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int | None], engine_seconds: float,
+                           ) -> list[Answer]:
+        """Apply a successful call. `tokens`: the sampler's token for every item that samples, in item
+        order (consumer/sampler.py: keyed by the session's seed and the position the token takes).
+        None for every item on a route hop that is not last (it answers activations, the last hop
+        samples): the step counts as the one the last hop samples at (so the hop finishes the session
+        at max_tokens, as the last hop does; a stop token only the last hop sees), no token, nothing
+        generated is charged.
+
+        Positions advance; engine_seconds is split over the items by n_tokens. A job's result carries
+        its whole accounting: prompt_tokens = its tokens processed in prefill calls, generated_tokens =
+        1 when a token was sampled. A session finishes when its generated count reaches max_tokens or
+        the token is a stop token: result.finished, close='finished', slot released, and any step
+        still queued for it answered REJECTED FINISHED. Items that do not finish their job produce no
+        answer.
+        """
+        n_sampling = sum(1 for it in batch.items if it.samples)
+        if len(tokens) != n_sampling:
+            raise ValueError(f"{len(tokens)} tokens for {n_sampling} sampling items")
+        seconds = engine_seconds if math.isfinite(engine_seconds) and engine_seconds > 0 else 0.0
+        total_rows = max(1, len(batch.fused))
+        batch_size = len(batch.session_ids)
+        out: list[Answer] = []
+        touched: dict[int, _Lane] = {}
+        sampled = -1
+        for it in batch.items:
+            if it.samples:
+                sampled += 1
+            lane, q = self._claim(it)
+            if lane is None or q is None:
+                continue
+            touched[it.slot] = lane
+            share = seconds * it.n_tokens / total_rows
+            # a decode job's answer carries its own call's share (one answer per offset)
+            q.engine_seconds = share if batch.phase == "decode" else q.engine_seconds + share
+            if batch.phase == "prefill":
+                q.prompt_tokens += it.n_tokens
+            reached = it.first_position + it.n_tokens
+            if lane.closed is not None:  # closed while the call ran
+                if it.completes_job and not q.answered:
+                    out.append(self._closed_answer(lane, q, reached, batch_size))
+                continue
+            entry = lane.entry
+            entry.position = reached
+            entry.engine_seconds += share
+            if batch.phase == "prefill":
+                entry.prompt_tokens += it.n_tokens
+            if not it.completes_job:
+                continue
+            token: int | None = None
+            finished = False
+            if it.samples:
+                got = tokens[sampled]
+                token = None if got is None else int(got)
+                entry.generated += 1
+                entry.last_token = token
+                entry.state = SessionState.DECODING
+                if token is not None:
+                    entry.generated_tokens += 1
+                    self.stats.tokens_sampled += 1
+                finished = entry.generated >= entry.spec.max_tokens or (
+                    token is not None and token in entry.spec.stop_tokens)
+            elif batch.phase == "prefill":
+                entry.state = SessionState.PREFILLING
+            final = finished or batch.phase != "decode" or it.offset + 1 >= q.job.n
+            if final and finished and lane.jobs and lane.jobs[0] is q:
+                # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
+                # answer, no charge), not answered FINISHED like a later job.
+                lane.jobs.popleft()
+                self._queued_jobs["decode"] -= 1
+                self._queued_tokens["decode"] -= 1
+                self._continuing.discard(lane.session_id)
+            q.answered = final
+            self.stats.jobs_ok += 1
+            result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
+                                  q=q,
+                                  batch_size=batch_size, offset=it.offset if batch.phase == "decode" else 0)
+            out.append(Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
+                               close="finished" if finished else None, final=final))
+            if batch.phase == "decode":
+                q.engine_seconds = 0.0  # charged with this answer; a later answer carries its own
+            if finished:
+                out.extend(self._finish(lane, batch_size))
+        self._settle(touched)
+        return out
+
+    def fail(self, batch: ScheduledBatch, reason_detail: str) -> list[Answer]:
+        """The call failed: every item's job is answered FAILED (ENGINE_ERROR) and its session closed
+        (forgotten: a later step gets state_lost), since the state it holds is unreliable. Steps
+        still queued for those sessions are answered FAILED too. The answers carry close=None; the
+        closures (kind 'failed') show in drain_closed()."""
+        out: list[Answer] = []
+        touched: dict[int, _Lane] = {}
+        batch_size = len(batch.session_ids)
+        failing: dict[int, _Lane] = {}
+        per_lane: dict[int, list[Answer]] = {}
+        for it in batch.items:
+            lane, q = self._claim(it)
+            if lane is None or q is None:
+                continue
+            touched[it.slot] = lane
+            if q.answered:
+                continue
+            if lane.closed is not None:
+                out.append(self._closed_answer(lane, q, lane.entry.position, batch_size))
+                continue
+            failing[it.slot] = lane
+            per_lane.setdefault(it.slot, []).append(self._failed(lane, q, reason_detail, batch_size))
+        for slot, lane in failing.items():
+            answers = per_lane[slot]
+            for q in self._drop_queued(lane):
+                answers.append(self._failed(lane, q, "session closed: an engine call failed on it",
+                                            batch_size))
+            self._close(lane, "failed")
+            out.extend(answers)
+        self._settle(touched)
+        return out
+
+    def _finish(self, lane: _Lane, batch_size: int) -> list[Answer]:
+        answers = self._reject_queued(lane, Reason.FINISHED, "session finished before this step")
+        self._close(lane, "finished")
+        return answers
+
+    def _claim(self, it: BatchItem) -> tuple[_Lane | None, _Queued | None]:
+        """The in-flight job an item reports on, taken out of flight; (None, None) if it is not one."""
+        lane = self._inflight.get(it.slot)
+        if lane is not None:
+            for i, q in enumerate(lane.inflight):
+                if q.job is it.job or q.job.job_id == it.job.job_id:
+                    if q.in_flight != (it.offset, it.n_tokens):
+                        break
+                    q.in_flight = None
+                    del lane.inflight[i]
+                    return lane, q
+        self.stats.stale_items += 1
+        return None, None
+
+    def _settle(self, touched: Mapping[int, _Lane]) -> None:
+        for slot, lane in touched.items():
+            if lane.inflight:
+                continue
+            if self._inflight.get(slot) is lane:
+                del self._inflight[slot]
+            if lane.closed is not None:
+                if self.table.session_at(slot) is None and not self.table.is_dirty(slot) \
+                        and not self.table.is_free(slot):
+                    self.table.release_slot(slot)
+            else:
+                self._refresh(lane)
+
+    def _closed_answer(self, lane: _Lane, q: _Queued, position: int, batch_size: int) -> Answer:
+        """The answer for a job of a session that was closed while its call ran."""
+        q.answered = True
+        entry = lane.entry
+        if lane.closed == "cancelled":
+            self.stats.jobs_cancelled += 1
+            result = self._result(q.job, Status.CANCELLED, Reason.CANCELLED, position,
+                                  detail="session cancelled while the step ran",
+                                  q=q, batch_size=batch_size)
+        elif lane.closed == "finished":
+            self.stats.rejected += 1
+            result = self._result(q.job, Status.REJECTED, Reason.FINISHED, position,
+                                  detail="session finished before this step", batch_size=batch_size)
+        else:
+            self.stats.jobs_failed += 1
+            result = self._result(q.job, Status.FAILED, Reason.ENGINE_ERROR, position,
+                                  detail="session closed: an engine call failed on it", batch_size=batch_size)
+        return Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id, close=None)
+
+    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int) -> Answer:
+        q.answered = True
+        self.stats.jobs_failed += 1
+        result = self._result(q.job, Status.FAILED, Reason.ENGINE_ERROR, lane.entry.position,
+                              detail=detail, batch_size=batch_size)
+        return Answer(ref=q.ref, job=q.job, result=result, account_id=lane.entry.account_id, close=None)

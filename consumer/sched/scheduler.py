@@ -1,0 +1,159 @@
+"""The scheduling core: which queued steps go into the next fused engine call. Pure and synchronous.
+
+No I/O, no Redis, no engine, no sampler, no clock: the worker feeds it jobs (`admit`, `cancel`), asks
+it for a call (`next_batch`), runs the engine and the sampler (consumer/sampler.py), and reports back
+the sampled tokens (`update_from_output`) or the failure (`fail`). Everything it
+decides comes back as plain frozen dataclasses, so it is unit-testable in microseconds (modelled on
+vLLM v1's scheduler). Nothing in here scans the session table: every operation costs O(jobs
+touched · log queued), whatever the number of idle sessions.
+
+Phases and fairness
+-------------------
+A call is either all decode or all prefill (a FusedBatch has one phase). The phases that have work
+ready are served by smooth weighted round-robin (nginx): every round each ready phase adds its
+weight to its current weight, the largest current weight wins (decode on a tie) and loses the sum
+of the ready phases' weights. A phase with nothing ready keeps its current weight untouched.
+
+Bounds, with weights w_decode = a and w_prefill = b, while both phases stay backlogged:
+
+* decode waits at most ceil(b / a) consecutive prefill calls, each of at most `prefill_budget`
+  tokens (so a decoding session's step waits at most ceil(b / a) · prefill_budget prefill tokens,
+  plus the decode calls ahead of it in its own queue);
+* prefill waits at most ceil(a / b) consecutive decode calls, so it is served at least once in
+  every a + b consecutive calls (exactly b times in each period of a + b calls of the pattern);
+* both bounds are tight: a saturated run reaches them (defaults 4:1 give D D P D D, repeated);
+* no session waits forever: decode is FIFO by admission (oldest queued first, `max_batch` sessions
+  per call), prefill is FIFO by admission with chunking, and each phase is served within the
+  bounds above. A stretch during which only one phase has work leaves both current weights
+  untouched, so the bounds hold across such stretches too.
+
+tests/test_scheduler_properties.py checks these bounds on the scheduler itself over random arrival
+patterns.
+
+Decode calls: up to `max_batch` sessions, oldest queued step first, one row each, every row wants
+logits. A continuation job (StepJob.n > 1) stays at the head of its lane and gives one row per call,
+its next offset re-queued behind the steps admitted meanwhile (so FIFO holds as if each token were a
+step of its own); the row's input is the session's last sampled token (SessionEntry.last_token) unless
+the job's first offset carries one. Each offset is answered under its own result id; the job's last
+answer (its n-th token, a stop, max_tokens) is `final` (it acks the entry).
+
+Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
+`prefill_budget` tokens per call; a job longer than what is left of the budget is split across
+calls (BatchItem.offset / n_tokens). Only the item that finishes a job with `job.sample` wants
+logits, on its last row. A session's next prefill job may follow it in the same call (its
+positions continue), unless the job before it samples.
+
+In flight
+---------
+A session with an item in a call that was handed out and not yet completed / failed is *busy*: it
+is not scheduled again until every item of that call for it is reported, so a failed call never
+leaves a later call built on state that was rolled back. Every item of a ScheduledBatch must be
+passed to exactly one `update_from_output` or `fail` (a batch may be split with `without` first, to retry or
+bisect after an engine error). A session cancelled while busy keeps its slot until its items are
+reported (then the slot is released), so `engine.release` never races an engine call on it.
+
+Answers and closures
+--------------------
+Every admitted job gets exactly one `Answer`: decided without the engine (admission,
+cancellation) or after a call. `close` ("finished" or "cancelled") is set on the one
+answer that closed the session. A session closed with no answer to carry it (a cancel with nothing
+queued) or closed because an engine call failed on it (answers FAILED, close None: the transport's
+close marker knows only finished / cancelled) shows only in `drain_closed()`, which lists every
+closure with its kind ("finished", "cancelled", "failed") and tallies.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from schemas import Phase
+
+from .admission import Admission
+from .batching import Batching
+from .config import SchedulerConfig
+from .output_processor import OutputProcessor
+from .outputs import Answer, AnswerClose, BatchItem, Outcome, ScheduledBatch, SchedulerStats
+from .prefill_shape import MIN_BUDGET
+from .session_table import ClosedSession, CloseKind
+
+__all__ = [
+    "Answer", "AnswerClose", "BatchItem", "CloseKind", "Outcome", "ScheduledBatch", "Scheduler", "SchedulerConfig",
+    "SchedulerStats",
+]
+
+
+class Scheduler(Admission, Batching, OutputProcessor):
+    """The whole scheduling core: admission, batching and the output processor over one state; the
+    queries the worker asks between calls are here."""
+
+    # ---- worker-facing queries ------------------------------------------------------------------
+
+    def set_prefill_budget(self, tokens: int) -> None:
+        """Token budget of the next prefill calls (the worker sizes them by time: consumer/pacing.py).
+        Clamped like the configured one; the fairness bounds hold for any budget."""
+        if tokens != self.config.prefill_budget:
+            self.config = replace(self.config, prefill_budget=max(MIN_BUDGET, tokens))
+
+    def want(self) -> dict[Phase, int]:
+        """How many new stream entries to read per phase.
+
+        decode: the decoding sessions that have no step queued, and those amid a continuation job
+        (their next job is pushed ahead), up to two calls' worth of queued decode steps (at least 1
+        while under that cap, so steps for sessions this worker does not hold are still read and
+        answered state_lost).
+        prefill: 0 while two calls' worth of prefill tokens are queued, else enough entries to
+        bring the queued prefill jobs up to max_batch (at least 1).
+        """
+        cfg = self.config
+        room = 2 * cfg.max_batch - self._queued_jobs["decode"]
+        decode = max(1, min(len(self._awaiting) + len(self._continuing), room)) if room > 0 else 0
+        if self._queued_tokens["prefill"] >= 2 * cfg.prefill_budget:
+            prefill = 0
+        else:
+            prefill = max(1, cfg.max_batch - self._queued_jobs["prefill"])
+        return {"decode": decode, "prefill": prefill}
+
+    def session_busy(self, session_id: str) -> bool:
+        """Whether the open session has a step queued or in a call (so it is not idle)."""
+        lane = self._lanes.get(session_id)
+        return lane is not None and bool(lane.jobs or lane.inflight)
+
+    def is_awaiting(self, session_id: str) -> bool:
+        """Whether the session is decoding with no step queued nor in flight (it holds no credit)."""
+        return session_id in self._awaiting
+
+    def awaiting_decode(self) -> int:
+        """Decoding sessions with no step queued nor in flight."""
+        return len(self._awaiting)
+
+    def has_work(self) -> bool:
+        """Whether next_batch() would return a call now."""
+        return self._n_ready["decode"] > 0 or self._n_ready["prefill"] > 0
+
+    def ready(self, phase: Phase) -> int:
+        """Sessions whose next step, in this phase, could go into a call now."""
+        return self._n_ready[phase]
+
+    def queued(self, phase: Phase | None = None) -> int:
+        """Jobs admitted and not yet fully handed to the engine."""
+        if phase is None:
+            return self._queued_jobs["decode"] + self._queued_jobs["prefill"]
+        return self._queued_jobs[phase]
+
+    def in_flight(self) -> int:
+        """Sessions with items in a call not yet reported."""
+        return len(self._inflight)
+
+    def drain_released(self) -> list[int]:
+        """Slots released since the last call: call engine.release on each, then slot_cleared."""
+        return self.table.drain_released()
+
+    def slot_cleared(self, slot: int) -> None:
+        self.table.slot_cleared(slot)
+
+    def drain_closed(self) -> list[ClosedSession]:
+        """Every session closed since the last call (finished, cancelled, failed), with its tallies."""
+        out = list(self._closed_log)
+        self._closed_log.clear()
+        return out

@@ -1,0 +1,208 @@
+"""The scheduler's state and the bookkeeping every part of it shares: lanes (a session's queue), the
+ready heaps per phase, closures. The decisions live in admission.py, batching.py and
+output_processor.py (one concern each, as SGLang splits its scheduler), the queries in scheduler.py."""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from schemas import Phase, Reason, Status, StepJob
+from schemas.limits import ID_PATTERN, MAX_REASON_LEN
+
+from .config import SchedulerConfig
+from .outputs import Answer, Outcome, SchedulerStats
+from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
+
+__all__ = ["SchedulerState"]
+
+
+@dataclass(slots=True, eq=False)
+class _Queued:
+    job: StepJob
+    ref: object
+    seq: int  # admission order, unique
+    consumed: int = 0  # tokens handed to the engine so far
+    in_flight: tuple[int, int] | None = None  # (offset, n_tokens) of its item in flight
+    prompt_tokens: int = 0  # accounting accumulated over the job's items
+    engine_seconds: float = 0.0
+    answered: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """A session's queue. Jobs are in position order (admission enforces contiguity)."""
+
+    entry: SessionEntry
+    jobs: deque[_Queued] = field(default_factory=deque)
+    inflight: list[_Queued] = field(default_factory=list)
+    ready_seq: int = -1  # seq of the head while it sits in a ready heap, else -1
+    ready_phase: Phase | None = None
+    closed: CloseKind | None = None  # closed while busy: slot released once nothing is in flight
+
+    @property
+    def session_id(self) -> str:
+        return self.entry.spec.session_id
+
+
+_ID = re.compile(ID_PATTERN)
+
+
+class SchedulerState:
+    CLOSED_LOG_MAX = 10_000  # closures kept for drain_closed()
+
+    def __init__(self, config: SchedulerConfig, worker_id: str, engine_digests: Mapping[Phase, str]) -> None:
+        if not _ID.fullmatch(worker_id):
+            raise ValueError(f"worker_id {worker_id!r} does not match {ID_PATTERN}")
+        self.config = config
+        self.worker_id = worker_id
+        self.engine_digests: dict[Phase, str] = dict(engine_digests)
+        if len(set(self.engine_digests.values())) != len(self.engine_digests):
+            # Digests cover the phase; equal ones would let a step through on the other phase's stream.
+            raise ValueError(f"engine digests must differ between phases: {self.engine_digests}")
+        self.table = SessionTable(config.capacity.n_slots, config.closed_capacity)
+        self.stats = SchedulerStats()
+        self._lanes: dict[str, _Lane] = {}  # open sessions
+        self._inflight: dict[int, _Lane] = {}  # slot -> lane with items in flight (open or closed)
+        self._ready: dict[Phase, list[tuple[int, str]]] = {"decode": [], "prefill": []}
+        self._n_ready: dict[Phase, int] = {"decode": 0, "prefill": 0}
+        self._n_stale: dict[Phase, int] = {"decode": 0, "prefill": 0}
+        self._queued_jobs: dict[Phase, int] = {"decode": 0, "prefill": 0}
+        self._queued_tokens: dict[Phase, int] = {"decode": 0, "prefill": 0}  # not yet handed out
+        self._awaiting: set[str] = set()  # DECODING sessions with nothing queued nor in flight
+        self._continuing: set[str] = set()  # sessions amid a continuation job (its next job is on its way)
+        self._current: dict[Phase, int] = {"decode": 0, "prefill": 0}  # smooth WRR state
+        self._weight: dict[Phase, int] = {"decode": config.w_decode, "prefill": config.w_prefill}
+        self._seq = 0
+        # session id -> the attempt of the opening that opened it (open sessions and recently closed
+        # ones, bounded like the closed LRU): a newer attempt's opening supersedes it (`supersede`).
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+        # Bounded: a worker that never drains it loses the oldest (counted in stats.closed_dropped).
+        self._closed_log: deque[ClosedSession] = deque(maxlen=self.CLOSED_LOG_MAX)
+
+    # ---- answers --------------------------------------------------------------------------------
+
+    def _result(self, job: StepJob, status: Status, reason: Reason | None, position: int, *,
+                detail: str = "", token: int | None = None, finished: bool = False, q: _Queued | None = None,
+                batch_size: int = 0, offset: int = 0) -> Outcome:
+        """The outcome of `job` (or of its token `offset`); `q`: charge what the queued job computed."""
+        # A continuation job's token `offset` and its ending answer have ids of their own (StepJob.answer_id).
+        rid = job.answer_id(offset, status == Status.OK, duplicate=reason == Reason.DUPLICATE)
+        return Outcome(rid, job.session_id, status, reason, position, detail[:MAX_REASON_LEN], token, finished,
+                       q.prompt_tokens if q is not None else 0, q.engine_seconds if q is not None else 0.0,
+                       batch_size)
+
+    def _reject(self, job: StepJob, ref: object, reason: Reason, position: int, account_id: str | None,
+                detail: str, status: Status = Status.REJECTED) -> Answer:
+        self.stats.rejected += 1
+        return Answer(ref=ref, job=job, result=self._result(job, status, reason, position, detail=detail),
+                     account_id=account_id, close=None)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+
+    def _push_ready(self, lane: _Lane) -> None:
+        head = lane.jobs[0]
+        phase = head.job.phase
+        heapq.heappush(self._ready[phase], (head.seq, lane.session_id))
+        lane.ready_seq = head.seq
+        lane.ready_phase = phase
+        self._n_ready[phase] += 1
+
+    def _unready(self, lane: _Lane) -> None:
+        """Take the lane out of its ready heap (lazily: the heap entry goes stale)."""
+        phase = lane.ready_phase
+        if phase is None:
+            return
+        lane.ready_seq = -1
+        lane.ready_phase = None
+        self._n_ready[phase] -= 1
+        self._n_stale[phase] += 1
+        heap = self._ready[phase]
+        if self._n_stale[phase] > 64 and self._n_stale[phase] > len(heap) // 2:
+            self._ready[phase] = [e for e in heap if self._is_live(e)]
+            heapq.heapify(self._ready[phase])
+            self._n_stale[phase] = 0
+
+    def _is_live(self, entry: tuple[int, str]) -> bool:
+        lane = self._lanes.get(entry[1])
+        return lane is not None and lane.ready_seq == entry[0]
+
+    def _pop_ready(self, phase: Phase) -> _Lane | None:
+        heap = self._ready[phase]
+        while heap:
+            seq, sid = heapq.heappop(heap)
+            lane = self._lanes.get(sid)
+            if lane is None or lane.ready_seq != seq:
+                self._n_stale[phase] = max(0, self._n_stale[phase] - 1)
+                continue
+            lane.ready_seq = -1
+            lane.ready_phase = None
+            self._n_ready[phase] -= 1
+            return lane
+        return None
+
+    def _refresh(self, lane: _Lane) -> None:
+        """Re-derive the lane's place: in a ready heap, among the sessions awaiting decode, or neither."""
+        sid = lane.session_id
+        if lane.closed is not None or self._lanes.get(sid) is not lane:
+            self._awaiting.discard(sid)
+            return
+        if lane.inflight:
+            self._awaiting.discard(sid)
+            return
+        if lane.jobs:
+            self._awaiting.discard(sid)
+            if lane.ready_phase is None:
+                self._push_ready(lane)
+        elif lane.entry.state == SessionState.DECODING:
+            self._awaiting.add(sid)
+        else:
+            self._awaiting.discard(sid)
+
+    def _drop_queued(self, lane: _Lane) -> list[_Queued]:
+        """Empty the lane's queue; the jobs not answered yet, to be answered by the caller."""
+        self._unready(lane)
+        self._continuing.discard(lane.session_id)
+        dropped: list[_Queued] = []
+        for q in lane.jobs:
+            phase = q.job.phase
+            self._queued_jobs[phase] -= 1
+            self._queued_tokens[phase] -= 1 if phase == "decode" else len(q.job.tokens) - q.consumed
+            if not q.answered:
+                q.answered = True
+                dropped.append(q)
+        lane.jobs.clear()
+        return dropped
+
+    def _close(self, lane: _Lane, kind: CloseKind) -> None:
+        sid = lane.session_id
+        self._unready(lane)
+        self._awaiting.discard(sid)
+        self._continuing.discard(sid)
+        busy = bool(lane.inflight)
+        closed = self.table.close(sid, kind, release_slot=not busy)
+        del self._lanes[sid]
+        lane.closed = kind
+        if kind == "finished":
+            self.stats.sessions_finished += 1
+        elif kind == "cancelled":
+            self.stats.sessions_cancelled += 1
+        else:
+            self.stats.sessions_failed += 1
+        if len(self._closed_log) == self._closed_log.maxlen:
+            self.stats.closed_dropped += 1
+        self._closed_log.append(closed)
+
+    def _reject_queued(self, lane: _Lane, reason: Reason, detail: str) -> list[Answer]:
+        """Answer every step still queued for the lane REJECTED with `reason` (they never run)."""
+        entry = lane.entry
+        answers = []
+        for q in self._drop_queued(lane):
+            self.stats.rejected += 1
+            answers.append(Answer(ref=q.ref, job=q.job,
+                                  result=self._result(q.job, Status.REJECTED, reason, entry.position, detail=detail),
+                                  account_id=entry.account_id, close=None))
+        return answers

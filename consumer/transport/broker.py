@@ -1,0 +1,157 @@
+"""`RedisTransport`: the worker's Redis I/O, the `Transport` the worker loop speaks to (protocol.py).
+Every Redis fact of a worker lives in this package: stream names, fields, entry ids, scripts
+(consumer/lua/), retries, the lease. One fused call costs at most one read (plus a bounded gather of
+non-blocking reads), one completion (exactly one EVALSHA whatever the batch size) and one cancellation
+check; a read that brought steps of sessions the worker does not hold costs one `checks()` more.
+
+Exactly-once effects come from the completion script (publish.py): it acks the entries whose jobs
+ended, publishes each answer once (a session's ledger entry for ok answers, a `SET NX` marker for the
+others) and charges it once; a completion re-sent after a reconnect changes nothing (its call guard).
+
+Every key a script touches is passed in KEYS and all of them share the worker's hash tag, so the
+scripts are Redis Cluster safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import redis
+
+from schemas import CompatibilityKey, Phase, Signer, StepJob
+
+from ..config import TransportSettings
+from ..sched.outputs import Answer
+from .connection import RedisIO
+from .intake import Intake
+from .lease import Lease
+from .protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound
+from .publish import Publisher
+from .recovery import recover_streams
+from .upkeep import Upkeep
+
+__all__ = ["RedisTransport"]
+
+
+class RedisTransport:
+    """Redis I/O of one worker consumer. One thread at a time (protocol.py). The client must return
+    bytes (`decode_responses=False`, the default)."""
+
+    def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str = "c0",
+                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None) -> None:
+        self.io = RedisIO(client, worker_id, consumer_name, settings)
+        self.intake = Intake(self.io, signer)
+        self.lease = Lease(self.io)
+        self.upkeep = Upkeep(self.io, self.intake)
+        self.publisher = Publisher(self.io, self.intake, self.lease)
+
+    # ---- identity and counters
+    @property
+    def client(self) -> redis.Redis:
+        return self.io.client
+
+    @property
+    def worker_id(self) -> str:
+        return self.io.worker_id
+
+    @property
+    def consumer_name(self) -> str:
+        return self.io.consumer_name
+
+    @property
+    def settings(self) -> TransportSettings:
+        return self.io.settings
+
+    @property
+    def keys(self):  # type: ignore[no-untyped-def]  # WorkerKeys
+        return self.io.keys
+
+    @property
+    def round_trips(self) -> int:
+        return self.io.round_trips
+
+    @property
+    def outages(self) -> int:
+        return self.io.outages
+
+    @property
+    def streams(self) -> list[str]:
+        return self.intake.streams
+
+    @property
+    def outstanding(self) -> int:
+        """Entries handed out and not yet acked by a completion."""
+        return sum(len(v) for v in self.intake.outstanding.values())
+
+    def request_stop(self) -> None:
+        """End every wait at once (an outage's backoff, a standby's wait): they raise `Stopping`."""
+        self.io.stop.set()
+
+    # ---- the lease
+    def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str:
+        return self.lease.acquire(wait=wait)
+
+    def renew_lease(self) -> None:
+        self.lease.renew()
+
+    def release_lease(self) -> None:
+        self.lease.release()
+
+    @property
+    def lease_token(self) -> str | None:
+        return self.lease.token
+
+    @property
+    def lease_epoch(self) -> str:
+        return self.lease.epoch
+
+    # ---- registration, liveness
+    def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
+        return self.upkeep.register(keys, info)
+
+    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
+        self.upkeep.heartbeat(info)
+
+    def input_lag(self) -> dict[str, dict[str, int]]:
+        return self.upkeep.input_lag()
+
+    def trim(self) -> None:
+        self.upkeep.trim()
+
+    # ---- reading
+    def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+             more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
+        return self.intake.read(want, block_ms=block_ms, gather_ms=gather_ms, more=more)
+
+    def read_streams(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+                     more: Callable[[list[Delivery]], bool] | None = None) -> list[Delivery]:
+        return self.intake.read_streams(want, block_ms=block_ms, gather_ms=gather_ms, more=more)
+
+    def inbound(self, d: Delivery) -> Inbound:
+        return self.intake.inbound(d)
+
+    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
+        kept, dead = recover_streams(self.intake)
+        return [self.intake.inbound(d) for d in kept], dead
+
+    def recover_streams(self) -> tuple[list[Delivery], list[DeadLetter]]:
+        return recover_streams(self.intake)
+
+    @property
+    def dead_lettered(self):  # type: ignore[no-untyped-def]  # deque[DeadLetter]
+        return self.intake.dead_lettered
+
+    def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
+        return self.intake.cancellations()
+
+    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        return self.upkeep.checks(openings, session_ids)
+
+    def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
+        return self.upkeep.fetch_activations(blobs)
+
+    # ---- completion
+    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
+                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
+                 acks: Sequence[Delivery] = ()) -> list[str]:
+        return self.publisher.complete(answers, dead_letters, call, closures=closures, acks=acks)

@@ -1,0 +1,100 @@
+"""What every part of the Redis transport shares: the client, the worker's key names, the settings, the
+scripts, and the one way to send a request through an outage (`RedisIO.io`).
+
+Riding through Redis faults: every Redis call goes through `io` (schemas/retry.py), which retries
+connection errors, timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with
+exponential backoff and jitter for at most `outage_max_s`, logging one line when an outage starts and
+one when it ends (past the bound it logs and re-raises). A stop request (SIGTERM) ends the wait at once
+(`Stopping`): a worker told to stop while Redis is down stops within a backoff step, leaving its
+entries pending for recovery. The caller's state is untouched by an outage: a read is simply late, a
+completion is re-sent as is (the completion script's call guard and ledger make it idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from schemas import TransportError, WorkerKeys
+from schemas.retry import OutageRider, RetryPolicy, transient
+
+from ..config import TransportSettings
+from ..lua import script_source
+
+__all__ = ["LeaseHeld", "LeaseLost", "RedisIO", "Stopping"]
+
+T = TypeVar("T")
+log = logging.getLogger("dgr.transport")
+
+
+class LeaseLost(TransportError):
+    """Another process acquired this worker id's lease: this one must stop writing (and exit)."""
+
+
+class LeaseHeld(TransportError):
+    """The lease is held by another live process and the caller chose not to wait for it."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(f"another consumer holds this worker id's lease: {holder}")
+        self.holder = holder
+
+
+class Stopping(TransportError):
+    """A stop was requested while the transport waited (an outage's backoff, the lease as a standby)."""
+
+
+class RedisIO:
+    """The client and everything the transport's parts share. Not thread-safe: one thread at a time."""
+
+    SCRIPTS = ("complete", "pending", "recover", "acquire", "renew", "release")
+
+    def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str,
+                 settings: TransportSettings) -> None:
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("RedisTransport needs a client with decode_responses=False")
+        self.client = client
+        self.worker_id = worker_id
+        self.consumer_name = consumer_name
+        self.settings = settings
+        self.keys = WorkerKeys(worker_id)
+        self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
+        self.stop = threading.Event()  # set by the worker on SIGTERM: outage waits end at once
+        self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
+                                  log, f"worker {worker_id}")
+        self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
+
+    @property
+    def outages(self) -> int:
+        """Redis outages ridden through (unavailable, then back)."""
+        return self._rider.outages
+
+    def io(self, fn: Callable[[], T]) -> T:
+        """fn(), retried through a Redis outage (module docstring); fn must be idempotent."""
+        rider = self._rider
+        while True:
+            try:
+                out = fn()
+            except Exception as e:
+                if not transient(e):
+                    raise
+                delay = rider.backoff(e)  # re-raises e once the outage is older than outage_max_s
+                if self.stop.wait(delay):
+                    raise Stopping(f"worker {self.worker_id}: stop requested while Redis was unreachable") from e
+                continue
+            rider.succeeded()
+            return out
+
+    def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a registered script (EVALSHA, loading it if Redis lost it), through an outage."""
+        self.round_trips += 1
+        script = self.scripts[name]
+        return self.io(lambda: script(keys=keys, args=args))
+
+    def load_scripts(self) -> None:
+        """Load every script (after a restart Redis has none), so the next call is one EVALSHA."""
+        for script in self.scripts.values():
+            self.client.script_load(script.script)

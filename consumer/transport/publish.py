@@ -1,0 +1,249 @@
+"""Filing a completion call: a fused call's answers become one columnar result record per result stream
+(schemas/wire.py), sent with everything else the call settles (acks, closures, dead letters, the call's
+counters) in ONE EVALSHA of consumer/lua/complete.lua, which publishes each answer once and charges it
+once (docs/accounting.md).
+
+Per answer this module appends a few values to columns; the record is encoded once (msgspec) and the
+script reads it with Redis' own JSON decoder. Nothing per answer is a Redis argument of its own, so the
+Redis work of a call does not grow with arguments per token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+import redis
+
+from schemas import GROUP
+from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
+from schemas.replies import as_bytes
+from schemas.wire import END_OFFSET, STATUS_CODE, ResultRecord, RowExtra, encode_record
+
+from ..sched.outputs import Answer
+from .connection import LeaseLost, RedisIO
+from .intake import Intake
+from .lease import Lease
+from .protocol import Closure, DeadLetter, Delivery, FusedCallStats
+
+__all__ = ["COMPLETE_ARGV", "FIXED_KEYS", "MAX_DEAD_LETTER_BYTES", "Publisher"]
+
+# The completion script's layout (consumer/lua/complete.lua's header; tests/test_lua.py checks that both
+# say the same): the fixed KEYS, then the fixed ARGV head; records, blob bytes and dead letters follow,
+# referred to by the control's ARGV indices.
+FIXED_KEYS: Final = ("worker", "accounts_index", "dead_letters", "lease", "lease_epoch", "ledger")
+COMPLETE_ARGV: Final = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "reject_ttl_s", "lease_token",
+                        "lease_epoch", "lease_ms", "act_ttl_s", "call_seq", "now", "control")
+DEAD_LETTER_ARGV: Final = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
+
+MAX_DEAD_LETTER_FIELDS: Final = 64
+# Bytes of the original entry a dead letter keeps, all fields together: more than any valid entry (4096
+# tokens + a SessionSpec), so a dead letter can still be replayed, yet a flood of huge malformed entries
+# costs the dead-letter stream at most this much per entry.
+MAX_DEAD_LETTER_BYTES: Final = 2 * MAX_FIELD_BYTES
+_DETAIL_MAX: Final = 1024
+_ENC: Final = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class _Keys:
+    """KEYS of one script call, each once; the control refers to them by 1-based index."""
+
+    keys: list[str] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, key: str) -> int:
+        i = self.index.get(key)
+        if i is None:
+            self.keys.append(key)
+            i = self.index[key] = len(self.keys)
+        return i
+
+
+@dataclass(slots=True)
+class _Rows:
+    """One result stream's rows of a call, as columns, and what the script needs per row besides."""
+
+    sid: list[str] = field(default_factory=list)
+    job: list[str] = field(default_factory=list)
+    off: list[int] = field(default_factory=list)
+    att: list[int] = field(default_factory=list)
+    st: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    tok: list[int] = field(default_factory=list)
+    fin: list[int] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)
+    es: list[float] = field(default_factory=list)
+    x: dict[str, RowExtra] = field(default_factory=dict)
+    acct: list[int] = field(default_factory=list)  # per row: the call's account number (0: none)
+    skey: list[int] = field(default_factory=list)  # per row: KEYS index of its session hash (0: none)
+    res: dict[str, int] = field(default_factory=dict)  # row -> KEYS index of its once-only marker (not ok)
+    blob: dict[str, list[int]] = field(default_factory=dict)  # row -> [KEYS index, ARGV index] of output rows
+
+
+def _offset(base: str, rid: str) -> int:
+    """The row's offset: 0 for the job's own id, k for `<job>.<k>`, END_OFFSET for `<job>.end`."""
+    if rid == base:
+        return 0
+    suffix = rid[len(base) + 1:]
+    return END_OFFSET if suffix == "end" else int(suffix)
+
+
+class Publisher:
+    """Builds and sends completion calls. One thread at a time (the worker's I/O thread, or its loop)."""
+
+    def __init__(self, io: RedisIO, intake: Intake, lease: Lease) -> None:
+        self.io = io
+        self.intake = intake
+        self.lease = lease
+        self.seq = 0  # completion calls sent by this process (the script's call guard)
+
+    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
+                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
+                 acks: Sequence[Delivery] = ()) -> list[str]:
+        """File one completion call (consumer/lua/complete.lua): returns the charges of each record
+        written, [] when there was nothing to file or the call had been filed already (a re-send)."""
+        if not (answers or dead_letters or call or closures or acks):
+            return []
+        io, st = self.io, self.io.settings
+        keys = _Keys()
+        k = io.keys
+        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.ledger):
+            keys(key)
+        argv_tail: list[Any] = []  # ARGV after the fixed head: records, blob bytes, dead letters
+        head = len(COMPLETE_ARGV)
+        rows: dict[str, _Rows] = {}
+        accounts: dict[str, int] = {}
+        acct_list: list[list[Any]] = []
+        ack_ids: dict[str, list[str]] = {}
+        dropped = {(d.delivery.stream, d.delivery.entry_id) for d in dead_letters}  # acked as dead letters
+        in_blobs: list[int] = []
+        close: list[list[Any]] = []
+        settled: list[Delivery] = []
+        own_act = k.base + ":act:"
+        for a in answers:
+            o, job = a.result, a.job
+            sid = o.session_id
+            reply = a.reply or (job.reply if job is not None else sid)
+            r = rows.get(reply)
+            if r is None:
+                r = rows[reply] = _Rows()
+            i = len(r.sid)
+            rid = o.job_id
+            r.sid.append(sid)
+            if job is not None:
+                r.job.append(job.job_id)
+                r.off.append(_offset(job.job_id, rid))
+                r.att.append(job.attempt)
+            else:
+                r.job.append(rid)
+                r.off.append(0)
+                r.att.append(0)
+            code = STATUS_CODE[o.status]
+            r.st.append(code)
+            r.pos.append(o.position)
+            r.tok.append(-1 if o.token is None else o.token)
+            r.fin.append(1 if o.finished else 0)
+            r.fed.append(o.prompt_tokens)
+            r.es.append(o.engine_seconds)
+            if code or o.hidden is not None:
+                r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden)
+            account = a.account_id
+            if account:
+                n = accounts.get(account)
+                if n is None:
+                    acct_list.append([keys(k.billing_account(account)), account])
+                    n = accounts[account] = len(acct_list)
+                r.acct.append(n)
+                r.skey.append(keys(k.session_account(sid)))
+            else:
+                r.acct.append(0)
+                r.skey.append(0)
+            if code:
+                r.res[str(i)] = keys(k.result_record(rid))
+            if a.blob is not None:
+                hidden = o.hidden
+                if hidden is None or hidden.blob != k.activations_out(rid):
+                    raise ValueError(f"output rows of {rid} need result.hidden.blob = its activations_out key")
+                argv_tail.append(a.blob)
+                r.blob[str(i)] = [keys(hidden.blob), head + len(argv_tail)]
+            if job is not None and job.hidden is not None and job.hidden.blob is not None \
+                    and job.hidden.blob.startswith(own_act):
+                # a key outside this worker's tag (a job naming another worker's key) is never touched
+                in_blobs.append(keys(job.hidden.blob))
+            d = a.ref
+            if a.final and isinstance(d, Delivery) and (d.stream, d.entry_id) not in dropped:
+                ack_ids.setdefault(d.stream, []).append(d.entry_id)
+                settled.append(d)
+            if a.close is not None:
+                close.append([sid, keys(k.session_account(sid)), a.close, accounts.get(account or "", 0)])
+        for d in acks:
+            if (d.stream, d.entry_id) not in dropped:
+                ack_ids.setdefault(d.stream, []).append(d.entry_id)
+                settled.append(d)
+        for c in closures:
+            n = accounts.get(c.account_id or "", 0)
+            if c.account_id and not n:
+                acct_list.append([keys(k.billing_account(c.account_id)), c.account_id])
+                n = accounts[c.account_id] = len(acct_list)
+            close.append([c.session_id, keys(k.session_account(c.session_id)), c.kind, n])
+        records: list[dict[str, Any]] = []
+        for reply, r in rows.items():
+            rec = ResultRecord(worker=io.worker_id, call=f"{self.lease.epoch}:{self.seq + 1}",
+                               batch=call.batch_size if call is not None else 0, sid=r.sid, job=r.job, off=r.off,
+                               att=r.att, st=r.st, pos=r.pos, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es, x=r.x)
+            argv_tail.append(encode_record(rec))
+            records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail), "acct": r.acct,
+                            "skey": r.skey, "res": r.res, "blob": r.blob})
+        ctl: dict[str, Any] = {"records": records, "accounts": acct_list,
+                               "acks": [[keys(s), ids] for s, ids in ack_ids.items()], "del": in_blobs,
+                               "close": close, "nd": len(dead_letters)}
+        if dead_letters:
+            ctl["dead"] = head + len(argv_tail) + 1
+            for dl in dead_letters:
+                flat = self._dead_letter_fields(dl)
+                sk = 0 if dl.delivery.stream == k.cancellations else keys(dl.delivery.stream)
+                argv_tail += [sk, dl.delivery.entry_id, len(flat) // 2, *flat]
+                settled.append(dl.delivery)
+        if call is not None:
+            if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
+                raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
+            ctl["call"] = [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+        self.seq += 1
+        args = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen, st.reject_ttl_s, self.lease.token or "",
+                self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, int(time.time()), _ENC.encode(ctl),
+                *argv_tail]
+        try:
+            reply_: Any = io.script("complete", keys.keys, args)  # re-sent as is after a reconnect: guarded
+        except redis.ResponseError as e:
+            if str(e).startswith("DGRFENCED"):
+                raise LeaseLost(f"worker {io.worker_id}: {e}") from None
+            raise
+        self.intake.settled(settled)
+        if isinstance(reply_, bytes | str):  # 'DUP': filed by the first send
+            return []
+        return [as_bytes(x).decode() for x in reply_]
+
+    def _dead_letter_fields(self, d: DeadLetter) -> list[str | bytes]:
+        out: list[str | bytes] = [
+            "reason", d.reason.value, "detail", d.detail[:_DETAIL_MAX], "stream", d.delivery.stream,
+            "entry_id", d.delivery.entry_id, "consumer", self.io.consumer_name,
+        ]
+        room = MAX_DEAD_LETTER_BYTES
+        cut = False
+        for i, (key, v) in enumerate(d.delivery.fields.items()):
+            if i >= MAX_DEAD_LETTER_FIELDS or room <= 0:
+                cut = True
+                break
+            raw = as_bytes(v)
+            name, value = b"f:" + as_bytes(key)[:256], raw[:min(MAX_FIELD_BYTES, room)]
+            cut = cut or len(value) < len(raw) or len(name) < len(as_bytes(key)) + 2
+            room -= len(name) + len(value)
+            out += [name, value]
+        if cut:  # the copy is not the whole entry: never replay it as if it were
+            out += ["truncated", "1"]
+        return out

@@ -1,0 +1,182 @@
+"""A worker's upkeep in Redis: registration (groups, the advertisement, scripts), the heartbeat, input
+lag, trimming, and the two questions the worker asks before admitting steps of sessions it does not
+hold (answered already? cancelled?), plus the input activations of route hops."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from schemas import GROUP, WIRE_VERSION, CompatibilityKey, StepJob
+from schemas.keys import WORKERS_INDEX
+from schemas.lag import stream_lag
+from schemas.replies import as_str
+
+from .connection import RedisIO
+from .intake import Intake
+
+__all__ = ["Upkeep"]
+
+
+def _att_pub(raw: Any) -> tuple[int, int] | None:
+    """(attempt, position) of the last ok answer published, from a ledger value or a session hash's
+    (att, pub) fields; None when there is none."""
+    if raw is None:
+        return None
+    if isinstance(raw, list | tuple):
+        if raw[0] is None or raw[1] is None:
+            return None
+        return int(raw[0]), int(raw[1])
+    att, pub = as_str(raw).split(" ", 2)[:2]
+    return int(att), int(pub)
+
+
+class Upkeep:
+    def __init__(self, io: RedisIO, intake: Intake) -> None:
+        self.io = io
+        self.intake = intake
+
+    def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
+        """Create the consumer group on every key's input stream (id 0, MKSTREAM; BUSYGROUP ignored),
+        advertise the keys and `info` (with the wire version) at `keys.spec` (JSON), SADD the worker to
+        WORKERS_INDEX, load the scripts. Returns the stream names. Idempotent."""
+        io = self.io
+        streams = list(dict.fromkeys(io.keys.input_stream(k.digest, k.phase) for k in keys))
+        for s in streams:
+            self.intake.stream_meta(s)
+        self.intake.create_groups(streams)
+        spec = {"worker_id": io.worker_id, "keys": [k.model_dump(mode="json") for k in keys], "streams": streams,
+                "info": {**info, "wire_version": WIRE_VERSION}, "registered_at": time.time()}
+        body = json.dumps(spec, default=str, separators=(",", ":"))
+
+        def advertise() -> None:
+            pipe = io.client.pipeline(transaction=False)
+            pipe.set(io.keys.spec, body)
+            pipe.sadd(WORKERS_INDEX, io.worker_id)
+            pipe.execute()
+            io.load_scripts()
+
+        io.io(advertise)
+        self.intake.add_streams(streams)
+        return streams
+
+    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
+        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s."""
+        io = self.io
+        body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name, **(info or {})}
+        raw = json.dumps(body, default=str, separators=(",", ":"))
+        io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
+
+    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(the job ids of the openings already answered, the session ids with a cancel marker), in one
+        round trip. The worker asks this for the steps of sessions it does not hold, before admitting
+        them: a session's cancel recorded while the worker was down or before its first job was read
+        wins, and a re-pushed opening answered long ago (by an earlier process) does not open a ghost
+        session. Answered: its session's last ok answer published is at or past the opening's end
+        (the ledger, or the session hash once closed: docs/accounting.md), or it was answered not ok
+        (its `res:` marker)."""
+        if not openings and not session_ids:
+            return set(), set()
+        io, keys = self.io, self.io.keys
+        jobs, sids = list(openings), list(session_ids)
+
+        def ask() -> list[Any]:
+            pipe = io.client.pipeline(transaction=False)
+            for j in jobs:
+                pipe.hget(keys.ledger, j.session_id)
+                pipe.hmget(keys.session_account(j.session_id), "att", "pub")
+                pipe.exists(keys.result_record(j.job_id))
+            for sid in sids:
+                pipe.exists(keys.cancel_marker(sid))
+            return pipe.execute()
+
+        io.round_trips += 1
+        replies = io.io(ask)
+        answered: set[str] = set()
+        for i, j in enumerate(jobs):
+            led, closed, marker = replies[3 * i: 3 * i + 3]
+            last = _att_pub(led) or _att_pub(closed)
+            if int(marker) or (last is not None and last >= (j.attempt, j.end_position)):
+                answered.add(j.job_id)
+        cancelled = {sid for sid, r in zip(sids, replies[3 * len(jobs):], strict=True) if int(r)}
+        return answered, cancelled
+
+    def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
+        """The bytes of each input activations blob (None: missing, or not a key of this worker's
+        activations), in ONE round trip (MGET: every key is in this worker's hash tag)."""
+        io = self.io
+        own = [b for b in dict.fromkeys(blobs) if b.startswith(io.keys.base + ":act:in:")]
+        if not own:
+            return [None] * len(blobs)
+        io.round_trips += 1
+        got: Any = io.io(lambda: io.client.mget(own))
+        by_key = dict(zip(own, got, strict=True))
+        return [by_key.get(b) for b in blobs]
+
+    def input_lag(self) -> dict[str, dict[str, int]]:
+        """Per registered stream: length, lag (XINFO GROUPS 'lag'; the length where Redis cannot
+        tell), pending. One round trip."""
+        io, streams = self.io, list(self.intake.streams)
+        if not streams:
+            return {}
+
+        def ask() -> list[Any]:
+            pipe = io.client.pipeline(transaction=False)
+            for s in streams:
+                pipe.xlen(s)
+                pipe.xinfo_groups(s)
+            return pipe.execute(raise_on_error=False)
+
+        replies = io.io(ask)
+        out: dict[str, dict[str, int]] = {}
+        for i, s in enumerate(streams):
+            sl = stream_lag(replies[2 * i], replies[2 * i + 1])
+            pending = int(sl.group.get("pending") or 0) if sl.group is not None else 0
+            out[s] = {"length": sl.length, "lag": sl.behind, "pending": pending}
+        return out
+
+    def trim(self) -> None:
+        """Drop what no consumer needs any more, so hostile or merely old entries cannot pile up:
+        input entries the group has delivered and acked (XTRIM MINID ~ below the oldest pending
+        entry, or just past the last delivered one; only while `dgr-workers` is the stream's only
+        group, since another group's reader would lose entries), and cancellations beyond
+        cancel_maxlen (writers other than the producer may not trim). Two round trips."""
+        io, streams = self.io, list(self.intake.streams)
+        if not streams:
+            return
+
+        def ask() -> list[Any]:
+            pipe = io.client.pipeline(transaction=False)
+            for s in streams:
+                pipe.xinfo_groups(s)
+                pipe.xpending(s, GROUP)
+            return pipe.execute(raise_on_error=False)
+
+        replies = io.io(ask)
+
+        def cut() -> None:
+            pipe = io.client.pipeline(transaction=False)
+            for i, s in enumerate(streams):
+                upto = _trim_point(replies[2 * i], replies[2 * i + 1])
+                if upto is not None:
+                    pipe.xtrim(s, minid=upto, approximate=True)
+            pipe.xtrim(io.keys.cancellations, maxlen=io.settings.cancel_maxlen, approximate=True)
+            pipe.execute(raise_on_error=False)
+
+        io.io(cut)  # a trim is idempotent: re-sent as is after a reconnect
+        io.round_trips += 2
+
+
+def _trim_point(groups: Any, pending: Any) -> str | None:
+    """The MINID below which every entry of an input stream is delivered and acked, or None."""
+    if isinstance(groups, Exception) or isinstance(pending, Exception) or len(groups) != 1:
+        return None
+    g = groups[0]
+    if as_str(g.get("name", b"")) != GROUP:
+        return None
+    if int(pending.get("pending") or 0) > 0 and pending.get("min"):
+        return as_str(pending["min"])
+    ms, _, seq = as_str(g.get("last-delivered-id") or b"0-0").partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"

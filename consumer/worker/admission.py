@@ -1,0 +1,209 @@
+"""The worker's side of reading: which entries to read, and admitting each one (the scheduler decides,
+the delivery ledger holds twins and re-sends, a hop checks activations). Every entry, whatever its
+bytes, is admitted inside a guard: an exception dead-letters that entry and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from schemas import Phase, Reason
+
+from ..sched import Answer
+from ..transport.protocol import DeadLetter, Delivery, Inbound
+from .delivery import wire_reject_outcome
+
+if TYPE_CHECKING:
+    from .loop import Worker
+
+__all__ = ["EntryAdmission", "Prefetched"]
+
+log = logging.getLogger("dgr.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    """A read the I/O thread made while the engine computed: entries, cancellations, activation blobs."""
+
+    inbound: list[Inbound]
+    cancels: list[str]
+    refused: list[DeadLetter]  # cancel entries that are not cancellations
+    fetched: dict[str, bytes | None]
+    seconds: float
+
+
+class EntryAdmission:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self._hot: set[str] = set()  # sessions that got a token in the last fused call and hold no credit
+        self._more_prefill = 0  # prefill entries to read past refused ones (a burst of junk), next read
+
+    # ---- what to read ---------------------------------------------------------------------------
+    def answered(self, outcomes: Sequence[Answer]) -> None:
+        """After a fused call: the sessions whose next step the Tracker sends now (one-hop sessions that
+        got a token and hold no credit: a continuation needs no read)."""
+        sched = self.w.scheduler
+        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                         and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))
+
+    def should_read(self) -> bool:
+        """Read now, in the loop (blocking a little), besides what the I/O thread prefetched: when there
+        is nothing to run, or steps of sessions the last call answered are on their way."""
+        sched = self.w.scheduler
+        return not sched.has_work() or bool(self._hot and sched.awaiting_decode())
+
+    def want(self) -> dict[Phase, int]:
+        """Entries to read per phase: what the scheduler wants, and more prefill entries after a read
+        whose prefill entries were refused (junk is read past, not one `want` at a time)."""
+        want = {p: n for p, n in self.w.scheduler.want().items() if n > 0}
+        if self._more_prefill:
+            want["prefill"] = max(want.get("prefill", 0), self._more_prefill)
+        return want
+
+    # ---- reading in the loop --------------------------------------------------------------------
+    def read_and_admit(self, answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
+                       acks: list[Delivery]) -> tuple[int, float]:
+        """Read what the scheduler wants and admit it; while entries read are refused (and the phases
+        they came from gave all that was asked), read past them at once, doubling each read, until the
+        entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
+        w = self.w
+        got, want, read_s = self._read()
+        queued: dict[Phase, int] = dict.fromkeys(want, 0)
+        asked = dict(want)
+        total = 0
+        while got:
+            total += len(got)
+            took, refused = self._admit_counted(got, None, answers, dead, wire_rejects, acks, queued)
+            more: dict[Phase, int] = {}
+            room = w.settings.max_read_entries - total
+            for p, n in asked.items():
+                if room <= 0:
+                    break
+                if refused.get(p) and took.get(p, 0) >= n and queued.get(p, 0) < want.get(p, 0):
+                    more[p] = min(2 * n, room)
+                    room -= more[p]
+            if not more:
+                break
+            asked = more
+            t = time.perf_counter()
+            got = w.transport.read(more, block_ms=0, gather_ms=0)
+            w.stats.reads += 1
+            read_s += time.perf_counter() - t
+        return total, read_s
+
+    def _read(self) -> tuple[list[Inbound], dict[Phase, int], float]:
+        w = self.w
+        counts = self.want()
+        if not counts:
+            return [], counts, 0.0
+        # Wait only for the sessions the last fused call just answered with a token: their next step is
+        # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
+        expected = min(len(self._hot), w.scheduler.awaiting_decode())
+        self._hot = set()
+        busy = w.scheduler.has_work()
+        seen = [0]
+
+        def more(got: Mapping[Phase, int]) -> bool:
+            # A blocked read returns on the first entry. Keep gathering while sessions the last call
+            # answered have not sent their next step yet; with none expected, while entries are still
+            # arriving (a Tracker opening sessions in one burst). So the fused call is as full as it can be.
+            if expected:
+                return got.get("decode", 0) < expected
+            n = sum(got.values())
+            flowing, seen[0] = n > seen[0], n
+            return flowing
+
+        t = time.perf_counter()
+        st = w.settings
+        block_ms = max(0 if busy else st.block_ms, st.await_ms if expected else 0)
+        got = w.transport.read(counts, block_ms=block_ms, gather_ms=st.gather_ms, more=more)
+        w.stats.reads += 1
+        return got, counts, time.perf_counter() - t
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit_all(self, inbound: Sequence[Inbound], answers: list[Answer], dead: list[DeadLetter],
+                  wire_rejects: list[Answer], acks: list[Delivery], fetched: dict[str, bytes | None] | None) -> int:
+        """Admit entries read (by the I/O thread: `fetched` holds their activation blobs; None: fetch
+        them now). Returns how many there were."""
+        if not inbound:
+            return 0
+        took, refused = self._admit_counted(inbound, fetched, answers, dead, wire_rejects, acks, {})
+        # A prefetch whose prefill entries were all refused reads past them on the next one, doubling.
+        n = took.get("prefill", 0)
+        self._more_prefill = min(2 * n, self.w.settings.max_read_entries) if n and refused.get("prefill") == n else 0
+        return len(inbound)
+
+    def _admit_counted(self, got: Sequence[Inbound], fetched: dict[str, bytes | None] | None,
+                       answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
+                       acks: list[Delivery], queued: dict[Phase, int]) -> tuple[dict[Phase, int], dict[Phase, int]]:
+        w = self.w
+        if fetched is None:
+            w.hops.prefetch(w.transport, got)
+        else:
+            w.hops.use_fetched(fetched)
+        openings, sids = w.ledger.openings_to_check(got)
+        w.ledger.precheck = w.transport.checks(openings, sids) if sids else (set(), set())
+        took: dict[Phase, int] = {}
+        refused: dict[Phase, int] = {}
+        for inb in got:
+            took[inb.phase] = took.get(inb.phase, 0) + 1
+            if self.admit(inb, answers, dead, wire_rejects, acks):
+                queued[inb.phase] = queued.get(inb.phase, 0) + 1
+            else:
+                refused[inb.phase] = refused.get(inb.phase, 0) + 1
+        w.stats.refused += sum(refused.values())
+        return took, refused
+
+    def admit(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
+              acks: list[Delivery]) -> bool:
+        """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
+        per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
+        on every redelivery (the transport's decoding is guarded the same way)."""
+        try:
+            return self._admit_entry(inb, answers, dead, wire_rejects, acks)
+        except Exception as e:
+            log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
+            dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
+            return False
+
+    def _admit_entry(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
+                     wire_rejects: list[Answer], acks: list[Delivery]) -> bool:
+        w = self.w
+        job = inb.job
+        if job is None:
+            refusal = inb.refusal
+            assert refusal is not None  # an Inbound carries a job or a refusal
+            dead.append(DeadLetter(inb.ref, refusal.reason, refusal.detail))
+            # Tell the session too (never on a bad signature: the session was named by a forger), so its
+            # caller is not left waiting. It names no billing account: it charges nothing.
+            if refusal.session_id is not None:
+                entry = w.scheduler.table.get(refusal.session_id)
+                outcome = wire_reject_outcome(inb, entry.queued_position if entry is not None else 0)
+                wire_rejects.append(Answer(ref=inb.ref, job=None, result=outcome, account_id=None, close=None,
+                                           reply=refusal.reply_to or refusal.session_id))
+            return False
+        if w.ledger.duplicate(job, inb, wire_rejects, acks):
+            return False
+        held = w.scheduler.table.get(job.session_id)
+        answer = w.hops.admit(job, inb.digest, w.scheduler.engine_digests.get(job.phase),
+                              held.queued_position if held is not None else job.start_position, w.settings.worker_id,
+                              inb.ref)
+        if answer is not None:
+            answers.append(answer)
+            return False
+        if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
+            answers.extend(w.scheduler.supersede(job, inb.digest))
+            # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
+            # attempt can take it: a full worker re-opens every session of a replayed route.
+            w._release_slots()
+        answer = w.scheduler.admit(job, inb.digest, inb.ref)
+        if answer is not None:
+            answers.append(answer)
+            return False
+        w.ledger.admitted(job)
+        if w.idle is not None:
+            w.idle.touch(job.session_id)
+        return True

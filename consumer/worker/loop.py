@@ -1,0 +1,421 @@
+"""The batching worker loop: read -> admit -> cancellations -> one fused engine call -> complete.
+
+It joins parts that know nothing of each other: the transport (all Redis I/O, consumer/transport/), the
+scheduler (pure decisions, consumer/sched/), the engine (one forward pass per call) and the sampler.
+Nothing here speaks Redis. The delivery rules (exactly one real answer per step) are delivery.py's,
+the reading and admission of entries admission.py's, the I/O thread io_thread.py's.
+
+Steady state (sessions decoding under continuation credit, consumer/worker/io_thread.py): the loop
+never waits for Redis. Before fused call k it hands the next read to the I/O thread, which runs it
+while the engine computes (the engine releases the GIL); after the call it hands over call k's
+completion, filed while the loop admits the entries read and builds call k+1. The loop reads for itself
+(blocking up to `block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next
+steps of sessions that hold no credit (a Tracker that pushes one job per token).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from types import FrameType
+
+from schemas import PHASES, Phase, Reason, WorkerKeys
+from schemas.limits import MAX_CONTINUATION
+
+from ..config import WorkerSettings
+from ..engines.base import Engine, EngineError, engine_key
+from ..metrics import Metrics
+from ..sampler import BatchSampler
+from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
+from ..transport.connection import LeaseLost, Stopping
+from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
+from .admission import EntryAdmission, Prefetched
+from .delivery import DeliveryLedger
+from .hop_steps import HopSteps
+from .idle import IdleSessions
+from .io_thread import IOThread
+from .stats import LoopStats
+
+__all__ = ["LoopStats", "Reason", "Worker", "WorkerSettings"]
+
+log = logging.getLogger("dgr.worker")
+
+
+class Worker:
+    def __init__(self, engine: Engine, transport: Transport, settings: WorkerSettings,
+                 metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.settings = settings
+        self.metrics = metrics or Metrics(settings.worker_id)
+        self.keys = {p: engine_key(engine, p) for p in PHASES}
+        cap = engine.capacity
+        self.scheduler = Scheduler(
+            SchedulerConfig(capacity=cap, max_batch=min(settings.max_batch, cap.n_slots),
+                            prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
+                            w_decode=settings.w_decode, w_prefill=settings.w_prefill,
+                            max_slots_per_account=settings.max_slots_per_account),
+            settings.worker_id, {p: k.digest for p, k in self.keys.items()})
+        self.sampler = BatchSampler(cap.vocab_size)
+        self.hops = HopSteps(engine.boundary, WorkerKeys(settings.worker_id))  # route hops: activations in/out
+        self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
+                                  min_tokens=settings.prefill_floor)
+        self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
+        self.ledger = DeliveryLedger(self.scheduler, self.hops, settings.answered_memory)
+        self.stats = LoopStats()
+        self.admission = EntryAdmission(self)
+        self._registered = False
+        self._stop = threading.Event()
+        self._last_heartbeat = 0.0
+        self._last_recover = 0.0
+        self._started = time.time()
+        self._m = settings.worker_id
+        self._outages_seen = 0
+        self.io = IOThread(f"dgr-io-{self._m}")
+        self._prefetched: Future[Prefetched] | None = None
+        self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        # One live consumer per worker id: wait as a standby (or refuse) while another holds the lease.
+        self.transport.acquire_lease(wait=self.settings.standby)
+        # A fresh scheduler believes every slot is free: make the engine agree, whatever it held before.
+        for slot in range(self.engine.capacity.n_slots):
+            self.engine.release(slot)
+        names = self.transport.register(list(self.keys.values()), self._info())
+        self._registered = True
+        log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
+        self._last_recover = time.monotonic()
+        self._outages_seen = self.transport.outages
+        self._recover()
+
+    def request_stop(self, *_: object) -> None:
+        """Stop after the fused call in flight; a wait on Redis (an outage, a standby) ends at once."""
+        self._stop.set()
+        stop = getattr(self.transport, "request_stop", None)
+        if stop is not None:
+            stop()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.info("stop requested", extra={"signal": signum})
+            self.request_stop()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self, max_idle_s: float | None = None) -> None:
+        """Serve until stopped. The in-flight fused call always completes; unread entries stay queued."""
+        try:
+            if not self._registered:
+                self.start()
+        except Stopping:
+            log.info("stopped before serving", extra={"worker": self._m})
+            return
+        idle_since = time.monotonic()
+        try:
+            try:
+                while not self._stop.is_set():
+                    if self.run_once(flush=not self._overlapping()):
+                        idle_since = time.monotonic()
+                    elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
+                        break
+                self.flush()  # the last call's results are out before the last heartbeat
+            except BaseException:
+                self._drain_quietly()  # what the I/O thread holds finishes (or fails) before the error goes on
+                raise
+        except LeaseLost:
+            # Another process serves this worker id now: write nothing more (no heartbeat, no release).
+            log.error("lease lost to another consumer: stopping without writing", extra={"worker": self._m})
+            self.io.close()
+            raise
+        except Stopping:
+            # Told to stop while Redis was unreachable: what was read stays pending for recovery.
+            log.warning("stopped while redis was unreachable: entries left pending", extra={"worker": self._m})
+            self.io.close()
+            return
+        try:
+            self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
+            self.transport.release_lease()
+        except Stopping:
+            log.warning("stopped while redis was unreachable: lease left to expire", extra={"worker": self._m})
+        log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
+        self.io.close()
+
+    # ---- the I/O thread ---------------------------------------------------------------------
+    def _overlapping(self) -> bool:
+        """Hand reads and completions to the I/O thread? (settings.overlap, while fused calls are short)"""
+        limit = self.settings.overlap_max_call_ms
+        return self.settings.overlap and (limit <= 0 or 1e3 * self._last_call_s <= limit)
+
+    def flush(self) -> None:
+        """Wait for what the I/O thread holds (a prefetched read is kept for the next iteration); its
+        error (LeaseLost, a Redis outage given up on) is raised here, in the loop's thread."""
+        self.io.drain()
+
+    def _drain_quietly(self) -> None:
+        try:
+            self.io.drain()
+        except Exception:
+            log.warning("the I/O thread failed while the loop was stopping on another error", exc_info=True)
+
+    def _publish(self, completions: Sequence[Answer], dead: Sequence[DeadLetter], call: FusedCallStats | None,
+                 closures: Sequence[Closure], acks: Sequence[Delivery], flush: bool) -> None:
+        """transport.complete: at once (flush), or on the I/O thread (the loop goes on meanwhile)."""
+        if not (completions or dead or call or closures or acks):
+            return
+        tr = self.transport
+
+        def work() -> None:
+            tr.complete(completions, dead, call, closures=closures, acks=acks)
+
+        if flush:
+            self.io.drain()
+            work()
+        else:
+            self.io.submit(work)
+
+    def _prefetch(self) -> None:
+        """Hand the next read (entries, cancellations, activation blobs) to the I/O thread: it runs
+        while the engine computes."""
+        want = self.admission.want()
+        tr, hops = self.transport, self.hops
+
+        def work() -> Prefetched:
+            t = time.perf_counter()
+            got = tr.read(want, block_ms=0, gather_ms=0) if want else []
+            cancels, refused = tr.cancellations()
+            return Prefetched(got, cancels, refused, hops.fetch(tr, got), time.perf_counter() - t)
+
+        self._prefetched = self.io.submit(work)
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def run_once(self, *, flush: bool = True) -> bool:
+        """One iteration. flush=False (the loop, with `overlap` on): the next read and this call's
+        completion may still be on the I/O thread on return."""
+        t0 = time.perf_counter()
+        self._housekeeping()
+        answers: list[Answer] = []
+        dead: list[DeadLetter] = []
+        acks: list[Delivery] = []
+        wire_rejects: list[Answer] = []
+        got = self._take_prefetched()
+        read_s = 0.0
+        entries = 0
+        if got is not None:
+            read_s += got.seconds
+            entries += self.admission.admit_all(got.inbound, answers, dead, wire_rejects, acks, got.fetched)
+            cancelled, refused = got.cancels, got.refused
+        else:
+            cancelled, refused = [], []
+        if got is None or self.admission.should_read():
+            n, s = self.admission.read_and_admit(answers, dead, wire_rejects, acks)
+            entries += n
+            read_s += s
+            more, more_refused = self.transport.cancellations()
+            cancelled, refused = cancelled + more, refused + more_refused
+        self.stats.read_seconds += read_s
+        dead.extend(refused)
+        not_held: list[str] = []
+        for sid in cancelled + self._idle_sessions():
+            if self.scheduler.table.get(sid) is None:
+                not_held.append(sid)
+            self._cancel(sid, answers)
+        decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
+        self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
+        batch = self.scheduler.next_batch()
+        engine_s = 0.0
+        call: FusedCallStats | None = None
+        if batch is not None:
+            if not flush:
+                self._prefetch()
+            before = self.stats.engine_seconds
+            answers.extend(self._run_batch(batch))
+            engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+            self._last_call_s = engine_s
+            call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
+                                  engine_seconds=engine_s)
+        latencies: list[tuple[Phase, float]] = []
+        completions = wire_rejects + self.ledger.completions(answers, latencies)
+        self._publish(completions, dead, call, self._uncarried(completions, not_held), acks, flush)
+        self.stats.round_trips = self.transport.round_trips
+        self._release_slots()
+        self._observe(batch, call, completions, dead, latencies)
+        if call is not None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
+                                               "engine_ms": round(1e3 * engine_s, 2), "read_ms": round(1e3 * read_s, 2),
+                                               "loop_ms": round(1e3 * (time.perf_counter() - t0), 2)})
+            # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds
+            overhead = time.perf_counter() - t0 - engine_s - (read_s if got is None else 0.0)
+            self.stats.overhead_seconds += overhead
+            self.metrics.overhead.labels(self._m).observe(overhead)
+        return bool(entries or completions or dead or batch or acks)
+
+    def _take_prefetched(self) -> Prefetched | None:
+        f, self._prefetched = self._prefetched, None
+        return self.io.collect(f) if f is not None else None
+
+    def _cancel(self, session_id: str, answers: list[Answer]) -> None:
+        try:
+            answers.extend(self.scheduler.cancel(session_id))
+        except Exception:  # a valid id reaching a scheduler bug must not stop the loop; say so loudly
+            log.exception("cancellation failed", extra={"session": session_id})
+
+    def _idle_sessions(self) -> list[str]:
+        """Open sessions with no step admitted or served for idle_session_s: cancelled like any other."""
+        if self.idle is None:
+            return []
+        due = self.idle.due(self.scheduler.table.__contains__, self.scheduler.session_busy)
+        for sid in due:
+            self.stats.sessions_idle_cancelled += 1
+            log.info("idle session cancelled", extra={"session": sid, "idle_s": self.idle.idle_s})
+        return due
+
+    def _uncarried(self, completions: Sequence[Answer], cancelled_not_held: Sequence[str]) -> list[Closure]:
+        """The closures no answer carries: a cancel with nothing queued, a failed engine call, a cancel of
+        a session this worker does not hold (an earlier process may have charged it)."""
+        carried = {c.result.session_id for c in completions if c.close is not None}
+        todo = [Closure(cs.session_id, cs.kind, cs.account_id or None) for cs in self.scheduler.drain_closed()
+                if cs.session_id not in carried]
+        todo += [Closure(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
+        return todo
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[Answer]:
+        """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
+        retry without the slots the engine named, else bisect."""
+        t = time.perf_counter()
+        try:
+            output = self.engine.forward(self.hops.fused(batch))
+        except Exception as e:  # any engine fault must not take the worker down
+            self.stats.engine_seconds += time.perf_counter() - t
+            self.metrics.engine_failures.labels(self._m).inc()
+            detail = f"{type(e).__name__}: {e}"[:200]
+            sessions = batch.session_ids
+            log.warning("fused call failed", extra={"sessions": len(sessions), "error": detail})
+            if len(sessions) == 1:
+                return self.scheduler.fail(batch, detail)
+            named = set(e.slots) if isinstance(e, EngineError) else set()
+            bad = [i.job.session_id for i in batch.items if i.slot in named]
+            if bad:
+                good = batch.without(bad)
+                only_bad = batch.without([s for s in sessions if s not in bad])
+                out = self.scheduler.fail(only_bad, detail) if only_bad else []
+                return out + (self._run_batch(good) if good else [])
+            half = set(sessions[: len(sessions) // 2])
+            first, second = batch.without([s for s in sessions if s not in half]), batch.without(half)
+            return [o for part in (first, second) if part is not None for o in self._run_batch(part)]
+        elapsed = time.perf_counter() - t
+        self.stats.count_call(batch.phase, len(batch.session_ids), elapsed)
+        self.pacer.observe(batch.phase, len(batch.fused), elapsed)
+        if output.kind == "hidden":  # a hop that is not last answers activations, no sampling
+            try:
+                tokens: Sequence[int | None] = self.hops.collect(batch, output)
+            except Exception as e:  # the engine ran (its state moved) but its rows are unusable: no retry
+                log.warning("hop output refused", extra={"sessions": len(batch.session_ids), "error": str(e)})
+                return self.scheduler.fail(batch, f"hop output: {e}"[:200])
+        else:  # the last hop (or a whole model) samples
+            tokens = self.sampler(batch, output)
+        outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
+        if self.idle is not None:
+            for o in outcomes:
+                self.idle.touch(o.result.session_id)
+        self.admission.answered(outcomes)
+        return outcomes
+
+    def _release_slots(self) -> None:
+        for slot in self.scheduler.drain_released():
+            self.engine.release(slot)
+            self.scheduler.slot_cleared(slot)
+
+    # ---- periodic --------------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        tr = self.transport
+        due_beat = now - self._last_heartbeat >= self.settings.heartbeat_s
+        due_recover = now - self._last_recover >= self.settings.recover_every_s
+        if tr.outages != self._outages_seen or due_beat or due_recover:
+            # The lease check, the heartbeat, trims and the ownership sweep see the transport with
+            # nothing in flight (the sweep reads which entries are still outstanding).
+            self.flush()
+        if tr.outages != self._outages_seen:
+            self._after_outage()
+        if due_beat:
+            self._last_heartbeat = now
+            tr.renew_lease()  # LeaseLost when another process took over (a long pause)
+            tr.heartbeat(self._info())
+            for stream, lag in tr.input_lag().items():
+                self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
+            tr.trim()
+        if now - self._last_recover >= self.settings.recover_every_s:
+            self._last_recover = now
+            self._recover()
+
+    def _after_outage(self) -> None:
+        """Redis was unreachable and is back: it may have restarted, lost the tail of its data set or
+        failed over. Re-advertise (spec, groups, scripts), check the lease, and sweep: own pending
+        entries the worker does not hold (a read whose reply was lost) are handed out again. The
+        engine state and the session table are untouched."""
+        self._outages_seen = self.transport.outages
+        log.info("re-registering after a redis outage", extra={"worker": self._m, "outages": self._outages_seen})
+        self.transport.renew_lease()
+        self.transport.register(list(self.keys.values()), self._info())
+        self._last_recover = time.monotonic()
+        self._recover()
+
+    def _recover(self) -> None:
+        self.flush()
+        inbound, dead = self.transport.recover()
+        self.hops.prefetch(self.transport, inbound)
+        answers: list[Answer] = []
+        wire_rejects: list[Answer] = []
+        acks: list[Delivery] = []
+        self.admission.admit_all(inbound, answers, dead, wire_rejects, acks, None)
+        completions = wire_rejects + self.ledger.completions(answers, [])
+        if completions or dead or acks:
+            self.transport.complete(completions, dead, None, acks=acks)
+        for dl in dead:
+            self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
+
+    def _info(self) -> dict[str, object]:
+        cap = self.engine.capacity
+        return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
+                "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
+                "scheduler": self.scheduler.stats.as_dict(),
+                "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
+                "max_continuation": MAX_CONTINUATION,  # the producer asks for n > 1 only when advertised
+                "prefill_budget": self.scheduler.config.prefill_budget, "prefill_max": self.pacer.max_tokens,
+                "prefill_ratio": self.pacer.ratio, "vocab_size": cap.vocab_size,
+                "engine": self.engine.describe(), "stats": self.stats.snapshot()}
+
+    def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,
+                 completions: Sequence[Answer], dead: Sequence[DeadLetter],
+                 latencies: Sequence[tuple[Phase, float]]) -> None:
+        m, w = self.metrics, self._m
+        if batch is not None and call is not None:
+            m.batch_size.labels(w, call.phase).observe(call.batch_size)
+            m.tokens.labels(w, call.phase).inc(call.tokens)
+            m.engine_seconds.labels(w, call.phase).inc(call.engine_seconds)
+        # Counted per label set, then one labels() lookup each: this runs for every session of every call.
+        outcomes: dict[tuple[str, str], int] = {}
+        for c in completions:
+            r = c.result
+            key = (r.status.value, r.reason.value if r.reason else "")
+            outcomes[key] = outcomes.get(key, 0) + 1
+        for (status, reason), n in outcomes.items():
+            m.results.labels(w, status, reason).inc(n)
+        if latencies:
+            by_phase: dict[Phase, list[float]] = {}
+            for phase, seconds in latencies:
+                by_phase.setdefault(phase, []).append(seconds)
+            for phase, values in by_phase.items():
+                hist = m.step_latency.labels(w, phase)
+                for seconds in values:
+                    hist.observe(seconds)
+        for dl in dead:
+            m.dead_letters.labels(w, dl.reason.value).inc()
+        m.busy_slots.labels(w).set(self.scheduler.table.busy_slots)
