@@ -27,6 +27,7 @@ from .wire import (
     job_from_fields,
     job_to_fields,
     results_from_fields,
+    results_to_fields,
 )
 
 __all__ = [
@@ -67,5 +68,6 @@ __all__ = [
     "job_to_fields",
     "parse_input_stream",
     "results_from_fields",
+    "results_to_fields",
     "whole_model_boundary",
 ]

@@ -43,7 +43,7 @@ __all__ = ["INLINE_MAX_CHARS", "ITEMSIZE", "ActivationError", "Activations", "Dt
            "raw_bytes"]
 
 
-class Activations(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class Activations(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """The header of one step's activations; the rows are in `data` (inline) or in the string `blob`.
     Every value is checked in `__post_init__` (built or decoded alike)."""
 

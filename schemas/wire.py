@@ -16,7 +16,7 @@ every value checked once (`StepJob.__post_init__`). Another version is refused b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -34,7 +34,7 @@ from .step import Accounting, StepJob, StepResult, end_job_id, result_job_id
 __all__ = [
     "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields", "cancel_to_fields",
     "decode_record", "encode_record", "job_from_fields", "job_to_fields", "record_fields", "results_from_fields",
-    "row_result_id",
+    "results_to_fields", "row_result_id",
 ]
 
 Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
@@ -107,7 +107,7 @@ class _JobBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sample: bool = True
     attempt: int = 0
     n: int = 1
-    reply_to: str | None = None
+    reply_to: str | msgspec.UnsetType = msgspec.UNSET  # absent: left out, never null
     # Raw JSON (empty: absent); `null` is refused: the producer leaves an absent field out.
     session: msgspec.Raw = msgspec.Raw()
     hidden: msgspec.Raw = msgspec.Raw()
@@ -170,9 +170,10 @@ def job_from_fields(fields: Fields) -> StepJob:
         body = _BODY.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_body_ids(raw)) from None
+    reply_to = None if body.reply_to is msgspec.UNSET else body.reply_to
     ids = {"session_id": body.session_id if is_id(body.session_id) else None,
            "job_id": body.job_id if is_id(body.job_id) else None,
-           "reply_to": body.reply_to if is_id(body.reply_to) else None}
+           "reply_to": reply_to if is_id(reply_to) else None}
     if len(body.tokens) > MAX_TOKENS_PER_JOB:
         raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **ids)
     try:
@@ -190,7 +191,7 @@ def job_from_fields(fields: Fields) -> StepJob:
         return StepJob(job_id=body.job_id, session_id=body.session_id, phase=phase, compat=body.compat,
                        start_position=body.pos, tokens=tuple(body.tokens), created_at=body.created_at,
                        hop=body.hop, sample=body.sample, attempt=body.attempt, session=session, hidden=hidden,
-                       n=body.n, reply_to=body.reply_to)
+                       n=body.n, reply_to=reply_to)
     except (ValueError, TypeError) as e:
         raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **ids) from None
 
@@ -281,6 +282,35 @@ def decode_record(fields: Fields) -> tuple[ResultRecord, Charges]:
     if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or any(not 0 <= d < n for d in chg.d):
         raise WireError(Reason.MALFORMED, "charges do not match the record's rows")
     return rec, chg
+
+
+def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> dict[bytes, bytes]:
+    """A result entry holding `results` as rows, charged as their accounting says (what a worker's
+    completion writes for fresh answers). For tests, tools and test doubles of a worker: a worker builds
+    its records from its own answers (consumer/transport/publish.py)."""
+    if not results:
+        raise ValueError("a result entry holds at least one row")
+    cols: dict[str, list[Any]] = {k: [] for k in ("sid", "job", "off", "att", "st", "pos", "tok", "fin", "fed", "es")}
+    x: dict[str, RowExtra] = {}
+    for i, r in enumerate(results):
+        base, _, suffix = r.job_id.rpartition(".")
+        off = END_OFFSET if suffix == "end" and base else int(suffix) if base and suffix.isdigit() else 0
+        cols["sid"].append(r.session_id)
+        cols["job"].append(base if off else r.job_id)
+        cols["off"].append(off)
+        cols["att"].append(0)
+        cols["st"].append(STATUS_CODE[r.status])
+        cols["pos"].append(r.position)
+        cols["tok"].append(-1 if r.token is None else r.token)
+        cols["fin"].append(int(r.finished))
+        cols["fed"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)
+        cols["es"].append(r.accounting.engine_seconds)
+        if r.status != Status.OK or r.detail or r.hidden is not None:
+            x[str(i)] = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
+    rec = ResultRecord(worker=results[0].worker_id, call=call, batch=results[0].batch_size, x=x, **cols)
+    chg = Charges(p=[r.accounting.prompt_tokens for r in results], g=[r.accounting.generated_tokens for r in results],
+                  r=[r.accounting.recomputed_tokens for r in results], d=[])
+    return {b"v": _VERSION, b"r": encode_record(rec), b"c": _ENCODER.encode(chg)}
 
 
 def row_result_id(job_id: str, off: int) -> str:

@@ -28,9 +28,9 @@ from consumer.runtime import make_engine
 from dgrtools.localredis import LocalRedis, free_port
 from dgrtools.process import ConsumerProcess as _ConsumerProcess
 from producer import Producer, SessionHandle
-from schemas import RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys, result_from_fields
+from schemas import RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys
 
-from .support import ConsumerProcess, solo_generate
+from .support import ConsumerProcess, session_results, solo_generate
 
 # Short lease and sweep so that the default suite stays short; the soak runs the real durations.
 FAST = ("--lease-ms", "1000", "--recover-every-s", "0.3", "--heartbeat-s", "0.2", "--outage-max-s", "60")
@@ -150,7 +150,7 @@ class Drive:
 
 
 def stream_results(client: redis.Redis, worker: str, sid: str) -> list[StepResult]:
-    return [result_from_fields(f) for _, f in client.xrange(WorkerKeys(worker).results(sid))]
+    return session_results(client, worker, sid)
 
 
 def _num(x: bytes | None) -> float:

@@ -22,7 +22,7 @@ from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from schemas import RouteHop, Sampling, SessionSpec, Status, StepJob, StepResult, WorkerKeys, job_to_fields
 from schemas.limits import ACTIVATION_TTL_S
-from schemas.wire import result_from_fields
+from schemas.wire import results_from_fields
 
 
 def make_hop_worker(client: redis.Redis, engine: Engine, worker_id: str, **kw: object) -> Worker:
@@ -122,7 +122,7 @@ class RouteDriver:
         for (hop, sid), after in list(self.last.items()):
             for entry_id, fields in self.client.xrange(self.keys(hop).results(sid), min=b"(" + after):
                 self.last[(hop, sid)] = entry_id
-                got.append((hop, result_from_fields(fields)))
+                got.extend((hop, r) for r in results_from_fields(fields))
         if self.shuffle:
             # Sessions' results interleave in any order; one session's stay in order (a Tracker relays
             # each session's steps in position order: a worker answers a gap position_gap).

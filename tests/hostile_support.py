@@ -23,7 +23,7 @@ from schemas import (
     cancel_from_fields,
     job_from_fields,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
 
 WID = "hostile-w"
@@ -80,14 +80,14 @@ class Honest:
         for sid in list(self.last):
             for entry_id, fields in self.client.xrange(self.keys.results(sid), min=b"(" + self.last[sid]):
                 self.last[sid] = entry_id
-                r = result_from_fields(fields)
-                if r.job_id not in self.jobs:
-                    continue
-                self.results[sid].append(r)
-                if r.token is not None:
-                    self.tokens[sid].append(r.token)
-                    if not r.finished and push_next:
-                        self.decode(sid, r.token)
+                for r in results_from_fields(fields):
+                    if r.job_id not in self.jobs:
+                        continue
+                    self.results[sid].append(r)
+                    if r.token is not None:
+                        self.tokens[sid].append(r.token)
+                        if not r.finished and push_next:
+                            self.decode(sid, r.token)
 
     def decode(self, sid: str, token: int) -> None:
         pos = self.position[sid]

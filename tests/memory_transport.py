@@ -1,4 +1,4 @@
-"""An in-memory Transport (consumer/transport_protocol.py) for worker unit tests: no Redis, no wire.
+"""An in-memory Transport (consumer/transport/protocol.py) for worker unit tests: no Redis, no wire.
 
 Jobs are pushed as decoded StepJobs (or as refusals, standing in for entries the wire refused); what
 the worker files comes back in `answers`, `dead` and `calls`. A job id's first answer is the one that
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
-from consumer.schedule_output import Answer
-from consumer.transport_protocol import DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
+from consumer.sched.outputs import Answer
+from consumer.transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 from schemas import CompatibilityKey, Phase, StepJob
 
 
@@ -23,6 +23,7 @@ class MemoryTransport:
         self.dead: list[DeadLetter] = []
         self.calls: list[FusedCallStats] = []
         self.closed: list[tuple[str, str]] = []
+        self.acked: list[Delivery] = []  # deliveries acked without an answer (answered by an earlier process)
         self.cancel_markers: set[str] = set()
         self.pending_cancels: list[str] = []
         self.answered: set[str] = set()
@@ -50,7 +51,7 @@ class MemoryTransport:
         return d
 
     # ---- the Transport ------------------------------------------------------------------------
-    def acquire_lease(self, *, wait: bool = True) -> str:
+    def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str:
         return "1:mem"
 
     def renew_lease(self) -> None:
@@ -80,24 +81,25 @@ class MemoryTransport:
     def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
         return [], []
 
-    def checks(self, job_ids: Sequence[str], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         self.round_trips += 1
-        return {j for j in job_ids if j in self.answered}, {s for s in session_ids if s in self.cancel_markers}
+        return ({j.job_id for j in openings if j.job_id in self.answered},
+                {s for s in session_ids if s in self.cancel_markers})
 
     def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
         self.round_trips += 1
         return [self.blobs.get(b) for b in blobs]
 
-    def cancellations(self) -> list[str]:
+    def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
         out, self.pending_cancels = self.pending_cancels, []
-        return out
-
-    def drain_rejected_cancellations(self) -> list[DeadLetter]:
-        return []
+        return out, []
 
     def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None) -> list[bool]:
+                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
+                 acks: Sequence[Delivery] = ()) -> list[bool]:
         self.round_trips += 1
+        self.closed.extend((c.session_id, c.kind) for c in closures)
+        self.acked.extend(acks)
         first: list[bool] = []
         for a in answers:
             fresh = a.result.job_id not in self.answered
@@ -112,10 +114,6 @@ class MemoryTransport:
         if call is not None:
             self.calls.append(call)
         return first
-
-    def close_sessions(self, closures: Sequence[tuple[str, str]]) -> int:
-        self.closed.extend(closures)
-        return len(closures)
 
     def input_lag(self) -> dict[str, dict[str, int]]:
         return {f"mem:{p}": {"length": len(q), "lag": len(q), "pending": 0} for p, q in self.queues.items()}

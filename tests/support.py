@@ -5,13 +5,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
 from dgrtools.process import ConsumerProcess as _ConsumerProcess
-from schemas import CompatibilityKey, EngineIdentity, Phase, Recipe, StateLayout, whole_model_boundary
+from schemas import (
+    CompatibilityKey,
+    EngineIdentity,
+    Phase,
+    Recipe,
+    StateLayout,
+    StepResult,
+    WorkerKeys,
+    results_from_fields,
+    whole_model_boundary,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tests run the NumPy reference engine unless they ask for llama.cpp.
@@ -55,3 +66,22 @@ def solo_generate(engine: Engine, prompt: Sequence[int], max_tokens: int, slot: 
         tokens.append(int(np.argmax(out[0])))
     engine.release(slot)
     return tokens
+
+
+def session_results(client: Any, worker: str, session_id: str) -> list[StepResult]:
+    """Every answer published to a session, in order: the rows of its worker's result records (wire
+    version 2) that name it, wherever its jobs' `reply_to` sent them (its own stream, or a Tracker's)."""
+    keys = WorkerKeys(worker)
+    own = keys.results(session_id)
+    others = sorted(k.decode() for k in client.scan_iter(match=keys.results_pattern, count=1000))
+    streams = [own, *(k for k in others if k != own)]
+    out: list[StepResult] = []
+    for name in streams:
+        for _id, fields in client.xrange(name):
+            out.extend(r for r in results_from_fields(fields) if r.session_id == session_id)
+    return out
+
+
+def entry_results(entries: Sequence[tuple[Any, Any]]) -> list[StepResult]:
+    """The rows of result entries (an XRANGE / XREAD page of one result stream), in order."""
+    return [r for _id, fields in entries for r in results_from_fields(fields)]

@@ -18,8 +18,9 @@ from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer
 from producer.core import Batch
-from schemas import GROUP, RouteHop, Sampling, SessionSpec, WorkerKeys, job_to_fields, result_from_fields
+from schemas import GROUP, RouteHop, Sampling, SessionSpec, WorkerKeys, job_to_fields
 from schemas.step import result_job_id
+from tests.support import session_results
 from tests.test_continuation import HistoryEngine, Sess, oracle
 
 _wids = itertools.count()
@@ -54,7 +55,7 @@ def _spec(w: Running, sid: str, s: Sess, stops: tuple[int, ...] = ()) -> Session
 
 
 def _results(client: redis.Redis, wid: str, sid: str) -> list[object]:
-    return [result_from_fields(f) for _, f in client.xrange(WorkerKeys(wid).results(sid))]
+    return session_results(client, wid, sid)
 
 
 def _pending(client: redis.Redis, w: Running) -> int:

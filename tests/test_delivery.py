@@ -81,7 +81,7 @@ class Stepper:
 
 def assert_clean(worker: Worker) -> None:
     assert worker.scheduler.table.busy_slots == 0, "a slot leaked"
-    assert worker._held == {} and worker._twins == {}, (worker._held, worker._twins)
+    assert worker.ledger.held == {} and worker.ledger.twins == {}, (worker.ledger.held, worker.ledger.twins)
     assert worker.transport.outstanding == 0
 
 

@@ -24,7 +24,7 @@ from dgrtools.tiny_model import write_tiny_model
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields
 from schemas.activations import Activations, encode
 from schemas.limits import ACTIVATION_TTL_S
-from schemas.wire import result_from_fields
+from schemas.wire import results_from_fields
 
 from .hop_driver import RouteDriver, make_hop_worker
 from .support import prompts, solo_generate
@@ -75,7 +75,7 @@ def _push(client: redis.Redis, w: Worker, job: StepJob, fields: dict[str, str] |
 
 def _answers(client: redis.Redis, w: Worker, sid: str) -> list[tuple[Status, Reason | None, str]]:
     out = client.xrange(WorkerKeys(w.settings.worker_id).results(sid))
-    return [(r.status, r.reason, r.detail) for r in (result_from_fields(f) for _, f in out)]
+    return [(r.status, r.reason, r.detail) for _, f in out for r in results_from_fields(f)]
 
 
 def _serve(w: Worker, rounds: int = 5) -> None:
@@ -240,7 +240,7 @@ def test_output_blob_written_once_with_ttl_and_inputs_fetched_in_one_round_trip(
         assert float(h0[b"engine_seconds"]) > 0 and float(h1[b"engine_seconds"]) > 0
         assert int(h0[b"steps"]) == int(h1[b"steps"])  # the same steps ran on both hops
     # a re-sent completion writes no blob twice: replay hop 0's first answer
-    a0 = next(iter(d.workers[0]._answered.values()))
+    a0 = next(iter(d.workers[0].ledger.answered.values()))
     assert a0.blob is None  # the worker keeps no output rows once filed
 
 

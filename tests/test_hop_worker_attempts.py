@@ -10,7 +10,7 @@ import os
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.scheduler import Scheduler
+from consumer.sched import Scheduler
 from schemas import Reason, Status, StepJob
 from tests.test_scheduler import DIGESTS, decode, make, opening, run
 
@@ -19,7 +19,7 @@ SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 def replace(job: StepJob, **kw: object) -> StepJob:
     """The job with fields changed, validated again."""
-    return StepJob.model_validate({**job.model_dump(), **kw})
+    return job.replace(**kw)
 
 
 def _open(s: Scheduler, sid: str, attempt: int, n: int = 4, **kw: object) -> StepJob:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from consumer.engines.reference import NumpyReferenceEngine
 from dgrtools.localredis import LocalRedis
-from schemas import Reason, RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields, result_from_fields
+from schemas import Reason, RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields, results_from_fields
 
 from .hostile_support import WID, Honest, accounted, dead_letters, make_worker
 from .support import prompts, solo_generate
@@ -47,8 +47,8 @@ def results_of(client: redis.Redis, sid: str) -> list[tuple[str, str, str]]:
     """(job_id, status, reason) of every result in a session's stream."""
     out = []
     for _id, f in client.xrange(WorkerKeys(WID).results(sid)):
-        r = result_from_fields(f)
-        out.append((r.job_id, r.status.value, r.reason.value if r.reason else ""))
+        for r in results_from_fields(f):
+            out.append((r.job_id, r.status.value, r.reason.value if r.reason else ""))
     return out
 
 

@@ -14,7 +14,7 @@ def _modules_after(stmt: str) -> set[str]:
 
 
 def test_importing_the_scheduler_loads_no_engine_nor_io() -> None:
-    loaded = _modules_after("import consumer.scheduler, consumer.sampler")
+    loaded = _modules_after("import consumer.sched.scheduler, consumer.sampler")
     assert not {m for m in loaded if m.startswith("consumer.engines")}, "the scheduler must not load an engine"
     for forbidden in ("redis", "llama_cpp", "consumer.transport", "consumer.worker"):
         assert forbidden not in loaded, f"the scheduler loaded {forbidden}"

@@ -16,6 +16,7 @@ from consumer.transport import LeaseHeld, LeaseLost, RedisTransport, TransportSe
 from schemas import WorkerKeys
 from schemas.retry import OutageRider, RetryPolicy, transient
 from tests.test_transport import completions_for, make_job, make_key, push
+from tests.transport_support import complete_entries
 
 WORKER = "lw"
 KEYS = [make_key("prefill"), make_key("decode")]
@@ -48,13 +49,13 @@ def test_a_fenced_holder_writes_nothing(redis_client: redis.Redis) -> None:
     redis_client.delete(WorkerKeys(WORKER).lease)  # a's lease lapsed (a paused)...
     b.acquire_lease(wait=False)  # ...and b took over
     with pytest.raises(LeaseLost):
-        a.complete_entries(completions_for(held))
+        complete_entries(a, completions_for(held))
     assert redis_client.xlen(a.keys.results("s")) == 0 and not redis_client.exists(a.keys.worker_account)
     with pytest.raises(LeaseLost):
         a.renew_lease()
     taken = b.read_streams({dec: 1}, block_ms=0)  # same consumer name: b's start-up pending re-read has it
     assert [d.entry_id for d in taken] == [d.entry_id for d in held]
-    assert b.complete_entries(completions_for(taken)) == [True]
+    assert complete_entries(b, completions_for(taken)) == [True]
 
 
 def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> None:
@@ -64,14 +65,14 @@ def test_a_lapsed_lease_nobody_took_is_taken_back(redis_client: redis.Redis) -> 
     push(redis_client, dec, [make_job("s", 1), make_job("t", 1)])
     held = a.read_streams({dec: 2}, block_ms=0)
     redis_client.delete(WorkerKeys(WORKER).lease)  # a long pause: lapsed, nobody else came
-    assert a.complete_entries(completions_for(held[:1])) == [True]  # the completion takes it back
+    assert complete_entries(a, completions_for(held[:1])) == [True]  # the completion takes it back
     assert redis_client.get(WorkerKeys(WORKER).lease) == token.encode()
     redis_client.delete(WorkerKeys(WORKER).lease)
     a.renew_lease()  # so does the renewal
     assert redis_client.get(WorkerKeys(WORKER).lease) == token.encode()
     redis_client.flushall()  # Redis lost its data set (a restart without persistence)
     a.register(KEYS, {})
-    assert a.complete_entries(completions_for(held[1:])) == [True]  # not fenced by the loss: epoch restored
+    assert complete_entries(a, completions_for(held[1:])) == [True]  # not fenced by the loss: epoch restored
     assert redis_client.get(WorkerKeys(WORKER).lease_epoch) == b"1"
 
 
@@ -205,7 +206,7 @@ def test_a_completion_whose_reply_was_lost_is_resent_without_effect(redis_client
         return out
 
     t._complete = reply_lost  # type: ignore[assignment]
-    assert t.complete_entries(completions_for(held)) == [False]  # re-sent: the first call had answered it
+    assert complete_entries(t, completions_for(held)) == [False]  # re-sent: the first call had answered it
     assert calls[0] == 2 and t.outages == 1
     assert redis_client.xlen(t.keys.results("s")) == 1
     assert redis_client.hget(t.keys.worker_account, "steps") == b"1"

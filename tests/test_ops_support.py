@@ -13,7 +13,7 @@ import redis
 from consumer.ops.common import LEDGER_INDEX, OpsKeys, ledger_key, s, sdict, stream_id_ms, workers
 from consumer.ops.deadletters import parse_ref
 from consumer.ops.jobs import _redacted
-from consumer.transport import Completion, DeadLetter, Delivery, RedisTransport
+from consumer.transport import DeadLetter, Delivery, RedisTransport
 from schemas import (
     Accounting,
     CompatibilityKey,
@@ -30,6 +30,7 @@ from schemas import (
 )
 from schemas.keys import WORKERS_INDEX
 from tests.support import compat_key
+from tests.transport_support import Completion, complete_entries
 
 # ------------------------------------------------------------------------------------------ helpers
 
@@ -80,7 +81,7 @@ def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 
                          accounting=Accounting(prompt_tokens=prompt, generated_tokens=1, engine_seconds=secs),
                          worker_id=t.worker_id, batch_size=len(ds))
         comps.append(Completion(d, res, acct, d.phase))
-    assert all(t.complete_entries(comps))
+    assert all(complete_entries(t, comps))
 
 
 def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decode",
@@ -90,7 +91,7 @@ def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decod
     t.client.xadd(stream, fields)  # type: ignore[arg-type]
     ds = [d for d in read_all(t) if d.stream == stream]
     assert len(ds) == 1
-    t.complete_entries([], [DeadLetter(ds[0], reason, detail)])
+    complete_entries(t, [], [DeadLetter(ds[0], reason, detail)])
     newest: list[Any] = t.client.xrevrange(t.keys.dead_letters, count=1)  # type: ignore[assignment]
     ((dlq_id, _),) = newest
     return s(dlq_id)

@@ -35,8 +35,9 @@ from schemas import (
     WorkerKeys,
     cancel_to_fields,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
+from tests.support import entry_results
 
 SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
@@ -107,17 +108,17 @@ class Driver:
         for i in list(self.pos):
             for entry_id, fields in self.client.xrange(self.keys.results(self.sid(i)), min=b"(" + self.last[i]):
                 self.last[i] = entry_id
-                r = result_from_fields(fields)
-                self.seen[i].append(r)
-                if r.token is None or r.finished or i in self.over:
-                    continue
-                n = sum(1 for x in self.seen[i] if x.token is not None)
-                if self.plans[i].cancel_after == n:
-                    if self.plans[i].cancel_with_step:
+                for r in results_from_fields(fields):
+                    self.seen[i].append(r)
+                    if r.token is None or r.finished or i in self.over:
+                        continue
+                    n = sum(1 for x in self.seen[i] if x.token is not None)
+                    if self.plans[i].cancel_after == n:
+                        if self.plans[i].cancel_with_step:
+                            self.step(i, r.token)
+                        self.cancel(i)
+                    else:
                         self.step(i, r.token)
-                    self.cancel(i)
-                else:
-                    self.step(i, r.token)
 
     def settled(self) -> bool:
         """Every session finished, answered cancelled, or (cancelled with nothing queued: no answer) closed."""
@@ -202,8 +203,8 @@ def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis)
     w.run(max_idle_s=20)
     stop_at.set()
     t.join()
-    assert w._publishing is None
-    published = sum(real_redis.xlen(WorkerKeys(wid).results(d.sid(i))) for i in range(len(plans)))
+    assert not w.io.busy
+    published = sum(len(entry_results(real_redis.xrange(WorkerKeys(wid).results(d.sid(i))))) for i in range(len(plans)))
     assert published == w.stats.sessions_in_calls  # one result per session per fused call, all out
     assert b'"stopped":true' in (real_redis.get(WorkerKeys(wid).heartbeat) or b"")
 

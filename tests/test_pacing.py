@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.pacing import PrefillPacer
+from consumer.sched.pacing import PrefillPacer
 
 
 def simulate(pacer: PrefillPacer, fixed: float, per_token: float, decode: float, rounds: int = 40) -> int:

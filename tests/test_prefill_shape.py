@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.prefill_shape import MIN_BUDGET, piece_rows
+from consumer.sched.prefill_shape import MIN_BUDGET, piece_rows
 
 
 @settings(max_examples=400, deadline=None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from consumer.transport import Completion, FusedCallStats, RedisTransport, TransportSettings
+from consumer.transport import FusedCallStats, RedisTransport, TransportSettings
 from producer import Backpressure, ResultTimeout, SessionFailed, SessionHandle, job_id
 from schemas import (
     Accounting,
@@ -28,11 +28,12 @@ from schemas import (
     WorkerKeys,
     job_from_fields,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
 from schemas.limits import ID_PATTERN
 from tests.producer_drivers import MakeProducer, counting_calls, make_producer
 from tests.test_transport import WORKER, hget_all, make_key, make_spec, xrange
+from tests.transport_support import Completion, complete_entries
 
 __all__ = ["make_producer"]  # the fixture: every end-to-end body runs against both drivers
 
@@ -126,7 +127,7 @@ class FakeWorker:
                 raise
             result, account, close = self._answer(job)
             comps.append(Completion(d, result, account, d.phase, close))  # type: ignore[arg-type]
-        self.t.complete_entries(comps, call=FusedCallStats("decode", len(ds), len(ds), 0.001 * len(ds)))
+        complete_entries(self.t, comps, call=FusedCallStats("decode", len(ds), len(ds), 0.001 * len(ds)))
         self.steps_seen += len(ds)
         return len(ds)
 
@@ -152,7 +153,7 @@ class FakeWorker:
 
 
 def results_of(client: redis.Redis, worker: str, session_id: str) -> list[StepResult]:
-    return [result_from_fields(f) for _id, f in xrange(client, WorkerKeys(worker).results(session_id))]
+    return [r for _id, f in xrange(client, WorkerKeys(worker).results(session_id)) for r in results_from_fields(f)]
 
 
 # ------------------------------------------------------------------------------------------ unit-ish

@@ -14,7 +14,7 @@ from schemas import (
     StepResult,
     WorkerKeys,
     job_from_fields,
-    result_to_fields,
+    results_to_fields,
 )
 from tests.test_transport import WORKER, make_key, make_spec
 
@@ -147,7 +147,7 @@ def test_resume_follows_the_stream_through_a_replay() -> None:
     stream.append(answer(h, jid, Status.STATE_LOST, reason=Reason.ENGINE_ERROR))
     record = {"spec": spec.model_dump_json(), "prompt": "1,2", "hop": "0", "attempt": "1"}
     r = c.resumer(WORKER, "s", record)
-    r.feed([(f"{i + 1}-0", {k.encode(): v.encode() for k, v in result_to_fields(x).items()})
+    r.feed([(f"{i + 1}-0", results_to_fields([x]))
             for i, x in enumerate(stream)])
     assert r.cursor is None
     rebuilt, again = r.finish()

@@ -32,7 +32,7 @@ from schemas import (
     WorkerKeys,
     cancel_from_fields,
     job_from_fields,
-    result_to_fields,
+    results_to_fields,
 )
 from schemas.activations import decode, encode
 from schemas.compat import EngineIdentity, Recipe, StateLayout, hop_boundary
@@ -229,7 +229,7 @@ class SimCluster:
         got = self.streams.get(key, [])
         start = self.cursor.get(key, 0)
         self.cursor[key] = len(got)
-        return [(f"{i + 1}-0", {k.encode(): v.encode() for k, v in result_to_fields(r).items()})
+        return [(f"{i + 1}-0", results_to_fields([r]))
                 for i, r in enumerate(got[start:], start)]
 
 

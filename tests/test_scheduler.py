@@ -13,8 +13,8 @@ import pytest
 
 from consumer.batch import EngineCapacity, EngineOutput
 from consumer.sampler import BatchSampler
-from consumer.scheduler import Answer, ScheduledBatch, Scheduler, SchedulerConfig
-from consumer.session_table import SessionState
+from consumer.sched import Answer, ScheduledBatch, Scheduler, SchedulerConfig
+from consumer.sched.session_table import SessionState
 from schemas import (
     Phase,
     Reason,
@@ -149,7 +149,7 @@ def test_incompatible_stream(stream: str, job_phase: Phase) -> None:
 
 def test_incompatible_when_job_compat_differs_or_engine_lacks_the_phase() -> None:
     s = make()
-    job = opening("a", 3).model_copy(update={"compat": "00000000000000ff"})
+    job = opening("a", 3).replace(compat="00000000000000ff")
     assert reason(s.admit(job, "00000000000000ff", None))[1] == Reason.INCOMPATIBLE  # engine differs
     s2 = Scheduler(s.config, WORKER, {"decode": DIGESTS["decode"]})
     assert reason(admit(s2, opening("a", 3)))[1] == Reason.INCOMPATIBLE
@@ -188,7 +188,7 @@ def test_check_order() -> None:
     s = make(ctx=16, vocab=50)
     ok_open(s, "a", 4)
     # incompatible beats everything
-    bad = decode("a", 2, token=99).model_copy(update={"compat": "0000000000000bad"})
+    bad = decode("a", 2, token=99).replace(compat="0000000000000bad")
     assert reason(s.admit(bad, "0000000000000bad", None))[1] == Reason.INCOMPATIBLE
     # position beats token and length
     assert reason(admit(s, decode("a", 2, token=99)))[1] == Reason.DUPLICATE
@@ -394,7 +394,7 @@ def test_complete_advances_samples_and_splits_accounting() -> None:
     for o in out:
         r = o.result
         assert r.status == Status.OK and r.reason is None and not r.finished and o.close is None
-        assert r.batch_size == 2 and r.worker_id == WORKER and o.account_id == "acct"
+        assert r.batch_size == 2 and o.account_id == "acct"
         assert r.accounting.prompt_tokens == 0 and r.accounting.generated_tokens == 1
         assert r.accounting.engine_seconds == pytest.approx(0.2)
         assert o.ref == o.job.job_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumer.session_table import SessionState, SessionTable
+from consumer.sched.session_table import SessionState, SessionTable
 from schemas import RouteHop, SessionSpec
 from tests.support import compat_key
 

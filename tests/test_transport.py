@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from consumer.transport import (
-    Completion,
     DeadLetter,
     Delivery,
     FusedCallStats,
@@ -42,6 +41,7 @@ from schemas import (
 )
 from schemas.keys import WORKERS_INDEX
 from tests.support import compat_key
+from tests.transport_support import Completion, complete_entries
 
 WORKER = "w1"
 
@@ -249,7 +249,7 @@ def test_at_least_once_pending_reread_after_restart(redis_client: redis.Redis, t
     assert names == ["s2", "s3", "s4", "late"]
     # every entry was delivered; after completing them all nothing is pending
     everything = first + second + rest
-    assert all(again.complete_entries(completions_for(everything)))
+    assert all(complete_entries(again, completions_for(everything)))
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
     assert again.input_lag()[dec] == {"length": 6, "lag": 0, "pending": 0}
 
@@ -265,7 +265,7 @@ def test_trimmed_pending_entry_returns_with_empty_fields(redis_client: redis.Red
     assert d2.entry_id == d.entry_id and d2.fields == {}
     with pytest.raises(WireError) as e:
         job_from_fields(d2.fields)
-    again.complete_entries([], [DeadLetter(d2, e.value.reason, str(e.value))])
+    complete_entries(again, [], [DeadLetter(d2, e.value.reason, str(e.value))])
     (dl,) = xrange(redis_client, again.keys.dead_letters)
     assert dl[1][b"reason"] == b"malformed" and dl[1][b"entry_id"] == d.entry_id.encode()
 
@@ -321,11 +321,11 @@ def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis,
     ds = transport.read_streams({dec: 3}, block_ms=0)
     comps = completions_for(ds, generated=1, secs=0.25)
     call = FusedCallStats("decode", batch_size=3, tokens=3, engine_seconds=0.75)
-    assert transport.complete_entries(comps, call=call) == [True, True, True]
+    assert complete_entries(transport, comps, call=call) == [True, True, True]
     snapshot = {k: hget_all(redis_client, k) for k in (transport.keys.worker_account,
                                                        transport.keys.session_account("s0"),
                                                        transport.keys.billing_account("acct-1"))}
-    assert transport.complete_entries(comps, call=call) == [False, False, False]  # replay
+    assert complete_entries(transport, comps, call=call) == [False, False, False]  # replay
     assert {k: hget_all(redis_client, k) for k in snapshot} == snapshot
     for i in range(3):
         entries = xrange(redis_client, transport.keys.results(f"s{i}"))
@@ -341,7 +341,7 @@ def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis,
     assert w["results:ok"] == "3" and w["generated_tokens"] == "3" and float(w["engine_seconds"]) == 0.75
     assert float(w["engine_seconds_share"]) == pytest.approx(0.75)
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
-    assert transport.complete_entries([]) == []
+    assert complete_entries(transport, []) == []
 
 
 def test_same_job_id_pushed_twice_yields_one_result(redis_client: redis.Redis, transport: RedisTransport) -> None:
@@ -349,10 +349,10 @@ def test_same_job_id_pushed_twice_yields_one_result(redis_client: redis.Redis, t
     job = make_job("s", 4, job_id="retried-job")
     push(redis_client, dec, [job, job])  # a producer retry
     a, b = transport.read_streams({dec: 2}, block_ms=0)
-    assert transport.complete_entries(completions_for([a, b])) == [True, False]  # same batch
+    assert complete_entries(transport, completions_for([a, b])) == [True, False]  # same batch
     push(redis_client, dec, [job])  # and once more, completed in a later batch
     (c,) = transport.read_streams({dec: 2}, block_ms=0)
-    assert transport.complete_entries(completions_for([c])) == [False]
+    assert complete_entries(transport, completions_for([c])) == [False]
     assert redis_client.xlen(transport.keys.results("s")) == 1
     assert hget_all(redis_client, transport.keys.session_account("s"))["steps"] == "1"
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
@@ -363,7 +363,7 @@ def test_per_session_result_order(redis_client: redis.Redis, transport: RedisTra
     for pos in range(10):
         push(redis_client, dec, [make_job("a", pos), make_job("b", 100 + pos)])
         ds = transport.read_streams({dec: 8}, block_ms=0)
-        transport.complete_entries(completions_for(ds, token=pos))
+        complete_entries(transport, completions_for(ds, token=pos))
     for sid, base in (("a", 0), ("b", 100)):
         rs = [result_from_fields(f) for _id, f in xrange(redis_client, transport.keys.results(sid))]
         assert [r.position for r in rs] == [base + p + 1 for p in range(10)]
@@ -390,8 +390,8 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
             r = ok_result(job, prompt=7 if phase == "prefill" else 0, generated=1, secs=share, finished=last)
             comps.append(Completion(d, r, accounts[job.session_id], phase, "finished" if last else None))
         call = FusedCallStats(phase, len(ds), len(ds), call_seconds)
-        assert all(transport.complete_entries(comps, call=call))
-        transport.complete_entries(comps, call=call)  # replays change nothing
+        assert all(complete_entries(transport, comps, call=call))
+        complete_entries(transport, comps, call=call)  # replays change nothing
         total_call_seconds += call_seconds
     w = hget_all(redis_client, transport.keys.worker_account)
     per_session = [hget_all(redis_client, transport.keys.session_account(s)) for s in sessions]
@@ -418,7 +418,7 @@ def test_unknown_session_is_not_charged_to_an_account(redis_client: redis.Redis,
     job = job_from_fields(d.fields)
     r = StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.REJECTED,
                    reason=Reason.UNKNOWN_SESSION, position=3, worker_id=WORKER)
-    assert transport.complete_entries([Completion(d, r, None, "decode", "cancelled")]) == [True]
+    assert complete_entries(transport, [Completion(d, r, None, "decode", "cancelled")]) == [True]
     assert redis_client.scard(transport.keys.accounts_index) == 0
     # no per-session key outlives the reject ttl: no session hash at all, the answer expires soon
     assert not redis_client.exists(transport.keys.session_account("ghost"))
@@ -447,8 +447,8 @@ def test_malformed_entries_dead_lettered_alongside_completions(redis_client: red
         else:
             comps.append(Completion(d, ok_result(job), "acct", "decode"))
     assert [dl.reason for dl in dead] == [Reason.MALFORMED, Reason.MALFORMED, Reason.SCHEMA_VERSION]
-    assert transport.complete_entries(comps, dead) == [True]
-    assert transport.complete_entries(comps, dead) == [False]  # replay: no second dead letter either
+    assert complete_entries(transport, comps, dead) == [True]
+    assert complete_entries(transport, comps, dead) == [False]  # replay: no second dead letter either
     dlq = xrange(redis_client, transport.keys.dead_letters)
     assert len(dlq) == 3
     for (_id, f), dl in zip(dlq, dead, strict=True):
@@ -472,8 +472,8 @@ def test_one_delivery_rejected_and_dead_lettered_in_one_call(redis_client: redis
     r = StepResult(job_id=e.value.job_id, session_id="v9", status=Status.REJECTED, reason=e.value.reason,
                    detail=str(e.value)[:256], position=0, worker_id=WORKER)
     comp, dead = Completion(d, r, None, "decode"), DeadLetter(d, e.value.reason, str(e.value))
-    assert transport.complete_entries([comp], [dead]) == [True]
-    assert transport.complete_entries([comp], [dead]) == [False]
+    assert complete_entries(transport, [comp], [dead]) == [True]
+    assert complete_entries(transport, [comp], [dead]) == [False]
     assert redis_client.xlen(transport.keys.results("v9")) == 1
     ((_id, f),) = xrange(redis_client, transport.keys.dead_letters)
     assert f[b"reason"] == b"schema_version" and f[b"f:v"] == b"9"
@@ -496,8 +496,8 @@ def test_takeover_claims_a_dead_consumers_entries_at_once(redis_client: redis.Re
     owners = {p["consumer"] for p in redis_client.xpending_range(dec, GROUP, "-", "+", 10)}
     assert owners == {b"c2"}
     assert {c["name"] for c in redis_client.xinfo_consumers(dec, GROUP)} == {b"c2"}  # the dead name is gone
-    assert fresh.complete_entries(completions_for(taken)) == [True] * 3
-    assert transport.complete_entries(completions_for(held)) == [False] * 3  # the zombie's late answer
+    assert complete_entries(fresh, completions_for(taken)) == [True] * 3
+    assert complete_entries(transport, completions_for(held)) == [False] * 3  # the zombie's late answer
     assert all(redis_client.xlen(fresh.keys.results(f"s{i}")) == 1 for i in range(3))
     assert fresh.recover_streams() == ([], [])
 
@@ -511,7 +511,7 @@ def test_own_entries_are_never_claimed_however_long_they_wait(real_redis: redis.
     assert t.recover_streams() == ([], [])
     deliveries = [p["times_delivered"] for p in real_redis.xpending_range(dec, GROUP, "-", "+", 10)]
     assert deliveries == [1, 1, 1]
-    assert t.complete_entries(completions_for(held)) == [True] * 3
+    assert complete_entries(t, completions_for(held)) == [True] * 3
 
 
 def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client: redis.Redis,
@@ -527,7 +527,7 @@ def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client:
     assert dead == [] and [job_from_fields(d.fields).session_id for d in taken] == ["s2"]
     assert transport.recover_streams() == ([], [])  # now held: not handed out twice
     assert transport.outstanding == 3
-    transport.complete_entries(completions_for(held))
+    complete_entries(transport, completions_for(held))
     assert transport.outstanding == 2
 
 
@@ -546,7 +546,7 @@ def test_recover_leaves_own_entries_to_the_pending_reread_after_a_restart(
 def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job("s", p) for p in range(5)])
-    transport.complete_entries(completions_for(transport.read_streams({dec: 8}, block_ms=0)))
+    complete_entries(transport, completions_for(transport.read_streams({dec: 8}, block_ms=0)))
     assert transport.trim_results("s", 0) == 5
     assert redis_client.exists(transport.keys.results("s")) == 0
 
@@ -592,15 +592,15 @@ def test_pending_reread_dead_letters_a_poison_entry(redis_client: redis.Redis) -
 
 
 def test_cancellations_are_seen_once(redis_client: redis.Redis, transport: RedisTransport) -> None:
-    assert transport.cancellations() == []
+    assert transport.cancellations()[0] == []
     for sid in ("a", "b", "c"):
         redis_client.xadd(transport.keys.cancellations, {"session_id": sid})
-    assert transport.cancellations() == ["a", "b", "c"]
-    assert transport.cancellations() == []
+    assert transport.cancellations()[0] == ["a", "b", "c"]
+    assert transport.cancellations()[0] == []
     redis_client.xadd(transport.keys.cancellations, {"session_id": "d"})
-    assert transport.cancellations() == ["d"]
+    assert transport.cancellations()[0] == ["d"]
     other = RedisTransport(redis_client, WORKER, "c9")  # a restart reads from the beginning
-    assert other.cancellations() == ["a", "b", "c", "d"]
+    assert other.cancellations()[0] == ["a", "b", "c", "d"]
 
 
 def test_input_lag(redis_client: redis.Redis, transport: RedisTransport) -> None:
@@ -625,12 +625,12 @@ def test_round_trips_per_batch_are_constant(redis_client: redis.Redis, transport
         ds = transport.read_streams({dec: batch}, block_ms=10, gather_ms=0)
         assert len(ds) == batch and c.calls == ["XREADGROUP"]
         c.reset()
-        transport.cancellations()
+        transport.cancellations()[0]
         assert c.calls == ["XREAD"]
         c.reset()
         comps = completions_for(ds)
         dead = [DeadLetter(ds[0], Reason.MALFORMED, "x")] if batch > 1 else []
-        first = transport.complete_entries(comps[1:] if dead else comps, dead,
+        first = complete_entries(transport, comps[1:] if dead else comps, dead,
                                    FusedCallStats("decode", batch, batch, 0.01))
         assert c.calls == ["EVALSHA"]
         assert all(first)
@@ -652,13 +652,13 @@ def test_round_trips_two_streams_and_first_call_fallback(redis_client: redis.Red
         c.reset()
         redis_client.script_flush()
         c.reset()
-        assert all(t.complete_entries(completions_for(ds[:4])))  # NOSCRIPT: EVALSHA, SCRIPT LOAD, EVALSHA
+        assert all(complete_entries(t, completions_for(ds[:4])))  # NOSCRIPT: EVALSHA, SCRIPT LOAD, EVALSHA
         assert c.calls[0] == "EVALSHA" and len(c.calls) <= 3
         c.reset()
-        assert all(t.complete_entries(completions_for(ds[4:])))
+        assert all(complete_entries(t, completions_for(ds[4:])))
         assert c.calls == ["EVALSHA"]
         c.reset()
-        assert t.complete_entries([]) == [] and c.calls == []
+        assert complete_entries(t, []) == [] and c.calls == []
 
 
 def time_complete(client: redis.Redis, n: int, rounds: int = 30) -> tuple[float, float]:
@@ -672,7 +672,7 @@ def time_complete(client: redis.Redis, n: int, rounds: int = 30) -> tuple[float,
         comps = completions_for(ds)
         call = FusedCallStats("decode", n, n, 0.01)
         t0 = time.perf_counter()
-        t.complete_entries(comps, call=call)
+        complete_entries(t, comps, call=call)
         samples.append(time.perf_counter() - t0)
     samples.sort()
     return samples[len(samples) // 2], samples[0]

@@ -23,7 +23,7 @@ from schemas import (
     SessionSpec,
     Status,
     WorkerKeys,
-    result_from_fields,
+    results_from_fields,
 )
 
 from .support import ConsumerProcess, prompts, solo_generate
@@ -74,7 +74,7 @@ def specs_for(producer: Producer, worker_id: str, prefix: str, ps: list[list[int
 
 def ok_results(client: redis.Redis, worker_id: str, session_id: str) -> list:  # type: ignore[type-arg]
     entries = client.xrange(WorkerKeys(worker_id).results(session_id))
-    return [result_from_fields(f) for _, f in entries]
+    return [r for _, f in entries for r in results_from_fields(f)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

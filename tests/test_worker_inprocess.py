@@ -29,7 +29,7 @@ from schemas import (
     StepResult,
     WorkerKeys,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
 
 from .support import prompts, solo_generate
@@ -78,16 +78,16 @@ class Driver:
         for sid in list(self.last):
             for entry_id, fields in self.client.xrange(self.keys.results(sid), min=b"(" + self.last[sid]):
                 self.last[sid] = entry_id
-                r = result_from_fields(fields)
-                self.results[sid].append(r)
-                if r.token is not None:
-                    self.tokens[sid].append(r.token)
-                    if not r.finished:
-                        pos = self.position[sid]
-                        self._push(StepJob(job_id=f"j{next(self.ids)}", session_id=sid, phase="decode",
-                                           compat=self.key.for_phase("decode").digest, start_position=pos,
-                                           tokens=(r.token,), created_at=time.time()))
-                        self.position[sid] = pos + 1
+                for r in results_from_fields(fields):
+                    self.results[sid].append(r)
+                    if r.token is not None:
+                        self.tokens[sid].append(r.token)
+                        if not r.finished:
+                            pos = self.position[sid]
+                            self._push(StepJob(job_id=f"j{next(self.ids)}", session_id=sid, phase="decode",
+                                               compat=self.key.for_phase("decode").digest, start_position=pos,
+                                               tokens=(r.token,), created_at=time.time()))
+                            self.position[sid] = pos + 1
 
     def done(self, sid: str) -> bool:
         rs = self.results.get(sid, [])

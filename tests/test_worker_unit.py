@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from consumer.transport_protocol import Refusal, Transport
+from consumer.transport.protocol import Refusal, Transport
 from consumer.worker import Worker, WorkerSettings
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob
 from tests.doubles.null import NullEngine
