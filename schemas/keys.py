@@ -62,10 +62,10 @@ class WorkerKeys:
         return f"{self.base}:res:{job_id}"
 
     @property
-    def ledger(self) -> str:
+    def tally(self) -> str:
         """Hash: one field per session this worker charges and has not closed (docs/accounting.md): what
         it charged since the field was made, and the positions answered and charged so far."""
-        return f"{self.base}:ledger"
+        return f"{self.base}:tally"
 
     def activations_in(self, job_id: str) -> str:
         """String (EX ACTIVATION_TTL_S): the input activations of job `job_id` on this worker, written by

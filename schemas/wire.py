@@ -64,9 +64,11 @@ def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str) -> dict[by
     if v is None:
         raise WireError(Reason.MALFORMED, f"{what} entry has no version field 'v'", **_v1_ids(f))
     if v != _VERSION:
+        body = f.get(b"j")
+        ids = _v1_ids(f) if body is None else _body_ids(body)
         raise WireError(Reason.SCHEMA_VERSION,
                         f"{what} wire version {v[:16]!r} is not supported (this side speaks {WIRE_VERSION})",
-                        **_v1_ids(f))
+                        **ids)
     extra = sorted(set(f) - known)
     if extra:
         raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}")

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from consumer.lua import SCRIPTS, load_lua, script_source
-from consumer.transport import COMPLETE_ARGV, COMPLETION_ARGV, DEAD_LETTER_ARGV, FUSED_CALL_ARGV
+from consumer.transport import COMPLETE_ARGV, FIXED_KEYS
+from consumer.transport.publish import DEAD_LETTER_ARGV
 
 
 def _names(text: str) -> list[str]:
@@ -34,31 +35,33 @@ def test_every_lua_file_is_part_of_a_script() -> None:
 
 
 def test_completion_head_matches_the_header() -> None:
-    head = re.search(r"-- ARGV\[1\](.*?)\.\n-- Completion", _header(), re.S)
+    head = re.search(r"-- ARGV\[1\](.*?), then the records", _header(), re.S)
     assert head is not None
-    slots = re.findall(r"\[(\d+)\] ([^,\[]+?)(?=,|\.?$|\s*\n)", "[1]" + head.group(1))
+    slots = re.findall(r"\[(\d+)\] ([^,\[]+?)(?=,|$|\s*\n)", "[1]" + head.group(1))
     assert [int(i) for i, _ in slots] == list(range(1, len(COMPLETE_ARGV) + 1))
     assert tuple(re.sub(r"\s*\(.*", "", n).strip() for _, n in slots) == COMPLETE_ARGV
 
 
-def test_completion_records_match_the_header() -> None:
+def test_completion_keys_and_dead_letters_match_the_header() -> None:
     header = _header()
-    for title, layout in (("Completion", COMPLETION_ARGV), ("Dead letter", DEAD_LETTER_ARGV),
-                          ("Fused call", FUSED_CALL_ARGV)):
-        m = re.search(rf"-- {title} \((\d+)( \+ 2\*nf)?\): (.*?)(, then nf field/value pairs)?\.\n", header, re.S)
-        assert m is not None, title
-        assert int(m.group(1)) == len(layout), title
-        assert tuple(_names(m.group(3))) == layout, title
+    keys = re.search(r"-- KEYS\[1\](.*?), \[7\.\.\]", header, re.S)
+    assert keys is not None
+    names = [re.sub(r"^\[\d+\] ", "", n) for n in _names("[1]" + keys.group(1))]
+    expected = ("worker hash", "billing accounts index set", "dead-letter stream", "lease", "lease epoch", "tally")
+    assert tuple(names) == expected and len(FIXED_KEYS) == len(expected)
+    m = re.search(r"-- Dead letter \((\d+) \+ 2\*nf ARGV\): (.*?)(, then nf field/value pairs)\.\n", header, re.S)
+    assert m is not None
+    assert int(m.group(1)) == len(DEAD_LETTER_ARGV)
+    assert tuple(_names(m.group(2))) == DEAD_LETTER_ARGV
 
 
 def test_the_body_reads_what_the_layout_names() -> None:
     body = "\n".join(ln for ln in load_lua("complete").splitlines() if not ln.startswith("--"))
     head = {int(i) for i in re.findall(r"ARGV\[(\d+)\]", body)}
     assert head == set(range(1, len(COMPLETE_ARGV) + 1))
-    offsets = [int(k) for k in re.findall(r"ARGV\[i \+ (\d+)\]", body)]
-    # The three loops read offsets 0..n-1 of their record (the completion's is the longest).
-    assert max(offsets) == len(COMPLETION_ARGV) - 1
-    assert set(range(1, len(COMPLETION_ARGV))) <= set(offsets)
+    # A dead letter's fields are read at offsets 0..len-1 of its place.
+    offsets = {int(k) for k in re.findall(r"ARGV\[i \+ (\d+)\]", body)}
+    assert offsets == set(range(1, len(DEAD_LETTER_ARGV)))
 
 
 def test_fakeredis_answers_like_redis_where_the_scripts_rely_on_it(redis_client: redis.Redis) -> None:

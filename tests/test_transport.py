@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from consumer.ops.sessions import session_accounting
 from consumer.transport import (
     DeadLetter,
     Delivery,
@@ -37,7 +38,7 @@ from schemas import (
     WireError,
     job_from_fields,
     job_to_fields,
-    result_from_fields,
+    results_from_fields,
 )
 from schemas.keys import WORKERS_INDEX
 from tests.support import compat_key
@@ -171,7 +172,8 @@ def test_register_is_idempotent_and_advertises(redis_client: redis.Redis) -> Non
         groups = redis_client.xinfo_groups(s)
         assert [g["name"] for g in groups] == [GROUP.encode()]
     spec = json.loads(redis_client.get(t.keys.spec))  # type: ignore[arg-type]
-    assert spec["worker_id"] == WORKER and spec["info"] == {"slots": 8} and spec["streams"] == streams
+    assert spec["worker_id"] == WORKER and spec["streams"] == streams
+    assert spec["info"] == {"slots": 8, "wire_version": 2}
     assert [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec["keys"]] == keys
     assert redis_client.sismember(WORKERS_INDEX, WORKER)
     t.heartbeat({"free_slots": 3})
@@ -322,7 +324,7 @@ def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis,
     comps = completions_for(ds, generated=1, secs=0.25)
     call = FusedCallStats("decode", batch_size=3, tokens=3, engine_seconds=0.75)
     assert complete_entries(transport, comps, call=call) == [True, True, True]
-    snapshot = {k: hget_all(redis_client, k) for k in (transport.keys.worker_account,
+    snapshot = {k: hget_all(redis_client, k) for k in (transport.keys.worker_account, transport.keys.tally,
                                                        transport.keys.session_account("s0"),
                                                        transport.keys.billing_account("acct-1"))}
     assert complete_entries(transport, comps, call=call) == [False, False, False]  # replay
@@ -330,12 +332,14 @@ def test_complete_publishes_once_and_replay_is_a_noop(redis_client: redis.Redis,
     for i in range(3):
         entries = xrange(redis_client, transport.keys.results(f"s{i}"))
         assert len(entries) == 1
-        r = result_from_fields(entries[0][1])
-        assert r == comps[i].result
-        stored = json.loads(redis_client.get(transport.keys.result_record(r.job_id)))  # type: ignore[arg-type]
-        assert result_from_fields(stored) == r
-        assert 0 < redis_client.ttl(transport.keys.result_record(r.job_id)) <= 86_400
+        (r,) = results_from_fields(entries[0][1])
+        want = comps[i].result
+        assert (r.job_id, r.session_id, r.status, r.position, r.token, r.worker_id) == (
+            want.job_id, want.session_id, want.status, want.position, want.token, want.worker_id)
+        assert r.accounting == Accounting(generated_tokens=1, engine_seconds=0.25) and r.batch_size == 3
+        assert not redis_client.exists(transport.keys.result_record(r.job_id))  # ok answers: the tally decides
         assert 0 < redis_client.ttl(transport.keys.results(f"s{i}")) <= 86_400
+        assert session_accounting(redis_client, WORKER, f"s{i}")["generated_tokens"] == "1"
     w = snapshot[transport.keys.worker_account]
     assert w["fused_calls"] == "1" and w["batch_size:3"] == "1" and w["tokens:decode"] == "3"
     assert w["results:ok"] == "3" and w["generated_tokens"] == "3" and float(w["engine_seconds"]) == 0.75
@@ -353,8 +357,9 @@ def test_same_job_id_pushed_twice_yields_one_result(redis_client: redis.Redis, t
     push(redis_client, dec, [job])  # and once more, completed in a later batch
     (c,) = transport.read_streams({dec: 2}, block_ms=0)
     assert complete_entries(transport, completions_for([c])) == [False]
-    assert redis_client.xlen(transport.keys.results("s")) == 1
-    assert hget_all(redis_client, transport.keys.session_account("s"))["steps"] == "1"
+    assert [r.job_id for _, f in xrange(redis_client, transport.keys.results("s")) for r in results_from_fields(f)] \
+        == ["retried-job"]
+    assert session_accounting(redis_client, WORKER, "s")["steps"] == "1"
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
 
 
@@ -365,7 +370,7 @@ def test_per_session_result_order(redis_client: redis.Redis, transport: RedisTra
         ds = transport.read_streams({dec: 8}, block_ms=0)
         complete_entries(transport, completions_for(ds, token=pos))
     for sid, base in (("a", 0), ("b", 100)):
-        rs = [result_from_fields(f) for _id, f in xrange(redis_client, transport.keys.results(sid))]
+        rs = [r for _id, f in xrange(redis_client, transport.keys.results(sid)) for r in results_from_fields(f)]
         assert [r.position for r in rs] == [base + p + 1 for p in range(10)]
         assert [r.token for r in rs] == list(range(10))
 
@@ -387,14 +392,14 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
         for d in ds:
             job = job_from_fields(d.fields)
             last = job.session_id == sessions[5 - step] and step > 0
-            r = ok_result(job, prompt=7 if phase == "prefill" else 0, generated=1, secs=share, finished=last)
+            r = ok_result(job, prompt=1 if phase == "prefill" else 0, generated=1, secs=share, finished=last)
             comps.append(Completion(d, r, accounts[job.session_id], phase, "finished" if last else None))
         call = FusedCallStats(phase, len(ds), len(ds), call_seconds)
         assert all(complete_entries(transport, comps, call=call))
         complete_entries(transport, comps, call=call)  # replays change nothing
         total_call_seconds += call_seconds
     w = hget_all(redis_client, transport.keys.worker_account)
-    per_session = [hget_all(redis_client, transport.keys.session_account(s)) for s in sessions]
+    per_session = [session_accounting(redis_client, WORKER, s) for s in sessions]
     for field in ("prompt_tokens", "generated_tokens", "steps"):
         assert sum(int(s[field]) for s in per_session) == int(w[field])
         by_acct = [hget_all(redis_client, transport.keys.billing_account(a)) for a in ("acct-0", "acct-1")]
@@ -403,7 +408,7 @@ def test_accounting_invariant(redis_client: redis.Redis, transport: RedisTranspo
     assert float(w["engine_seconds_share"]) == pytest.approx(total_call_seconds)
     assert float(w["engine_seconds"]) == pytest.approx(total_call_seconds)
     assert int(w["fused_calls"]) == 5 and int(w["calls:decode"]) == 4 and int(w["calls:prefill"]) == 1
-    assert int(w["prompt_tokens"]) == 6 * 7
+    assert int(w["prompt_tokens"]) == 6
     assert {k: v for k, v in w.items() if k.startswith("batch_size:")} == {f"batch_size:{n}": "1" for n in
                                                                           (6, 5, 4, 3, 2)}
     assert redis_client.smembers(transport.keys.accounts_index) == {b"acct-0", b"acct-1"}
@@ -432,9 +437,9 @@ def test_malformed_entries_dead_lettered_alongside_completions(redis_client: red
                                                               transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)
     good = make_job("good", 2)
-    bad_v = job_to_fields(make_job("v2", 2)) | {"v": "2"}
+    bad_v = job_to_fields(make_job("v3", 2)) | {"v": "3"}
     redis_client.xadd(dec, job_to_fields(good))  # type: ignore[arg-type]
-    redis_client.xadd(dec, {b"tokens": b"\xff\xfe", b"v": b"1"})  # not UTF-8
+    redis_client.xadd(dec, {b"j": b"\xff\xfe", b"v": b"2"})  # not UTF-8
     redis_client.xadd(dec, {"hello": "world"})  # wrong fields
     redis_client.xadd(dec, bad_v)  # type: ignore[arg-type]
     ds = transport.read_streams({dec: 8}, block_ms=0)
@@ -541,14 +546,6 @@ def test_recover_leaves_own_entries_to_the_pending_reread_after_a_restart(
     assert again.recover_streams() == ([], [])  # the worker's start(): nothing of its own is claimed
     rest = again.read_streams({dec: 8}, block_ms=0)
     assert [job_from_fields(d.fields).session_id for d in rest] == ["s0", "s1", "s2"]  # each once
-
-
-def test_trim_results(redis_client: redis.Redis, transport: RedisTransport) -> None:
-    _pre, dec = streams_of(transport)
-    push(redis_client, dec, [make_job("s", p) for p in range(5)])
-    complete_entries(transport, completions_for(transport.read_streams({dec: 8}, block_ms=0)))
-    assert transport.trim_results("s", 0) == 5
-    assert redis_client.exists(transport.keys.results("s")) == 0
 
 
 def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> None:

@@ -19,7 +19,6 @@ SCRIPTS: dict[str, tuple[str, ...]] = {
     "acquire": ("acquire",),
     "renew": ("lease", "renew"),
     "release": ("release",),
-    "close": ("close",),
     # ops (consumer/ops/*)
     "replay": ("replay",),
     "reap": ("reap",),

@@ -8,7 +8,7 @@
 -- is a completion re-sent after a reconnect whose first send ran: nothing is written again ('DUP').
 --
 -- Each record (one per result stream) holds the answers as columns (row i = one answer). Per row:
---   * once only: an ok row by its session's ledger entry (published when its (attempt, position) is
+--   * once only: an ok row by its session's tally entry (published when its (attempt, position) is
 --     above the last ok answer published for the session), a row that is not ok by `SET NX` of its
 --     result id's marker (`res` key). A row that is not fresh is neither published nor charged: its
 --     index goes to the charges' `d` list;
@@ -16,10 +16,10 @@
 --     pos - 1) above the session's charged high-water mark `hw`, the rest recomputed; a sampled token
 --     at position pos >= hw; then hw moves past them. So every prompt position and every sampled
 --     token is charged once per session, however often it is replayed, re-sent or redelivered;
---   * counted: ledger deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
+--   * counted: tally deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
 -- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was
 -- charged) unless no row of it is fresh. Then the acks (one XACK per input stream), input blobs to
--- delete, closures (a closed session's ledger entry is folded into its session hash and removed),
+-- delete, closures (a closed session's tally entry is folded into its session hash and removed),
 -- dead letters, and the fused call's counters.
 --
 -- Ledger entry (one field per session of KEYS[6]): 'att pub hw prompt gen recomp steps es t'. A new
@@ -27,13 +27,13 @@
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
 -- KEYS[1] worker hash, [2] billing accounts index set, [3] dead-letter stream, [4] lease, [5] lease
--- epoch, [6] ledger, [7..] the other keys, each once, referred to by index.
+-- epoch, [6] tally, [7..] the other keys, each once, referred to by index.
 -- The layout is named once in Python (consumer/transport/publish.py: COMPLETE_ARGV); tests/test_lua.py
 -- checks it against the lines below.
 -- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen, [5] reject_ttl_s,
 -- [6] lease_token ('' : no lease check), [7] lease_epoch, [8] lease_ms, [9] act_ttl_s, [10] call_seq,
--- [11] now (unix seconds), [12] control (JSON, below), then the records, blob bytes and dead letters
--- the control refers to by ARGV index.
+-- [11] control (JSON, below), then the records, blob bytes and dead letters the control refers to by
+-- ARGV index.
 -- control: {"records": [{"out": K, "r": A, "acct": [n per row], "skey": [K per row], "res": {"row": K},
 --            "blob": {"row": [K, A]}}],
 --           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
@@ -51,9 +51,9 @@ local rmax = ARGV[3]
 local dmax = ARGV[4]
 local rttl = tonumber(ARGV[5])
 local act_ttl = ARGV[9]
-local now = ARGV[11]
-local ctl = cjson.decode(ARGV[12])
-local worker, index, dlq, ledger = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
+local now = redis.call('TIME')[1]  -- the server's clock: one clock for every worker and the reaper
+local ctl = cjson.decode(ARGV[11])
+local worker, index, dlq, tally = KEYS[1], KEYS[2], KEYS[3], KEYS[6]
 
 if ARGV[6] ~= '' and not hold_lease(KEYS[4], KEYS[5], ARGV[6], ARGV[7], ARGV[8]) then
   return redis.error_reply('DGRFENCED the lease of this worker is held by ' .. tostring(redis.call('GET', KEYS[4])))
@@ -95,7 +95,7 @@ local function expire_at_least(key, secs)
   end
 end
 
--- ---------------------------------------------------------------- the ledger entries this call touches
+-- ---------------------------------------------------------------- the tally entries this call touches
 local L = {}  -- session id -> entry table (loaded or new)
 do
   local want, seen = {}, {}
@@ -116,12 +116,12 @@ do
     end
   end
   if #want > 0 then
-    local got = redis.call('HMGET', ledger, unpack(want))
+    local got = redis.call('HMGET', tally, unpack(want))
     for j, sid in ipairs(want) do
       local v = got[j]
       if v then
         local a, p, h, pr, g, rc, st, es, t = string.match(v,
-          '^(%-?%d+) (%-?%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%S+) (%S+)$')
+          '^(%-?%d+) (%-?%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%S+) (%S+) ')
         L[sid] = {att = tonumber(a), pub = tonumber(p), hw = tonumber(h), prompt = tonumber(pr), gen = tonumber(g),
                   recomp = tonumber(rc), steps = tonumber(st), es = tonumber(es), t = t, stored = true}
       end
@@ -153,6 +153,7 @@ local w = {prompt = 0, gen = 0, recomp = 0, steps = 0, share = 0.0}
 local by_status = {}
 local STATUS = {[0] = 'ok', 'cancelled', 'rejected', 'state_lost', 'failed'}
 local out = {}
+local n_rows, n_fresh = 0, 0
 
 for ri, rec in ipairs(ctl.records) do
   local R = rec.R
@@ -179,10 +180,12 @@ for ri, rec in ipairs(ctl.records) do
       fresh = redis.call('SET', KEYS[rk], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
     end
     local p, g, rc = 0, 0, 0
+    n_rows = n_rows + 1
     if fresh then
+      n_fresh = n_fresh + 1
       published = published + 1
       if e ~= nil then
-        local fed = R.fed[i]
+        local fed = math.min(R.fed[i], pos)
         if fed > 0 then
           local from = math.max(pos - fed, e.hw)
           p = math.max(0, pos - from)
@@ -245,7 +248,7 @@ for _, k in ipairs(ctl.del or {}) do
   redis.call('DEL', KEYS[k])
 end
 
--- ---------------------------------------------------------------- closures, the ledger
+-- ---------------------------------------------------------------- closures, the tally
 local acct_ids = ctl.accounts or {}
 for _, c in ipairs(ctl.close or {}) do
   local e = L[c[1]]
@@ -278,20 +281,21 @@ do
         redis.call('EXPIRE', hk, ttl)
       end
       if e.stored then
-        redis.call('HDEL', ledger, sid)
+        redis.call('HDEL', tally, sid)
       end
     elseif e.dirty then
       pairs_[#pairs_ + 1] = sid
       pairs_[#pairs_ + 1] = int(e.att) .. ' ' .. int(e.pub) .. ' ' .. int(e.hw) .. ' ' .. int(e.prompt) .. ' ' ..
-        int(e.gen) .. ' ' .. int(e.recomp) .. ' ' .. int(e.steps) .. ' ' .. fmt(e.es) .. ' ' .. e.t
+        int(e.gen) .. ' ' .. int(e.recomp) .. ' ' .. int(e.steps) .. ' ' .. fmt(e.es) .. ' ' .. e.t .. ' ' ..
+        ((e.acct or 0) > 0 and acct_ids[e.acct][2] or '')
       if #pairs_ >= 2000 then
-        redis.call('HSET', ledger, unpack(pairs_))
+        redis.call('HSET', tally, unpack(pairs_))
         pairs_ = {}
       end
     end
   end
   if #pairs_ > 0 then
-    redis.call('HSET', ledger, unpack(pairs_))
+    redis.call('HSET', tally, unpack(pairs_))
   end
 end
 for n, s in pairs(accounts) do
@@ -339,8 +343,9 @@ for _ = 1, (ctl.nd or 0) do
 end
 
 -- ---------------------------------------------------------------- the fused call
+-- Counted unless every answer given was one published already (a replayed completion).
 local call = ctl.call
-if call ~= nil and call ~= cjson.null then
+if call ~= nil and call ~= cjson.null and (n_rows == 0 or n_fresh > 0) then
   local phase, sessions = call[1], int(call[2])
   redis.call('HINCRBY', worker, 'fused_calls', 1)
   redis.call('HINCRBY', worker, 'calls:' .. phase, 1)

@@ -5,7 +5,7 @@ non-blocking reads), one completion (exactly one EVALSHA whatever the batch size
 check; a read that brought steps of sessions the worker does not hold costs one `checks()` more.
 
 Exactly-once effects come from the completion script (publish.py): it acks the entries whose jobs
-ended, publishes each answer once (a session's ledger entry for ok answers, a `SET NX` marker for the
+ended, publishes each answer once (a session's tally entry for ok answers, a `SET NX` marker for the
 others) and charges it once; a completion re-sent after a reconnect changes nothing (its call guard).
 
 Every key a script touches is passed in KEYS and all of them share the worker's hash tag, so the
@@ -14,11 +14,12 @@ scripts are Redis Cluster safe.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
-from schemas import CompatibilityKey, Phase, Signer, StepJob
+from schemas import CompatibilityKey, Phase, Signer, StepJob, WorkerKeys
 
 from ..config import TransportSettings
 from ..sched.outputs import Answer
@@ -50,6 +51,19 @@ class RedisTransport:
     def client(self) -> redis.Redis:
         return self.io.client
 
+    @client.setter
+    def client(self, client: redis.Redis) -> None:  # tests put a flaky client in its place
+        self.io.client = client
+
+    @property
+    def instance_id(self) -> str:
+        """`<host>:<pid>:<nonce>`: who holds the lease (tests pose as another host)."""
+        return self.lease.instance_id
+
+    @instance_id.setter
+    def instance_id(self, value: str) -> None:
+        self.lease.instance_id = value
+
     @property
     def worker_id(self) -> str:
         return self.io.worker_id
@@ -63,7 +77,7 @@ class RedisTransport:
         return self.io.settings
 
     @property
-    def keys(self):  # type: ignore[no-untyped-def]  # WorkerKeys
+    def keys(self) -> WorkerKeys:
         return self.io.keys
 
     @property
@@ -138,7 +152,8 @@ class RedisTransport:
         return recover_streams(self.intake)
 
     @property
-    def dead_lettered(self):  # type: ignore[no-untyped-def]  # deque[DeadLetter]
+    def dead_lettered(self) -> deque[DeadLetter]:
+        """Entries the pending re-read dead-lettered (already acked): for logs and metrics."""
         return self.intake.dead_lettered
 
     def cancellations(self) -> tuple[list[str], list[DeadLetter]]:

@@ -11,7 +11,6 @@ Redis work of a call does not grow with arguments per token.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -35,9 +34,9 @@ __all__ = ["COMPLETE_ARGV", "FIXED_KEYS", "MAX_DEAD_LETTER_BYTES", "Publisher"]
 # The completion script's layout (consumer/lua/complete.lua's header; tests/test_lua.py checks that both
 # say the same): the fixed KEYS, then the fixed ARGV head; records, blob bytes and dead letters follow,
 # referred to by the control's ARGV indices.
-FIXED_KEYS: Final = ("worker", "accounts_index", "dead_letters", "lease", "lease_epoch", "ledger")
+FIXED_KEYS: Final = ("worker", "accounts_index", "dead_letters", "lease", "lease_epoch", "tally")
 COMPLETE_ARGV: Final = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "reject_ttl_s", "lease_token",
-                        "lease_epoch", "lease_ms", "act_ttl_s", "call_seq", "now", "control")
+                        "lease_epoch", "lease_ms", "act_ttl_s", "call_seq", "control")
 DEAD_LETTER_ARGV: Final = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
 
 MAX_DEAD_LETTER_FIELDS: Final = 64
@@ -112,7 +111,7 @@ class Publisher:
         io, st = self.io, self.io.settings
         keys = _Keys()
         k = io.keys
-        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.ledger):
+        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.tally):
             keys(key)
         argv_tail: list[Any] = []  # ARGV after the fixed head: records, blob bytes, dead letters
         head = len(COMPLETE_ARGV)
@@ -215,7 +214,7 @@ class Publisher:
             ctl["call"] = [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
         self.seq += 1
         args = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen, st.reject_ttl_s, self.lease.token or "",
-                self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, int(time.time()), _ENC.encode(ctl),
+                self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, _ENC.encode(ctl),
                 *argv_tail]
         try:
             reply_: Any = io.script("complete", keys.keys, args)  # re-sent as is after a reconnect: guarded

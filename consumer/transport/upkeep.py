@@ -21,7 +21,7 @@ __all__ = ["Upkeep"]
 
 
 def _att_pub(raw: Any) -> tuple[int, int] | None:
-    """(attempt, position) of the last ok answer published, from a ledger value or a session hash's
+    """(attempt, position) of the last ok answer published, from a tally value or a session hash's
     (att, pub) fields; None when there is none."""
     if raw is None:
         return None
@@ -75,7 +75,7 @@ class Upkeep:
         them: a session's cancel recorded while the worker was down or before its first job was read
         wins, and a re-pushed opening answered long ago (by an earlier process) does not open a ghost
         session. Answered: its session's last ok answer published is at or past the opening's end
-        (the ledger, or the session hash once closed: docs/accounting.md), or it was answered not ok
+        (the tally, or the session hash once closed: docs/accounting.md), or it was answered not ok
         (its `res:` marker)."""
         if not openings and not session_ids:
             return set(), set()
@@ -85,7 +85,7 @@ class Upkeep:
         def ask() -> list[Any]:
             pipe = io.client.pipeline(transaction=False)
             for j in jobs:
-                pipe.hget(keys.ledger, j.session_id)
+                pipe.hget(keys.tally, j.session_id)
                 pipe.hmget(keys.session_account(j.session_id), "att", "pub")
                 pipe.exists(keys.result_record(j.job_id))
             for sid in sids:
