@@ -10,9 +10,9 @@ from typing import Final
 __all__ = ["COUNTERS", "TALLY_FIELDS", "merge", "parse_tally"]
 
 # The tally value's fields, in order (consumer/lua/complete.lua writes 'att pub hw prompt gen recomp steps es t
-# account'; t: the server's clock, unix seconds, at the session's last answer).
+# gaps account'; t: the server's clock, unix seconds, at the session's last answer; gaps: '-' or 'lo:hi,...').
 TALLY_FIELDS: Final = ("att", "pub", "hw", "prompt_tokens", "generated_tokens", "recomputed_tokens", "steps",
-                       "engine_seconds", "t", "account")
+                       "engine_seconds", "t", "gaps", "account")
 # What the tally adds to the session hash when folded; the other fields are positions, set, not added.
 COUNTERS: Final = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps", "engine_seconds")
 
@@ -42,7 +42,7 @@ def merge(session_hash: Mapping[bytes | str, bytes | str], tally: Mapping[str, s
             out[name] = repr(float(out.get(name, 0.0)) + float(tally[name]))
         else:
             out[name] = str(int(out.get(name, 0)) + int(tally[name]))
-    for name in ("att", "pub", "hw", "t", "account"):
+    for name in ("att", "pub", "hw", "t", "gaps", "account"):
         if tally[name]:
             out[name] = tally[name]
     return out

@@ -214,7 +214,9 @@ class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     answer). A row's result id is `job[i]` for offset 0, `<job>.<off>` for a continuation's token
     `off`, `<job>.end` for `off == END_OFFSET`. `fed`: positions the answer's job processed in prefill
     (the positions `pos - fed .. pos - 1`), before the charging rules (`Charges` says what was charged).
-    `es`: its share of engine seconds. `st`: index into STATUSES; `tok` -1: no token; `fin` 1: finished."""
+    `es`: its share of engine seconds. `st`: index into STATUSES; `tok` -1: no token; `fin` 1: finished.
+    `frm`: the first position the answer's step computed (the completion script sees a gap in a session's
+    answers by it: docs/accounting.md)."""
 
     worker: str
     call: str  # "<lease epoch>:<sequence>": unique per completion call of a worker
@@ -225,6 +227,7 @@ class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     att: list[int]
     st: list[int]
     pos: list[int]
+    frm: list[int]
     tok: list[int]
     fin: list[int]
     fed: list[int]
@@ -233,8 +236,8 @@ class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         n = len(self.sid)
-        if not all(len(col) == n for col in (self.job, self.off, self.att, self.st, self.pos, self.tok, self.fin,
-                                              self.fed, self.es)):
+        if not all(len(col) == n for col in (self.job, self.off, self.att, self.st, self.pos, self.frm, self.tok,
+                                              self.fin, self.fed, self.es)):
             raise ValueError("columns of unequal length")
         if n and (min(self.st) < 0 or max(self.st) >= len(STATUSES)):
             raise ValueError("a status code out of range")
@@ -292,7 +295,8 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
     its records from its own answers (consumer/transport/publish.py)."""
     if not results:
         raise ValueError("a result entry holds at least one row")
-    cols: dict[str, list[Any]] = {k: [] for k in ("sid", "job", "off", "att", "st", "pos", "tok", "fin", "fed", "es")}
+    cols: dict[str, list[Any]] = {k: [] for k in ("sid", "job", "off", "att", "st", "pos", "frm", "tok", "fin", "fed",
+                                                  "es")}
     x: dict[str, RowExtra] = {}
     for i, r in enumerate(results):
         base, _, suffix = r.job_id.rpartition(".")
@@ -303,6 +307,7 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
         cols["att"].append(0)
         cols["st"].append(STATUS_CODE[r.status])
         cols["pos"].append(r.position)
+        cols["frm"].append(max(0, r.position - 1))
         cols["tok"].append(-1 if r.token is None else r.token)
         cols["fin"].append(int(r.finished))
         cols["fed"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)

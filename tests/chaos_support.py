@@ -197,7 +197,7 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
         summary["recomputed"] += int(_num(acct.get(b"recomputed_tokens")))
         tally = by_account.setdefault(spec.account_id, {})
         for k, v in acct.items():
-            if k not in (b"account", b"closed", b"reaped", b"reaped_by"):
+            if k not in (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", b"hw", b"gaps"):  # not counters
                 tally[k.decode()] = tally.get(k.decode(), 0.0) + float(v)
     for account, tally in by_account.items():
         got = {k.decode(): float(v) for k, v in client.hgetall(keys.billing_account(account)).items()}

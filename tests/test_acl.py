@@ -22,7 +22,7 @@ from consumer.ops.jobs import enqueue_rollup, queue
 from consumer.ops.reaper import reap
 from consumer.ops.rollup import read_ledger, rollup
 from dgrtools.localredis import LocalRedis, find_redis_server
-from schemas import WorkerKeys, job_to_fields
+from schemas import WorkerKeys, job_from_fields, job_to_fields
 from schemas.keys import WORKERS_INDEX
 from tests.test_ops_support import make_key, read_all, register, serve, step_job
 
@@ -74,8 +74,9 @@ def test_worker_user_does_its_job_on_its_own_keys_only(acl_server: LocalRedis) -
     # The completion script pointed at another worker's keys is refused too (keys are checked in scripts).
     before = c2.hgetall(w2.worker_account)
     with pytest.raises(NoPermissionError):
-        c1.evalsha(t1._complete.sha, 3, w2.worker_account, w2.accounts_index, w2.dead_letters,
-                   "dgr-workers", 1, 1, 1, 0, 0, 1, "decode", 1, 1, "0.1")
+        c1.evalsha(t1.io.scripts["complete"].sha, 6, w2.worker_account, w2.accounts_index, w2.dead_letters,
+                   w2.lease, w2.lease_epoch, w2.tally,
+                   "dgr-workers", 1, 1, 1, 1, "", "", 1, 1, 1, '{"records":[],"call":["decode",1,1,"0.1"]}')
     assert c2.hgetall(w2.worker_account) == before
 
 
@@ -93,7 +94,7 @@ def test_producer_user_drives_sessions_but_reads_no_accounting(acl_server: Local
     job = step_job("ps1", 1, worker="w1")
     p.xadd(WorkerKeys("w1").input_stream(make_key("decode").digest, "decode"), job_to_fields(job))  # type: ignore[arg-type]
     (d,) = read_all(t1)
-    assert d.fields[b"job_id"] == job.job_id.encode()
+    assert job_from_fields(d.fields) == job
     admin_w1.xack(d.stream, "dgr-workers", d.entry_id)
     prod.cancel("w1", "ps1")
     assert "ps1" in t1.cancellations()[0]

@@ -355,7 +355,7 @@ def test_a_redis_that_lost_its_data_set_mid_run(real_redis: redis.Redis, engine:
     real_redis.flushall()
     for side, name in ((worker.transport, "xread"), (producer, "xread")):  # a read each loop, both sides
         side.client = Flaky(real_redis, name, 1, redis.ConnectionError("connection reset"))  # type: ignore[assignment]
-    for rider in (worker.transport._rider, producer._rider):
+    for rider in (worker.transport.io._rider, producer._rider):
         rider.policy = type(rider.policy)(max_s=30, base_s=0.001, cap_s=0.002)
     stepper.run()
     assert worker.transport.outages == 1 and producer.outages == 1

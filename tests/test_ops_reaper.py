@@ -14,49 +14,53 @@ from consumer.ops.common import redis_time_ms
 from consumer.ops.jobs import reap_job
 from consumer.ops.reaper import open_sessions, reap
 from dgrtools.localredis import LocalRedis
-from schemas import WorkerKeys
-from tests.test_ops_support import register, serve
+from schemas import Reason, Status, StepResult, WorkerKeys
+from schemas.accounting import TALLY_FIELDS, parse_tally
+from tests.test_ops_support import close, push, read_all, register, serve, step_job
+from tests.transport_support import Completion, complete_entries
 
 
-def age_results(client: redis.Redis, worker: str, session: str, seconds: float) -> None:
-    """Make the session's last result `seconds` old (a result stream entry with an older id)."""
-    k = WorkerKeys(worker).results(session)
-    client.delete(k)
-    client.xadd(k, {"v": "1"}, id=f"{redis_time_ms(client) - int(seconds * 1000)}-0")
+def age(client: redis.Redis, worker: str, session: str, seconds: float) -> None:
+    """Make the session's last answer `seconds` old (its tally's `t`: the server's clock at that answer)."""
+    keys = WorkerKeys(worker)
+    t = parse_tally(client.hget(keys.tally, session))
+    assert t is not None
+    t["t"] = str(redis_time_ms(client) // 1000 - int(seconds))
+    client.hset(keys.tally, session, " ".join(t[f] for f in TALLY_FIELDS))
 
 
 def test_idle_sessions_are_cancelled_once(redis_client: redis.Redis) -> None:
     t = register(redis_client, "w1")
-    serve(t, {"idle": ("a", 0), "busy": ("a", 0), "done": ("a", 0), "gone": ("a", 0)})
-    age_results(redis_client, "w1", "idle", 120)
-    age_results(redis_client, "w1", "done", 120)
-    redis_client.hset(t.keys.session_account("done"), "closed", "finished")
-    redis_client.delete(t.keys.results("gone"))  # its result stream expired: idle for at least result ttl
-    assert open_sessions(redis_client, "w1") == ["busy", "gone", "idle"]
+    serve(t, {"idle": ("a", 0), "busy": ("a", 0), "done": ("a", 0), "cancelled": ("a", 0)})
+    age(redis_client, "w1", "idle", 120)
+    age(redis_client, "w1", "done", 120)
+    age(redis_client, "w1", "cancelled", 120)
+    close(t, "done", "finished")  # closed: no longer in the tally
+    redis_client.set(t.keys.cancel_marker("cancelled"), "1")  # cancelled by its Tracker: not reaped again
+    assert open_sessions(redis_client, "w1") == ["busy", "idle"]
     t.cancellations()  # the worker's cursor is past anything older
 
     dry = {x.session_id: x for x in reap(redis_client, 60, dry_run=True)}
     assert dry["idle"].status == "idle" and dry["idle"].idle_s is not None and dry["idle"].idle_s >= 119
-    assert dry["busy"].status == "active" and dry["gone"].status == "idle" and dry["gone"].idle_s is None
-    assert "done" not in dry
+    assert dry["busy"].status == "active" and set(dry) == {"idle", "busy"}
     assert redis_client.xlen(t.keys.cancellations) == 0
 
     rows = {x.session_id: x.status for x in reap(redis_client, 60, who="ops-test")}
-    assert rows == {"idle": "cancelled", "busy": "active", "gone": "cancelled"}
+    assert rows == {"idle": "cancelled", "busy": "active"}
     # The worker reads them like any cancellation.
-    assert sorted(t.cancellations()) == ["gone", "idle"]
-    assert redis_client.hget(t.keys.session_account("idle"), "reaped_by") == b"ops-test"
+    assert t.cancellations()[0] == ["idle"]
+    assert b"ops-test" in (redis_client.get(t.keys.cancel_marker("idle")) or b"")
     # Once only: a reaped session is not cancelled again, and no longer open.
     assert open_sessions(redis_client, "w1") == ["busy"]
     assert {x.status for x in reap(redis_client, 60)} == {"active"}
-    assert redis_client.xlen(t.keys.cancellations) == 2
+    assert redis_client.xlen(t.keys.cancellations) == 1
 
 
 def test_a_result_just_in_time_saves_the_session(redis_client: redis.Redis) -> None:
     t = register(redis_client, "w1")
     serve(t, {"s": ("a", 0)})
-    age_results(redis_client, "w1", "s", 30)
-    serve(t, {"s": ("a", 1)})  # a new result: the script re-checks the stream, not a cached list
+    age(redis_client, "w1", "s", 30)
+    serve(t, {"s": ("a", 1)})  # a new answer: the script re-checks the tally, not a cached list
     assert [x.status for x in reap(redis_client, 10)] == ["active"]
     assert redis_client.xlen(t.keys.cancellations) == 0
 
@@ -65,7 +69,8 @@ def test_reap_job(redis_server: LocalRedis, real_redis: redis.Redis) -> None:
     t = register(real_redis, "w1")
     serve(t, {"s": ("a", 0)})
     time.sleep(0.05)
-    out = reap_job(redis_server.url, ttl_s=0.01)
+    age(real_redis, "w1", "s", 5)
+    out = reap_job(redis_server.url, ttl_s=1)
     assert out["cancelled"] == 1 and out["sessions"][0]["session_id"] == "s"
 
 
@@ -118,8 +123,12 @@ def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 def test_sessions_the_worker_never_held_are_not_open(redis_client: redis.Redis) -> None:
-    """A step rejected for an unknown session leaves an accounting hash without `account`."""
+    """A step rejected for a session the worker does not hold names no account: no tally, nothing to reap."""
     t = register(redis_client, "w1")
-    redis_client.hset(t.keys.session_account("stray"), mapping={"steps": 1, "prompt_tokens": 0})
+    push(redis_client, "w1", [step_job("stray", 3)])
+    (d,) = read_all(t)
+    r = StepResult(job_id="stray-3", session_id="stray", status=Status.STATE_LOST, reason=Reason.UNKNOWN_SESSION,
+                   position=3, worker_id="w1")
+    assert complete_entries(t, [Completion(d, r, None)]) == [True]
     assert open_sessions(redis_client, "w1") == []
     assert reap(redis_client, 0) == []

@@ -13,7 +13,7 @@ import redis
 from consumer.ops.common import LEDGER_INDEX, OpsKeys, ledger_key, s, sdict, stream_id_ms, workers
 from consumer.ops.deadletters import parse_ref
 from consumer.ops.jobs import _redacted
-from consumer.transport import DeadLetter, Delivery, RedisTransport
+from consumer.transport import Closure, DeadLetter, Delivery, RedisTransport
 from schemas import (
     Accounting,
     CompatibilityKey,
@@ -82,6 +82,11 @@ def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 
                          worker_id=t.worker_id, batch_size=len(ds))
         comps.append(Completion(d, res, acct, d.phase))
     assert all(complete_entries(t, comps))
+
+
+def close(t: RedisTransport, session: str, kind: str = "finished", account: str = "acct-1") -> None:
+    """Close a session's accounting as the worker does (its tally folded into its session hash)."""
+    t.complete([], closures=[Closure(session, kind, account)])  # type: ignore[arg-type]
 
 
 def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decode",

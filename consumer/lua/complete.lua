@@ -22,7 +22,7 @@
 -- delete, closures (a closed session's tally entry is folded into its session hash and removed),
 -- dead letters, and the fused call's counters.
 --
--- Ledger entry (one field per session of KEYS[6]): 'att pub hw prompt gen recomp steps es t'. A new
+-- Tally entry (one field per session of KEYS[6]): 'att pub hw prompt gen recomp steps es t gaps account'. A new
 -- entry starts from the session hash (a session closed and opened again: a route's replay) or empty.
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
@@ -120,10 +120,10 @@ do
     for j, sid in ipairs(want) do
       local v = got[j]
       if v then
-        local a, p, h, pr, g, rc, st, es, t = string.match(v,
-          '^(%-?%d+) (%-?%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%S+) (%S+) ')
+        local a, p, h, pr, g, rc, st, es, t, gaps = string.match(v,
+          '^(%-?%d+) (%-?%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%S+) (%S+) (%S+) ')
         L[sid] = {att = tonumber(a), pub = tonumber(p), hw = tonumber(h), prompt = tonumber(pr), gen = tonumber(g),
-                  recomp = tonumber(rc), steps = tonumber(st), es = tonumber(es), t = t, stored = true}
+                  recomp = tonumber(rc), steps = tonumber(st), es = tonumber(es), t = t, gaps = gaps, stored = true}
       end
     end
   end
@@ -135,16 +135,66 @@ end
 local function entry(sid, skey, a)
   local e = L[sid]
   if e == nil then
-    e = {att = -1, pub = -1, hw = 0, prompt = 0, gen = 0, recomp = 0, steps = 0, es = 0.0, t = now}
-    local h = redis.call('HMGET', KEYS[skey], 'att', 'pub', 'hw', 'closed')
+    e = {att = -1, pub = -1, hw = 0, prompt = 0, gen = 0, recomp = 0, steps = 0, es = 0.0, t = now, gaps = '-',
+         new = true}
+    local h = redis.call('HMGET', KEYS[skey], 'att', 'pub', 'hw', 'closed', 'gaps')
     if h[3] then
-      e.att, e.pub, e.hw = tonumber(h[1]) or -1, tonumber(h[2]) or -1, tonumber(h[3]) or 0
+      e.att, e.pub, e.hw, e.gaps, e.new = tonumber(h[1]) or -1, tonumber(h[2]) or -1, tonumber(h[3]) or 0,
+        h[5] or '-', false
     end
     e.late = h[4] ~= false and h[4] ~= nil
     L[sid] = e
   end
   e.skey, e.acct = skey, a
   return e
+end
+
+-- Gaps: ok answers of the current attempt that may be missing from the surviving data set, as result
+-- positions 'lo:hi,lo:hi' (inclusive), '-' for none. Redis losing the tail of its data loses a call's
+-- tally update with its records; the worker goes on publishing newer answers, and a lost one it
+-- re-sends later (when the Tracker re-pushes its job) is below `pub`: it is published when its position
+-- is in a gap, which it then leaves. A gap opens when an answer's first position (`frm`) is above the
+-- last published position (answers in between were lost), or below the first answer of a tally entry
+-- made from nothing (`new`: everything before it was lost with the entry).
+local function gap_list(e)
+  if e.gl == nil then
+    e.gl = {}
+    if e.gaps ~= '-' then
+      for lo, hi in string.gmatch(e.gaps, '(%d+):(%d+)') do
+        e.gl[#e.gl + 1] = {tonumber(lo), tonumber(hi)}
+      end
+    end
+  end
+  return e.gl
+end
+
+local function add_gap(e, lo, hi)
+  if lo <= hi then
+    local gl = gap_list(e)
+    gl[#gl + 1] = {lo, hi}
+  end
+end
+
+local function take_gap(e, pos)  -- whether pos is in a gap; if so it leaves it
+  if e.gaps == '-' and e.gl == nil then return false end
+  local gl = gap_list(e)
+  for j, g in ipairs(gl) do
+    if pos >= g[1] and pos <= g[2] then
+      table.remove(gl, j)
+      add_gap(e, g[1], pos - 1)
+      add_gap(e, pos + 1, g[2])
+      return true
+    end
+  end
+  return false
+end
+
+local function gaps_text(e)
+  if e.gl == nil then return e.gaps end
+  if #e.gl == 0 then return '-' end
+  local parts = {}
+  for _, g in ipairs(e.gl) do parts[#parts + 1] = string.format('%d:%d', g[1], g[2]) end
+  return table.concat(parts, ',')
 end
 
 -- ---------------------------------------------------------------- rows
@@ -168,10 +218,20 @@ for ri, rec in ipairs(ctl.records) do
     end
     local fresh
     if st == 0 and e ~= nil then
-      local att = R.att[i]
-      fresh = att > e.att or (att == e.att and pos > e.pub)
-      if fresh then
-        e.att, e.pub = att, pos
+      local att, frm = R.att[i], R.frm[i]
+      if att > e.att or (att == e.att and pos > e.pub) then
+        fresh = true
+        if att > e.att then  -- a newer attempt starts afresh (a replay's first answer starts at position 0)
+          e.gl = {}
+          add_gap(e, 1, frm)
+        elseif e.new then
+          add_gap(e, 1, frm)  -- a result's position is at least 1: every answer computed a position
+        else
+          add_gap(e, e.pub + 1, frm)
+        end
+        e.att, e.pub, e.new = att, pos, false
+      else
+        fresh = att == e.att and take_gap(e, pos)
       end
     elseif st == 0 then
       fresh = true
@@ -271,7 +331,7 @@ do
         redis.call('HINCRBY', hk, 'recomputed_tokens', int(e.recomp))
         redis.call('HINCRBY', hk, 'steps', int(e.steps))
         redis.call('HINCRBYFLOAT', hk, 'engine_seconds', fmt(e.es))
-        redis.call('HSET', hk, 'att', int(e.att), 'pub', int(e.pub), 'hw', int(e.hw))
+        redis.call('HSET', hk, 'att', int(e.att), 'pub', int(e.pub), 'hw', int(e.hw), 'gaps', gaps_text(e))
         if e.acct ~= nil and e.acct > 0 then
           redis.call('HSET', hk, 'account', acct_ids[e.acct][2])
         end
@@ -287,7 +347,7 @@ do
       pairs_[#pairs_ + 1] = sid
       pairs_[#pairs_ + 1] = int(e.att) .. ' ' .. int(e.pub) .. ' ' .. int(e.hw) .. ' ' .. int(e.prompt) .. ' ' ..
         int(e.gen) .. ' ' .. int(e.recomp) .. ' ' .. int(e.steps) .. ' ' .. fmt(e.es) .. ' ' .. e.t .. ' ' ..
-        ((e.acct or 0) > 0 and acct_ids[e.acct][2] or '')
+        gaps_text(e) .. ' ' .. ((e.acct or 0) > 0 and acct_ids[e.acct][2] or '')
       if #pairs_ >= 2000 then
         redis.call('HSET', tally, unpack(pairs_))
         pairs_ = {}

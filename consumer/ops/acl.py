@@ -26,12 +26,13 @@ WORKER_COMMANDS = (
     "+xgroup|create", "+xgroup|delconsumer", "+xreadgroup", "+xread", "+xack", "+xadd", "+xautoclaim", "+xclaim",
     "+xpending",
     "+xinfo|groups", "+xinfo|stream", "+xlen", "+xtrim", "+xrange",
-    # result records, advertisement, heartbeat, accounting
-    "+set", "+get", "+del", "+expire", "+ttl", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+sadd",
+    # once-only markers, advertisement, heartbeat, accounting (the tally: hmget, hset, hdel)
+    "+set", "+get", "+del", "+expire", "+ttl", "+hincrby", "+hincrbyfloat", "+hset", "+hget", "+hgetall", "+hmget",
+    "+hdel", "+sadd",
     # the lease (incr: its epoch), cancel markers and result records checked, closures (hsetnx)
     "+incr", "+pexpire", "+exists", "+hsetnx",
-    # the completion / pending / recovery scripts
-    "+evalsha", "+eval", "+script|load", "+script|exists",
+    # the completion / pending / recovery scripts (time: the tally's clock)
+    "+evalsha", "+eval", "+script|load", "+script|exists", "+time",
 )
 
 PRODUCER_COMMANDS = (

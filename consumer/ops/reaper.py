@@ -1,23 +1,20 @@
 """Reaper: cancel sessions idle past a TTL through the normal cancellation path.
 
-Which sessions: every per-session accounting hash `dgr:{W}:acct:session:<sid>` (the completion
-script creates it on the session's first answered step) that has an `account` field (set once the
-worker held the session: a step rejected for an unknown session leaves a hash without it), no
-`closed` field (the worker sets it when the session finished, was cancelled or failed) and no
-`reaped` field (this reaper already cancelled it).
+Which sessions: every session the worker charges and has not closed, i.e. every field of its tally hash
+`dgr:{W}:tally` (docs/accounting.md; the completion script writes it with each answer and removes it when
+the session closes: finished, cancelled or failed), whose cancel marker is not set (it was not cancelled,
+by its Tracker or by this reaper).
 
-Idle since: the id of the last entry of the session's result stream `dgr:{W}:out:<sid>` — stream
-ids are the Redis server's clock in ms, so idleness is measured on one clock, never the reaper's.
-Every answered step XADDs there, so a session whose producer keeps pushing steps is never idle. A
-session whose result stream is gone (it expires `result ttl` after its last result) counts as idle.
-The TTL must exceed the longest time a step may wait in the input stream (queueing under load),
-else a session waiting behind a backlog is cancelled.
+Idle since: the tally's `t`, the Redis server's clock at the session's last answer, so idleness is
+measured on one clock, never the reaper's. A session whose producer keeps pushing steps is answered, so
+never idle. The TTL must exceed the longest time a step may wait in the input stream (queueing under
+load), else a session waiting behind a backlog is cancelled.
 
-How: one Lua call per candidate, on the worker's slot, re-checks all of the above against the
-server's TIME and only then XADDs `{session_id}` to `dgr:{W}:cancel` (what `Producer.cancel` does)
-and marks the hash `reaped` (so the session is cancelled once, even if the worker no longer holds
-it), and sets the session's cancel marker, as `Producer.cancel` does (a replay does not revive it).
-The worker frees the slot when it reads the cancellation, and answers the session `cancelled`.
+How: one Lua call per candidate, on the worker's slot, re-checks all of the above against the server's
+TIME and only then XADDs `{session_id}` to `dgr:{W}:cancel` (what `Producer.cancel` does) and sets the
+session's cancel marker (naming who reaped it and when), as `Producer.cancel` does: the session is
+cancelled once, even if the worker no longer holds it, and a replay does not revive it. The worker frees
+the slot when it reads the cancellation, answers the session `cancelled`, and closes its accounting.
 """
 
 from __future__ import annotations
@@ -30,11 +27,12 @@ from schemas.keys import WorkerKeys
 from schemas.limits import CANCEL_MARKER_TTL_S, CANCEL_MAXLEN
 
 from ..lua import script_source
-from .common import Client, OpsKeys, load_script, s, scan_worker, workers
+from .common import Client, load_script, s, workers
+from .sessions import open_tallies
 
 REAP_LUA = script_source("reap")  # consumer/lua/reap.lua
 
-ReapStatus = Literal["cancelled", "idle", "active", "closed", "reaped", "unknown", "gone"]
+ReapStatus = Literal["cancelled", "idle", "active", "reaped", "gone"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +40,7 @@ class Reaped:
     worker_id: str
     session_id: str
     status: ReapStatus
-    idle_s: float | None  # None: the result stream is gone
+    idle_s: float | None  # None: not known
 
     def as_dict(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "session_id": self.session_id, "status": self.status,
@@ -50,17 +48,16 @@ class Reaped:
 
 
 def open_sessions(client: Client, worker_id: str) -> list[str]:
-    """Session ids with an accounting hash that names an account and is neither closed nor reaped."""
-    ok = OpsKeys(worker_id)
-    names = list(scan_worker(client, worker_id, ok.session_pattern, type_="hash"))
-    if not names:
+    """Session ids the worker charges and has not closed, whose cancel marker is not set."""
+    sids = sorted(open_tallies(client, worker_id))
+    if not sids:
         return []
+    keys = WorkerKeys(worker_id)
     pipe = client.pipeline(transaction=False)
-    for k in names:
-        pipe.hmget(k, ["closed", "reaped", "account"])
-    states: list[Any] = pipe.execute()
-    return sorted(ok.session_id_of(k) for k, (closed, reaped, account) in zip(names, states, strict=True)
-                  if closed is None and reaped is None and account is not None)
+    for sid in sids:
+        pipe.exists(keys.cancel_marker(sid))
+    marked: list[Any] = pipe.execute()
+    return [sid for sid, m in zip(sids, marked, strict=True) if not int(m)]
 
 
 def reap(client: Client, ttl_s: float, *, worker_ids: Iterable[str] | None = None, dry_run: bool = False,
@@ -73,8 +70,7 @@ def reap(client: Client, ttl_s: float, *, worker_ids: Iterable[str] | None = Non
     for w in workers(client, worker_ids):
         keys = WorkerKeys(w)
         for sid in open_sessions(client, w):
-            res = script(keys=[keys.session_account(sid), keys.results(sid), keys.cancellations,
-                               keys.cancel_marker(sid)],
+            res = script(keys=[keys.tally, keys.cancellations, keys.cancel_marker(sid)],
                          args=[sid, ttl_ms, CANCEL_MAXLEN, who, "1" if dry_run else "0", CANCEL_MARKER_TTL_S])
             idle_ms = int(res[1])
             out.append(Reaped(w, sid, s(res[0]), None if idle_ms < 0 else idle_ms / 1000.0))  # type: ignore[arg-type]

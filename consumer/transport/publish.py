@@ -73,6 +73,7 @@ class _Rows:
     att: list[int] = field(default_factory=list)
     st: list[int] = field(default_factory=list)
     pos: list[int] = field(default_factory=list)
+    frm: list[int] = field(default_factory=list)
     tok: list[int] = field(default_factory=list)
     fin: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
@@ -135,13 +136,16 @@ class Publisher:
             rid = o.job_id
             r.sid.append(sid)
             if job is not None:
+                off = _offset(job.job_id, rid)
                 r.job.append(job.job_id)
-                r.off.append(_offset(job.job_id, rid))
+                r.off.append(off)
                 r.att.append(job.attempt)
+                r.frm.append(job.start_position + off if off > 0 else job.start_position)
             else:
                 r.job.append(rid)
                 r.off.append(0)
                 r.att.append(0)
+                r.frm.append(o.position)
             code = STATUS_CODE[o.status]
             r.st.append(code)
             r.pos.append(o.position)
@@ -194,7 +198,7 @@ class Publisher:
         for reply, r in rows.items():
             rec = ResultRecord(worker=io.worker_id, call=f"{self.lease.epoch}:{self.seq + 1}",
                                batch=call.batch_size if call is not None else 0, sid=r.sid, job=r.job, off=r.off,
-                               att=r.att, st=r.st, pos=r.pos, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es, x=r.x)
+                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es, x=r.x)
             argv_tail.append(encode_record(rec))
             records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail), "acct": r.acct,
                             "skey": r.skey, "res": r.res, "blob": r.blob})
