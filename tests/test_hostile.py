@@ -6,6 +6,7 @@ No timing is asserted: bursts are measured in fused calls and reads.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,8 +88,10 @@ def test_ids_ending_in_a_newline_are_refused_not_fatal(redis_client: redis.Redis
                                    compat=key.digest, start_position=0 if phase == "prefill" else 3, tokens=(5,),
                                    created_at=time.time(),
                                    session=h.spec("named-1", 4) if phase == "prefill" else None))
-    both = redis_client.xadd(stream, {**fields, "session_id": "victim\n", "job_id": "j-nl\n"}).decode()
-    job_only = redis_client.xadd(stream, {**fields, "job_id": "j-nl\n"}).decode()
+    body = json.loads(fields["j"])
+    both = redis_client.xadd(stream, {**fields, "j": json.dumps({**body, "session_id": "victim\n",
+                                                                 "job_id": "j-nl\n"})}).decode()
+    job_only = redis_client.xadd(stream, {**fields, "j": json.dumps({**body, "job_id": "j-nl\n"})}).decode()
     h.run(["honest-0"])
     assert h.tokens["honest-0"] == solo[0]
     reasons = {d[b"entry_id"].decode(): d[b"reason"] for d in dead_letters(redis_client)}
@@ -353,10 +356,10 @@ def test_a_dead_letter_keeps_at_most_128_kib_of_a_huge_entry(redis_client: redis
     worker = make_worker(redis_client, engine)
     stream = WorkerKeys(WID).input_stream(worker.keys["decode"].digest, "decode")
     redis_client.xadd(stream, {f"f{i}": "x" * 60_000 for i in range(5)})  # 300 KB, no version
-    redis_client.xadd(stream, {"v": "2"})
+    redis_client.xadd(stream, {"v": "3"})
     for _ in range(2):
         worker.run_once()
     big, small = dead_letters(redis_client)
     copied = sum(len(v) for k, v in big.items() if k.startswith(b"f:"))
     assert 128 * 1024 - 60_000 < copied <= 128 * 1024 and big[b"truncated"] == b"1"
-    assert small[b"reason"] == b"schema_version" and b"truncated" not in small and small[b"f:v"] == b"2"
+    assert small[b"reason"] == b"schema_version" and b"truncated" not in small and small[b"f:v"] == b"3"

@@ -12,7 +12,7 @@ from consumer.ops.cli import register as register_cli
 from consumer.ops.inspect import inspect_fleet, inspect_worker
 from dgrtools.localredis import LocalRedis
 from schemas import job_to_fields
-from tests.test_ops_support import dead_letter, make_key, push, register, serve, step_job
+from tests.test_ops_support import close, dead_letter, make_key, push, register, serve, step_job
 
 
 def make_app() -> typer.Typer:
@@ -47,7 +47,7 @@ def test_inspect_worker_reports_everything(redis_client: redis.Redis) -> None:
 def test_without_heartbeat_sessions_are_counted_from_accounting(redis_client: redis.Redis) -> None:
     t = register(redis_client, "w1")
     serve(t, {"s1": ("a", 0), "s2": ("a", 0)})
-    redis_client.hset(t.keys.session_account("s2"), "closed", "finished")
+    close(t, "s2", "finished", "a")
     redis_client.delete(t.keys.heartbeat)
     (rep,) = inspect_fleet(redis_client)
     assert not rep.alive and rep.heartbeat_age_s is None

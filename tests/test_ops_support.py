@@ -47,14 +47,19 @@ def register(client: redis.Redis, worker: str, *, busy_slots: int | None = None)
     return t
 
 
+PROMPT = 3  # the opening's tokens
+
+
 def step_job(session: str, pos: int, account: str = "acct-1", worker: str = "w1") -> StepJob:
+    """Step `pos` of a session: 0 is its opening (a prompt of PROMPT tokens), n >= 1 its n-th decode step."""
     phase: Phase = "prefill" if pos == 0 else "decode"
     spec = None
     if pos == 0:
         spec = SessionSpec(session_id=session, account_id=account,
                            route=(RouteHop(worker_id=worker, key=make_key("prefill")),), max_tokens=8)
     return StepJob(job_id=f"{session}-{pos}", session_id=session, phase=phase, compat=make_key(phase).digest,
-                   start_position=pos, tokens=(5,), created_at=time.time(), session=spec)
+                   start_position=0 if pos == 0 else PROMPT + pos - 1, tokens=(5,) * (PROMPT if pos == 0 else 1),
+                   created_at=time.time(), session=spec)
 
 
 def push(client: redis.Redis, worker: str, jobs: Sequence[StepJob]) -> None:
@@ -67,9 +72,9 @@ def read_all(t: RedisTransport, n: int = 100) -> list[Delivery]:
     return t.read_streams({s: n for s in t.streams}, block_ms=0, gather_ms=0)
 
 
-def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 3, secs: float = 0.25) -> None:
-    """Answer one step for each session in `plan` ({session: (account, position)}) through the real
-    completion script: push, read, complete with `prompt` prompt tokens, 1 generated, `secs`."""
+def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, secs: float = 0.25) -> None:
+    """Answer one step for each session in `plan` ({session: (account, step)}) through the real completion
+    script: push, read, complete (an opening charges its PROMPT prompt tokens), 1 generated, `secs`."""
     push(t.client, t.worker_id, [step_job(sid, pos, acct, t.worker_id) for sid, (acct, pos) in plan.items()])
     ds = read_all(t)
     comps = []
@@ -78,7 +83,8 @@ def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, prompt: int = 
         acct = plan[job.session_id][0]
         res = StepResult(job_id=job.job_id, session_id=job.session_id, status=Status.OK,
                          position=job.end_position, token=7,
-                         accounting=Accounting(prompt_tokens=prompt, generated_tokens=1, engine_seconds=secs),
+                         accounting=Accounting(prompt_tokens=len(job.tokens) if job.phase == "prefill" else 0,
+                                               generated_tokens=1, engine_seconds=secs),
                          worker_id=t.worker_id, batch_size=len(ds))
         comps.append(Completion(d, res, acct, d.phase))
     assert all(complete_entries(t, comps))

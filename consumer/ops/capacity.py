@@ -3,11 +3,12 @@
 Each client process plays one worker (`captest-<run>-<i>`) with B sessions and loops the Redis side
 of a decode step cycle, with the real transport and completion script:
 
-1. the producer side XADDs B step jobs (one pipeline),
+1. the producer side XADDs B step jobs (one pipeline), each naming the Tracker's result stream,
 2. the worker reads them (`RedisTransport.read`: one XREADGROUP COUNT B),
 3. the worker completes them (`RedisTransport.complete`: ONE EVALSHA of consumer/lua/complete.lua:
-   B x (XACK, SET NX EX, XADD result, EXPIRE, HINCRBY session/account) + worker counters),
-4. the producer side XREADs the B result streams (one XREAD).
+   one XACK, the sessions' tally read and written once, ONE result record XADDed for the B answers,
+   account and worker counters),
+4. the producer side XREADs its one result stream (one XREAD).
 
 No engine and no blocking: this is the Redis cost per session-step. Reported: session-steps/s over
 all clients, and from the server's own accounting (INFO cpu, INFO commandstats) the Redis CPU per
@@ -52,16 +53,16 @@ class CapacityResult:
 
 
 def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any) -> None:
-    from consumer.transport import Completion, RedisTransport
+    from consumer.sched import Answer, Outcome
+    from consumer.transport import RedisTransport
     from schemas import (
-        Accounting,
         CompatibilityKey,
         EngineIdentity,
         Recipe,
         StateLayout,
         Status,
         StepJob,
-        StepResult,
+        job_from_fields,
         job_to_fields,
         whole_model_boundary,
     )
@@ -80,7 +81,8 @@ def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any)
     decode_key = key("decode")
     stream = t.keys.input_stream(decode_key.digest, "decode")
     sessions = [f"s{i}" for i in range(batch)]
-    results = {t.keys.results(sid): "$" for sid in sessions}
+    tracker = "tracker"
+    results = {t.keys.results(tracker): "$"}
     cycles: list[float] = []
     steps = 0
     n = 0
@@ -90,24 +92,22 @@ def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any)
         pipe = client.pipeline(transaction=False)
         for sid in sessions:
             job = StepJob(job_id=f"{sid}-{n}", session_id=sid, phase="decode", compat=decode_key.digest,
-                          start_position=16 + n, tokens=(42,), created_at=time.time())
+                          start_position=16 + n, tokens=(42,), created_at=time.time(), reply_to=tracker)
             pipe.xadd(stream, job_to_fields(job), maxlen=10_000, approximate=True)  # type: ignore[arg-type]
         pipe.execute()
         got = t.read_streams({stream: batch}, block_ms=0, gather_ms=0)
-        comps = []
+        answers = []
         for d in got:
-            sid = d.fields[b"session_id"].decode()
-            jid = d.fields[b"job_id"].decode()
-            res = StepResult(job_id=jid, session_id=sid, status=Status.OK, position=17 + n, token=7,
-                             accounting=Accounting(prompt_tokens=0, generated_tokens=1, engine_seconds=0.01),
-                             worker_id=worker_id, batch_size=len(got))
-            comps.append(Completion(d, res, f"acct-{hash(sid) % 4}", "decode"))
-        t.complete_entries(comps)
+            job = job_from_fields(d.fields)
+            o = Outcome(job.job_id, job.session_id, Status.OK, None, 17 + n, token=7, engine_seconds=0.01,
+                        batch_size=len(got))
+            answers.append(Answer(ref=d, job=job, result=o, account_id=f"acct-{hash(job.session_id) % 4}", close=None))
+        t.complete(answers)
         resp: Any = client.xread(results, count=batch)  # type: ignore[arg-type]
         for name, entries in resp or []:
             results[s(name)] = s(entries[-1][0])
         cycles.append(time.perf_counter() - c0)
-        steps += len(comps)
+        steps += len(answers)
         n += 1
     out.put((steps, cycles))
     client.close()
