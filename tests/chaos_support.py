@@ -157,6 +157,9 @@ def _num(x: bytes | None) -> float:
     return float(x) if x is not None else 0.0
 
 
+NOT_COUNTERS = (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", b"hw", b"gaps")  # of a session hash
+
+
 def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionSpec, list[int]]],
                 handles: dict[str, SessionHandle], model: Path, *, allow_cancel: set[str] = frozenset(),  # type: ignore[assignment]
                 must_cancel: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
@@ -197,7 +200,7 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
         summary["recomputed"] += int(_num(acct.get(b"recomputed_tokens")))
         tally = by_account.setdefault(spec.account_id, {})
         for k, v in acct.items():
-            if k not in (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", b"hw", b"gaps"):  # not counters
+            if k not in NOT_COUNTERS:
                 tally[k.decode()] = tally.get(k.decode(), 0.0) + float(v)
     for account, tally in by_account.items():
         got = {k.decode(): float(v) for k, v in client.hgetall(keys.billing_account(account)).items()}

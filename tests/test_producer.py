@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
+from consumer.ops.sessions import session_accounting
 from consumer.transport import FusedCallStats, RedisTransport, TransportSettings
 from producer import Backpressure, ResultTimeout, SessionFailed, SessionHandle, job_id
 from schemas import (
@@ -115,7 +116,7 @@ class FakeWorker:
                 "finished" if finished else None)
 
     def step(self, block_ms: int = 0) -> int:
-        self.cancelled.update(self.t.cancellations())
+        self.cancelled.update(self.t.cancellations()[0])
         ds = self.t.read_streams({self.pre: 16, self.dec: 64}, block_ms=block_ms)
         if not ds:
             return 0
@@ -215,7 +216,7 @@ def test_discover_and_workers(redis_client: redis.Redis, make_producer: MakeProd
     p = make_producer(redis_client)
     info = p.discover(WORKER)
     assert info.alive and info.heartbeat_age_s is not None and info.heartbeat_age_s < 5
-    assert info.info == {"slots": 64} and {k.phase for k in info.keys} == {"prefill", "decode"}
+    assert info.info == {"slots": 64, "wire_version": 2} and {k.phase for k in info.keys} == {"prefill", "decode"}
     ws = p.workers()
     assert [w.worker_id for w in ws] == [WORKER, "w2"]
     assert [w.alive for w in ws] == [True, False] and ws[1].heartbeat_age_s is None
@@ -228,12 +229,12 @@ def test_discover_and_workers(redis_client: redis.Redis, make_producer: MakeProd
 
 def test_generate_yields_the_sessions_tokens(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
     p = make_producer(redis_client, prefill_chunk=4, timeout_s=10)
-    with FakeWorker(redis_client) as w:
+    with FakeWorker(redis_client):
         tokens = list(p.generate(make_spec("g1", max_tokens=6), list(range(1, 11))))
     assert tokens == expected_tokens("g1", 10, 6)
     rs = results_of(redis_client, WORKER, "g1")
     assert [r.status for r in rs] == [Status.OK] * (3 + 5) and rs[-1].finished
-    acct = hget_all(redis_client, w.t.keys.session_account("g1"))
+    acct = session_accounting(redis_client, WORKER, "g1")
     assert acct["prompt_tokens"] == "10" and acct["generated_tokens"] == "6" and acct["closed"] == "finished"
 
 
@@ -267,7 +268,7 @@ def test_run_many_drives_concurrent_staggered_sessions(redis_client: redis.Redis
         assert positions == sorted(positions)  # per-session order
     # accounting invariant over what the fake worker charged
     wacct = hget_all(redis_client, w.t.keys.worker_account)
-    sessions_acct = [hget_all(redis_client, w.t.keys.session_account(s.session_id)) for s, _ in sessions]
+    sessions_acct = [session_accounting(redis_client, WORKER, s.session_id) for s, _ in sessions]
     assert sum(int(a["generated_tokens"]) for a in sessions_acct) == int(wacct["generated_tokens"]) == sum(
         s.max_tokens for s, _ in sessions)
     assert sum(int(a["prompt_tokens"]) for a in sessions_acct) == int(wacct["prompt_tokens"]) == sum(
@@ -306,7 +307,7 @@ def test_retried_open_yields_one_result_per_job(redis_client: redis.Redis, make_
     assert all(r.status == Status.OK for r in rs)  # the duplicates' rejections were never published
     got = p.read_results([h], block_ms=0)
     assert len(got["dup"]) == 3 and h.generated == [token_at("dup", 5)]
-    assert hget_all(redis_client, w.t.keys.session_account("dup"))["steps"] == "3"
+    assert session_accounting(redis_client, WORKER, "dup")["steps"] == "3"
 
 
 def test_replay_after_state_lost(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
@@ -368,8 +369,8 @@ def test_cancel_reaches_the_worker(redis_client: redis.Redis, make_producer: Mak
     assert w.step() == 1
     (r,) = p.read_results([h], block_ms=0)["c1"]
     assert r.status == Status.CANCELLED and h.finished and h.status == "cancelled"
-    assert hget_all(redis_client, w.t.keys.session_account("c1"))["closed"] == "cancelled"
-    assert w.t.cancellations() == []
+    assert session_accounting(redis_client, WORKER, "c1")["closed"] == "cancelled"
+    assert w.t.cancellations()[0] == []
 
 
 def test_backpressure_raises_or_waits(redis_client: redis.Redis, make_producer: MakeProducer) -> None:

@@ -97,15 +97,18 @@ def test_unanswered_jobs_are_queued_again_with_the_same_ids() -> None:
     c.apply(h, answer(h, job_id("s", 0, "prefill", 0, 0)))
     again = Batch()
     assert c.after_outage(again, [h]) == 2
-    assert [f["job_id"] for _, f in xadds(again)] == [f["job_id"] for _, f in xadds(first)][1:]
+    assert [job_from_fields(f).job_id for _, f in xadds(again)] == [job_from_fields(f).job_id for _, f in
+                                                                      xadds(first)][1:]
     c.apply(h, answer(h, job_id("s", 0, "prefill", 2, 0)))
     c.apply(h, answer(h, job_id("s", 0, "prefill", 4, 0), token=11))
     dec = Batch()
     c.advance(dec, h, True)
     again = Batch()
     assert c.after_outage(again, [h]) == 1
-    assert [(st, f["job_id"], f["tokens"]) for st, f in xadds(again)] == [
-        (st, f["job_id"], f["tokens"]) for st, f in xadds(dec)]  # created_at is the clock's
+    def ids(b: Batch) -> list[tuple[object, str, tuple[int, ...]]]:
+        return [(st, j.job_id, j.tokens) for st, f in xadds(b) for j in [job_from_fields(f)]]
+
+    assert ids(again) == ids(dec)  # created_at is the clock's
 
 
 def test_backpressure_decisions_and_cancel_ops() -> None:

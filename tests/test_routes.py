@@ -23,7 +23,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer.ops.common import sdict
+from consumer.ops.sessions import session_accounting
 from dgrtools.localredis import LocalRedis
 from dgrtools.split_model import split_route
 from dgrtools.tiny_model import write_tiny_model
@@ -67,7 +67,7 @@ class Fleet:
         return out
 
     def account(self, worker: str, sid: str) -> dict[str, str]:
-        return sdict(self.client.hgetall(WorkerKeys(worker).session_account(sid)))
+        return session_accounting(self.client, worker, sid)
 
     def busy(self, worker: str) -> int:
         raw = self.client.get(WorkerKeys(worker).heartbeat)

@@ -35,7 +35,7 @@
 -- [11] control (JSON, below), then the records, blob bytes and dead letters the control refers to by
 -- ARGV index.
 -- control: {"records": [{"out": K, "r": A, "acct": [n per row], "skey": [K per row], "res": {"row": K},
---            "blob": {"row": [K, A]}}],
+--            "past": {"row": end position of a job refused as a duplicate}, "blob": {"row": [K, A]}}],
 --           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
 --           "acks": [[K, ["entry id", ...]], ...], "del": [K, ...],
 --           "close": [["session id", K of its hash, "finished"|"cancelled"|"failed", acct n], ...],
@@ -236,8 +236,13 @@ for ri, rec in ipairs(ctl.records) do
     elseif st == 0 then
       fresh = true
     else
-      local rk = rec.res[tostring(i - 1)]
-      fresh = redis.call('SET', KEYS[rk], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
+      local row = tostring(i - 1)
+      local past = rec.past[row]
+      if past ~= nil and e ~= nil and R.att[i] == e.att and e.pub >= past then
+        fresh = false  -- a job refused as a duplicate whose positions were answered already
+      else
+        fresh = redis.call('SET', KEYS[rec.res[row]], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
+      end
     end
     local p, g, rc = 0, 0, 0
     n_rows = n_rows + 1

@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from schemas import GROUP, Phase, Reason, Signer, WireError, parse_input_stream
+from schemas.retry import transient
 from schemas.replies import as_str, entry_fields, flat_pairs, stream_entries
 from schemas.wire import cancel_from_fields, job_from_fields
 
@@ -241,7 +242,11 @@ class Intake:
             pipe = client.pipeline(transaction=False)
             for count, ids in by_count.items():
                 pipe.xreadgroup(GROUP, name, ids, count=count)  # type: ignore[arg-type]
-            return pipe.execute(raise_on_error=False)
+            replies = pipe.execute(raise_on_error=False)
+            for r in replies:  # a transient error as a reply is an outage: raised here, so it is ridden through
+                if isinstance(r, Exception) and transient(r):
+                    raise r
+            return replies
 
         out: list[Delivery] = []
         lost_group = False
