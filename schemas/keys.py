@@ -62,6 +62,12 @@ class WorkerKeys:
         return f"{self.base}:res:{job_id}"
 
     @property
+    def call_guard(self) -> str:
+        """String '<lease epoch> <sequence>' of the last completion call filed (consumer/lua/complete.lua):
+        a completion re-sent after a reconnect whose first send ran is refused whole."""
+        return f"{self.base}:guard"
+
+    @property
     def tally(self) -> str:
         """Hash: one field per session this worker charges and has not closed (docs/accounting.md): what
         it charged since the field was made, and the positions answered and charged so far."""

@@ -74,8 +74,8 @@ def test_worker_user_does_its_job_on_its_own_keys_only(acl_server: LocalRedis) -
     # The completion script pointed at another worker's keys is refused too (keys are checked in scripts).
     before = c2.hgetall(w2.worker_account)
     with pytest.raises(NoPermissionError):
-        c1.evalsha(t1.io.scripts["complete"].sha, 6, w2.worker_account, w2.accounts_index, w2.dead_letters,
-                   w2.lease, w2.lease_epoch, w2.tally,
+        c1.evalsha(t1.io.scripts["complete"].sha, 7, w2.worker_account, w2.accounts_index, w2.dead_letters,
+                   w2.lease, w2.lease_epoch, w2.tally, w2.call_guard,
                    "dgr-workers", 1, 1, 1, 1, "", "", 1, 1, 1, '{"records":[],"call":["decode",1,1,"0.1"]}')
     assert c2.hgetall(w2.worker_account) == before
 

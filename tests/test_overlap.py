@@ -42,7 +42,7 @@ from tests.support import entry_results
 SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
 _runs = itertools.count()
-_PER_CALL = (b"fused_calls", b"calls:", b"sessions:", b"tokens:", b"batch_size", b"engine_seconds", b"last_call")
+_PER_CALL = (b"fused_calls", b"calls:", b"sessions:", b"tokens:", b"batch_size", b"engine_seconds")
 
 
 @dataclass(frozen=True)

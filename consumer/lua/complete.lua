@@ -3,9 +3,9 @@
 --
 -- Runs after lease.lua. When a lease token is given, the script first checks that this process still
 -- holds the worker's lease (or takes it back if it lapsed and nobody took it since); a fenced process
--- gets the error DGRFENCED and nothing is written. Then the call guard: the worker hash's `last_call`
--- holds '<epoch> <seq>' of the last call filed; a call of the same epoch with a sequence not above it
--- is a completion re-sent after a reconnect whose first send ran: nothing is written again ('DUP').
+-- gets the error DGRFENCED and nothing is written. Then the call guard: KEYS[7] holds '<epoch> <seq>' of
+-- the last call filed; a call of the same epoch with a sequence not above it is a completion re-sent
+-- after a reconnect whose first send ran: nothing is written again ('DUP').
 --
 -- Each record (one per result stream) holds the answers as columns (row i = one answer). Per row:
 --   * once only: an ok row by its session's tally entry (published when its (attempt, position) is
@@ -27,7 +27,7 @@
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
 -- KEYS[1] worker hash, [2] billing accounts index set, [3] dead-letter stream, [4] lease, [5] lease
--- epoch, [6] tally, [7..] the other keys, each once, referred to by index.
+-- epoch, [6] tally, [7] call guard, [8..] the other keys, each once, referred to by index.
 -- The layout is named once in Python (consumer/transport/publish.py: COMPLETE_ARGV); tests/test_lua.py
 -- checks it against the lines below.
 -- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen, [5] reject_ttl_s,
@@ -61,14 +61,14 @@ end
 
 -- The call guard (only with a lease: the epoch names this process).
 if ARGV[6] ~= '' then
-  local last = redis.call('HGET', worker, 'last_call')
+  local last = redis.call('GET', KEYS[7])
   if last then
     local e, q = string.match(last, '^(%d+) (%d+)$')
     if e == ARGV[7] and tonumber(q) >= tonumber(ARGV[10]) then
       return 'DUP'
     end
   end
-  redis.call('HSET', worker, 'last_call', ARGV[7] .. ' ' .. ARGV[10])
+  redis.call('SET', KEYS[7], ARGV[7] .. ' ' .. ARGV[10])
 end
 
 local function fmt(x)
