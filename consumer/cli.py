@@ -432,11 +432,16 @@ def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the 
 
 
 @model_app.command("tiny")
-def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
-    """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""
-    from dgrtools.tiny_model import write_tiny_model
+def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0",
+               layout: Annotated[str, typer.Option(help="State layout: 'kv' (llama), 'recurrent' (Mamba) or "
+                                                        "'hybrid' (Jamba: Mamba and attention blocks).")] = "kv",
+               ) -> None:
+    """Write a seeded tiny GGUF of the given state layout (byte-identical every run)."""
+    from dgrtools.tiny_recurrent import LAYOUTS, write_tiny
 
-    digest = write_tiny_model(path, seed=seed, quant=quant)  # type: ignore[arg-type]
+    if layout not in LAYOUTS:
+        raise typer.BadParameter(f"--layout must be one of {', '.join(LAYOUTS)}")
+    digest = write_tiny(path, layout, seed=seed, quant=quant)  # type: ignore[arg-type]
     typer.echo(f"{path} sha256={digest}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -148,7 +148,17 @@ def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_lay
     writer.add_vocab_size(cfg.n_vocab)
     writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
 
-    tokens, scores, types = tiny_vocab(cfg.n_vocab)
+    add_tiny_tokenizer(writer, cfg.n_vocab)
+    for name, arr in tiny_weights(seed, cfg).items():
+        add_weight(writer, name, arr, quant)
+
+    return finish_gguf(writer, tmp, path)
+
+
+def add_tiny_tokenizer(writer: Any, n_vocab: int) -> None:
+    """The tiny SentencePiece-style vocabulary and its special tokens, on a `gguf.GGUFWriter`: every
+    tiny model (whatever its layout) tokenizes text the same way."""
+    tokens, scores, types = tiny_vocab(n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -160,13 +170,22 @@ def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_lay
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
 
-    for name, arr in tiny_weights(seed, cfg).items():
-        if arr.ndim == 2 and quant == "q8_0":
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, arr)
 
+def add_weight(writer: Any, name: str, arr: npt.NDArray[np.float32], quant: TinyQuant) -> None:
+    """One tensor: Q8_0 (gguf's NumPy quantizer, bit-exact with ggml's reference) for a 2-D weight whose
+    rows are a whole number of 32-value blocks when `quant="q8_0"`, f32 otherwise (norms, biases, and
+    the recurrent kernels' own tensors, which llama.cpp's ssm ops read as f32)."""
+    import gguf
+
+    if quant == "q8_0" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+        q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        writer.add_tensor(name, arr)
+
+
+def finish_gguf(writer: Any, tmp: Path, path: Path) -> str:
+    """Write out a `gguf.GGUFWriter` opened on `tmp`, move it to `path` (atomic) and return its sha256."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
