@@ -309,6 +309,11 @@ class LlamaCppEngine(LogitsEngine):
         head_dim = int(key_len) if key_len and key_len.isdigit() else n_embd // max(1, n_head)
         self._arch, self._quant, self._n_layer = arch, quant, n_layer
         self._kv_type, self._flash = kv_cache_type, flash_attention
+        if invariant and n_gpu_layers == 0 and quant in ("F32", "F16", "BF16"):
+            # Float weights: ggml's one-row matmul and llamafile's tinyBLAS (two rows or more) sum in
+            # different orders, so one row alone and in a batch differ (docs/state-layouts.md).
+            log.warning("recipe 'invariant' with %s weights on CPU: batch_invariant=False (use Q8_0)", quant)
+            invariant = False
 
         # A hop names its SOURCE model; the block range is in the boundary.
         source_sha = sp.source_sha256 if sp is not None else gguf_sha256(self.model_path)
