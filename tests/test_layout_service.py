@@ -66,3 +66,52 @@ def test_kill_mid_decode_replays_exactly(by_layout: dict[str, Engines], client: 
                        engines.make, engines.solo)
     assert out.crashed and out.replays >= 1
     assert out.mismatches == []
+
+
+def test_a_step_of_one_layout_on_another_layouts_stream_is_incompatible(
+        real_redis: redis.Redis, tiny_layout_paths: dict[str, Path]) -> None:
+    """One worker per layout, serving sessions; a step whose key names another layout, pushed onto each
+    worker's own stream, is answered `incompatible` (the layout is in the key), and the sessions around it
+    get their solo tokens."""
+    from consumer.engines.llama import LlamaCppEngine
+    from schemas import Reason, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields
+    from tests.hop_driver import RouteDriver, make_hop_worker
+    from tests.support import prompts, solo_generate
+
+    paths = tiny_layout_paths
+    engines = {k: LlamaCppEngine(p, n_slots=4, ctx_per_session=256, n_threads=1) for k, p in paths.items()}
+    solo = {k: LlamaCppEngine(p, n_slots=1, ctx_per_session=256, n_threads=1) for k, p in paths.items()}
+    try:
+        drivers = {k: RouteDriver(real_redis, [make_hop_worker(real_redis, e, f"layout-{k}")])
+                   for k, e in engines.items()}
+        ps = prompts(2, 500, seed=5, lo=5, hi=40)
+        for k, d in drivers.items():
+            w = d.workers[0]
+            for other in LAYOUTS:
+                if other == k:
+                    continue
+                sid = f"x-{other}"
+                job = StepJob(job_id=f"{sid}.j", session_id=sid, phase="prefill", start_position=0, tokens=(1, 5),
+                              compat=drivers[other].workers[0].keys["prefill"].digest, created_at=1.0,
+                              session=SessionSpec(session_id=sid, account_id="acct", route=drivers[other].route(),
+                                                  max_tokens=4))
+                stream = WorkerKeys(w.settings.worker_id).input_stream(w.keys["prefill"].digest, "prefill")
+                real_redis.xadd(stream, job_to_fields(job))  # type: ignore[arg-type]
+                d.last[(0, sid)], d.results[sid] = b"0-0", []
+            for i, p in enumerate(ps):
+                d.open(f"s{i}", p, max_tokens=6)
+        for _ in range(300):
+            if all(d.done(f"s{i}") for d in drivers.values() for i in range(len(ps))):
+                break
+            for d in drivers.values():
+                d.workers[0].run_once()
+                d.poll()
+        for k, d in drivers.items():
+            stray = [(r.status, r.reason) for sid, rs in d.results.items() if sid.startswith("x-") for _, r in rs]
+            assert stray == [(Status.REJECTED, Reason.INCOMPATIBLE)] * 2, k
+            assert not d.failures()
+            for i, p in enumerate(ps):
+                assert d.tokens[f"s{i}"] == solo_generate(solo[k], p, 6), (k, i)
+    finally:
+        for e in (*engines.values(), *solo.values()):
+            e.close()
