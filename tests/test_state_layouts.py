@@ -337,3 +337,20 @@ def test_slot_reuse_starts_from_nothing(eng: LlamaCppEngine) -> None:
     eng.release(3)
     fresh = prefill(eng, 3, PROMPTS[3])
     assert np.array_equal(again, fresh)
+
+
+def test_state_cost_report(layout: str, tiny_layout_paths: dict[str, Path]) -> None:
+    """dgrtools/state_cost.py (the figures of docs/state-layouts.md) on a small run: bytes as advertised,
+    snapshots only where a layout needs them, none in steady-state decode."""
+    from dgrtools.state_cost import measure
+
+    r = measure(tiny_layout_paths[layout], [2], steps=3, prompt_len=8, repeats=1)
+    assert r["layout"] == layout
+    (b,) = r["batches"]
+    assert b["sessions"] == 2 and b["snapshots_in_steady_decode"] == 0
+    assert b["decode_step_ms"] > 0 and b["decode_step_ms_snapshot_always"] > 0
+    if layout == "kv":
+        assert r["snapshot_bytes"] == 0 and r["snapshot_us"] == 0 and b["chunk_snapshot_share"] == 0
+    else:
+        assert r["snapshot_bytes"] > 30_000 and r["snapshot_us"] > 0 and r["restore_us"] > 0
+        assert 0 < b["chunk_snapshot_share"] < 1
