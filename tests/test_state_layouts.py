@@ -354,3 +354,40 @@ def test_state_cost_report(layout: str, tiny_layout_paths: dict[str, Path]) -> N
     else:
         assert r["snapshot_bytes"] > 30_000 and r["snapshot_us"] > 0 and r["restore_us"] > 0
         assert 0 < b["chunk_snapshot_share"] < 1
+
+
+# ---- several engines in one worker: the EngineSet seam -------------------------------------------------
+
+def test_engine_set_routes_streams_to_engines(tiny_layout_paths: dict[str, Path]) -> None:
+    from consumer.engines.engine_set import EngineSet
+
+    es = EngineSet({k: make(p, n_slots=2) for k, p in tiny_layout_paths.items()})
+    try:
+        assert list(es) == list(LAYOUTS) and len(es.all_keys()) == 6
+        for name in es:
+            for ph, key in es.keys_of(name).items():
+                assert es.engine_for(key.digest) == name and key.phase == ph
+                assert key.state.kind == name
+        assert es.engine_for("0" * 16) is None
+        ad = {a["engine"]: a for a in es.advertise()}
+        assert ad["recurrent"]["state_bytes_per_token"] == 0
+        assert ad["hybrid"]["state_bytes_per_session"] > ad["recurrent"]["state_bytes_per_session"] > 0
+        assert ad["kv"]["state_bytes_all_slots"] == 2 * ad["kv"]["state_bytes_per_session"]
+    finally:
+        es.close()
+
+
+def test_engine_set_refuses_engines_that_would_share_streams(tiny_layout_paths: dict[str, Path]) -> None:
+    from consumer.engines.engine_set import EngineSet
+
+    a, b = make(tiny_layout_paths["recurrent"], n_slots=1), make(tiny_layout_paths["recurrent"], n_slots=2)
+    try:
+        with pytest.raises(ValueError, match="same prefill key"):
+            EngineSet({"a": a, "b": b})  # same model, recipe, layout: one engine with more slots
+        with pytest.raises(ValueError, match="not an id"):
+            EngineSet({"bad name": a})
+        with pytest.raises(ValueError):
+            EngineSet({})
+    finally:
+        a.close()
+        b.close()
