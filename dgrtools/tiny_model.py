@@ -123,36 +123,35 @@ def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_lay
     (gguf's NumPy quantizer, bit-exact with ggml's reference) and the norms as f32; `"f32"` stores all
     f32. `n_layer` > 2 makes a deeper model of the same shape (routes of three hops need >= 3 blocks).
     """
-    import gguf  # deferred: only the generator needs it
-
-    if quant not in ("q8_0", "f32"):
-        raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
     if n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, not {n_layer}")
     cfg = TINY if n_layer == TINY.n_layer else replace(TINY, n_layer=n_layer)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(f"dgr-tiny-s{seed}-{quant}" + ("" if n_layer == TINY.n_layer else f"-l{n_layer}"))
-    writer.add_context_length(cfg.n_ctx_train)
-    writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
+    name = f"dgr-tiny-s{seed}-{quant}" + ("" if n_layer == TINY.n_layer else f"-l{n_layer}")
+    writer, tmp = open_tiny_gguf(Path(path), "llama", name, cfg, quant)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
     writer.add_head_count_kv(cfg.n_head_kv)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
-    writer.add_vocab_size(cfg.n_vocab)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
+    return close_tiny_gguf(writer, tmp, Path(path), cfg.n_vocab, quant, tiny_weights(seed, cfg))
 
-    add_tiny_tokenizer(writer, cfg.n_vocab)
-    for name, arr in tiny_weights(seed, cfg).items():
-        add_weight(writer, name, arr, quant)
 
-    return finish_gguf(writer, tmp, path)
+def open_tiny_gguf(path: Path, arch: str, name: str, cfg: TinyConfig, quant: str) -> tuple[Any, Path]:
+    """A `gguf.GGUFWriter` on `path`'s temporary name (parents created; `close_tiny_gguf` moves it into
+    place), with the keys every tiny model starts with: name, context, embedding length, block count."""
+    import gguf
+
+    if quant not in ("q8_0", "f32"):
+        raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(name)
+    writer.add_context_length(cfg.n_ctx_train)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    return writer, tmp
 
 
 def add_tiny_tokenizer(writer: Any, n_vocab: int) -> None:
@@ -184,8 +183,17 @@ def add_weight(writer: Any, name: str, arr: npt.NDArray[np.float32], quant: Tiny
         writer.add_tensor(name, arr)
 
 
-def finish_gguf(writer: Any, tmp: Path, path: Path) -> str:
-    """Write out a `gguf.GGUFWriter` opened on `tmp`, move it to `path` (atomic) and return its sha256."""
+def close_tiny_gguf(writer: Any, tmp: Path, path: Path, n_vocab: int, quant: TinyQuant,
+                    weights: dict[str, npt.NDArray[np.float32]]) -> str:
+    """The keys every tiny model ends with (vocabulary size, file type, the tokenizer), then the weights;
+    write the file out, move it to `path` (atomic) and return its sha256."""
+    import gguf
+
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
+    add_tiny_tokenizer(writer, n_vocab)
+    for name, arr in weights.items():
+        add_weight(writer, name, arr, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

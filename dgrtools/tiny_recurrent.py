@@ -29,37 +29,27 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from .tiny_model import TinyQuant, add_tiny_tokenizer, add_weight, finish_gguf, write_tiny_model
+from .tiny_model import TinyConfig, TinyQuant, close_tiny_gguf, open_tiny_gguf, write_tiny_model
 
 Layout = Literal["kv", "recurrent", "hybrid"]
 LAYOUTS: tuple[Layout, ...] = ("kv", "recurrent", "hybrid")
 
 
 @dataclass(frozen=True, slots=True)
-class TinySsmConfig:
-    n_vocab: int = 512
-    n_embd: int = 128
-    n_layer: int = 2
+class TinySsmConfig(TinyConfig):
+    """The tiny llama's shape (vocabulary, n_embd, the attention of a hybrid's attention blocks) plus the
+    Mamba block's. The FFN (n_ff) exists only in a hybrid's blocks."""
+
     d_inner: int = 256  # llama.cpp supports an expansion factor of 2 only
     d_state: int = 16
     d_conv: int = 4
     dt_rank: int = 8
-    n_ctx_train: int = 4096
-    rms_eps: float = 1e-5
-    # hybrid (Jamba) only
-    n_head: int = 4
-    n_head_kv: int = 2
-    n_ff: int = 512
-    attention_blocks: tuple[int, ...] = ()
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    attention_blocks: tuple[int, ...] = ()  # hybrid only: the blocks that are attention, not Mamba
 
 
-TINY_MAMBA = TinySsmConfig()
+TINY_MAMBA = TinySsmConfig(n_ff=512)
 HYBRID_ATTENTION_BLOCKS = (1, 3)
-TINY_JAMBA = TinySsmConfig(n_layer=4, attention_blocks=HYBRID_ATTENTION_BLOCKS)
+TINY_JAMBA = TinySsmConfig(n_layer=4, n_ff=512, attention_blocks=HYBRID_ATTENTION_BLOCKS)
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
@@ -119,23 +109,11 @@ def ssm_weights(seed: int = 0, cfg: TinySsmConfig = TINY_MAMBA) -> dict[str, npt
 def write_tiny_ssm_model(path: Path, layout: Literal["recurrent", "hybrid"] = "recurrent", seed: int = 0,
                          quant: TinyQuant = "q8_0") -> str:
     """Write the tiny Mamba ("recurrent") or Jamba ("hybrid") GGUF to `path`; return its sha256."""
-    import gguf  # deferred: only the generator needs it
-
     if layout not in ("recurrent", "hybrid"):
         raise ValueError(f"layout must be 'recurrent' or 'hybrid', not {layout!r}")
-    if quant not in ("q8_0", "f32"):
-        raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
     cfg = TINY_MAMBA if layout == "recurrent" else TINY_JAMBA
     arch = "mamba" if layout == "recurrent" else "jamba"
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    writer.add_name(f"dgr-tiny-{arch}-s{seed}-{quant}")
-    writer.add_context_length(cfg.n_ctx_train)
-    writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
+    writer, tmp = open_tiny_gguf(Path(path), arch, f"dgr-tiny-{arch}-s{seed}-{quant}", cfg, quant)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_ssm_conv_kernel(cfg.d_conv)
     writer.add_ssm_inner_size(cfg.d_inner)
@@ -149,12 +127,7 @@ def write_tiny_ssm_model(path: Path, layout: Literal["recurrent", "hybrid"] = "r
         writer.add_head_count(cfg.n_head)
         # Jamba marks a block recurrent by its KV head count: 0 for a Mamba block.
         writer.add_head_count_kv([cfg.n_head_kv if i in cfg.attention_blocks else 0 for i in range(cfg.n_layer)])
-    writer.add_vocab_size(cfg.n_vocab)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
-    add_tiny_tokenizer(writer, cfg.n_vocab)
-    for name, arr in ssm_weights(seed, cfg).items():
-        add_weight(writer, name, arr, quant)
-    return finish_gguf(writer, tmp, path)
+    return close_tiny_gguf(writer, tmp, Path(path), cfg.n_vocab, quant, ssm_weights(seed, cfg))
 
 
 def write_tiny(path: Path, layout: Layout = "kv", seed: int = 0, quant: TinyQuant = "q8_0") -> str:

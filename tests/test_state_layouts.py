@@ -104,7 +104,7 @@ def aborter(eng: LlamaCppEngine) -> Iterator[Aborter]:
 
 def test_layout_is_advertised_with_its_dimensions(eng: LlamaCppEngine, layout: str) -> None:
     sl, cap = eng.state_layout, eng.capacity
-    assert sl.kind == layout
+    assert sl.kind == layout and sl.positional == (layout == "kv") == eng._states.positional
     assert eng.identity.architecture == {"kv": "llama", "recurrent": "mamba", "hybrid": "jamba"}[layout]
     if layout == "kv":
         assert sl.dims == {"n_layer": 2, "n_head_kv": 2, "head_dim": 32, "n_embd_k_gqa": 64, "n_ctx_per_seq": 256}
