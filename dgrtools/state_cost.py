@@ -66,7 +66,7 @@ def _copy_times(e: Any, reps: int = 200) -> tuple[float, float]:
     save, restore = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
-        cp = Checkpoint({0: pos}, {0: st._save(0)})
+        cp = Checkpoint(np.zeros(1, np.int64), np.full(1, pos, np.int64), {0: st._save(0)})
         t1 = time.perf_counter()
         lost = st.rollback(cp)
         t2 = time.perf_counter()

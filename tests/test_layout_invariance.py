@@ -209,7 +209,7 @@ def _play(e: LlamaCppEngine, sessions: list[Arrival]) -> list[list[np.ndarray]]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=300 if SOAK else 30, deadline=None, derandomize=not SOAK, database=None,
+@settings(max_examples=300 if SOAK else 20, deadline=None, derandomize=not SOAK, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(sessions=arrivals())
 def test_any_chunking_and_arrival_equals_alone(engines: dict[str, LlamaCppEngine], layout: str,

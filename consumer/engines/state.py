@@ -89,10 +89,20 @@ class StateSize:
 
 @dataclass
 class Checkpoint:
-    """Where each slot of a call stood before it: its first position, and a snapshot when taken."""
+    """A call's rows (slot, position), and the snapshots taken before it. `starts` (each slot's first
+    position: where it stood before the call) is worked out only when needed: on a failure, or to snapshot."""
 
-    starts: dict[int, int]
+    slots: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
     snapshots: dict[int, npt.NDArray[np.uint8]] = field(default_factory=dict)
+    _starts: dict[int, int] | None = None
+
+    @property
+    def starts(self) -> dict[int, int]:
+        if self._starts is None:  # the engine checked that each slot's rows come in position order
+            uniq, first = np.unique(self.slots, return_index=True)
+            self._starts = dict(zip(uniq.tolist(), self.positions[first].tolist(), strict=True))
+        return self._starts
 
 
 class SlotStates:
@@ -116,15 +126,14 @@ class SlotStates:
         return self.kind == "kv"
 
     def checkpoint(self, slots: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> Checkpoint:
-        """Before a fused call: each slot's first position, and the snapshots the policy asks for."""
-        uniq, first, counts = np.unique(slots, return_index=True, return_counts=True)
-        starts = dict(zip(uniq.tolist(), positions[first].tolist(), strict=True))
-        cp = Checkpoint(starts)
+        """Before a fused call: the snapshots the policy asks for (none for "kv", none for a decode call
+        under "chunks": nothing is computed for them on the hot path)."""
+        cp = Checkpoint(slots, positions)
         self.stats.calls += 1
-        if self.positional or (self.policy == "chunks" and counts.max() <= 1):
+        if self.positional or (self.policy == "chunks" and np.unique(slots).shape[0] == slots.shape[0]):
             return cp
         t = time.perf_counter()
-        for s, start in starts.items():
+        for s, start in cp.starts.items():
             if start > 0:
                 cp.snapshots[s] = self._save(s)
         if cp.snapshots:
