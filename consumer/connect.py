@@ -135,6 +135,24 @@ def _sentinel(target: RedisTarget, client_kw: Mapping[str, Any], cls: Any = None
     return cls(target.sentinels, sentinel_kwargs=_sentinel_kwargs(target, master_kw, timeout)), master_kw
 
 
+class FailoverCluster(RedisCluster):
+    """A RedisCluster that replaces its default node when it cannot reach it to find a command's keys.
+
+    redis-py asks its default node (COMMAND GETKEYS) for the keys of a command with movable keys
+    (XREAD, XREADGROUP) before its own retry-and-refresh logic runs: with that node killed, every such
+    call failed with ConnectionError for as long as the process lived (redis-py 8.1; found by
+    tests/test_failover.py's Cluster test, where the producer's XREAD never recovered). The error is
+    still raised (the caller's outage policy retries); the next try asks another node.
+    """
+
+    def _get_command_keys(self, *args: Any) -> Any:
+        try:
+            return super()._get_command_keys(*args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.replace_default_node()
+            raise
+
+
 def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redis.Redis] = redis.Redis,
             **client_kw: Any) -> redis.Redis | RedisCluster:
     """A synchronous client for `target`. `client_kw` (socket timeouts, ...) reach every connection to
@@ -145,7 +163,7 @@ def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redi
         return sentinel.master_for(target.sentinel_master, redis_class=redis_class,
                                    decode_responses=decode, **master_kw)
     if target.cluster:
-        return RedisCluster.from_url(target.url, decode_responses=decode, **client_kw)
+        return FailoverCluster.from_url(target.url, decode_responses=decode, **client_kw)
     return redis_class.from_url(target.url, decode_responses=decode, **client_kw)
 
 
