@@ -135,22 +135,39 @@ def _sentinel(target: RedisTarget, client_kw: Mapping[str, Any], cls: Any = None
     return cls(target.sentinels, sentinel_kwargs=_sentinel_kwargs(target, master_kw, timeout)), master_kw
 
 
+class _KeysFromALiveNode:
+    """A RedisCluster's commands parser that, when the node it asks for a command's keys cannot be
+    reached, makes the client pick another default node before the error goes on (see FailoverCluster).
+    Everything else is the wrapped parser's."""
+
+    def __init__(self, parser: Any, client: RedisCluster) -> None:
+        self._parser, self._client = parser, client
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        try:
+            return self._parser.get_keys(redis_conn, *args)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self._client.replace_default_node()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
 class FailoverCluster(RedisCluster):
     """A RedisCluster that replaces its default node when it cannot reach it to find a command's keys.
 
     redis-py asks its default node (COMMAND GETKEYS) for the keys of a command with movable keys
-    (XREAD, XREADGROUP) before its own retry-and-refresh logic runs: with that node killed, every such
-    call failed with ConnectionError for as long as the process lived (redis-py 8.1; found by
-    tests/test_failover.py's Cluster test, where the producer's XREAD never recovered). The error is
-    still raised (the caller's outage policy retries); the next try asks another node.
+    (XREAD, XREADGROUP), in a pipeline too, before its own retry-and-refresh logic runs: with that node
+    killed, every such call failed with ConnectionError for as long as the process lived (redis-py 8.1;
+    found by tests/test_failover.py's Cluster test: neither the producer's XREAD nor the consumer's
+    XREADGROUP pipeline ever recovered). The error is still raised (the caller's outage policy retries);
+    the next try asks another node. Pipelines share the client's parser, so they get it too.
     """
 
-    def _get_command_keys(self, *args: Any) -> Any:
-        try:
-            return super()._get_command_keys(*args)
-        except (redis.ConnectionError, redis.TimeoutError):
-            self.replace_default_node()
-            raise
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _KeysFromALiveNode(self.commands_parser, self)
 
 
 def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redis.Redis] = redis.Redis,

@@ -139,9 +139,13 @@ def test_the_cluster_client_replaces_a_default_node_it_cannot_reach(redis_cluste
         client.xread({stream: "0"})
     assert client.get_default_node() is not dead
     assert len(client.xread({stream: "0"})[0][1]) == 1  # type: ignore[index]
+    client.nodes_manager.default_node = dead  # a pipeline (the consumer's reads) retries on its own: at once
+    assert len(client.pipeline().xread({stream: "0"}).execute()[0][0][1]) == 1
     plain = RedisCluster.from_url(redis_cluster.url)
     plain.nodes_manager.default_node = dead
     for _ in range(2):  # what redis-py alone does: the same error every time
         with pytest.raises(redis.ConnectionError):
             plain.xread({stream: "0"})
+        with pytest.raises(redis.ConnectionError):
+            plain.pipeline().xread({stream: "0"}).execute()
     client.delete(stream)
