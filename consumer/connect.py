@@ -167,7 +167,7 @@ class FailoverCluster(RedisCluster):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.commands_parser = _KeysFromALiveNode(self.commands_parser, self)
+        self.commands_parser = _KeysFromALiveNode(self.commands_parser, self)  # type: ignore[assignment]
 
 
 def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redis.Redis] = redis.Redis,
