@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterPipeline, RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 if TYPE_CHECKING:
@@ -154,6 +154,22 @@ class _KeysFromALiveNode:
         return getattr(self._parser, name)
 
 
+class FailoverClusterPipeline(ClusterPipeline):
+    """A Cluster pipeline that raises a connection error or timeout even with raise_on_error=False, as
+    a single-node pipeline does: redis-py re-runs the commands a MOVED sent elsewhere one by one and
+    keeps their exceptions as replies, so after a failover a caller that asked for replies (the
+    consumer's multi-stream read) got a ConnectionError as a "reply" and raised it outside its outage
+    policy (tests/test_failover.py's Cluster test: the consumer exited). Raised here, the policy retries
+    the whole pipeline, which every pipeline of dgr allows (schemas/retry.py)."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        replies = super().execute(raise_on_error)
+        for reply in replies:
+            if isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
+                raise reply
+        return list(replies)
+
+
 class FailoverCluster(RedisCluster):
     """A RedisCluster that replaces its default node when it cannot reach it to find a command's keys.
 
@@ -162,12 +178,18 @@ class FailoverCluster(RedisCluster):
     killed, every such call failed with ConnectionError for as long as the process lived (redis-py 8.1;
     found by tests/test_failover.py's Cluster test: neither the producer's XREAD nor the consumer's
     XREADGROUP pipeline ever recovered). The error is still raised (the caller's outage policy retries);
-    the next try asks another node. Pipelines share the client's parser, so they get it too.
+    the next try asks another node. Pipelines share the client's parser, so they get it too, and are
+    FailoverClusterPipelines.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.commands_parser = _KeysFromALiveNode(self.commands_parser, self)  # type: ignore[assignment]
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = FailoverClusterPipeline  # redis-py builds it; only execute() differs
+        return pipe
 
 
 def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redis.Redis] = redis.Redis,

@@ -6,11 +6,19 @@ from __future__ import annotations
 import pytest
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection, SentinelManagedSSLConnection
 
-from consumer.connect import FailoverCluster, RedisTarget, connect, connect_async, master_url, parse_sentinels
+from consumer.connect import (
+    FailoverCluster,
+    FailoverClusterPipeline,
+    RedisTarget,
+    connect,
+    connect_async,
+    master_url,
+    parse_sentinels,
+)
 from dgrtools.localredis import free_port
 from schemas import WorkerKeys
 from tests.fixtures.cluster import LocalCluster, redis_cluster  # noqa: F401 (fixture)
@@ -141,6 +149,17 @@ def test_the_cluster_client_replaces_a_default_node_it_cannot_reach(redis_cluste
     assert len(client.xread({stream: "0"})[0][1]) == 1  # type: ignore[index]
     client.nodes_manager.default_node = dead  # a pipeline (the consumer's reads) retries on its own: at once
     assert len(client.pipeline().xread({stream: "0"}).execute()[0][0][1]) == 1
+    pipe = client.pipeline()
+    assert isinstance(pipe, FailoverClusterPipeline)
+    pipe.xread({stream: "0"}).execute(raise_on_error=False)  # a working pipeline is one
+    lost = redis.ConnectionError("Error 111 connecting to a dead node")
+    real_execute = ClusterPipeline.execute
+    try:  # what redis-py returns after re-running a MOVED command against a dead default node
+        ClusterPipeline.execute = lambda self, raise_on_error=True: [lost]  # type: ignore[method-assign]
+        with pytest.raises(redis.ConnectionError):
+            client.pipeline().xread({stream: "0"}).execute(raise_on_error=False)
+    finally:
+        ClusterPipeline.execute = real_execute  # type: ignore[method-assign]
     plain = RedisCluster.from_url(redis_cluster.url)
     plain.nodes_manager.default_node = dead
     for _ in range(2):  # what redis-py alone does: the same error every time

@@ -126,12 +126,14 @@ def test_sentinel_failover_that_loses_writes(sentinel_group: SentinelGroup, tiny
         (replica,) = g.replica_ports()
         g.node(replica).execute_command("REPLICAOF", "NO", "ONE")  # the replica has what it had
         kept = int(g.node(replica).info("replication")["master_repl_offset"])
+        seen = drive.results
         drive.wait_results(drive.results + rng.randint(2, 12))  # answered on the old master only
         offset = int(g.node(old).info("replication")["master_repl_offset"])
         g.kill9(old)
+        in_window = drive.results - seen
         g.promote_by_hand(replica)
         assert offset > kept, "nothing was written after the replica was cut off"
-        return {"bytes_lost": offset - kept, "decode_n": decode_n}
+        return {"bytes_lost": offset - kept, "results_read_in_window": in_window, "decode_n": decode_n}
 
     (summary,), c = _run(g.target(), tiny_model_path, tmp_path, f"fo-lossy{decode_n}", fault, decode_n=decode_n)
     assert c.stop() == 0, c.log(3000)
