@@ -21,7 +21,7 @@ from consumer.connect import (
 )
 from dgrtools.localredis import free_port
 from schemas import WorkerKeys
-from tests.fixtures.cluster import LocalCluster, redis_cluster  # noqa: F401 (fixture)
+from tests.fixtures.cluster import LocalCluster
 
 SENTINELS = "10.0.0.1:26379,sentinel-b:26380,[::1]:26381"
 
@@ -132,7 +132,7 @@ def test_master_url_keeps_the_credentials_and_db(monkeypatch: pytest.MonkeyPatch
     assert master_url(RedisTarget(url="redis://h:1/0")) == "redis://h:1/0"
 
 
-def test_the_cluster_client_replaces_a_default_node_it_cannot_reach(redis_cluster: LocalCluster) -> None:  # noqa: F811
+def test_the_cluster_client_replaces_a_default_node_it_cannot_reach(redis_cluster: LocalCluster) -> None:
     """redis-py asks the default node for XREAD's keys before its own retry logic: with that node gone,
     every XREAD failed for ever. FailoverCluster fails that call (the outage policy retries it) and asks
     another node the next time."""

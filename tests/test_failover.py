@@ -33,7 +33,7 @@ from schemas import WorkerKeys
 
 from .chaos_support import SOAK, Drive, consumer, specs_for, wait_idle_heartbeat
 from .failover_support import check_failover
-from .fixtures.cluster import LocalCluster
+from .fixtures.cluster import LocalCluster, need
 from .fixtures.sentinel import SentinelGroup, sentinel_group, wait_until  # noqa: F401 (fixture)
 from .support import prompts
 
@@ -164,6 +164,7 @@ def test_repeated_sentinel_failovers(sentinel_group: SentinelGroup, tiny_model_p
 
 @pytest.fixture
 def ha_cluster() -> Any:
+    need("redis-server", "redis-cli")
     cluster = LocalCluster(n=6, replicas=1, node_timeout_ms=1000).start()
     try:
         yield cluster
