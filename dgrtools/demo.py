@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from consumer.connect import RedisTarget, connect, master_url
 from consumer.ops.common import sdict
 from producer import SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
@@ -64,11 +65,13 @@ def demo_sampling(i: int, temperature: float, top_p: float) -> Sampling:
 
 
 def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | None, recipe: str,
-             n_threads: int, worker_id: str = WORKER_ID, external: bool = False,
-             temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P, route: int = 1,
+             n_threads: int, redis_target: RedisTarget | None = None, worker_id: str = WORKER_ID,
+             external: bool = False, temperature: float = DEMO_TEMPERATURE, top_p: float = DEMO_TOP_P, route: int = 1,
              cut: int = 0, engine: str = "llama", rounds: int = 1) -> int:
     """The demo. `route` 2: the model also runs as two hops (blocks [0, cut) and [cut, n), cut files
-    cached next to the model) on two more consumers, with greedy sessions, and the texts are compared."""
+    cached next to the model) on two more consumers, with greedy sessions, and the texts are compared.
+    `redis_target`: a Redis to use instead of `redis_url` (a Sentinel-watched master): the consumers
+    started follow its failovers too."""
     from consumer.runtime import resolve_model
     from producer import Producer
 
@@ -82,7 +85,7 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
         console.print("[red]--route 2 starts its own consumers: not with --external[/red]")
         return 2
     try:
-        server = None if redis_url or external else LocalRedis()
+        server = None if redis_url or redis_target or external else LocalRedis()
     except RedisNotFound:
         console.print(f"[red]{INSTALL_HINT}[/red]")
         return 2
@@ -91,18 +94,23 @@ def run_demo(*, model: str, sessions: int, max_tokens: int, redis_url: str | Non
         if server is not None:
             server.start()
             redis_url = server.url
-        assert redis_url is not None
+        if redis_target is None:
+            assert redis_url is not None
+            redis_target = RedisTarget(url=redis_url)
+        redis_url = master_url(redis_target)  # what the consumer processes' readiness checks read
         with console.status(f"model {model!r}: preparing"):
             model_path = resolve_model(model)
-        console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   redis: {redis_url}")
-        client = CountingRedis.from_url(redis_url)
+        console.print(f"model: {model_path} ({model_path.stat().st_size / 1e6:.1f} MB)   "
+                      f"redis: {redis_target.describe()}")
+        client = cast(CountingRedis, connect(redis_target, redis_class=CountingRedis))  # never a Cluster here
         if route == 2:
             temperature = 0.0  # the comparison is between greedy sessions: the texts must be equal
         with ExitStack() as stack:
             def start(wid: str, path: Path) -> None:
                 with console.status(f"consumer {wid!r}: loading {path.name}"):
                     stack.enter_context(ConsumerProcess(redis_url, wid, path, workdir, recipe=recipe, engine=engine,
-                                                        slots=max(sessions, 1), threads=n_threads))
+                                                        slots=max(sessions, 1), threads=n_threads,
+                                                        env=redis_target.env()))
 
             if external:
                 with console.status(f"consumer {worker_id!r}: waiting for it"):
