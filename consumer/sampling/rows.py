@@ -1,0 +1,478 @@
+"""The serving path: every row of one fused call, by docs/sampling.md, EQUAL to the oracle
+(consumer/sampling/reference.py; tests/test_sampler_exact.py) and doing much less.
+
+Where it saves (the page's "why this is fast and still exact"):
+- A greedy row is the raw row's argmax unless a control touches that token or a patched token beats it
+  (checked on the few patched ids), or the grammar refuses it.
+- A row is processed sparsely: penalties and biases are a handful of patched ids, masks a list of ids;
+  a dense float32 copy is made only for the rows that need one.
+- Cuts work on candidate prefixes `{z >= tau}` of the rank order, `tau` from lane maxima, widened only
+  when a prefix cannot decide; a grammar is asked only about the candidates (`_Verdicts` remembers).
+- Rows run in a thread pool when one is given: numpy and the grammar's ctypes calls release the GIL,
+  and no row reads anything another row writes, so the thread count changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import Sampling
+
+from .arith import F32, RowContext, RowStatus, lane_sum, lane_sum_dense, uniform
+from .grammar import GrammarView
+from .reference import draw_kept, needs_context
+from .vocab import Vocabulary
+
+__all__ = ["RowInput", "SampledCall", "sample_rows"]
+
+NEG_INF = F32(-np.inf)
+_WIDTHS = (64, 1024, 16384)  # candidate prefix sizes tried before the whole vocabulary
+_LANES = 1024  # lane maxima for a prefix threshold (a column max of a (V/1024, 1024) view: one fast pass)
+
+
+@dataclass(frozen=True, slots=True)
+class RowInput:
+    """One sampling row: its session's sampling, the position its token takes, the session's context
+    (None: not known) and grammar state (None: unconstrained)."""
+
+    sampling: Sampling
+    position: int
+    context: RowContext | None = None
+    grammar: GrammarView | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledCall:
+    """The sampler's answer for one call, one entry per sampling row, columnar.
+
+    tokens: int32, -1 where status is not OK. status: uint8 RowStatus. logprob: float32, the chosen
+    token's raw log-probability (NaN where not asked or no token). top_ids / top_logprobs: (rows, N)
+    with N the largest `logprobs` asked in the call, padded -1 / NaN (a row asking n < N fills n)."""
+
+    tokens: npt.NDArray[np.int32]
+    status: npt.NDArray[np.uint8]
+    logprob: npt.NDArray[np.float32]
+    top_ids: npt.NDArray[np.int32]
+    top_logprobs: npt.NDArray[np.float32]
+
+    @classmethod
+    def empty(cls, n: int, width: int) -> SampledCall:
+        return cls(tokens=np.full(n, -1, np.int32), status=np.zeros(n, np.uint8),
+                   logprob=np.full(n, np.nan, np.float32), top_ids=np.full((n, width), -1, np.int32),
+                   top_logprobs=np.full((n, width), np.nan, np.float32))
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def token_list(self) -> list[int | None]:
+        """The tokens as Python ints, None where a row has none."""
+        return [int(t) if s == RowStatus.OK else None for t, s in zip(self.tokens, self.status, strict=True)]
+
+
+# ---- controls ------------------------------------------------------------------------------------
+
+
+def _member(ids: npt.NDArray[np.intp], token: int) -> bool:
+    i = int(np.searchsorted(ids, token))
+    return i < ids.shape[0] and int(ids[i]) == token
+
+
+@dataclass(frozen=True, slots=True)
+class _Controls:
+    """A row's section 1, sparse: patched ids (sorted) and their values, masked ids, allowed ids."""
+
+    patch_ids: npt.NDArray[np.intp]
+    patch_vals: npt.NDArray[np.float32]
+    masked: tuple[npt.NDArray[np.intp], ...]  # each sorted and unique
+    allowed: npt.NDArray[np.intp] | None  # sorted, unique
+
+    def untouched(self, token: int) -> bool:
+        """Whether section 1 leaves the token's raw logit as it is."""
+        if _member(self.patch_ids, token) or any(_member(ids, token) for ids in self.masked):
+            return False
+        return self.allowed is None or _member(self.allowed, token)
+
+    def patched_values(self) -> npt.NDArray[np.float32]:
+        """The patched ids' processed values, -inf where a mask or the allowed list removes them."""
+        vals = self.patch_vals.copy()
+        for ids in self.masked:
+            vals[np.isin(self.patch_ids, ids, assume_unique=True)] = NEG_INF
+        if self.allowed is not None:
+            vals[~np.isin(self.patch_ids, self.allowed, assume_unique=True)] = NEG_INF
+        return vals
+
+    def dense(self, row: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The processed row, a new array (row: NaN-free)."""
+        x = row.copy()
+        x[self.patch_ids] = self.patch_vals
+        for ids in self.masked:
+            x[ids] = NEG_INF
+        if self.allowed is not None:
+            y = np.full_like(x, NEG_INF)
+            y[self.allowed] = x[self.allowed]
+            x = y
+        return x
+
+
+@functools.lru_cache(maxsize=4096)
+def _ids(values: tuple[int, ...], v: int) -> npt.NDArray[np.intp]:
+    """Sorted unique ids below v (cached: the same session's lists come back every step)."""
+    a = np.array(sorted({t for t in values if 0 <= t < v}), dtype=np.intp)
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=4096)
+def _bias(logit_bias: tuple[tuple[int, float], ...], v: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]]:
+    pairs = sorted((t, b) for t, b in logit_bias if t < v)
+    return np.array([t for t, _ in pairs], dtype=np.intp), np.array([b for _, b in pairs], dtype=F32)
+
+
+def _controls(row: npt.NDArray[np.float32], s: Sampling, ctx: RowContext | None, vocab: Vocabulary) -> _Controls:
+    v = row.shape[0]
+    pen_ids = np.zeros(0, np.intp)
+    pen_vals = np.zeros(0, F32)
+    if s.penalized:
+        assert ctx is not None
+        p = int(ctx.tokens.shape[0])
+        start = 0 if s.penalize_prompt else min(ctx.prompt_end, p)
+        if s.penalty_last_n > 0:
+            start = max(start, p - s.penalty_last_n)
+        fed = ctx.tokens[start:p]
+        window = np.sort(fed[(fed >= 0) & (fed < v)]).astype(np.intp)
+        first = np.flatnonzero(np.r_[True, window[1:] != window[:-1]]) if window.size else np.zeros(0, np.intp)
+        pen_ids = window[first]
+        counts = np.diff(np.r_[first, window.shape[0]])
+        pen_vals = row[pen_ids]  # a copy (fancy indexing)
+        rep = F32(s.repetition_penalty)
+        if rep != 1:
+            pen_vals = np.where(pen_vals <= 0, pen_vals * rep, pen_vals / rep)
+        pen_vals = pen_vals - (counts.astype(F32) * F32(s.frequency_penalty) + F32(s.presence_penalty))
+    if s.logit_bias:
+        b_ids, b_vals = _bias(s.logit_bias, v)
+        ids = np.union1d(pen_ids, b_ids)
+        vals = row[ids]
+        vals[np.searchsorted(ids, pen_ids)] = pen_vals
+        at = np.searchsorted(ids, b_ids)
+        vals[at] = vals[at] + b_vals
+        pen_ids, pen_vals = ids, vals
+    masked = [_ids(s.banned_token_ids, v)] if s.banned_token_ids else []
+    if not s.allow_special and vocab.special.size:
+        masked.append(vocab.special_ids)
+    if s.min_tokens > 0:
+        assert ctx is not None
+        if ctx.generated < s.min_tokens:
+            masked += [vocab.eog_ids, _ids(ctx.stop_tokens, v)]
+    allowed = None if s.allowed_token_ids is None else _ids(s.allowed_token_ids, v)
+    return _Controls(pen_ids, pen_vals.astype(F32, copy=False), tuple(masked), allowed)
+
+
+# ---- candidate prefixes --------------------------------------------------------------------------
+
+
+def _tau(v: npt.NDArray[np.float32], n: int) -> np.float32:
+    """A threshold with at least min(n, len) entries of v at or above it (from lane maxima: the n-th
+    largest of 1024 >= n lane maxima is at most the n-th largest value); -inf when n covers everything."""
+    size = v.shape[0]
+    if n >= size:
+        return NEG_INF
+    if n > _LANES or size < 4 * _LANES:
+        return F32(np.partition(v, size - n)[size - n])
+    maxima = v[:size - size % _LANES].reshape(-1, _LANES).max(axis=0)
+    return F32(np.partition(maxima, _LANES - n)[_LANES - n])
+
+
+def _at_least(v: npt.NDArray[np.float32], tau: np.float32) -> npt.NDArray[np.intp]:
+    return np.flatnonzero(v >= tau) if tau > NEG_INF else np.flatnonzero(v > NEG_INF)
+
+
+def _ranked(ids: npt.NDArray[np.intp], v: npt.NDArray[np.float32]) -> npt.NDArray[np.intp]:
+    """ids in rank order: v descending, id ascending."""
+    return ids[np.lexsort((ids, -v[ids]))]
+
+
+class _Verdicts:
+    """The grammar's answers for one row, asked once per id."""
+
+    def __init__(self, grammar: GrammarView | None, size: int) -> None:
+        self.grammar = grammar
+        if grammar is not None:
+            self.known = np.zeros(size, np.bool_)
+            self.ok = np.zeros(size, np.bool_)
+
+    def admitted(self, ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        if self.grammar is None:
+            return np.ones(ids.shape[0], np.bool_)
+        new = ids[~self.known[ids]]
+        if new.size:
+            self.ok[new] = self.grammar.admitted(new)
+            self.known[new] = True
+        return self.ok[ids]
+
+
+class _Prefixes:
+    """The rank order of v (admitted ids only), revealed a prefix at a time."""
+
+    def __init__(self, v: npt.NDArray[np.float32], verdicts: _Verdicts) -> None:
+        self.v, self.verdicts = v, verdicts
+        self.tau = F32(np.inf)
+
+    def widths(self, first: int = 1) -> list[int]:
+        return [*[w for w in _WIDTHS if w >= first][:3], self.v.shape[0]]
+
+    def take(self, n: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], bool]:
+        """(admitted ids of a prefix holding >= n ids, in rank order; the refused ones; whether the
+        prefix is every id above -inf). Prefixes only grow."""
+        self.tau = min(self.tau, _tau(self.v, n))
+        cand = _at_least(self.v, self.tau)
+        ok = self.verdicts.admitted(cand)
+        return _ranked(cand[ok], self.v), cand[~ok], bool(self.tau == NEG_INF)
+
+
+# ---- one row --------------------------------------------------------------------------------------
+
+
+def _greedy_shortcut(row: npt.NDArray[np.float32], a: int, c: _Controls, grammar: GrammarView | None) -> int | None:
+    """The processed argmax from the raw argmax a when no control touches a (None: cannot tell)."""
+    if not c.untouched(a):
+        return None
+    token, best = a, row[a]
+    if c.patch_ids.size:
+        vals = c.patched_values()
+        j = int(np.argmax(vals))  # lowest id among the patched maxima (patch_ids ascending)
+        if vals[j] > best or (vals[j] == best and c.patch_ids[j] < a):
+            token, best = int(c.patch_ids[j]), vals[j]
+    if best == NEG_INF:
+        return None
+    if grammar is not None and not grammar.admitted(np.array([token], np.intp))[0]:
+        return None
+    return token
+
+
+def _grammar_max(x: npt.NDArray[np.float32], verdicts: _Verdicts) -> int | None:
+    """The lowest admitted id among the admitted maxima of x (None: nothing admitted)."""
+    a = int(np.argmax(x))
+    if verdicts.admitted(np.array([a], np.intp))[0]:
+        return a
+    prefixes = _Prefixes(x, verdicts)
+    for n in prefixes.widths():
+        adm, _, everything = prefixes.take(n)
+        if adm.size or everything:
+            break
+    return int(adm[0]) if adm.size else None
+
+
+def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
+    """No top_k, no min_p: the kept set is every admitted id; decide on prefixes (module doc)."""
+    e = np.exp(z)
+    z_all = lane_sum_dense(e) if verdicts.grammar is None else None
+    prefixes = _Prefixes(z, verdicts)
+    u = uniform(s.seed, position)
+    top_p = F32(s.top_p)
+    refused: list[npt.NDArray[np.intp]] = []
+    for n in prefixes.widths():
+        order, rejected, everything = prefixes.take(n)
+        w = e[order]
+        c = np.cumsum(w, dtype=F32)
+        if z_all is not None or everything:
+            lo = hi = z_all if z_all is not None else lane_sum(order, w)
+        else:  # bounds of the admitted set's sum: the admitted prefix; it plus all outside the prefix
+            refused.append(rejected)
+            lo = lane_sum(order, w)
+            e_hi = e.copy()
+            e_hi[np.concatenate(refused)] = 0
+            hi = lane_sum_dense(e_hi)
+        if s.top_p < 1.0:
+            j_lo = int(np.searchsorted(c, F32(top_p * lo), side="left"))
+            j_hi = int(np.searchsorted(c, F32(top_p * hi), side="left"))
+            if j_hi < c.shape[0] and j_lo == j_hi:
+                return _pick(order[:j_hi + 1], w[:j_hi + 1], c[:j_hi + 1], float(c[j_hi]), u)
+            if everything:
+                return _pick(order, w, c, float(c[-1]), u)
+        else:
+            c64 = c.astype(np.float64)
+            j_lo = int(np.searchsorted(c64, u * float(lo), side="right"))
+            j_hi = int(np.searchsorted(c64, u * float(hi), side="right"))
+            if j_hi < c.shape[0] and j_lo == j_hi:
+                return int(order[j_hi])
+            if everything:
+                return _pick(order, w, c, float(lo), u)
+    raise AssertionError("unreachable: the last prefix is the whole vocabulary")
+
+
+def _pick(kept: npt.NDArray[np.intp], e: npt.NDArray[np.float32], c: npt.NDArray[np.float32], mass: float,
+          u: float) -> int:
+    above = np.flatnonzero(c.astype(np.float64) > u * mass)
+    return int(kept[above[0]]) if above.size else int(kept[np.flatnonzero(e > 0)[-1]])
+
+
+def _scores(row: npt.NDArray[np.float32], a: int, c: _Controls, temperature: float,
+            ) -> npt.NDArray[np.float32] | None:
+    """z = (x - m) / T straight from the raw row (no processed copy) when the raw argmax a is untouched
+    by the controls; None when it is touched (the max of x is then not known without x)."""
+    if not c.untouched(a):
+        return None
+    m = row[a]
+    pv = c.patched_values() if c.patch_ids.size else None
+    if pv is not None and pv.max() > m:
+        m = pv.max()
+    if not np.isfinite(m):
+        return None
+    t = F32(temperature)
+    z = np.subtract(row, m)
+    np.divide(z, t, out=z)
+    if pv is not None:
+        z[c.patch_ids] = (pv - m) / t
+    for ids in c.masked:
+        z[ids] = NEG_INF
+    if c.allowed is not None:
+        y = np.full_like(z, NEG_INF)
+        y[c.allowed] = z[c.allowed]
+        z = y
+    return z
+
+
+def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
+    """A random row from its scores z = (x - m) / T, m the max admitted processed logit."""
+    if s.top_k <= 0 and s.min_p <= 0:
+        return _draw_prefixes(z, s, position, verdicts)
+    if s.top_k > 0:
+        prefixes = _Prefixes(z, verdicts)
+        for n in prefixes.widths(s.top_k):
+            kept, _, everything = prefixes.take(n)
+            if kept.shape[0] >= s.top_k or everything:
+                break
+        kept = kept[:s.top_k]
+        if s.min_p > 0:
+            kept = kept[z[kept] >= F32(math.log(s.min_p))]
+    else:
+        cand = np.flatnonzero(z >= F32(math.log(s.min_p)))
+        kept = _ranked(cand[verdicts.admitted(cand)], z)
+    e = np.exp(z[kept])
+    return draw_kept(kept, e, lane_sum(kept, e), s, position)
+
+
+def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Vocabulary) -> tuple[int, RowStatus]:
+    s = inp.sampling
+    if needs_context(s) and inp.context is None:
+        return -1, RowStatus.NO_CONTEXT
+    if np.isnan(row[a]):  # np.argmax stops at the first NaN: the row has some
+        row = np.where(np.isnan(row), NEG_INF, row)
+        a = int(np.argmax(row))
+    c = _controls(row, s, inp.context, vocab)
+    if s.greedy:
+        token = _greedy_shortcut(row, a, c, inp.grammar)
+        if token is not None:
+            return token, RowStatus.OK
+    if not s.greedy and inp.grammar is None:
+        z = _scores(row, a, c, s.temperature)
+        if z is not None:
+            return _random(z, s, inp.position, _Verdicts(None, 0)), RowStatus.OK
+    x = c.dense(row)
+    if x.max() == NEG_INF:
+        return -1, RowStatus.NO_TOKEN
+    verdicts = _Verdicts(inp.grammar, x.shape[0])
+    if inp.grammar is None:
+        top = int(np.argmax(x))
+    else:
+        found = _grammar_max(x, verdicts)
+        if found is None:
+            return -1, RowStatus.GRAMMAR_END
+        top = found
+    if s.greedy:
+        return top, RowStatus.OK
+    m = x[top]
+    if m == np.inf:
+        z = np.where(x == np.inf, F32(0), NEG_INF)
+    else:
+        z = np.subtract(x, m, out=x)
+        np.divide(z, F32(s.temperature), out=z)
+    return _random(z, s, inp.position, verdicts), RowStatus.OK
+
+
+# ---- log-probabilities ----------------------------------------------------------------------------
+
+
+def _logprobs(row: npt.NDArray[np.float32], a: int, n: int, token: int,
+              ) -> tuple[float, npt.NDArray[np.intp], npt.NDArray[np.float32]]:
+    """(the token's raw log-probability or NaN, the n most likely ids, theirs): section 3."""
+    if np.isnan(row[a]):
+        row = np.where(np.isnan(row), NEG_INF, row)
+        a = int(np.argmax(row))
+    m = row[a]
+    n = min(n, row.shape[0])
+    top = _ranked(_at_least(row, _tau(row, n)), row)[:n] if n else np.zeros(0, np.intp)
+    if top.shape[0] < n:  # fewer finite logits than n: the rest of the order is -inf, by id
+        rest = np.setdiff1d(np.arange(row.shape[0]), top)[:n - top.shape[0]]
+        top = np.concatenate([top, rest])
+    if m == -np.inf:
+        lp = np.full(top.shape, NEG_INF)
+        return (float(NEG_INF) if token >= 0 else math.nan), top, lp
+    if m == np.inf:
+        count = int(np.count_nonzero(row == np.inf))
+        share = F32(-math.log(count))
+
+        def at(ids: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
+            return np.where(row[ids] == np.inf, share, NEG_INF)
+    else:
+        log_z = F32(math.log(float(lane_sum_dense(np.exp(row - m)))))
+
+        def at(ids: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
+            return (row[ids] - m) - log_z
+    chosen = float(at(np.array([token], np.intp))[0]) if token >= 0 else math.nan
+    return chosen, top, at(top)
+
+
+# ---- the call -------------------------------------------------------------------------------------
+
+
+def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabulary | None = None, *,
+                pool: Executor | None = None) -> SampledCall:
+    """Row r of the (rows, vocab) matrix sampled by rows[r]: equal, row for row, to
+    `reference.sample_row(logits[r], ...)` and `reference.top_logprobs`, whatever the other rows."""
+    arr = np.asarray(logits)
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise ValueError(f"expected a (rows, vocab) matrix, got shape {arr.shape}")
+    if arr.dtype != F32:
+        arr = arr.astype(F32)
+    n, v = arr.shape
+    if len(rows) != n:
+        raise ValueError(f"{n} rows of logits, {len(rows)} sampling rows")
+    vocab = vocab if vocab is not None else Vocabulary.plain(v)
+    if vocab.n_vocab != v:
+        raise ValueError(f"rows of {v} logits for a vocabulary of {vocab.n_vocab}")
+    width = max((r.sampling.logprobs or 0 for r in rows), default=0)
+    out = SampledCall.empty(n, width)
+    argmax = np.argmax(arr, axis=1)
+
+    def one(r: int) -> None:
+        row, inp = arr[r], rows[r]
+        token, status = _sample_one(row, int(argmax[r]), inp, vocab)
+        out.tokens[r], out.status[r] = token, status
+        k = inp.sampling.logprobs
+        if k is not None:
+            lp, top, top_lp = _logprobs(row, int(argmax[r]), k, token)
+            out.logprob[r] = lp
+            out.top_ids[r, :top.shape[0]] = top
+            out.top_logprobs[r, :top.shape[0]] = top_lp
+
+    # A greedy row with nothing else asked is one argmax and a few lookups: not worth a thread.
+    heavy = [r for r, inp in enumerate(rows)
+             if not inp.sampling.greedy or inp.sampling.logprobs is not None or inp.grammar is not None]
+    light = sorted(set(range(n)) - set(heavy))
+    for r in light:
+        one(r)
+    if pool is None or len(heavy) < 2:
+        for r in heavy:
+            one(r)
+    else:
+        for f in [pool.submit(one, r) for r in heavy]:
+            f.result()
+    return out
