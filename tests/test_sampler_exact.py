@@ -33,6 +33,7 @@ from consumer.sampling import (
     uniform,
 )
 from schemas import Sampling
+from tests.sampling_support import draw_ids, samplings
 
 SOAK = os.environ.get("DGR_SOAK") == "1"
 GEMMA_VOCAB = 262_144
@@ -80,36 +81,6 @@ def _row(draw: st.DrawFn, rng: np.random.Generator, vocab: int) -> np.ndarray:
     return row.astype(F32)
 
 
-def _ids(draw: st.DrawFn, vocab: int, most: int) -> tuple[int, ...]:
-    return tuple(draw(st.lists(st.integers(0, vocab + 3), max_size=most, unique=True)))
-
-
-@st.composite
-def _sampling(draw: st.DrawFn, vocab: int) -> Sampling:
-    banned = _ids(draw, vocab, 6)
-    allowed = draw(st.none() | st.lists(st.integers(0, vocab + 3), min_size=1, max_size=12, unique=True))
-    if allowed is not None and set(allowed) <= set(banned):
-        allowed = None
-    return Sampling(
-        temperature=draw(st.sampled_from([0.0, 0.0, 1.0, 1e-6, 2e-5]) | st.floats(0.01, 10.0)),
-        top_k=draw(st.sampled_from([0, 0, 1, 2, vocab, vocab + 7]) | st.integers(1, max(1, vocab - 1))),
-        top_p=draw(st.sampled_from([1.0, 1.0, 0.999, 1 - 1e-7]) | st.floats(0.01, 1.0, exclude_min=True)),
-        min_p=draw(st.sampled_from([0.0, 0.0, 1.0]) | st.floats(0.0, 1.0)),
-        seed=draw(st.integers(0, 2**63 - 1)),
-        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 0.5, 1.3, 10.0])),
-        presence_penalty=draw(st.sampled_from([0.0, 0.0, 0.7, -1.5])),
-        frequency_penalty=draw(st.sampled_from([0.0, 0.0, 0.3, -0.2])),
-        penalty_last_n=draw(st.sampled_from([64, -1, 0, 3])),
-        penalize_prompt=draw(st.booleans()),
-        logit_bias=tuple((t, draw(st.floats(-100, 100))) for t in _ids(draw, vocab, 4)),
-        min_tokens=draw(st.sampled_from([0, 0, 2, 50])),
-        allowed_token_ids=None if allowed is None else tuple(allowed),
-        banned_token_ids=banned,
-        allow_special=draw(st.booleans()),
-        logprobs=draw(st.sampled_from([None, None, 0, 1, 5, 20])),
-    )
-
-
 @st.composite
 def _call(draw: st.DrawFn, max_vocab: int, max_rows: int = 4, min_vocab: int = 1,
           ) -> tuple[np.ndarray, list[RowInput], Vocabulary]:
@@ -122,11 +93,11 @@ def _call(draw: st.DrawFn, max_vocab: int, max_rows: int = 4, min_vocab: int = 1
     voc = Vocabulary(n_vocab=vocab, special=np.setdiff1d(special, eog).astype(np.int32), eog=eog)
     rows = []
     for r in range(n):
-        s = draw(_sampling(vocab))
+        s = draw(samplings(vocab))
         length = draw(st.integers(0, 80))
         ctx = None if draw(st.integers(0, 9)) == 0 else RowContext(
             tokens=rng.integers(0, vocab, size=length).astype(np.int32), prompt_end=draw(st.integers(0, length)),
-            stop_tokens=_ids(draw, vocab, 3))
+            stop_tokens=draw_ids(draw, vocab, 3))
         best = int(np.argmax(np.nan_to_num(logits[r], nan=-np.inf)))
         if s.allowed_token_ids is not None and best not in s.allowed_token_ids and draw(st.booleans()):
             s = s.model_copy(update={"allowed_token_ids": (*s.allowed_token_ids, best)})  # the row's best allowed
@@ -248,6 +219,22 @@ def test_rounding_at_the_end_of_the_cumulative() -> None:
             assert got.tokens[0] == sample_row(logits[0], s, pos)[0]
             tail += int(got.tokens[0] != 0)
     assert tail > 0  # the fallback ran (the last id of the tail)
+
+
+@pytest.mark.parametrize("vocab", [8, 6000])
+def test_exact_ties_at_the_cuts(vocab: int) -> None:
+    """Hand-made ties the random rows rarely build: a biased token equal to the raw max at a lower id
+    (greedy: the lowest id wins), a nucleus whose running sum hits top_p * Z exactly (flat rows: the
+    cut is the first prefix that reaches it)."""
+    row = np.zeros((1, vocab), F32)
+    row[0, 5] = 2.0
+    greedy = Sampling(logit_bias=((3, 2.0),))
+    assert sample_rows(row, [RowInput(greedy, 0)]).tokens[0] == sample_row(row[0], greedy, 0)[0] == 3
+    flat = np.zeros((1, vocab), F32)
+    for top_p in (0.25, 0.5, 0.75):
+        s = Sampling(temperature=1.0, top_p=top_p, seed=5)
+        for pos in range(40):
+            assert sample_rows(flat, [RowInput(s, pos)]).tokens[0] == sample_row(flat[0], s, pos)[0]
 
 
 def test_typical_grammar_row_asks_about_a_prefix_only() -> None:

@@ -71,14 +71,14 @@ class Grammar:
     """One session's grammar state: llama.cpp's grammar sampler, after the tokens accepted so far."""
 
     def __init__(self, vocab: Vocabulary, gbnf: str) -> None:
+        self._ptr: Any = None
+        self._lock = threading.Lock()
         if vocab.llama_vocab is None:
             raise GrammarInvalid("this vocabulary has no llama.cpp vocab: grammars need one")
         from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
 
-        self._ptr: Any = None
         self._L = llama_cpp_module()
         self._vocab = vocab  # keeps the llama_vocab (and its owner) alive as long as the sampler
-        self._lock = threading.Lock()
         ptr = self._L.llama_sampler_init_grammar(vocab.llama_vocab, gbnf.encode("utf-8"), b"root")
         if not ptr:
             raise GrammarInvalid("llama.cpp refused the grammar (see the dgr.llama log)")

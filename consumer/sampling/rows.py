@@ -271,7 +271,8 @@ def _grammar_max(x: npt.NDArray[np.float32], verdicts: _Verdicts) -> int | None:
 
 def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
     """No top_k, no min_p: the kept set is every admitted id; decide on prefixes (module doc)."""
-    e = np.exp(z)
+    with np.errstate(over="ignore"):  # a refused id may score above the admitted max: inf, an upper bound
+        e = np.exp(z)
     z_all = lane_sum_dense(e) if verdicts.grammar is None else None
     prefixes = _Prefixes(z, verdicts)
     u = uniform(s.seed, position)
