@@ -84,6 +84,14 @@ def _member(ids: npt.NDArray[np.intp], token: int) -> bool:
     return i < ids.shape[0] and int(ids[i]) == token
 
 
+def _in(ids: npt.NDArray[np.intp], values: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+    """values' membership in the sorted ids (binary search: a few values against thousands of ids)."""
+    if ids.shape[0] == 0:
+        return np.zeros(values.shape[0], np.bool_)
+    at = np.minimum(np.searchsorted(ids, values), ids.shape[0] - 1)
+    return np.asarray(ids[at] == values)
+
+
 @dataclass(frozen=True, slots=True)
 class _Controls:
     """A row's section 1, sparse: patched ids (sorted) and their values, masked ids, allowed ids."""
@@ -101,12 +109,21 @@ class _Controls:
 
     def patched_values(self) -> npt.NDArray[np.float32]:
         """The patched ids' processed values, -inf where a mask or the allowed list removes them."""
-        vals = self.patch_vals.copy()
-        for ids in self.masked:
-            vals[np.isin(self.patch_ids, ids, assume_unique=True)] = NEG_INF
+        return self.masks_at(self.patch_ids, self.patch_vals.copy())
+
+    def masks_at(self, ids: npt.NDArray[np.intp], vals: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """vals (ids' values, ours to write) with the masks and the allowed list applied."""
+        for masked in self.masked:
+            vals[_in(masked, ids)] = NEG_INF
         if self.allowed is not None:
-            vals[~np.isin(self.patch_ids, self.allowed, assume_unique=True)] = NEG_INF
+            vals[~_in(self.allowed, ids)] = NEG_INF
         return vals
+
+    def processed_at(self, ids: npt.NDArray[np.intp], row: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """The processed logits of the sorted ids, which include every patched id."""
+        vals = row[ids]
+        vals[np.searchsorted(ids, self.patch_ids)] = self.patch_vals
+        return self.masks_at(ids, vals)
 
     def dense(self, row: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """The processed row, a new array (row: NaN-free)."""
@@ -314,23 +331,25 @@ def _pick(kept: npt.NDArray[np.intp], e: npt.NDArray[np.float32], c: npt.NDArray
     return int(kept[above[0]]) if above.size else int(kept[np.flatnonzero(e > 0)[-1]])
 
 
-def _scores(row: npt.NDArray[np.float32], a: int, c: _Controls, temperature: float,
-            ) -> npt.NDArray[np.float32] | None:
-    """z = (x - m) / T straight from the raw row (no processed copy) when the raw argmax a is untouched
-    by the controls; None when it is touched (the max of x is then not known without x)."""
+def _untouched_max(row: npt.NDArray[np.float32], a: int, c: _Controls) -> np.float32 | None:
+    """The max of the processed row, known without it when the raw argmax a is untouched by the controls
+    (then it is row[a] or a patched value above it); None otherwise, or when it is not finite."""
     if not c.untouched(a):
         return None
     m = row[a]
-    pv = c.patched_values() if c.patch_ids.size else None
-    if pv is not None and pv.max() > m:
-        m = pv.max()
-    if not np.isfinite(m):
-        return None
+    if c.patch_ids.size:
+        m = max(m, c.patched_values().max())
+    return F32(m) if np.isfinite(m) else None
+
+
+def _scores(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, temperature: float,
+            ) -> npt.NDArray[np.float32]:
+    """z = (x - m) / T over the whole row, straight from the raw row (no processed copy)."""
     t = F32(temperature)
     z = np.subtract(row, m)
     np.divide(z, t, out=z)
-    if pv is not None:
-        z[c.patch_ids] = (pv - m) / t
+    if c.patch_ids.size:
+        z[c.patch_ids] = (c.patched_values() - m) / t
     for ids in c.masked:
         z[ids] = NEG_INF
     if c.allowed is not None:
@@ -338,6 +357,43 @@ def _scores(row: npt.NDArray[np.float32], a: int, c: _Controls, temperature: flo
         y[c.allowed] = z[c.allowed]
         z = y
     return z
+
+
+def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, s: Sampling,
+                  ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None:
+    """The kept set of a top_k / min_p row (rank order) and its scores, from candidates of the raw row:
+    every id outside {raw >= tau} and the patched ids has a processed logit below tau (masks only lower
+    it), so a score at most zb = (tau - m) / T; the cut is decided when the set's last kept score is
+    above zb. None: not decided here (the caller scores the whole row)."""
+    t = F32(s.temperature)
+    c_min = F32(math.log(s.min_p)) if s.min_p > 0 else None
+    if s.top_k > 0:
+        if s.top_k > _LANES // 2:
+            return None
+        tau = _tau(row, 2 * s.top_k)  # room: the k-th kept score then lies above zb, not on it
+    else:
+        assert c_min is not None
+        slack = 1e-3 * (abs(float(m)) + float(t) * abs(float(c_min)) + 1.0)
+        tau = F32(float(m) + float(t) * float(c_min) - slack)
+    if tau == NEG_INF:
+        return None
+    ids = np.union1d(np.flatnonzero(row >= tau), c.patch_ids)
+    z = (c.processed_at(ids, row) - m) / t
+    live = z > NEG_INF
+    ids, z = ids[live], z[live]
+    order = np.lexsort((ids, -z))
+    ids, z = ids[order], z[order]
+    zb = (tau - m) / t
+    if s.top_k > 0:
+        if ids.shape[0] < s.top_k or not z[s.top_k - 1] > zb:
+            return None
+        ids, z = ids[:s.top_k], z[:s.top_k]
+    elif c_min is None or not zb < c_min:
+        return None
+    if c_min is not None:
+        keep = z >= c_min
+        ids, z = ids[keep], z[keep]
+    return ids, z
 
 
 def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
@@ -373,9 +429,13 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
         if token is not None:
             return token, RowStatus.OK
     if not s.greedy and inp.grammar is None:
-        z = _scores(row, a, c, s.temperature)
-        if z is not None:
-            return _random(z, s, inp.position, _Verdicts(None, 0)), RowStatus.OK
+        m = _untouched_max(row, a, c)
+        if m is not None:
+            cut = _cut_from_raw(row, m, c, s) if s.top_k > 0 or s.min_p > 0 else None
+            if cut is not None:
+                e = np.exp(cut[1])
+                return draw_kept(cut[0], e, lane_sum(cut[0], e), s, inp.position), RowStatus.OK
+            return _random(_scores(row, m, c, s.temperature), s, inp.position, _Verdicts(None, 0)), RowStatus.OK
     x = c.dense(row)
     if x.max() == NEG_INF:
         return -1, RowStatus.NO_TOKEN
