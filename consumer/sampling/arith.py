@@ -42,6 +42,15 @@ class RowContext:
     def generated(self) -> int:
         return max(0, int(self.tokens.shape[0]) - self.prompt_end)
 
+    def window(self, last_n: int, prompt: bool) -> npt.NDArray[np.int32]:
+        """The penalty window (docs/sampling.md 1.2): the last `last_n` tokens (-1: all), the prompt's
+        included only if `prompt`."""
+        p = int(self.tokens.shape[0])
+        start = 0 if prompt else min(self.prompt_end, p)
+        if last_n > 0:
+            start = max(start, p - last_n)
+        return self.tokens[start:p]
+
 
 def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK

@@ -52,11 +52,7 @@ def processed_logits(logits: npt.ArrayLike, sampling: Sampling, *, context: RowC
     s = sampling
     if s.penalized:
         assert context is not None
-        p = int(context.tokens.shape[0])
-        start = 0 if s.penalize_prompt else min(context.prompt_end, p)
-        if s.penalty_last_n > 0:
-            start = max(start, p - s.penalty_last_n)
-        counts = Counter(int(t) for t in context.tokens[start:p] if 0 <= t < v)
+        counts = Counter(int(t) for t in context.window(s.penalty_last_n, s.penalize_prompt) if 0 <= t < v)
         rep, freq, pres = F32(s.repetition_penalty), F32(s.frequency_penalty), F32(s.presence_penalty)
         for t in sorted(counts):
             val = x[t]

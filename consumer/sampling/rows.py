@@ -129,6 +129,10 @@ class _Controls:
         """The processed row, a new array (row: NaN-free)."""
         x = row.copy()
         x[self.patch_ids] = self.patch_vals
+        return self.mask_row(x)
+
+    def mask_row(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """A whole row (ours to write) with the masks and the allowed list applied."""
         for ids in self.masked:
             x[ids] = NEG_INF
         if self.allowed is not None:
@@ -158,11 +162,7 @@ def _controls(row: npt.NDArray[np.float32], s: Sampling, ctx: RowContext | None,
     pen_vals = np.zeros(0, F32)
     if s.penalized:
         assert ctx is not None
-        p = int(ctx.tokens.shape[0])
-        start = 0 if s.penalize_prompt else min(ctx.prompt_end, p)
-        if s.penalty_last_n > 0:
-            start = max(start, p - s.penalty_last_n)
-        fed = ctx.tokens[start:p]
+        fed = ctx.window(s.penalty_last_n, s.penalize_prompt)
         window = np.sort(fed[(fed >= 0) & (fed < v)]).astype(np.intp)
         first = np.flatnonzero(np.r_[True, window[1:] != window[:-1]]) if window.size else np.zeros(0, np.intp)
         pen_ids = window[first]
@@ -349,14 +349,8 @@ def _scores(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, temperatu
     z = np.subtract(row, m)
     np.divide(z, t, out=z)
     if c.patch_ids.size:
-        z[c.patch_ids] = (c.patched_values() - m) / t
-    for ids in c.masked:
-        z[ids] = NEG_INF
-    if c.allowed is not None:
-        y = np.full_like(z, NEG_INF)
-        y[c.allowed] = z[c.allowed]
-        z = y
-    return z
+        z[c.patch_ids] = (c.patch_vals - m) / t
+    return c.mask_row(z)
 
 
 def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, s: Sampling,
