@@ -7,14 +7,13 @@ Where it saves (the page's "why this is fast and still exact"):
 - A row is processed sparsely: penalties and biases are a handful of patched ids, masks a list of ids;
   a dense float32 copy is made only for the rows that need one.
 - Cuts work on candidate prefixes `{z >= tau}` of the rank order, `tau` from lane maxima, widened only
-  when a prefix cannot decide; a grammar is asked only about the candidates (`_Verdicts` remembers).
+  when a prefix cannot decide; a grammar is asked only about the candidates (`Verdicts` remembers).
 - Rows run in a thread pool when one is given: numpy and the grammar's ctypes calls release the GIL,
   and no row reads anything another row writes, so the thread count changes nothing.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -26,15 +25,16 @@ import numpy.typing as npt
 from schemas import Sampling
 
 from .arith import F32, RowContext, RowStatus, lane_sum, lane_sum_dense, uniform
+from .controls import Controls, row_controls
 from .grammar import GrammarView
+from .logprobs import row_logprobs
+from .prefixes import LANE_MAX, Prefixes, Verdicts, ranked, threshold
 from .reference import draw_kept, needs_context
 from .vocab import Vocabulary
 
 __all__ = ["RowInput", "SampledCall", "sample_rows"]
 
 NEG_INF = F32(-np.inf)
-_WIDTHS = (64, 1024, 16384)  # candidate prefix sizes tried before the whole vocabulary
-_LANES = 1024  # lane maxima for a prefix threshold (a column max of a (V/1024, 1024) view: one fast pass)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,187 +76,10 @@ class SampledCall:
         return [int(t) if s == RowStatus.OK else None for t, s in zip(self.tokens, self.status, strict=True)]
 
 
-# ---- controls ------------------------------------------------------------------------------------
-
-
-def _member(ids: npt.NDArray[np.intp], token: int) -> bool:
-    i = int(np.searchsorted(ids, token))
-    return i < ids.shape[0] and int(ids[i]) == token
-
-
-def _in(ids: npt.NDArray[np.intp], values: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
-    """values' membership in the sorted ids (binary search: a few values against thousands of ids)."""
-    if ids.shape[0] == 0:
-        return np.zeros(values.shape[0], np.bool_)
-    at = np.minimum(np.searchsorted(ids, values), ids.shape[0] - 1)
-    return np.asarray(ids[at] == values)
-
-
-@dataclass(frozen=True, slots=True)
-class _Controls:
-    """A row's section 1, sparse: patched ids (sorted) and their values, masked ids, allowed ids."""
-
-    patch_ids: npt.NDArray[np.intp]
-    patch_vals: npt.NDArray[np.float32]
-    masked: tuple[npt.NDArray[np.intp], ...]  # each sorted and unique
-    allowed: npt.NDArray[np.intp] | None  # sorted, unique
-
-    def untouched(self, token: int) -> bool:
-        """Whether section 1 leaves the token's raw logit as it is."""
-        if _member(self.patch_ids, token) or any(_member(ids, token) for ids in self.masked):
-            return False
-        return self.allowed is None or _member(self.allowed, token)
-
-    def patched_values(self) -> npt.NDArray[np.float32]:
-        """The patched ids' processed values, -inf where a mask or the allowed list removes them."""
-        return self.masks_at(self.patch_ids, self.patch_vals.copy())
-
-    def masks_at(self, ids: npt.NDArray[np.intp], vals: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """vals (ids' values, ours to write) with the masks and the allowed list applied."""
-        for masked in self.masked:
-            vals[_in(masked, ids)] = NEG_INF
-        if self.allowed is not None:
-            vals[~_in(self.allowed, ids)] = NEG_INF
-        return vals
-
-    def processed_at(self, ids: npt.NDArray[np.intp], row: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """The processed logits of the sorted ids, which include every patched id."""
-        vals = row[ids]
-        vals[np.searchsorted(ids, self.patch_ids)] = self.patch_vals
-        return self.masks_at(ids, vals)
-
-    def dense(self, row: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """The processed row, a new array (row: NaN-free)."""
-        x = row.copy()
-        x[self.patch_ids] = self.patch_vals
-        return self.mask_row(x)
-
-    def mask_row(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        """A whole row (ours to write) with the masks and the allowed list applied."""
-        for ids in self.masked:
-            x[ids] = NEG_INF
-        if self.allowed is not None:
-            y = np.full_like(x, NEG_INF)
-            y[self.allowed] = x[self.allowed]
-            x = y
-        return x
-
-
-@functools.lru_cache(maxsize=4096)
-def _ids(values: tuple[int, ...], v: int) -> npt.NDArray[np.intp]:
-    """Sorted unique ids below v (cached: the same session's lists come back every step)."""
-    a = np.array(sorted({t for t in values if 0 <= t < v}), dtype=np.intp)
-    a.flags.writeable = False
-    return a
-
-
-@functools.lru_cache(maxsize=4096)
-def _bias(logit_bias: tuple[tuple[int, float], ...], v: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]]:
-    pairs = sorted((t, b) for t, b in logit_bias if t < v)
-    return np.array([t for t, _ in pairs], dtype=np.intp), np.array([b for _, b in pairs], dtype=F32)
-
-
-def _controls(row: npt.NDArray[np.float32], s: Sampling, ctx: RowContext | None, vocab: Vocabulary) -> _Controls:
-    v = row.shape[0]
-    pen_ids = np.zeros(0, np.intp)
-    pen_vals = np.zeros(0, F32)
-    if s.penalized:
-        assert ctx is not None
-        fed = ctx.window(s.penalty_last_n, s.penalize_prompt)
-        window = np.sort(fed[(fed >= 0) & (fed < v)]).astype(np.intp)
-        first = np.flatnonzero(np.r_[True, window[1:] != window[:-1]]) if window.size else np.zeros(0, np.intp)
-        pen_ids = window[first]
-        counts = np.diff(np.r_[first, window.shape[0]])
-        pen_vals = row[pen_ids]  # a copy (fancy indexing)
-        rep = F32(s.repetition_penalty)
-        if rep != 1:
-            pen_vals = np.where(pen_vals <= 0, pen_vals * rep, pen_vals / rep)
-        pen_vals = pen_vals - (counts.astype(F32) * F32(s.frequency_penalty) + F32(s.presence_penalty))
-    if s.logit_bias:
-        b_ids, b_vals = _bias(s.logit_bias, v)
-        ids = np.union1d(pen_ids, b_ids)
-        vals = row[ids]
-        vals[np.searchsorted(ids, pen_ids)] = pen_vals
-        at = np.searchsorted(ids, b_ids)
-        vals[at] = vals[at] + b_vals
-        pen_ids, pen_vals = ids, vals
-    masked = [_ids(s.banned_token_ids, v)] if s.banned_token_ids else []
-    if not s.allow_special and vocab.special.size:
-        masked.append(vocab.special_ids)
-    if s.min_tokens > 0:
-        assert ctx is not None
-        if ctx.generated < s.min_tokens:
-            masked += [vocab.eog_ids, _ids(ctx.stop_tokens, v)]
-    allowed = None if s.allowed_token_ids is None else _ids(s.allowed_token_ids, v)
-    return _Controls(pen_ids, pen_vals.astype(F32, copy=False), tuple(masked), allowed)
-
-
-# ---- candidate prefixes --------------------------------------------------------------------------
-
-
-def _tau(v: npt.NDArray[np.float32], n: int) -> np.float32:
-    """A threshold with at least min(n, len) entries of v at or above it (from lane maxima: the n-th
-    largest of 1024 >= n lane maxima is at most the n-th largest value); -inf when n covers everything."""
-    size = v.shape[0]
-    if n >= size:
-        return NEG_INF
-    if n > _LANES or size < 4 * _LANES:
-        return F32(np.partition(v, size - n)[size - n])
-    maxima = v[:size - size % _LANES].reshape(-1, _LANES).max(axis=0)
-    return F32(np.partition(maxima, _LANES - n)[_LANES - n])
-
-
-def _at_least(v: npt.NDArray[np.float32], tau: np.float32) -> npt.NDArray[np.intp]:
-    return np.flatnonzero(v >= tau) if tau > NEG_INF else np.flatnonzero(v > NEG_INF)
-
-
-def _ranked(ids: npt.NDArray[np.intp], v: npt.NDArray[np.float32]) -> npt.NDArray[np.intp]:
-    """ids in rank order: v descending, id ascending."""
-    return ids[np.lexsort((ids, -v[ids]))]
-
-
-class _Verdicts:
-    """The grammar's answers for one row, asked once per id."""
-
-    def __init__(self, grammar: GrammarView | None, size: int) -> None:
-        self.grammar = grammar
-        if grammar is not None:
-            self.known = np.zeros(size, np.bool_)
-            self.ok = np.zeros(size, np.bool_)
-
-    def admitted(self, ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
-        if self.grammar is None:
-            return np.ones(ids.shape[0], np.bool_)
-        new = ids[~self.known[ids]]
-        if new.size:
-            self.ok[new] = self.grammar.admitted(new)
-            self.known[new] = True
-        return self.ok[ids]
-
-
-class _Prefixes:
-    """The rank order of v (admitted ids only), revealed a prefix at a time."""
-
-    def __init__(self, v: npt.NDArray[np.float32], verdicts: _Verdicts) -> None:
-        self.v, self.verdicts = v, verdicts
-        self.tau = F32(np.inf)
-
-    def widths(self, first: int = 1) -> list[int]:
-        return [*[w for w in _WIDTHS if w >= first][:3], self.v.shape[0]]
-
-    def take(self, n: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], bool]:
-        """(admitted ids of a prefix holding >= n ids, in rank order; the refused ones; whether the
-        prefix is every id above -inf). Prefixes only grow."""
-        self.tau = min(self.tau, _tau(self.v, n))
-        cand = _at_least(self.v, self.tau)
-        ok = self.verdicts.admitted(cand)
-        return _ranked(cand[ok], self.v), cand[~ok], bool(self.tau == NEG_INF)
-
-
 # ---- one row --------------------------------------------------------------------------------------
 
 
-def _greedy_shortcut(row: npt.NDArray[np.float32], a: int, c: _Controls, grammar: GrammarView | None) -> int | None:
+def _greedy_shortcut(row: npt.NDArray[np.float32], a: int, c: Controls, grammar: GrammarView | None) -> int | None:
     """The processed argmax from the raw argmax a when no control touches a (None: cannot tell)."""
     if not c.untouched(a):
         return None
@@ -273,12 +96,12 @@ def _greedy_shortcut(row: npt.NDArray[np.float32], a: int, c: _Controls, grammar
     return token
 
 
-def _grammar_max(x: npt.NDArray[np.float32], verdicts: _Verdicts) -> int | None:
+def _grammar_max(x: npt.NDArray[np.float32], verdicts: Verdicts) -> int | None:
     """The lowest admitted id among the admitted maxima of x (None: nothing admitted)."""
     a = int(np.argmax(x))
     if verdicts.admitted(np.array([a], np.intp))[0]:
         return a
-    prefixes = _Prefixes(x, verdicts)
+    prefixes = Prefixes(x, verdicts)
     for n in prefixes.widths():
         adm, _, everything = prefixes.take(n)
         if adm.size or everything:
@@ -286,12 +109,12 @@ def _grammar_max(x: npt.NDArray[np.float32], verdicts: _Verdicts) -> int | None:
     return int(adm[0]) if adm.size else None
 
 
-def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
+def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Verdicts) -> int:
     """No top_k, no min_p: the kept set is every admitted id; decide on prefixes (module doc)."""
     with np.errstate(over="ignore"):  # a refused id may score above the admitted max: inf, an upper bound
         e = np.exp(z)
     z_all = lane_sum_dense(e) if verdicts.grammar is None else None
-    prefixes = _Prefixes(z, verdicts)
+    prefixes = Prefixes(z, verdicts)
     u = uniform(s.seed, position)
     top_p = F32(s.top_p)
     refused: list[npt.NDArray[np.intp]] = []
@@ -331,7 +154,7 @@ def _pick(kept: npt.NDArray[np.intp], e: npt.NDArray[np.float32], c: npt.NDArray
     return int(kept[above[0]]) if above.size else int(kept[np.flatnonzero(e > 0)[-1]])
 
 
-def _untouched_max(row: npt.NDArray[np.float32], a: int, c: _Controls) -> np.float32 | None:
+def _untouched_max(row: npt.NDArray[np.float32], a: int, c: Controls) -> np.float32 | None:
     """The max of the processed row, known without it when the raw argmax a is untouched by the controls
     (then it is row[a] or a patched value above it); None otherwise, or when it is not finite."""
     if not c.untouched(a):
@@ -342,7 +165,7 @@ def _untouched_max(row: npt.NDArray[np.float32], a: int, c: _Controls) -> np.flo
     return F32(m) if np.isfinite(m) else None
 
 
-def _scores(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, temperature: float,
+def _scores(row: npt.NDArray[np.float32], m: np.float32, c: Controls, temperature: float,
             ) -> npt.NDArray[np.float32]:
     """z = (x - m) / T over the whole row, straight from the raw row (no processed copy)."""
     t = F32(temperature)
@@ -353,7 +176,7 @@ def _scores(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, temperatu
     return c.mask_row(z)
 
 
-def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, s: Sampling,
+def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: Controls, s: Sampling,
                   ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None:
     """The kept set of a top_k / min_p row (rank order) and its scores, from candidates of the raw row:
     every id outside {raw >= tau} and the patched ids has a processed logit below tau (masks only lower
@@ -362,9 +185,9 @@ def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, s: 
     t = F32(s.temperature)
     c_min = F32(math.log(s.min_p)) if s.min_p > 0 else None
     if s.top_k > 0:
-        if s.top_k > _LANES // 2:
+        if s.top_k > LANE_MAX // 2:
             return None
-        tau = _tau(row, 2 * s.top_k)  # room: the k-th kept score then lies above zb, not on it
+        tau = threshold(row, 2 * s.top_k)  # room: the k-th kept score then lies above zb, not on it
     else:
         assert c_min is not None
         slack = 1e-3 * (abs(float(m)) + float(t) * abs(float(c_min)) + 1.0)
@@ -390,12 +213,12 @@ def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: _Controls, s: 
     return ids, z
 
 
-def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _Verdicts) -> int:
+def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Verdicts) -> int:
     """A random row from its scores z = (x - m) / T, m the max admitted processed logit."""
     if s.top_k <= 0 and s.min_p <= 0:
         return _draw_prefixes(z, s, position, verdicts)
     if s.top_k > 0:
-        prefixes = _Prefixes(z, verdicts)
+        prefixes = Prefixes(z, verdicts)
         for n in prefixes.widths(s.top_k):
             kept, _, everything = prefixes.take(n)
             if kept.shape[0] >= s.top_k or everything:
@@ -405,7 +228,7 @@ def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: _V
             kept = kept[z[kept] >= F32(math.log(s.min_p))]
     else:
         cand = np.flatnonzero(z >= F32(math.log(s.min_p)))
-        kept = _ranked(cand[verdicts.admitted(cand)], z)
+        kept = ranked(cand[verdicts.admitted(cand)], z)
     e = np.exp(z[kept])
     return draw_kept(kept, e, lane_sum(kept, e), s, position)
 
@@ -417,7 +240,7 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
     if np.isnan(row[a]):  # np.argmax stops at the first NaN: the row has some
         row = np.where(np.isnan(row), NEG_INF, row)
         a = int(np.argmax(row))
-    c = _controls(row, s, inp.context, vocab)
+    c = row_controls(row, s, inp.context, vocab)
     if s.greedy:
         token = _greedy_shortcut(row, a, c, inp.grammar)
         if token is not None:
@@ -429,11 +252,11 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
             if cut is not None:
                 e = np.exp(cut[1])
                 return draw_kept(cut[0], e, lane_sum(cut[0], e), s, inp.position), RowStatus.OK
-            return _random(_scores(row, m, c, s.temperature), s, inp.position, _Verdicts(None, 0)), RowStatus.OK
+            return _random(_scores(row, m, c, s.temperature), s, inp.position, Verdicts(None, 0)), RowStatus.OK
     x = c.dense(row)
     if x.max() == NEG_INF:
         return -1, RowStatus.NO_TOKEN
-    verdicts = _Verdicts(inp.grammar, x.shape[0])
+    verdicts = Verdicts(inp.grammar, x.shape[0])
     if inp.grammar is None:
         top = int(np.argmax(x))
     else:
@@ -450,39 +273,6 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
         z = np.subtract(x, m, out=x)
         np.divide(z, F32(s.temperature), out=z)
     return _random(z, s, inp.position, verdicts), RowStatus.OK
-
-
-# ---- log-probabilities ----------------------------------------------------------------------------
-
-
-def _logprobs(row: npt.NDArray[np.float32], a: int, n: int, token: int,
-              ) -> tuple[float, npt.NDArray[np.intp], npt.NDArray[np.float32]]:
-    """(the token's raw log-probability or NaN, the n most likely ids, theirs): section 3."""
-    if np.isnan(row[a]):
-        row = np.where(np.isnan(row), NEG_INF, row)
-        a = int(np.argmax(row))
-    m = row[a]
-    n = min(n, row.shape[0])
-    top = _ranked(_at_least(row, _tau(row, n)), row)[:n] if n else np.zeros(0, np.intp)
-    if top.shape[0] < n:  # fewer finite logits than n: the rest of the order is -inf, by id
-        rest = np.setdiff1d(np.arange(row.shape[0]), top)[:n - top.shape[0]]
-        top = np.concatenate([top, rest])
-    if m == -np.inf:
-        lp = np.full(top.shape, NEG_INF)
-        return (float(NEG_INF) if token >= 0 else math.nan), top, lp
-    if m == np.inf:
-        count = int(np.count_nonzero(row == np.inf))
-        share = F32(-math.log(count))
-
-        def at(ids: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
-            return np.where(row[ids] == np.inf, share, NEG_INF)
-    else:
-        log_z = F32(math.log(float(lane_sum_dense(np.exp(row - m)))))
-
-        def at(ids: npt.NDArray[np.intp]) -> npt.NDArray[np.float32]:
-            return (row[ids] - m) - log_z
-    chosen = float(at(np.array([token], np.intp))[0]) if token >= 0 else math.nan
-    return chosen, top, at(top)
 
 
 # ---- the call -------------------------------------------------------------------------------------
@@ -513,7 +303,7 @@ def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabula
         out.tokens[r], out.status[r] = token, status
         k = inp.sampling.logprobs
         if k is not None:
-            lp, top, top_lp = _logprobs(row, int(argmax[r]), k, token)
+            lp, top, top_lp = row_logprobs(row, int(argmax[r]), k, token)
             out.logprob[r] = lp
             out.top_ids[r, :top.shape[0]] = top
             out.top_logprobs[r, :top.shape[0]] = top_lp
