@@ -142,3 +142,23 @@ def test_a_grammar_that_cannot_compile_or_run_says_so(vocab: Vocabulary) -> None
     assert sampler.check(Sampling(grammar="root ::= nowhere")) == RowStatus.GRAMMAR_INVALID
     assert BatchSampler(512).check(Sampling(grammar='root ::= "a"')) == RowStatus.GRAMMAR_UNSUPPORTED
     assert sampler.check(Sampling()) == RowStatus.OK
+
+
+def test_gemma_vocabulary_and_a_json_grammar_at_its_size(gemma_model_path: Path) -> None:
+    """DGR_SLOW=1: Gemma's token types as docs/sampling.md states them, and the serving path equal to the
+    oracle under a JSON-schema grammar at a 262,144-token vocabulary (the grammar asked about prefixes)."""
+    voc = Vocabulary.load(gemma_model_path)
+    assert voc.n_vocab == 262_144 and voc.special.size == 6247 and voc.eog.tolist() == [1, 106, 212]
+    assert {0, 2, 3, 4, 105, 6, 262_143} <= set(voc.special.tolist())
+    assert not {5, 107, 255_999, 256_000} & set(voc.special.tolist())  # USER_DEFINED: text to the vocabulary
+    g = Grammar(voc, gbnf_of(Sampling(json_schema=SCHEMA)) or "")
+    rng = np.random.default_rng(5)
+    logits = (rng.gumbel(size=(3, voc.n_vocab)) * 2).astype(np.float32)
+    brace = int(np.flatnonzero(g.admitted(np.arange(voc.n_vocab)))[0])
+    logits[0, brace] = 50.0  # a model that follows the grammar: its best token is admitted
+    rows = [RowInput(Sampling(), 1, None, g), RowInput(Sampling(temperature=0.8, top_k=40, seed=2), 2, None, g),
+            RowInput(Sampling(temperature=0.8, top_p=0.95, seed=3), 3, None, g)]
+    got = sample_rows(logits, rows, voc)
+    for r, inp in enumerate(rows):
+        assert (int(got.tokens[r]), int(got.status[r])) == sample_row(logits[r], inp.sampling, inp.position,
+                                                                      vocab=voc, grammar=g)
