@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from consumer.sampling import (
@@ -84,7 +84,9 @@ def _row(draw: st.DrawFn, rng: np.random.Generator, vocab: int) -> np.ndarray:
 @st.composite
 def _call(draw: st.DrawFn, max_vocab: int, max_rows: int = 4, min_vocab: int = 1,
           ) -> tuple[np.ndarray, list[RowInput], Vocabulary]:
-    vocab = draw(st.integers(min_vocab, max_vocab))
+    vocab = draw(st.integers(min_vocab, max_vocab) | st.sampled_from([v for v in (1000, 32_000, 151_936, GEMMA_VOCAB)
+                                                                      if min_vocab <= v <= max_vocab] or [max_vocab]))
+    event(f"vocab {'>= 100k' if vocab >= 100_000 else '>= 4096' if vocab >= 4096 else '< 4096'}")
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     n = draw(st.integers(1, max_rows))
     logits = np.stack([_row(draw, rng, vocab) for _ in range(n)])
