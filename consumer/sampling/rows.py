@@ -110,21 +110,31 @@ def _grammar_max(x: npt.NDArray[np.float32], verdicts: Verdicts) -> int | None:
 
 
 def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Verdicts) -> int:
-    """No top_k, no min_p: the kept set is every admitted id; decide on prefixes (module doc)."""
+    """The kept set decided on prefixes of the rank order (module doc). Exact as soon as a prefix holds
+    the whole kept set (top_k admitted ids, or every admitted id). Until then the kept set's normaliser
+    lies between the admitted prefix's and that plus every id outside the prefix (float32 sums of
+    non-negative terms only grow), and the prefix's running sums are the kept set's first ones: the
+    nucleus and the draw are decided unless one of those sums falls between the bounds."""
+    if s.min_p > 0:  # the ids a min_p cut keeps: the rest cannot be kept
+        z = np.where(z >= F32(math.log(s.min_p)), z, NEG_INF)
     with np.errstate(over="ignore"):  # a refused id may score above the admitted max: inf, an upper bound
         e = np.exp(z)
-    z_all = lane_sum_dense(e) if verdicts.grammar is None else None
+    exact = lane_sum_dense(e) if verdicts.grammar is None and s.top_k <= 0 else None
     prefixes = Prefixes(z, verdicts)
     u = uniform(s.seed, position)
     top_p = F32(s.top_p)
     refused: list[npt.NDArray[np.intp]] = []
-    for n in prefixes.widths():
+    for n in prefixes.widths(max(1, s.top_k)):
         order, rejected, everything = prefixes.take(n)
+        if 0 < s.top_k <= order.shape[0]:
+            order, everything = order[:s.top_k], True
         w = e[order]
+        if everything:
+            return draw_kept(order, w, lane_sum(order, w), s, position)
         c = np.cumsum(w, dtype=F32)
-        if z_all is not None or everything:
-            lo = hi = z_all if z_all is not None else lane_sum(order, w)
-        else:  # bounds of the admitted set's sum: the admitted prefix; it plus all outside the prefix
+        if exact is not None:
+            lo = hi = exact
+        else:
             refused.append(rejected)
             lo = lane_sum(order, w)
             e_hi = e.copy()
@@ -135,16 +145,12 @@ def _draw_prefixes(z: npt.NDArray[np.float32], s: Sampling, position: int, verdi
             j_hi = int(np.searchsorted(c, F32(top_p * hi), side="left"))
             if j_hi < c.shape[0] and j_lo == j_hi:
                 return _pick(order[:j_hi + 1], w[:j_hi + 1], c[:j_hi + 1], float(c[j_hi]), u)
-            if everything:
-                return _pick(order, w, c, float(c[-1]), u)
         else:
             c64 = c.astype(np.float64)
             j_lo = int(np.searchsorted(c64, u * float(lo), side="right"))
             j_hi = int(np.searchsorted(c64, u * float(hi), side="right"))
             if j_hi < c.shape[0] and j_lo == j_hi:
                 return int(order[j_hi])
-            if everything:
-                return _pick(order, w, c, float(lo), u)
     raise AssertionError("unreachable: the last prefix is the whole vocabulary")
 
 
@@ -215,9 +221,9 @@ def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: Controls, s: S
 
 def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Verdicts) -> int:
     """A random row from its scores z = (x - m) / T, m the max admitted processed logit."""
-    if s.top_k <= 0 and s.min_p <= 0:
+    if verdicts.grammar is not None or (s.top_k <= 0 and s.min_p <= 0):
         return _draw_prefixes(z, s, position, verdicts)
-    if s.top_k > 0:
+    if s.top_k > 0:  # no grammar: the first prefix holds the top k
         prefixes = Prefixes(z, verdicts)
         for n in prefixes.widths(s.top_k):
             kept, _, everything = prefixes.take(n)
@@ -227,8 +233,7 @@ def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Ve
         if s.min_p > 0:
             kept = kept[z[kept] >= F32(math.log(s.min_p))]
     else:
-        cand = np.flatnonzero(z >= F32(math.log(s.min_p)))
-        kept = ranked(cand[verdicts.admitted(cand)], z)
+        kept = ranked(np.flatnonzero(z >= F32(math.log(s.min_p))), z)
     e = np.exp(z[kept])
     return draw_kept(kept, e, lane_sum(kept, e), s, position)
 
