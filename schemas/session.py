@@ -23,7 +23,8 @@ Id = Field(pattern=ID_PATTERN)
 
 
 # Limits of the per-row sampling controls (docs/sampling.md). A SessionSpec travels in one stream field
-# (MAX_FIELD_BYTES): the token lists and the grammar text are bounded well below it.
+# (MAX_FIELD_BYTES, 64 KiB): a Sampling's JSON stays within MAX_SAMPLING_BYTES, room left for the route.
+MAX_SAMPLING_BYTES = 40 * 1024
 MAX_TOKEN_LIST = 2048  # allowed_token_ids, banned_token_ids, logit_bias entries
 MAX_LOGPROBS = 20  # top-N log-probabilities per token (OpenAI's and vLLM's default ceiling)
 MAX_GRAMMAR_CHARS = 32 * 1024  # a GBNF grammar or a JSON schema, as text
@@ -105,6 +106,10 @@ class Sampling(BaseModel):
                 raise ValueError(f"json_schema is not JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("json_schema must be a JSON object (or true / false)")
+        if (self.grammar or self.json_schema or self.logit_bias or self.banned_token_ids or self.allowed_token_ids) \
+                and len(self.model_dump_json()) > MAX_SAMPLING_BYTES:
+            raise ValueError(f"sampling is over {MAX_SAMPLING_BYTES} bytes as JSON (a stream field holds the whole "
+                             "session spec): shorten the grammar or the token lists")
         return self
 
     @property

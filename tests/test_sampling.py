@@ -333,6 +333,25 @@ def test_sampling_rejects_bad_controls(bad: dict[str, object]) -> None:
         Sampling.model_validate_json(json.dumps(bad))
 
 
+def test_a_session_spec_with_the_largest_sampling_fits_one_stream_field() -> None:
+    from schemas import RouteHop, SessionSpec
+    from schemas.limits import MAX_FIELD_BYTES
+    from schemas.session import MAX_SAMPLING_BYTES, MAX_TOKEN_LIST
+    from tests.support import compat_key
+
+    big = list(range(2**31 - MAX_TOKEN_LIST, 2**31))
+    with pytest.raises(ValidationError, match="bytes as JSON"):
+        Sampling(banned_token_ids=tuple(big[1:]), allowed_token_ids=tuple(big),
+                 logit_bias=tuple((t, -99.123456789) for t in big))
+    with pytest.raises(ValidationError, match="bytes as JSON"):
+        Sampling(grammar='root ::= "' + '\\n' * 16_000 + '"')  # escapes double in JSON
+    s = Sampling(banned_token_ids=tuple(big[:1500]), grammar="root ::= " + '"a" ' * 4000)
+    assert len(s.model_dump_json()) <= MAX_SAMPLING_BYTES
+    hops = tuple(RouteHop(worker_id=f"w{i}", key=compat_key("prefill")) for i in range(16))
+    spec = SessionSpec(session_id="s" * 64, account_id="a" * 64, route=hops, sampling=s, stop_tokens=tuple(range(16)))
+    assert len(spec.model_dump_json()) <= MAX_FIELD_BYTES
+
+
 def test_sampling_round_trips_through_json() -> None:
     s = Sampling(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=3, repetition_penalty=1.1,
                  presence_penalty=0.2, frequency_penalty=-0.1, penalty_last_n=-1, penalize_prompt=False,
