@@ -372,15 +372,24 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
 
 @bench_app.command("sampler")
 def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", repeats: int = 5,
-                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p.")]
-                  = "greedy,typical,top-p") -> None:
-    """Sampler stage per fused call at Gemma's vocabulary: per-row sample() loop vs the batched sampler."""
+                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p, min-p-rep, "
+                                                             "logprobs, json (json needs --model).")]
+                  = "greedy,typical,top-p,min-p-rep,logprobs",
+                  threads: Annotated[int, typer.Option(help="Sampler threads of the threaded side.")] = 2,
+                  model: Annotated[str, typer.Option(help="A GGUF (or 'gemma') whose vocabulary to use; "
+                                                          "default: Gemma's special ids, no grammars.")] = "") -> None:
+    """Sampler stage per fused call at Gemma's vocabulary: the serving path (one thread, a pool) vs the oracle."""
     from dgrtools.bench.sampler import SETTINGS, run
 
     names = tuple(s for s in sampling.split(",") if s)
     if not names or any(s not in SETTINGS for s in names):
         raise typer.BadParameter(f"sampling must be among {', '.join(SETTINGS)}, not {sampling!r}")
-    run(out, rows=_ints(rows), settings=names, repeats=repeats)
+    path = None
+    if model:
+        from consumer.runtime import resolve_model
+
+        path = resolve_model(model)
+    run(out, rows=_ints(rows), settings=names, repeats=repeats, threads=threads, model=path)
 
 
 @bench_app.command("interference")

@@ -532,6 +532,11 @@ class LlamaCppEngine(LogitsEngine):
     def next_position(self, slot: int) -> int:
         return int(self._next[slot])
 
+    def llama_vocab(self) -> Any:
+        """The model's `llama_vocab*` (valid until close()): the sampler reads the token types and runs
+        grammars on it (consumer/sampling/vocab.py)."""
+        return self._vocab
+
     def describe(self) -> dict[str, str]:
         L = self._L
         return {
