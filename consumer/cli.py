@@ -10,6 +10,15 @@ from typing import Annotated
 import typer
 
 from .config import DEFAULTS
+from .redis_options import (
+    RedisClusterFlag,
+    RedisSentinel,
+    RedisUrl,
+    SentinelMaster,
+    SentinelPassword,
+    SentinelUsername,
+    target,
+)
 
 app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -20,8 +29,6 @@ app.add_typer(bench_app, name="bench")
 
 _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.transport
 
-RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
-                                       help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
 WorkerId = Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id: the hash tag of all its keys.")]
 Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or a GGUF path.")]
 EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
@@ -42,6 +49,11 @@ def _logging(level: str, fmt: str) -> None:
 @app.command()
 def consumer(
     redis_url: RedisUrl = _S.redis_url,
+    redis_sentinel: RedisSentinel = _S.redis_sentinel,
+    sentinel_master: SentinelMaster = _S.sentinel_master,
+    sentinel_username: SentinelUsername = _S.sentinel_username,
+    sentinel_password: SentinelPassword = _S.sentinel_password,
+    redis_cluster: RedisClusterFlag = _S.redis_cluster,
     worker_id: WorkerId = _W.worker_id,
     model: Model = _E.model,
     engine: EngineOpt = _E.kind,
@@ -140,11 +152,10 @@ def consumer(
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
 ) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
-    import redis
-
     from schemas import Signer
 
     from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
+    from .connect import connect
     from .metrics import Metrics
     from .runtime import make_engine, resolve_model
     from .transport import LeaseHeld, LeaseLost, RedisTransport
@@ -154,7 +165,9 @@ def consumer(
         raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
     config = ConsumerConfig(
-        service=ServiceSettings(redis_url=redis_url, metrics_port=metrics_port, metrics_addr=metrics_addr,
+        service=ServiceSettings(redis_url=redis_url, redis_sentinel=redis_sentinel, sentinel_master=sentinel_master,
+                                sentinel_username=sentinel_username, sentinel_password=sentinel_password,
+                                redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
                                 max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
         engine=EngineSettings(model=model, kind=engine, recipe=recipe, slots=slots, ctx_per_session=ctx_per_session,
                               threads=n_threads, n_gpu_layers=n_gpu_layers),
@@ -173,6 +186,8 @@ def consumer(
                                     outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s),
     )
     svc, eng_s = config.service, config.engine
+    redis_target = target(svc.redis_url, svc.redis_sentinel, svc.sentinel_master, svc.sentinel_username,
+                          svc.sentinel_password, svc.redis_cluster)
 
     _logging(svc.log_level, svc.log_format)
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
@@ -186,8 +201,10 @@ def consumer(
         metrics.serve(svc.metrics_port, svc.metrics_addr)
     # Timeouts so that a dead or unreachable Redis is noticed (and ridden through) instead of hanging
     # a socket; the read timeout stays far above the blocking read's BLOCK.
-    client = redis.Redis.from_url(svc.redis_url, socket_connect_timeout=5, socket_timeout=30)
-    transport = RedisTransport(client, worker_id, consumer_name=worker_id, settings=config.transport, signer=signer)
+    client = connect(redis_target, socket_connect_timeout=5, socket_timeout=30)
+    # A RedisCluster client too (every key of a worker is in one slot: tests/test_cluster.py)
+    transport = RedisTransport(client, worker_id, consumer_name=worker_id,  # type: ignore[arg-type]
+                               settings=config.transport, signer=signer)
     worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
     try:
@@ -210,6 +227,10 @@ def demo(
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per session.")] = 48,
     redis_url: Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
                                            help="Use this Redis instead of starting a private one.")] = "",
+    redis_sentinel: RedisSentinel = "",
+    sentinel_master: SentinelMaster = "",
+    sentinel_username: SentinelUsername = "",
+    sentinel_password: SentinelPassword = "",
     worker_id: Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id of the consumer.")] = "demo",
     external: Annotated[bool, typer.Option(envvar="DGR_DEMO_EXTERNAL",
                                            help="Use a running consumer (--worker-id), start none.")] = False,
@@ -227,14 +248,22 @@ def demo(
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from dgrtools.demo import run_demo
 
+    sentinel = target(redis_url or _S.redis_url, redis_sentinel, sentinel_master, sentinel_username,
+                      sentinel_password) if redis_sentinel else None
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
-                              worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads,
-                              temperature=temperature, top_p=top_p, route=route, cut=cut, rounds=rounds))
+                              redis_target=sentinel, worker_id=worker_id, external=external, recipe=recipe,
+                              n_threads=n_threads, temperature=temperature, top_p=top_p, route=route, cut=cut,
+                              rounds=rounds))
 
 
 @app.command("tracker-sim")
 def tracker_sim(
     redis_url: RedisUrl = _S.redis_url,
+    redis_sentinel: RedisSentinel = "",
+    sentinel_master: SentinelMaster = "",
+    sentinel_username: SentinelUsername = "",
+    sentinel_password: SentinelPassword = "",
+    redis_cluster: RedisClusterFlag = False,
     worker_id: WorkerId = _W.worker_id,
     sessions: int = 8,
     prompt_len: Annotated[str, typer.Option(help="Prompt length range in tokens, 'lo:hi'.")] = "8:64",
@@ -255,7 +284,9 @@ def tracker_sim(
     """A load generator on the producer API: drives sessions against a running consumer."""
     from dgrtools.tracker_sim import run_tracker_sim
 
-    raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
+    raise typer.Exit(run_tracker_sim(redis_target=target(redis_url, redis_sentinel, sentinel_master, sentinel_username,
+                                                         sentinel_password, redis_cluster),
+                                     worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file,
@@ -340,15 +371,24 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
 
 @bench_app.command("sampler")
 def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", repeats: int = 5,
-                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p.")]
-                  = "greedy,typical,top-p") -> None:
-    """Sampler stage per fused call at Gemma's vocabulary: per-row sample() loop vs the batched sampler."""
+                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p, min-p-rep, "
+                                                             "logprobs, json (json needs --model).")]
+                  = "greedy,typical,top-p,min-p-rep,logprobs",
+                  threads: Annotated[int, typer.Option(help="Sampler threads of the threaded side.")] = 2,
+                  model: Annotated[str, typer.Option(help="A GGUF (or 'gemma') whose vocabulary to use; "
+                                                          "default: Gemma's special ids, no grammars.")] = "") -> None:
+    """Sampler stage per fused call at Gemma's vocabulary: the serving path (one thread, a pool) vs the oracle."""
     from dgrtools.bench.sampler import SETTINGS, run
 
     names = tuple(s for s in sampling.split(",") if s)
     if not names or any(s not in SETTINGS for s in names):
         raise typer.BadParameter(f"sampling must be among {', '.join(SETTINGS)}, not {sampling!r}")
-    run(out, rows=_ints(rows), settings=names, repeats=repeats)
+    path = None
+    if model:
+        from consumer.runtime import resolve_model
+
+        path = resolve_model(model)
+    run(out, rows=_ints(rows), settings=names, repeats=repeats, threads=threads, model=path)
 
 
 @bench_app.command("interference")
@@ -431,11 +471,16 @@ def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the 
 
 
 @model_app.command("tiny")
-def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
-    """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""
-    from dgrtools.tiny_model import write_tiny_model
+def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0",
+               layout: Annotated[str, typer.Option(help="State layout: 'kv' (llama), 'recurrent' (Mamba) or "
+                                                        "'hybrid' (Jamba: Mamba and attention blocks).")] = "kv",
+               ) -> None:
+    """Write a seeded tiny GGUF of the given state layout (byte-identical every run)."""
+    from dgrtools.tiny_recurrent import LAYOUTS, write_tiny
 
-    digest = write_tiny_model(path, seed=seed, quant=quant)  # type: ignore[arg-type]
+    if layout not in LAYOUTS:
+        raise typer.BadParameter(f"--layout must be one of {', '.join(LAYOUTS)}")
+    digest = write_tiny(path, layout, seed=seed, quant=quant)  # type: ignore[arg-type]
     typer.echo(f"{path} sha256={digest}")
 
 

@@ -95,6 +95,13 @@ class ServiceSettings:
     """The process around the worker: Redis, metrics, logs, when to stop."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Sentinel (consumer/connect.py): the master `sentinel_master` those sentinels watch, reached with the
+    # URL's user, password, db and TLS; the sentinels' own credentials apart.
+    redis_sentinel: str = ""  # host:port[,host:port...]; empty: the URL's host
+    sentinel_master: str = ""
+    sentinel_username: str = ""
+    sentinel_password: str = ""
+    redis_cluster: bool = False  # the URL names a Redis Cluster node
     metrics_port: int = 0  # Prometheus port (0: off)
     metrics_addr: str = "127.0.0.1"
     max_idle_s: float = 0.0  # exit after this long idle (0: never)

@@ -408,6 +408,7 @@ class Worker:
             outcomes[key] = outcomes.get(key, 0) + 1
         for (status, reason), n in outcomes.items():
             m.results.labels(w, status, reason).inc(n)
+        m.observe_answers(completions, time.time())  # TTFT and inter-token latency
         if latencies:
             by_phase: dict[Phase, list[float]] = {}
             for phase, seconds in latencies:
