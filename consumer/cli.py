@@ -204,7 +204,7 @@ def consumer(
     client = connect(redis_target, socket_connect_timeout=5, socket_timeout=30)
     # A RedisCluster client too (every key of a worker is in one slot: tests/test_cluster.py)
     transport = RedisTransport(client, worker_id, consumer_name=worker_id,  # type: ignore[arg-type]
-                               settings=config.transport, signer=signer)
+                               settings=config.transport, signer=signer, listener=metrics)
     worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
     try:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from schemas import Status, StepJob, StepResult
+from schemas import Status, StepJob
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -29,11 +29,30 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 
 TRACKED_SESSIONS = 65_536  # sessions whose last token time is kept (LRU): bounded whatever the traffic
 
 
+class ResultLike(Protocol):
+    """What `observe_answers` reads of an answer's result (a scheduler `Outcome`, or a `StepResult`)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def status(self) -> Status: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def token(self) -> int | None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
 class AnswerLike(Protocol):
     """What `observe_answers` reads of an answer: its result and, when it answers a job, the job."""
 
     @property
-    def result(self) -> StepResult: ...
+    def result(self) -> ResultLike: ...
 
     @property
     def job(self) -> StepJob | None: ...

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import redis
 
 from schemas import CompatibilityKey, Phase, Signer, StepJob, WorkerKeys
+from schemas.retry import OutageListener
 
 from ..config import TransportSettings
 from ..sched.outputs import Answer
@@ -39,8 +40,10 @@ class RedisTransport:
     bytes (`decode_responses=False`, the default)."""
 
     def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str = "c0",
-                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None) -> None:
-        self.io = RedisIO(client, worker_id, consumer_name, settings)
+                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None,
+                 listener: OutageListener | None = None) -> None:
+        """`listener`: told when a Redis outage starts and ends (the worker's metrics)."""
+        self.io = RedisIO(client, worker_id, consumer_name, settings, listener)
         self.intake = Intake(self.io, signer)
         self.lease = Lease(self.io)
         self.upkeep = Upkeep(self.io, self.intake)

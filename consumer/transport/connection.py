@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import redis
 
 from schemas import TransportError, WorkerKeys
-from schemas.retry import OutageRider, RetryPolicy, transient
+from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
 from ..lua import script_source
@@ -53,7 +53,7 @@ class RedisIO:
     SCRIPTS = ("complete", "pending", "recover", "acquire", "renew", "release")
 
     def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str,
-                 settings: TransportSettings) -> None:
+                 settings: TransportSettings, listener: OutageListener | None = None) -> None:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("RedisTransport needs a client with decode_responses=False")
         self.client = client
@@ -64,7 +64,7 @@ class RedisIO:
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
         self.stop = threading.Event()  # set by the worker on SIGTERM: outage waits end at once
         self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
-                                  log, f"worker {worker_id}")
+                                  log, f"worker {worker_id}", listener)
         self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
 
     @property

@@ -203,7 +203,8 @@ class Publisher:
         for reply, r in rows.items():
             rec = ResultRecord(worker=io.worker_id, call=f"{self.lease.epoch}:{self.seq + 1}",
                                batch=call.batch_size if call is not None else 0, sid=r.sid, job=r.job, off=r.off,
-                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es, x=r.x)
+                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es,
+                               x=r.x)
             argv_tail.append(encode_record(rec))
             records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail), "acct": r.acct,
                             "skey": r.skey, "res": r.res, "past": r.past, "blob": r.blob})

@@ -88,6 +88,7 @@ class Worker:
         for slot in range(self.engine.capacity.n_slots):
             self.engine.release(slot)
         names = self.transport.register(list(self.keys.values()), self._info())
+        self.metrics.set_capacity(self.engine.capacity.n_slots, self.scheduler.config.max_batch)
         self._registered = True
         log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
         self._last_recover = time.monotonic()
@@ -350,6 +351,7 @@ class Worker:
             tr.heartbeat(self._info())
             for stream, lag in tr.input_lag().items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
+                self.metrics.input_pending.labels(self._m, stream).set(lag.get("pending", 0))
             tr.trim()
         if now - self._last_recover >= self.settings.recover_every_s:
             self._last_recover = now
