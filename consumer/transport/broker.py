@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import redis
 
@@ -164,6 +165,9 @@ class RedisTransport:
 
     def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         return self.upkeep.checks(openings, session_ids)
+
+    def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
+        return self.io.keys.activations_in(job_id) if direction == "in" else self.io.keys.activations_out(job_id)
 
     def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
         return self.upkeep.fetch_activations(blobs)

@@ -19,32 +19,17 @@ from typing import Any, TypeVar
 
 import redis
 
-from schemas import TransportError, WorkerKeys
+from schemas import WorkerKeys
 from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
 from ..lua import script_source
+from .errors import LeaseHeld, LeaseLost, Stopping
 
 __all__ = ["LeaseHeld", "LeaseLost", "RedisIO", "Stopping"]
 
 T = TypeVar("T")
 log = logging.getLogger("dgr.transport")
-
-
-class LeaseLost(TransportError):
-    """Another process acquired this worker id's lease: this one must stop writing (and exit)."""
-
-
-class LeaseHeld(TransportError):
-    """The lease is held by another live process and the caller chose not to wait for it."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(f"another consumer holds this worker id's lease: {holder}")
-        self.holder = holder
-
-
-class Stopping(TransportError):
-    """A stop was requested while the transport waited (an outage's backoff, the lease as a standby)."""
 
 
 class RedisIO:
