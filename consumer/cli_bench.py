@@ -167,3 +167,18 @@ def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, 
     from dgrtools.bench.producer import run
 
     run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
+
+
+@bench_app.command("wire")
+def bench_wire(out: Out = Path("bench-out/wire"), sessions: Batches = "8,64,256",
+               step_ms: Annotated[str, typer.Option(help="Comma-separated fused call times of the sleep engine "
+                                                         "(ms; 0: no sleep).")] = "0,2,10",
+               tokens: int = 128,
+               tracker: Annotated[str, typer.Option(help="Comma-separated: sync, async.")] = "sync,async",
+               extra: Annotated[str, typer.Option(help="Extra `dgr consumer` options, space-separated.")] = "") -> None:
+    """CPU per generated token of the Tracker, Redis and the worker (measured from outside), and e2e tok/s
+    against the engine-bound rate, over a sleep engine that stands in for a GPU step (issue 21)."""
+    from dgrtools.bench.wire import run
+
+    run(out, ints(sessions), tuple(float(x) for x in step_ms.split(",") if x), tokens,
+        tuple(t for t in tracker.split(",") if t), tuple(extra.split()))

@@ -75,7 +75,9 @@ def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str, limit: int
         raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}")
     for k, val in f.items():
         if len(val) > limit:
-            raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {limit}")
+            # A job body over the limit still names its session when it is small enough to read for that.
+            ids = _body_ids(val) if k == b"j" and len(val) <= 4 * limit else {}
+            raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {limit}", **ids)
     return f
 
 

@@ -11,6 +11,7 @@ had, and nothing of a previous session leaks. The worker may `release(slot)` to 
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class _Slot:
     grammar: Grammar | None = None
     gbnf: str | None = None
     grammar_failed: RowStatus | None = None  # sticky until the grammar is rebuilt
+    plain: bool = False  # its sampling is plain greedy (the row's argmax: no context kept, no per-row work)
 
     def write(self, first: int, tokens: npt.NDArray[np.int32]) -> None:
         if first > self.length:
@@ -64,6 +66,16 @@ class _Slot:
         if self.grammar is not None:
             self.grammar.close()
         self.grammar, self.gbnf, self.grammar_failed = None, None, None
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_sampling(s: Sampling) -> bool:
+    return (s.greedy and not s.penalized and not s.logit_bias and not s.banned_token_ids
+            and s.allowed_token_ids is None and s.min_tokens == 0 and s.logprobs is None and not s.constrained)
+
+
+def _plain(s: Sampling | None) -> bool:
+    return s is not None and _plain_sampling(s)
 
 
 class BatchSampler:
@@ -87,11 +99,13 @@ class BatchSampler:
                 if slot is not None:
                     slot.drop_grammar()
                 spec = it.job.session
-                slot = _Slot(prompt_len=spec.prompt_len if spec else None, stop_tokens=spec.stop_tokens if spec else ())
+                slot = _Slot(prompt_len=spec.prompt_len if spec else None, stop_tokens=spec.stop_tokens if spec else (),
+                             plain=spec is not None and _plain(spec.sampling))
                 self._slots[it.slot] = slot
             elif slot is None:
                 slot = self._slots[it.slot] = _Slot(broken=True)
-            slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
+            if not slot.plain:  # a plain greedy session needs no context: nothing to keep
+                slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
 
     def release(self, slot: int) -> None:
         state = self._slots.pop(slot, None)
@@ -136,21 +150,55 @@ class BatchSampler:
             return SampledCall.empty(0, 0)
         if arr.shape != (n_logit, self.vocab_size):
             raise ValueError(f"logits shape {arr.shape}, expected ({n_logit}, {self.vocab_size})")
+        fast, tokens = self._plain_greedy(items, arr)
+        if fast.all():  # every row is a plain greedy one: its argmax, nothing else to compute
+            out = SampledCall.empty(n_logit, 0)
+            out.tokens[:] = tokens
+            return out
+        slow = np.flatnonzero(~fast)
         inputs: list[RowInput] = []
         early: dict[int, RowStatus] = {}
-        for r, it in enumerate(items):
-            inp = self._row(it)
+        for k, r in enumerate(slow.tolist()):
+            inp = self._row(items[r])
             if isinstance(inp, RowStatus):
-                early[r] = inp
-                inp = RowInput(sampling=Sampling(), position=it.end_position)  # sampled, then overwritten
+                early[k] = inp
+                inp = RowInput(sampling=Sampling(), position=items[r].end_position)  # sampled, then overwritten
             inputs.append(inp)
-        out = sample_rows(arr, inputs, self.vocab, pool=self._pool)
-        for r, status in early.items():
-            out.tokens[r], out.status[r] = -1, status
-            out.logprob[r] = np.nan
-            out.top_ids[r] = -1
-            out.top_logprobs[r] = np.nan
+        part = sample_rows(arr[slow], inputs, self.vocab, pool=self._pool)
+        for k, status in early.items():
+            part.tokens[k], part.status[k] = -1, status
+            part.logprob[k] = np.nan
+            part.top_ids[k] = -1
+            part.top_logprobs[k] = np.nan
+        if slow.shape[0] == n_logit:
+            return part
+        out = SampledCall.empty(n_logit, part.top_ids.shape[1])
+        out.tokens[:] = tokens
+        out.tokens[slow], out.status[slow], out.logprob[slow] = part.tokens, part.status, part.logprob
+        out.top_ids[slow], out.top_logprobs[slow] = part.top_ids, part.top_logprobs
         return out
+
+    def _plain_greedy(self, items: list[BatchItem], arr: npt.NDArray[np.float32]
+                      ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.intp]]:
+        """Which rows are plain greedy ones (greedy, no control, no log-probabilities: their token is the
+        row's argmax, docs/sampling.md) and that argmax, for all rows at once. A row whose argmax is a
+        special token it may not sample, or NaN, is left to the full path (which is exact for it)."""
+        n = len(items)
+        slots = self._slots
+        plain = np.fromiter((slots[it.slot].plain for it in items), np.bool_, n)
+        if not plain.any():
+            return plain, np.zeros(n, np.intp)
+        top = np.argmax(arr, axis=1)
+        picked = arr[np.arange(n), top]
+        plain &= ~np.isnan(picked)
+        special = self.vocab.special
+        if special.size:
+            hit = np.isin(top, special)
+            if hit.any():
+                allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
+                                      np.bool_, n)
+                plain &= ~hit | allowed
+        return plain, top
 
     def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
         """Today's worker seam (a list of tokens). A row without a token gets the raw row's argmax, as

@@ -16,8 +16,8 @@ charges those once per session. Nothing here speaks Redis.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
 from dataclasses import replace
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
