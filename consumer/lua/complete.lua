@@ -38,8 +38,7 @@
 -- refers to by ARGV index.
 -- control: {"records": [{"out": K, "r": A of the record (published as is), "c": A of its rows' columns the
 --            script reads (JSON: sid, st, att, pos, frm, fed, tok, es), "acct": [n per row],
---            "skey": [K per row], "res": {"row": K}, "past": {"row": end position of a job refused as a
---            duplicate}, "blob": {"row": [K, A]}}],
+--            "skey": [K per row], "res": {"row": K}, "blob": {"row": [K, A]}}],
 --           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
 --           "acks": [[K, ["entry id", ...]], ...], "del": [K, ...],
 --           "close": [["session id", K of its hash, "finished"|"cancelled"|"failed", acct n], ...],
@@ -282,7 +281,7 @@ local n_rows, n_fresh = 0, 0
 for ri, rec in ipairs(ctl.records) do
   local R = rec.R
   local Rsid, Rst, Rpos, Ratt, Rfrm, Rfed, Rtok, Res = R.sid, R.st, R.pos, R.att, R.frm, R.fed, R.tok, R.es
-  local acct, skey, res, past, blob = rec.acct, rec.skey, rec.res, rec.past, rec.blob
+  local acct, skey, res, blob = rec.acct, rec.skey, rec.res, rec.blob
   local has_blob = next(blob) ~= nil
   local n = #Rsid
   local P, G, RC, D = {}, {}, {}, {}
@@ -320,13 +319,7 @@ for ri, rec in ipairs(ctl.records) do
     elseif st == 0 then
       fresh = true
     else
-      local row = tostring(i - 1)
-      local end_ = past[row]
-      if end_ ~= nil and e ~= nil and Ratt[i] == e[ATT] and e[PUB] >= end_ then
-        fresh = false  -- a job refused as a duplicate whose positions were answered already
-      else
-        fresh = redis.call('SET', KEYS[res[row]], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
-      end
+      fresh = redis.call('SET', KEYS[res[tostring(i - 1)]], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
     end
     local p, g, rc = 0, 0, 0
     if fresh then
