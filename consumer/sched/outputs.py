@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from schemas import Activations, Phase, Reason, Sampling, Status, StepJob
+from schemas import Activations, Phase, Reason, Sampling, Status, StepJob, TokenLogprobs
 
 from ..batch import FusedBatch
 
@@ -47,6 +47,7 @@ class Outcome:
     engine_seconds: float = 0.0
     batch_size: int = 0
     hidden: Activations | None = None  # a non-last hop's OK answer: its output rows (no token)
+    logprobs: TokenLogprobs | None = None  # the sampled token's, when the session asked (Sampling.logprobs)
 
     @property
     def generated_tokens(self) -> int:
