@@ -156,23 +156,28 @@ class EntryAdmission:
         w = self.w
         if fetched is None:
             fetched = w.lanes.fetch_blobs(w.transport, got)
-        openings: list[StepJob] = []
-        sids: list[str] = []
-        by_lane: dict[int, list[Inbound]] = {}
-        for inb in got:
-            by_lane.setdefault(w.lanes.for_entry(inb).index, []).append(inb)
-        for i, entries in by_lane.items():
-            o, s = w.lanes[i].ledger.openings_to_check(entries)
-            openings += o
-            sids += s
+        lanes = w.lanes
+        single = len(lanes) == 1
+        if single:
+            openings, sids = lanes[0].ledger.openings_to_check(got)
+        else:
+            openings, sids = [], []
+            by_lane: dict[int, list[Inbound]] = {}
+            for inb in got:
+                by_lane.setdefault(lanes.for_entry(inb).index, []).append(inb)
+            for i, entries in by_lane.items():
+                o, s = lanes[i].ledger.openings_to_check(entries)
+                openings += o
+                sids += s
         precheck = w.transport.checks(openings, sids) if sids else (set(), set())
-        for lane in w.lanes:
+        for lane in lanes:
             lane.hops.use_fetched(fetched)
             lane.ledger.precheck = precheck
         took: Want = {}
         refused: Want = {}
         for inb in got:
-            k = (w.lanes.stream_lane(inb.digest).index, inb.phase)  # counted by the stream it was read from
+            # counted by the stream it was read from
+            k = (0 if single else lanes.stream_lane(inb.digest).index, inb.phase)
             took[k] = took.get(k, 0) + 1
             if self.admit(inb, answers, dead, wire_rejects, acks):
                 queued[k] = queued.get(k, 0) + 1
