@@ -240,4 +240,3 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("a reason is given exactly when status is not ok")
         if self.hidden is not None and (self.status != Status.OK or self.token is not None):
             raise ValueError("activations come only with an OK answer that sampled no token")
-

@@ -58,7 +58,7 @@ PROFILED: dict[str, tuple[str, ...]] = {
     "scheduler": ("admit", "next_batch", "update_from_output", "want", "cancel"),
     "admission": ("read_and_admit", "admit_all", "admit"),
     "ledger": ("completions", "duplicate", "openings_to_check"),
-    "worker": ("_housekeeping", "_release_slots", "_uncarried"),
+    "worker": ("_housekeeping", "_release_slots", "_uncarried", "_publish"),
 }
 
 
