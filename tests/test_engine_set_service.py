@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +32,9 @@ from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from dgrtools.localredis import LocalRedis
 from dgrtools.process import ConsumerProcess
+from dgrtools.tiny_recurrent import LAYOUTS
 from producer import Producer, SessionHandle
-from schemas import (
-    Reason,
-    RouteHop,
-    Sampling,
-    SessionSpec,
-    Status,
-    StepJob,
-    StepResult,
-    WorkerKeys,
-    job_to_fields,
-)
+from schemas import Reason, RouteHop, Sampling, SessionSpec, Status, StepJob, StepResult, WorkerKeys, job_to_fields
 from tests.chaos_support import FAST, Drive, check_exact, wait_idle_heartbeat
 from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
 from tests.support import session_results
@@ -53,19 +43,6 @@ from tests.test_invariance_property import Engines
 pytestmark = pytest.mark.llama
 
 SOAK = os.environ.get("DGR_SOAK") == "1"
-LAYOUTS = ("kv", "recurrent", "hybrid")
-
-
-@pytest.fixture(scope="module")
-def by_layout(tiny_layout_paths: dict[str, Path]) -> dict[str, Engines]:
-    return {k: Engines(p, probe=False) for k, p in tiny_layout_paths.items()}
-
-
-@pytest.fixture(scope="module")
-def client(redis_server: LocalRedis) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_server.url)
-    yield c
-    c.close()
 
 
 class Logged:
@@ -99,7 +76,7 @@ def _sessions(per_engine: int, seed: int) -> list[Session]:
 
 @pytest.mark.parametrize("per_engine", [1, 2, 4, 8])
 def test_three_layouts_in_one_worker_give_each_session_its_solo_tokens(
-        by_layout: dict[str, Engines], client: redis.Redis, per_engine: int) -> None:
+        by_layout: dict[str, Engines], real_redis: redis.Redis, per_engine: int) -> None:
     log: list[str] = []
 
     def make(n_slots: int) -> EngineSet:
@@ -110,7 +87,7 @@ def test_three_layouts_in_one_worker_give_each_session_its_solo_tokens(
         log.clear()
         ss = _sessions(per_engine, seed=100 * per_engine + r)
         c = Conditions(n_slots=per_engine, max_batch=8, prefill_budget=64, prefill_chunk=16)
-        out = run_scenario(client, ss, c, make, lambda s, stops: by_layout[s.engine].solo(s, stops))
+        out = run_scenario(real_redis, ss, c, make, lambda s, stops: by_layout[s.engine].solo(s, stops))
         assert out.mismatches == [], "\n".join(out.mismatches)
         calls = {k: log.count(k) for k in LAYOUTS}
         switches = sum(a != b for a, b in itertools.pairwise(log))

@@ -30,11 +30,6 @@ LAYOUTS = ("kv", "recurrent", "hybrid")
 
 
 @pytest.fixture(scope="module")
-def by_layout(tiny_layout_paths: dict[str, Path]) -> dict[str, Engines]:
-    return {k: Engines(p, probe=False) for k, p in tiny_layout_paths.items()}
-
-
-@pytest.fixture(scope="module")
 def client(redis_server: object) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
     yield c

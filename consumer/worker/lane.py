@@ -14,6 +14,7 @@ read.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
@@ -132,10 +133,7 @@ def read_lanes(transport: Transport, streams: Sequence[Mapping[Phase, str]], wan
 
     def gather(ds: list[Delivery]) -> bool:
         assert more is not None
-        by_phase: dict[Phase, int] = {}
-        for d in ds:
-            by_phase[d.phase] = by_phase.get(d.phase, 0) + 1
-        return more(by_phase)
+        return more(Counter(d.phase for d in ds))
 
     got = transport.read_streams(counts, block_ms=block_ms, gather_ms=gather_ms,
                                  more=gather if more is not None else None)
