@@ -234,15 +234,16 @@ class Worker:
                 not_held.append(sid)
             else:
                 self._cancel(lane, sid, answers[lane.index])
-        picked = self.lanes.next_call()
-        batch = picked[1] if picked is not None else None
+        picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
+        batch = None
         engine_s = 0.0
         call: FusedCallStats | None = None
-        if picked is not None and batch is not None:
+        if picked is not None:
+            lane, batch = picked
             if not flush:
                 self._prefetch()
             before = self.stats.engine_seconds
-            answers[picked[0].index].extend(run_fused(self, *picked))
+            answers[lane.index].extend(run_fused(self, lane, batch))
             engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
             self._last_call_s = engine_s
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
