@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -202,15 +201,6 @@ def test_a_one_engine_worker_is_as_it_was() -> None:
     assert set(t.streams.values()) == {"mem:prefill", "mem:decode"}
     (e,) = w._info()["engines"]  # type: ignore[misc]
     assert e["engine"] == "main" and e["slots"] == 2
-
-
-def test_several_engines_need_a_transport_that_reads_several_streams_per_phase() -> None:
-    class PhaseOnly(MemoryTransport):
-        read_streams = None  # type: ignore[assignment]
-
-    engines = {n: Recording(n) for n in "ab"}
-    with pytest.raises(TypeError, match="read_streams"):
-        Worker(EngineSet(engines), PhaseOnly(), WorkerSettings(worker_id=WID))
 
 
 # ---- the lane turns, alone ------------------------------------------------------------------------------

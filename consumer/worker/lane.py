@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol, overload, runtime_checkable
+from typing import Any, Literal, overload
 
 from schemas import CompatibilityKey, Phase
 
@@ -29,7 +29,7 @@ from ..transport.protocol import Delivery, Inbound, Transport
 from .delivery import DeliveryLedger
 from .hop_steps import HopSteps
 
-__all__ = ["Lane", "LaneTurns", "Lanes", "StreamReader", "Want", "read_lanes"]
+__all__ = ["Lane", "LaneTurns", "Lanes", "Want", "read_lanes"]
 
 # Entries to read per (lane index, phase).
 Want = dict[tuple[int, Phase], int]
@@ -107,18 +107,6 @@ class LaneTurns:
         return best
 
 
-@runtime_checkable
-class StreamReader(Protocol):
-    """What a worker of several engines needs of its transport besides `Transport.read` (which reads one
-    stream per phase): several streams per phase in one read, and each entry decoded. RedisTransport has
-    both (consumer/transport/intake.py)."""
-
-    def read_streams(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
-                     more: Callable[[list[Delivery]], bool] | None = None) -> list[Delivery]: ...
-
-    def inbound(self, d: Delivery) -> Inbound: ...
-
-
 def read_lanes(transport: Transport, streams: Sequence[Mapping[Phase, str]], want: Want, *,
                block_ms: int | None = None, gather_ms: float | None = None,
                more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
@@ -128,7 +116,6 @@ def read_lanes(transport: Transport, streams: Sequence[Mapping[Phase, str]], wan
     if len(streams) == 1:
         return transport.read({p: n for (_, p), n in want.items()}, block_ms=block_ms, gather_ms=gather_ms,
                               more=more)
-    assert isinstance(transport, StreamReader)  # the worker checked it when it was made
     counts = {streams[i][p]: n for (i, p), n in want.items() if n > 0}
 
     def gather(ds: list[Delivery]) -> bool:
@@ -147,9 +134,6 @@ class Lanes(Sequence[Lane]):
     def __init__(self, engines: EngineSet, settings: WorkerSettings, transport: Transport) -> None:
         self._lanes = [Lane(i, name, engines[name], engines.keys_of(name), engines.weight(name), settings,
                             transport.activation_key) for i, name in enumerate(engines)]
-        if len(self._lanes) > 1 and not isinstance(transport, StreamReader):
-            raise TypeError("a worker of several engines reads several streams per phase: its transport needs "
-                            "read_streams and inbound (as RedisTransport)")
         self._by_digest = {k.digest: lane for lane in self._lanes for k in lane.keys.values()}
         self.turns = LaneTurns([lane.weight for lane in self._lanes])
 
