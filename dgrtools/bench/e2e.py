@@ -7,8 +7,10 @@ e2e tokens/s is counted over the window where all B sessions are decoding (after
 until the first session finishes), so prefill and ramp-down do not blur the steady state.
 
 `--sampling` sets the e2e sessions' Sampling (greedy by default; typical = t0.8/k40/p0.95, top-p = t0.8/p0.95,
-session i seeded i). The raw side is the engine alone and always takes the argmax: e2e / raw then shows what
-sampling costs through the service.
+min-p-rep = t0.8/min_p 0.05/repetition 1.1 over 64, logprobs = greedy with the top 5 log-probabilities,
+json = t0.7 constrained to a small JSON schema (a session ends with its object); session i seeded i). The
+raw side is the engine alone and always takes the argmax: e2e / raw then shows what sampling costs through
+the service.
 
 `--engine sleep:2ms` (consumer/engines/sleep.py) stands in for a GPU step: the raw side is then the
 engine-bound rate (B tokens per sleep), and e2e / raw is the loop's efficiency at that step time.
@@ -40,10 +42,16 @@ from schemas import RouteHop, Sampling, SessionSpec, StepResult
 from .common import console, markdown, plot, save, table
 
 PROMPT_LEN = 8
+# A JSON object of two fields: the grammar case of issue 23's goals (a session ends when its object does).
+JSON_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, '
+               '"count": {"type": "integer"}}, "required": ["name", "count"]}')
 SAMPLINGS: dict[str, Sampling] = {
     "greedy": Sampling(),
     "typical": Sampling(temperature=0.8, top_k=40, top_p=0.95),
     "top-p": Sampling(temperature=0.8, top_p=0.95),
+    "min-p-rep": Sampling(temperature=0.8, min_p=0.05, repetition_penalty=1.1, penalty_last_n=64),
+    "logprobs": Sampling(logprobs=5),
+    "json": Sampling(temperature=0.7, json_schema=JSON_SCHEMA),
 }
 
 

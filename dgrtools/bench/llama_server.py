@@ -74,9 +74,15 @@ def completion_body(prompt: Sequence[int], tokens: int, *, stream: bool = True,
                             "ignore_eos": True, "cache_prompt": False, "stream": stream, "return_tokens": True}
     if sampling is not None and not sampling.greedy:
         body |= {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                 "seed": sampling.seed, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
-                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
-                 "top_n_sigma": -1.0}
+                 "seed": sampling.seed, "min_p": sampling.min_p, "typical_p": 1.0,
+                 "repeat_penalty": sampling.repetition_penalty, "repeat_last_n": sampling.penalty_last_n,
+                 "presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+                 "dry_multiplier": 0.0, "xtc_probability": 0.0, "top_n_sigma": -1.0}
+    if sampling is not None and sampling.logprobs is not None:
+        body["n_probs"] = sampling.logprobs  # llama-server's top-N log-probabilities per token
+    if sampling is not None and sampling.json_schema is not None:
+        # the grammar ends the output: the end of generation must be allowed (as dgr's session stops there)
+        body |= {"json_schema": json.loads(sampling.json_schema), "ignore_eos": False}
     return body
 
 
