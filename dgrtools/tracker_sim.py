@@ -14,8 +14,7 @@ import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
-from producer import SessionHandle
-from producer.route import RouteHandle
+from producer import DECODE_N, SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 
@@ -33,8 +32,6 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     console = Console()
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
-    from producer.core import DECODE_N
-
     per_job = DECODE_N if decode_n is None else decode_n
     producer = Producer(redis.Redis.from_url(redis_url), signer=signer, decode_n=per_job)
     hop_ids = worker_id.split(",")
@@ -76,10 +73,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     def on_result(h: SessionHandle, r: StepResult) -> None:
         if observe(h, r):
-            if isinstance(h, RouteHandle):
-                producer.cancel_route(h)  # every hop
-            else:
-                producer.cancel(worker_id, r.session_id)
+            producer.cancel_route(h)  # on every hop of its route
 
     t0 = time.perf_counter()
     if use_async:
@@ -111,16 +105,13 @@ async def _run_async(redis_url: str, signer: Signer | None, worker_id: str,
                      specs: Sequence[tuple[SessionSpec, list[int]]], starts: Sequence[float],
                      observe: Callable[[SessionHandle, StepResult], bool],
                      decode_n: int) -> dict[str, SessionHandle]:
-    from producer.aio import AsyncProducer
+    from producer import AsyncProducer
 
     client = aioredis.Redis.from_url(redis_url)
     async with AsyncProducer(client, signer=signer, decode_n=decode_n) as producer:
         async def on_result(h: SessionHandle, r: StepResult) -> None:
             if observe(h, r):
-                if isinstance(h, RouteHandle):
-                    await producer.cancel_route(h)  # every hop
-                else:
-                    await producer.cancel(worker_id, r.session_id)
+                await producer.cancel_route(h)  # on every hop of its route
 
         handles = await producer.run_many(specs, on_result=on_result, start_times=starts)
     await client.aclose()

@@ -19,6 +19,7 @@ import redis
 
 from dgrtools.localredis import LocalRedis
 from producer.aio import AsyncProducer
+from schemas import WorkerKeys
 from tests.chaos_support import RestartableRedis
 from tests.producer_drivers import MakeProducer, async_client_for, make_producer
 from tests.support import ConsumerProcess
@@ -78,10 +79,11 @@ def test_a_redis_restart_mid_run(restartable: RestartableRedis, make_producer: M
 
 def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> None:
     """40 concurrent generate() tasks: right tokens each, and never two result reads in flight for one
-    worker; the reads name many sessions' streams at once."""
+    worker; every read names one stream, this Tracker's, which carries every session's answers."""
     n = 40
     in_flight = peak = 0
-    streams_per_read: list[int] = []
+    streams_read: list[list[str]] = []
+    tracker = ""
 
     async def main() -> dict[str, list[int]]:
         nonlocal in_flight, peak
@@ -92,7 +94,7 @@ def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> No
             nonlocal in_flight, peak
             in_flight += 1
             peak = max(peak, in_flight)
-            streams_per_read.append(len(streams))
+            streams_read.append([s.decode() if isinstance(s, bytes) else s for s in streams])
             try:
                 return await orig(streams, *a, **k)
             finally:
@@ -100,6 +102,8 @@ def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> No
 
         client.xread = xread  # type: ignore[method-assign]
         async with AsyncProducer(client, prefill_chunk=4, timeout_s=20) as p:
+            nonlocal tracker
+            tracker = p.tracker_id
             async def one(i: int) -> tuple[str, list[int]]:
                 return f"t{i}", [t async for t in p.generate(make_spec(f"t{i}", max_tokens=5), [1] * (1 + i % 7))]
 
@@ -112,7 +116,7 @@ def test_many_tasks_share_one_reader_per_worker(redis_client: redis.Redis) -> No
     for i in range(n):
         assert got[f"t{i}"] == expected_tokens(f"t{i}", 1 + i % 7, 5)
     assert peak == 1
-    assert max(streams_per_read) > 1
+    assert {s for names in streams_read for s in names} == {WorkerKeys(WORKER).results(tracker)}
 
 
 def test_tracker_sim_async_drives_a_consumer_and_cancels_on_purpose(redis_server: LocalRedis, tiny_model_path: Path,

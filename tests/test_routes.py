@@ -27,10 +27,7 @@ from consumer.ops.sessions import session_accounting
 from dgrtools.localredis import LocalRedis
 from dgrtools.split_model import split_route
 from dgrtools.tiny_model import write_tiny_model
-from producer import Producer
-from producer.aio import AsyncProducer
-from producer.route import RouteHandle
-from producer.route_drivers import arun_routes
+from producer import AsyncProducer, Producer, RouteHandle
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
 from .support import ConsumerProcess, prompts
@@ -230,7 +227,7 @@ def test_async_driver_gives_the_same_tokens(fleet: Fleet) -> None:
             assert len(seen) == len(set(seen)) >= 4 * 8
             (spec, prompt), *_ = fleet.specs(3, "ag", ps, 8, [False, True, False, True])
             streamed = [t async for t in p.generate(spec, prompt)]
-            direct = await arun_routes(p, fleet.specs(3, "ad", ps[2:3], 8))
+            direct = await p.run_many(fleet.specs(3, "ad", ps[2:3], 8))
             return many, streamed, direct  # type: ignore[return-value]
 
     many, streamed, direct = asyncio.run(go())
