@@ -27,6 +27,11 @@ class EngineCapacity:
     ctx_per_session: int  # positions a slot can hold
     max_tokens_per_call: int  # rows one fused call may carry (llama.cpp n_batch)
     vocab_size: int
+    # Bytes of one session's state at ctx_per_session positions (KV cache and recurrent cells), and how
+    # much of it grows per position (0 for a recurrent model: a fixed cell). 0 when the engine does not
+    # say (docs/state-layouts.md).
+    state_bytes_per_session: int = 0
+    state_bytes_per_token: int = 0
 
 
 # What an engine's rows are: "logits" (a whole model or a route's last hop: rows go to the sampler) or

@@ -9,27 +9,27 @@ from typing import Annotated
 
 import typer
 
+from .cli_bench import bench_app
+from .cli_options import EngineOpt, HmacKeyFile, Model, RecipeOpt, WorkerId
 from .config import DEFAULTS
+from .redis_options import (
+    RedisClusterFlag,
+    RedisSentinel,
+    RedisUrl,
+    SentinelMaster,
+    SentinelPassword,
+    SentinelUsername,
+    target,
+)
 
 app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 model_app = typer.Typer(help="Make the model files dgr runs.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(bench_app, name="bench")
 
 _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.transport
 
-RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
-                                       help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
-WorkerId = Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id: the hash tag of all its keys.")]
-Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or a GGUF path.")]
-EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
-RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE",
-                                        help="'invariant' (bit-identical in any batch) or 'fast'.")]
-HmacKeyFile = Annotated[Path | None, typer.Option(
-    envvar="DGR_HMAC_KEY_FILE",
-    help="HMAC keys, one per line (docs/security.md): sign every entry written / require it on every entry read.")]
 
 
 def _logging(level: str, fmt: str) -> None:
@@ -42,6 +42,11 @@ def _logging(level: str, fmt: str) -> None:
 @app.command()
 def consumer(
     redis_url: RedisUrl = _S.redis_url,
+    redis_sentinel: RedisSentinel = _S.redis_sentinel,
+    sentinel_master: SentinelMaster = _S.sentinel_master,
+    sentinel_username: SentinelUsername = _S.sentinel_username,
+    sentinel_password: SentinelPassword = _S.sentinel_password,
+    redis_cluster: RedisClusterFlag = _S.redis_cluster,
     worker_id: WorkerId = _W.worker_id,
     model: Model = _E.model,
     engine: EngineOpt = _E.kind,
@@ -140,11 +145,10 @@ def consumer(
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
 ) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
-    import redis
-
     from schemas import Signer
 
     from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
+    from .connect import connect
     from .metrics import Metrics
     from .runtime import make_engine, resolve_model
     from .transport import LeaseHeld, LeaseLost, RedisTransport
@@ -154,7 +158,9 @@ def consumer(
         raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
     config = ConsumerConfig(
-        service=ServiceSettings(redis_url=redis_url, metrics_port=metrics_port, metrics_addr=metrics_addr,
+        service=ServiceSettings(redis_url=redis_url, redis_sentinel=redis_sentinel, sentinel_master=sentinel_master,
+                                sentinel_username=sentinel_username, sentinel_password=sentinel_password,
+                                redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
                                 max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
         engine=EngineSettings(model=model, kind=engine, recipe=recipe, slots=slots, ctx_per_session=ctx_per_session,
                               threads=n_threads, n_gpu_layers=n_gpu_layers),
@@ -173,6 +179,8 @@ def consumer(
                                     outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s),
     )
     svc, eng_s = config.service, config.engine
+    redis_target = target(svc.redis_url, svc.redis_sentinel, svc.sentinel_master, svc.sentinel_username,
+                          svc.sentinel_password, svc.redis_cluster)
 
     _logging(svc.log_level, svc.log_format)
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
@@ -186,8 +194,10 @@ def consumer(
         metrics.serve(svc.metrics_port, svc.metrics_addr)
     # Timeouts so that a dead or unreachable Redis is noticed (and ridden through) instead of hanging
     # a socket; the read timeout stays far above the blocking read's BLOCK.
-    client = redis.Redis.from_url(svc.redis_url, socket_connect_timeout=5, socket_timeout=30)
-    transport = RedisTransport(client, worker_id, consumer_name=worker_id, settings=config.transport, signer=signer)
+    client = connect(redis_target, socket_connect_timeout=5, socket_timeout=30)
+    # A RedisCluster client too (every key of a worker is in one slot: tests/test_cluster.py)
+    transport = RedisTransport(client, worker_id, consumer_name=worker_id,  # type: ignore[arg-type]
+                               settings=config.transport, signer=signer, listener=metrics)
     worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
     try:
@@ -210,6 +220,10 @@ def demo(
     max_tokens: Annotated[int, typer.Option(help="Tokens generated per session.")] = 48,
     redis_url: Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
                                            help="Use this Redis instead of starting a private one.")] = "",
+    redis_sentinel: RedisSentinel = "",
+    sentinel_master: SentinelMaster = "",
+    sentinel_username: SentinelUsername = "",
+    sentinel_password: SentinelPassword = "",
     worker_id: Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id of the consumer.")] = "demo",
     external: Annotated[bool, typer.Option(envvar="DGR_DEMO_EXTERNAL",
                                            help="Use a running consumer (--worker-id), start none.")] = False,
@@ -227,14 +241,22 @@ def demo(
     """The main job: private redis-server + a consumer + N concurrent sessions, streamed live."""
     from dgrtools.demo import run_demo
 
+    sentinel = target(redis_url or _S.redis_url, redis_sentinel, sentinel_master, sentinel_username,
+                      sentinel_password) if redis_sentinel else None
     raise typer.Exit(run_demo(model=model, sessions=sessions, max_tokens=max_tokens, redis_url=redis_url or None,
-                              worker_id=worker_id, external=external, recipe=recipe, n_threads=n_threads,
-                              temperature=temperature, top_p=top_p, route=route, cut=cut, rounds=rounds))
+                              redis_target=sentinel, worker_id=worker_id, external=external, recipe=recipe,
+                              n_threads=n_threads, temperature=temperature, top_p=top_p, route=route, cut=cut,
+                              rounds=rounds))
 
 
 @app.command("tracker-sim")
 def tracker_sim(
     redis_url: RedisUrl = _S.redis_url,
+    redis_sentinel: RedisSentinel = "",
+    sentinel_master: SentinelMaster = "",
+    sentinel_username: SentinelUsername = "",
+    sentinel_password: SentinelPassword = "",
+    redis_cluster: RedisClusterFlag = False,
     worker_id: WorkerId = _W.worker_id,
     sessions: int = 8,
     prompt_len: Annotated[str, typer.Option(help="Prompt length range in tokens, 'lo:hi'.")] = "8:64",
@@ -255,168 +277,13 @@ def tracker_sim(
     """A load generator on the producer API: drives sessions against a running consumer."""
     from dgrtools.tracker_sim import run_tracker_sim
 
-    raise typer.Exit(run_tracker_sim(redis_url=redis_url, worker_id=worker_id, sessions=sessions,
+    raise typer.Exit(run_tracker_sim(redis_target=target(redis_url, redis_sentinel, sentinel_master, sentinel_username,
+                                                         sentinel_password, redis_cluster),
+                                     worker_id=worker_id, sessions=sessions,
                                      prompt_len=prompt_len, max_tokens=max_tokens, rate=rate,
                                      cancel_fraction=cancel_fraction, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, json_out=json_out, hmac_key_file=hmac_key_file,
                                      use_async=use_async, decode_n=decode_n))
-
-Out = Annotated[Path, typer.Option("--out", help="Directory for the JSON and PNG results.")]
-Models = Annotated[str, typer.Option(help="Comma-separated: tiny, gemma or GGUF paths.")]
-Batches = Annotated[str, typer.Option(help="Comma-separated batch sizes.")]
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-@bench_app.command("scheduler")
-def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -> None:
-    """One scheduling round for 8, 64 and 1024 active sessions, with and without 10,000 idle ones."""
-    from dgrtools.bench.scheduler import run
-
-    run(out, repeats=repeats)
-
-
-@bench_app.command("engine")
-def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gemma",
-                 recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32, repeats: int = 3,
-                 threads: Annotated[int, typer.Option("--threads")] = 0,
-                 n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
-    """Fused decode tokens/s vs the same sessions one call at a time, per model and recipe."""
-    from dgrtools.bench.engine import run
-
-    run(out, models=tuple(models.split(",")), recipes=tuple(recipes.split(",")), batch_sizes=_ints(batches),
-        steps=steps, threads=threads, n_gpu_layers=n_gpu_layers, repeats=repeats)
-
-
-@bench_app.command("e2e")
-def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: Batches = "1,2,4,8,16",
-              tokens: int = 64, repeats: int = 2,
-              recipe: Annotated[str, typer.Option(help="fast, invariant, or both comma-separated (one run, "
-                                                       "invariant/fast reported).")] = "invariant",
-              threads: Annotated[int, typer.Option("--threads")] = 0,
-              n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0,
-              sampling: Annotated[str, typer.Option(help="The sessions' sampling: greedy, typical "
-                                                         "(t0.8/k40/p0.95) or top-p (t0.8/p0.95); several "
-                                                         "comma-separated: alternated in one run.")] = "greedy",
-              decode_n: Annotated[int, typer.Option("--decode-n", min=1, max=64,
-                                                    help="Tokens per decode job (the producer's continuation "
-                                                         "jobs, default the producer's; 1: one job per token).")
-                                  ] = 16,
-              engine: Annotated[str, typer.Option(help="llama, or sleep:<time> (e.g. sleep:2ms): an engine that "
-                                                       "only sleeps per fused call, a stand-in for a GPU step.")
-                                ] = "llama",
-              overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, or both (two consumers, "
-                                                        "alternated in one run).")] = "on",
-              ) -> None:
-    """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
-    prefill tok/s of a 512-token prompt through the service."""
-    from dgrtools.bench.e2e import SAMPLINGS, run, run_recipes
-
-    names = tuple(x for x in sampling.split(",") if x)
-    if not names or any(x not in SAMPLINGS for x in names):
-        raise typer.BadParameter(f"sampling must be among {', '.join(SAMPLINGS)}, not {sampling!r}")
-    recipes = tuple(r for r in recipe.split(",") if r)
-    if not recipes or any(r not in ("fast", "invariant") for r in recipes):
-        raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
-    if engine != "llama":
-        from consumer.engines.sleep import parse_sleep_spec
-
-        try:
-            parse_sleep_spec(engine)
-        except ValueError as e:
-            raise typer.BadParameter(str(e)) from None
-    if overlap not in ("on", "off", "both"):
-        raise typer.BadParameter(f"overlap must be on, off or both, not {overlap!r}")
-    if len(recipes) > 1:
-        run_recipes(out, recipes, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats,
-                    threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
-        return
-    run(out, model=model, batch_sizes=_ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
-        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n, engine_kind=engine,
-        overlap=overlap)
-
-
-@bench_app.command("sampler")
-def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", repeats: int = 5,
-                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p.")]
-                  = "greedy,typical,top-p") -> None:
-    """Sampler stage per fused call at Gemma's vocabulary: per-row sample() loop vs the batched sampler."""
-    from dgrtools.bench.sampler import SETTINGS, run
-
-    names = tuple(s for s in sampling.split(",") if s)
-    if not names or any(s not in SETTINGS for s in names):
-        raise typer.BadParameter(f"sampling must be among {', '.join(SETTINGS)}, not {sampling!r}")
-    run(out, rows=_ints(rows), settings=names, repeats=repeats)
-
-
-@bench_app.command("interference")
-def bench_interference(out: Out = Path("bench-out/interference"), model: str = "gemma", decoders: int = 4,
-                       tokens: int = 96, prompt_len: int = 2000, recipe: RecipeOpt = "invariant",
-                       threads: Annotated[int, typer.Option("--threads")] = 0) -> None:
-    """Decode p50/p99 inter-token latency with and without a steady stream of long prompts."""
-    from dgrtools.bench.interference import run
-
-    run(out, model=model, decoders=decoders, tokens=tokens, prompt_len=prompt_len, recipe=recipe, threads=threads)
-
-
-@bench_app.command("peer")
-def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int = 64, repeats: int = 3,
-               recipe: RecipeOpt = "fast", threads: Annotated[int, typer.Option("--threads")] = 2,
-               cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
-               sampling: Annotated[str, typer.Option(help="Both sides' sampling: greedy, typical (t0.8/k40/p0.95) "
-                                                          "or top-p (t0.8/p0.95); request/session i seeded i.")
-                                   ] = "greedy",
-               no_repack: Annotated[bool, typer.Option("--with-no-repack/--without-no-repack",
-                                                       help="Also run a llama-server with --no-repack.")] = True,
-               ) -> None:
-    """llama.cpp's llama-server (-np, continuous batching) vs dgr on Gemma: same prompts, same tokens."""
-    from dgrtools.bench.e2e import SAMPLINGS
-    from dgrtools.bench.peer import run
-
-    if sampling not in SAMPLINGS:
-        raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
-    run(out, cache_dir=cache_dir, sessions=sessions, tokens=tokens, repeats=repeats, recipe=recipe,
-        threads=threads, sampling=sampling, no_repack=no_repack)
-
-
-@bench_app.command("report")
-def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JSON is.")] = Path("bench-out"),
-                 out: Annotated[Path, typer.Option(help="The Markdown to write.")] = Path("docs/benchmarks.md"),
-                 command: Annotated[str, typer.Option(help="The commands that produced the JSON.")] = "",
-                 ) -> None:
-    """Write docs/benchmarks.md from the JSON of one benchmark run."""
-    from dgrtools.bench.report import write
-
-    typer.echo(str(write(root, out, command or "dgr bench ... --out bench-out/<name>")))
-
-
-@bench_app.command("scale")
-def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
-                repeats: int = 3,
-                sessions: Annotated[str, typer.Option(help="Batch sizes for the worker's time per session per "
-                                                           "fused call ('' to skip).")] = "64,128,256",
-                session_calls: Annotated[int, typer.Option(help="Fused calls timed per batch size.")] = 100,
-                profile: Annotated[bool, typer.Option(help="Also time every stage of the loop and Redis's "
-                                                           "CPU per command, per batch size.")] = False) -> None:
-    """Worker time per session per fused decode call at 64-256 sessions (overlap off/on), and per call with
-    10,000 idle sessions known to it vs none (--idle 0 skips that part)."""
-    from dgrtools.bench.scale import run
-
-    run(out, idle=idle, active=active, calls=calls, repeats=repeats, sessions=_ints(sessions) if sessions else (),
-        session_calls=session_calls, profile=profile)
-
-
-@bench_app.command("producer")
-def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
-                   repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
-                   model: str = "tiny") -> None:
-    """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
-    from dgrtools.bench.producer import run
-
-    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
-
 
 @app.command()
 def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the proofs (for CI).")] = False,
@@ -431,11 +298,16 @@ def evidence(quick: Annotated[bool, typer.Option(help="Run only a subset of the 
 
 
 @model_app.command("tiny")
-def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0") -> None:
-    """Write the seeded tiny llama-architecture GGUF (byte-identical every run)."""
-    from dgrtools.tiny_model import write_tiny_model
+def model_tiny(path: Path, seed: int = 0, quant: str = "q8_0",
+               layout: Annotated[str, typer.Option(help="State layout: 'kv' (llama), 'recurrent' (Mamba) or "
+                                                        "'hybrid' (Jamba: Mamba and attention blocks).")] = "kv",
+               ) -> None:
+    """Write a seeded tiny GGUF of the given state layout (byte-identical every run)."""
+    from dgrtools.tiny_recurrent import LAYOUTS, write_tiny
 
-    digest = write_tiny_model(path, seed=seed, quant=quant)  # type: ignore[arg-type]
+    if layout not in LAYOUTS:
+        raise typer.BadParameter(f"--layout must be one of {', '.join(LAYOUTS)}")
+    digest = write_tiny(path, layout, seed=seed, quant=quant)  # type: ignore[arg-type]
     typer.echo(f"{path} sha256={digest}")
 
 

@@ -61,7 +61,9 @@ class WorkerSettings:
     heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
     recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
-    answered_memory: int = 16_384  # answers remembered by job id, re-sent for a late duplicate (~1 KB each)
+    # Answers remembered by result id (one per token), re-sent for a late duplicate of their job (a Tracker's
+    # re-push after an outage): ~250 bytes each, so the default holds 1,024 tokens of 256 sessions (~64 MB).
+    answered_memory: int = 262_144
     # Entries one iteration may read in all. When entries read are refused at admission (malformed,
     # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
     # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
@@ -95,6 +97,13 @@ class ServiceSettings:
     """The process around the worker: Redis, metrics, logs, when to stop."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Sentinel (consumer/connect.py): the master `sentinel_master` those sentinels watch, reached with the
+    # URL's user, password, db and TLS; the sentinels' own credentials apart.
+    redis_sentinel: str = ""  # host:port[,host:port...]; empty: the URL's host
+    sentinel_master: str = ""
+    sentinel_username: str = ""
+    sentinel_password: str = ""
+    redis_cluster: bool = False  # the URL names a Redis Cluster node
     metrics_port: int = 0  # Prometheus port (0: off)
     metrics_addr: str = "127.0.0.1"
     max_idle_s: float = 0.0  # exit after this long idle (0: never)

@@ -1,15 +1,66 @@
-"""Prometheus metrics of one worker (prometheus-client), on a registry of its own."""
+"""Prometheus metrics of one worker (prometheus-client), on a registry of its own.
+
+Every metric the dashboard (deploy/grafana/dgr-worker.json) reads is declared here; tests/test_dashboard.py
+checks that each name in the dashboard is one of them. Besides plain counters, three helpers keep what a
+metric needs between fused calls:
+
+* `observe_answers` (TTFT and inter-token latency): one call per fused call with its answers. The time
+  to first token runs from the producer's push of the prompt's job (`created_at`) to the first token
+  published for the session; the inter-token latency from one token of a session to its next. A token
+  re-sent for a duplicate delivery (its position not past the last seen) is no sample.
+* `outage_started` / `outage_ended`: the OutageListener of schemas/retry.py (the transport's rider
+  calls them): a gauge while Redis is unreachable, a count and the seconds of outages ridden through.
+* `set_capacity`: slots and the most sessions a fused call may hold (the batch fill's denominator).
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from schemas import Status, StepJob
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+TRACKED_SESSIONS = 65_536  # sessions whose last token time is kept (LRU): bounded whatever the traffic
+
+
+class ResultLike(Protocol):
+    """What `observe_answers` reads of an answer's result (a scheduler `Outcome`, or a `StepResult`)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def status(self) -> Status: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def token(self) -> int | None: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class AnswerLike(Protocol):
+    """What `observe_answers` reads of an answer: its result and, when it answers a job, the job."""
+
+    @property
+    def result(self) -> ResultLike: ...
+
+    @property
+    def job(self) -> StepJob | None: ...
 
 
 class Metrics:
     def __init__(self, worker_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.worker_id = worker_id
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.batch_size = Histogram("dgr_fused_batch_sessions", "Sessions per fused engine call", ["worker", "phase"],
@@ -26,8 +77,74 @@ class Metrics:
         self.dead_letters = Counter("dgr_dead_letters", "Entries dead-lettered", ["worker", "reason"], registry=r)
         self.input_lag = Gauge("dgr_input_lag_entries", "Entries not yet delivered, per input stream",
                                ["worker", "stream"], registry=r)
+        self.input_pending = Gauge("dgr_input_pending_entries", "Entries delivered and not acked, per input stream",
+                                   ["worker", "stream"], registry=r)
         self.busy_slots = Gauge("dgr_busy_slots", "Sequence slots held by sessions", ["worker"], registry=r)
+        self.slots = Gauge("dgr_slots", "Sequence slots of the engine", ["worker"], registry=r)
+        self.max_batch = Gauge("dgr_max_batch_sessions", "Most sessions one fused call may hold", ["worker"],
+                               registry=r)
         self.engine_failures = Counter("dgr_engine_failures", "Fused calls that raised", ["worker"], registry=r)
+        self.ttft = Histogram("dgr_time_to_first_token_seconds",
+                              "Prompt job pushed (created_at) to the session's first token published", ["worker"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dgr_inter_token_latency_seconds",
+                             "One token of a session published to its next one", ["worker"], buckets=ITL_BUCKETS,
+                             registry=r)
+        self.outages = Counter("dgr_redis_outages", "Redis outages ridden through (ended)", ["worker"], registry=r)
+        self.outage_seconds = Counter("dgr_redis_outage_seconds", "Seconds Redis was unreachable, summed over "
+                                      "the outages ridden through", ["worker"], registry=r)
+        self.redis_unreachable = Gauge("dgr_redis_unreachable", "1 while Redis is unreachable (an outage under "
+                                       "way), else 0", ["worker"], registry=r)
+        # Series that exist from the start (at 0), so a dashboard shows "none yet", not "no data".
+        self.redis_unreachable.labels(worker_id).set(0)
+        self.engine_failures.labels(worker_id)
+        self._last_token: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (position, time)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+    def set_capacity(self, slots: int, max_batch: int) -> None:
+        self.slots.labels(self.worker_id).set(slots)
+        self.max_batch.labels(self.worker_id).set(max_batch)
+
+    def observe_answers(self, answers: Iterable[AnswerLike], now: float) -> None:
+        """TTFT and inter-token latency of the tokens among one fused call's answers (published at `now`,
+        Unix time). A session's state is dropped when it finishes or gets a non-OK answer."""
+        last = self._last_token
+        ttft, itl = self.ttft.labels(self.worker_id), self.itl.labels(self.worker_id)
+        for a in answers:
+            r = a.result
+            sid = r.session_id
+            if r.status != Status.OK:
+                last.pop(sid, None)
+                continue
+            if r.token is None:
+                continue
+            prev = last.get(sid)
+            if prev is None:
+                job = a.job
+                if job is not None and job.phase == "prefill" and job.created_at:
+                    ttft.observe(max(0.0, now - job.created_at))
+            elif r.position > prev[0]:
+                itl.observe(max(0.0, now - prev[1]))
+            else:
+                continue  # a token answered again (a duplicate delivery): no new sample
+            if r.finished:
+                last.pop(sid, None)
+                continue
+            last[sid] = (r.position, now)
+            last.move_to_end(sid)
+            if len(last) > TRACKED_SESSIONS:
+                last.popitem(last=False)
+
+    # schemas/retry.py's OutageListener
+    def outage_started(self) -> None:
+        self.redis_unreachable.labels(self.worker_id).set(1)
+
+    def outage_ended(self, down_s: float) -> None:
+        self.redis_unreachable.labels(self.worker_id).set(0)
+        self.outages.labels(self.worker_id).inc()
+        self.outage_seconds.labels(self.worker_id).inc(down_s)
+
+    def outage_gave_up(self, down_s: float) -> None:
+        self.outage_seconds.labels(self.worker_id).inc(down_s)

@@ -11,6 +11,16 @@ Per-block metadata must survive the renumbering:
 - Gemma 3 (`gemma3`): llama.cpp derives which blocks use sliding-window attention from the block index
   (every 6th block, 5, 11, 17..., is global), and the pattern also picks the block's rope base. A hop
   starting at a multiple of 6 keeps it; any other cut is refused (ValueError) rather than run wrong.
+
+Recurrent and hybrid models (docs/state-layouts.md "Route hops"): a block's recurrent state belongs to
+the block, so a hop keeps the cells of its own blocks and the cut is exact at any block boundary.
+- Recurrent archs (Mamba, Mamba-2, RWKV): any cut.
+- Hybrids whose block i is recurrent when `<arch>.attention.head_count_kv[i] == 0` (Jamba, Granite 4.0-H,
+  LFM2, PLaMo 2...): llama.cpp builds a hybrid context with a KV cache AND recurrent cells, and aborts
+  the process (GGML_ASSERT) when a hop holds no block of one kind. Such a cut is refused (ValueError);
+  every hop must hold at least one attention and one recurrent block.
+- Falcon-H1 (every block has both): any cut. Other hybrids (their block kinds come from an index
+  interval or other keys dgr does not read): refused, whatever the cut.
 """
 
 from __future__ import annotations
@@ -34,6 +44,29 @@ from consumer.engines.loader import (
 # (llama_hparams::set_swa_pattern(n): block il is sliding-window unless il % n == n - 1).
 _INDEX_PATTERN_PERIOD: dict[str, int] = {"gemma3": 6}
 
+# llama.cpp (0.3.36) llm_arch_is_hybrid, by how src/models/<arch>.cpp marks a block recurrent.
+_HYBRID_BY_KV_HEADS = frozenset({"jamba", "granitehybrid", "lfm2", "lfm2moe", "plamo2", "bailingmoe3",
+                                 "kimi-linear", "kimi-k3", "glm5-next"})  # recurrent: head_count_kv[i] == 0
+_HYBRID_EVERY_BLOCK = frozenset({"falcon-h1"})  # attention and a Mamba-2 mixer in every block
+_HYBRID_OTHER = frozenset({"nemotron_h", "nemotron_h_moe", "qwen3next", "qwen35", "qwen35moe", "qwen4exp",
+                           "deepseek4", "minimax-01"})  # index intervals, or n_ff too: not split
+
+
+def check_hybrid_cut(arch: str, head_count_kv: int | list[int], n: int, first: int, last: int) -> None:
+    """Raise ValueError when blocks [first, last) of a hybrid model would not load as a hop."""
+    if arch in _HYBRID_OTHER:
+        raise ValueError(f"{arch}: a hybrid whose recurrent blocks llama.cpp finds from more than the KV head "
+                         "counts; dgr does not split it")
+    if arch in _HYBRID_EVERY_BLOCK or arch not in _HYBRID_BY_KV_HEADS:
+        return
+    kv = list(head_count_kv) if isinstance(head_count_kv, list) else [head_count_kv] * n
+    kinds = {"recurrent" if h == 0 else "attention" for h in kv[first:last]}
+    if kinds != {"recurrent", "attention"}:
+        missing = ({"recurrent", "attention"} - kinds).pop()
+        raise ValueError(f"{arch}: blocks [{first}, {last}) hold no {missing} block; llama.cpp's hybrid "
+                         "memory needs both kinds in every hop (it aborts creating the context): cut so that "
+                         "each hop holds at least one attention and one recurrent block")
+
 
 @dataclass(frozen=True, slots=True)
 class HopFile:
@@ -53,6 +86,24 @@ def source_block_count(path: str | os.PathLike[str]) -> int:
     return int(r.get_field(f"{arch}.block_count").contents())  # type: ignore[union-attr]
 
 
+def check_cut(r: Any, src: Path, first: int, last: int, *, allow_pattern_shift: bool = False) -> tuple[str, int]:
+    """(arch, source block count) when blocks [first, last) of the model `r` (a GGUFReader of `src`) make
+    a hop that runs right; ValueError (saying why) otherwise."""
+    if read_split_info(src) is not None:
+        raise ValueError(f"{src} is already a hop file: split the source model")
+    arch = str(r.get_field("general.architecture").contents())
+    n = int(r.get_field(f"{arch}.block_count").contents())
+    if not 0 <= first < last <= n:
+        raise ValueError(f"blocks [{first}, {last}) are not a non-empty range inside [0, {n})")
+    kv_field = r.get_field(f"{arch}.attention.head_count_kv")
+    check_hybrid_cut(arch, kv_field.contents() if kv_field is not None else 0, n, first, last)
+    period = _INDEX_PATTERN_PERIOD.get(arch)
+    if period is not None and first % period and not allow_pattern_shift:
+        raise ValueError(f"{arch}: llama.cpp derives sliding-window blocks from the block index (period "
+                         f"{period}); a hop must start at a multiple of {period}, not {first}")
+    return arch, n
+
+
 def split_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], first: int, last: int, *,
                allow_pattern_shift: bool = False) -> HopFile:
     """Write the hop file of blocks [first, last) of `src` to `dst` (atomically); return its facts.
@@ -62,17 +113,8 @@ def split_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], first: 
     import gguf
 
     src, dst = Path(src), Path(dst)
-    if read_split_info(src) is not None:
-        raise ValueError(f"{src} is already a hop file: split the source model")
     r = gguf.GGUFReader(str(src))
-    arch = str(r.get_field("general.architecture").contents())  # type: ignore[union-attr]
-    n = int(r.get_field(f"{arch}.block_count").contents())  # type: ignore[union-attr]
-    if not 0 <= first < last <= n:
-        raise ValueError(f"blocks [{first}, {last}) are not a non-empty range inside [0, {n})")
-    period = _INDEX_PATTERN_PERIOD.get(arch)
-    if period is not None and first % period and not allow_pattern_shift:
-        raise ValueError(f"{arch}: llama.cpp derives sliding-window blocks from the block index (period "
-                         f"{period}); a hop must start at a multiple of {period}, not {first}")
+    arch, n = check_cut(r, src, first, last, allow_pattern_shift=allow_pattern_shift)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     try:
@@ -123,6 +165,11 @@ def split_route(src: str | os.PathLike[str], out_dir: str | os.PathLike[str],
     bounds = (0, *cuts, n)
     if any(b >= c for b, c in pairwise(bounds)):
         raise ValueError(f"cuts {cuts} must be increasing inside (0, {n})")
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    for a, b in pairwise(bounds):  # every hop checked before any is written
+        check_cut(r, Path(src), a, b)
     out = Path(out_dir)
     return [split_gguf(src, out / f"hop-{a}-{b}.gguf", a, b) for a, b in pairwise(bounds)]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -123,32 +123,41 @@ def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_lay
     (gguf's NumPy quantizer, bit-exact with ggml's reference) and the norms as f32; `"f32"` stores all
     f32. `n_layer` > 2 makes a deeper model of the same shape (routes of three hops need >= 3 blocks).
     """
-    import gguf  # deferred: only the generator needs it
-
-    if quant not in ("q8_0", "f32"):
-        raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
     if n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, not {n_layer}")
     cfg = TINY if n_layer == TINY.n_layer else replace(TINY, n_layer=n_layer)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(f"dgr-tiny-s{seed}-{quant}" + ("" if n_layer == TINY.n_layer else f"-l{n_layer}"))
-    writer.add_context_length(cfg.n_ctx_train)
-    writer.add_embedding_length(cfg.n_embd)
-    writer.add_block_count(cfg.n_layer)
+    name = f"dgr-tiny-s{seed}-{quant}" + ("" if n_layer == TINY.n_layer else f"-l{n_layer}")
+    writer, tmp = open_tiny_gguf(Path(path), "llama", name, cfg, quant)
     writer.add_feed_forward_length(cfg.n_ff)
     writer.add_head_count(cfg.n_head)
     writer.add_head_count_kv(cfg.n_head_kv)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
-    writer.add_vocab_size(cfg.n_vocab)
-    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
+    return close_tiny_gguf(writer, tmp, Path(path), cfg.n_vocab, quant, tiny_weights(seed, cfg))
 
-    tokens, scores, types = tiny_vocab(cfg.n_vocab)
+
+def open_tiny_gguf(path: Path, arch: str, name: str, cfg: TinyConfig, quant: str) -> tuple[Any, Path]:
+    """A `gguf.GGUFWriter` on `path`'s temporary name (parents created; `close_tiny_gguf` moves it into
+    place), with the keys every tiny model starts with: name, context, embedding length, block count."""
+    import gguf
+
+    if quant not in ("q8_0", "f32"):
+        raise ValueError(f"quant must be 'q8_0' or 'f32', not {quant!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(name)
+    writer.add_context_length(cfg.n_ctx_train)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    return writer, tmp
+
+
+def add_tiny_tokenizer(writer: Any, n_vocab: int) -> None:
+    """The tiny SentencePiece-style vocabulary and its special tokens, on a `gguf.GGUFWriter`: every
+    tiny model (whatever its layout) tokenizes text the same way."""
+    tokens, scores, types = tiny_vocab(n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -160,13 +169,31 @@ def write_tiny_model(path: Path, seed: int = 0, quant: TinyQuant = "q8_0", n_lay
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
 
-    for name, arr in tiny_weights(seed, cfg).items():
-        if arr.ndim == 2 and quant == "q8_0":
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, arr)
 
+def add_weight(writer: Any, name: str, arr: npt.NDArray[np.float32], quant: TinyQuant) -> None:
+    """One tensor: Q8_0 (gguf's NumPy quantizer, bit-exact with ggml's reference) for a 2-D weight whose
+    rows are a whole number of 32-value blocks when `quant="q8_0"`, f32 otherwise (norms, biases, and
+    the recurrent kernels' own tensors, which llama.cpp's ssm ops read as f32)."""
+    import gguf
+
+    if quant == "q8_0" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+        q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        writer.add_tensor(name, arr)
+
+
+def close_tiny_gguf(writer: Any, tmp: Path, path: Path, n_vocab: int, quant: TinyQuant,
+                    weights: dict[str, npt.NDArray[np.float32]]) -> str:
+    """The keys every tiny model ends with (vocabulary size, file type, the tokenizer), then the weights;
+    write the file out, move it to `path` (atomic) and return its sha256."""
+    import gguf
+
+    writer.add_vocab_size(n_vocab)
+    writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.ALL_F32))
+    add_tiny_tokenizer(writer, n_vocab)
+    for name, arr in weights.items():
+        add_weight(writer, name, arr, quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,16 +9,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import redis
-import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
+from consumer.connect import RedisTarget, connect, connect_async
 from producer import DECODE_N, SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 
-def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len: str, max_tokens: int,
+def run_tracker_sim(*, redis_target: RedisTarget, worker_id: str, sessions: int, prompt_len: str, max_tokens: int,
                     rate: float, cancel_fraction: float, temperature: float, top_k: int, top_p: float, seed: int,
                     json_out: Path | None, hmac_key_file: Path | None = None, use_async: bool = False,
                     decode_n: int | None = None) -> int:
@@ -33,12 +32,12 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     console = Console()
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
     per_job = DECODE_N if decode_n is None else decode_n
-    producer = Producer(redis.Redis.from_url(redis_url), signer=signer, decode_n=per_job)
+    producer = Producer(connect(redis_target), signer=signer, decode_n=per_job)  # type: ignore[arg-type]
     hop_ids = worker_id.split(",")
     infos = [producer.discover(w) for w in hop_ids]
     for w, hop_info in zip(hop_ids, infos, strict=True):
         if not hop_info.alive:
-            console.print(f"[red]worker {w!r} has no live heartbeat at {redis_url}[/red]")
+            console.print(f"[red]worker {w!r} has no live heartbeat at {redis_target.describe()}[/red]")
             return 2
     info = infos[0]
     route = tuple(RouteHop(worker_id=w, key=i.keys[0]) for w, i in zip(hop_ids, infos, strict=True))
@@ -77,7 +76,7 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
 
     t0 = time.perf_counter()
     if use_async:
-        handles = asyncio.run(_run_async(redis_url, signer, worker_id, specs, starts, observe, per_job))
+        handles = asyncio.run(_run_async(redis_target, signer, worker_id, specs, starts, observe, per_job))
     else:
         handles = producer.run_many(specs, on_result=on_result, start_times=starts)
     wall = time.perf_counter() - t0
@@ -101,14 +100,14 @@ def run_tracker_sim(*, redis_url: str, worker_id: str, sessions: int, prompt_len
     return 0
 
 
-async def _run_async(redis_url: str, signer: Signer | None, worker_id: str,
+async def _run_async(redis_target: RedisTarget, signer: Signer | None, worker_id: str,
                      specs: Sequence[tuple[SessionSpec, list[int]]], starts: Sequence[float],
                      observe: Callable[[SessionHandle, StepResult], bool],
                      decode_n: int) -> dict[str, SessionHandle]:
     from producer import AsyncProducer
 
-    client = aioredis.Redis.from_url(redis_url)
-    async with AsyncProducer(client, signer=signer, decode_n=decode_n) as producer:
+    client = connect_async(redis_target)
+    async with AsyncProducer(client, signer=signer, decode_n=decode_n) as producer:  # type: ignore[arg-type]
         async def on_result(h: SessionHandle, r: StepResult) -> None:
             if observe(h, r):
                 await producer.cancel_route(h)  # on every hop of its route

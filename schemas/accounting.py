@@ -4,13 +4,15 @@ open, a field of its worker's tally hash (`WorkerKeys.tally`); once closed, its 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Final
 
 __all__ = ["COUNTERS", "TALLY_FIELDS", "merge", "parse_tally"]
 
-# The tally value's fields, in order (consumer/lua/complete.lua writes 'att pub hw prompt gen recomp steps es t
-# gaps account'; t: the server's clock, unix seconds, at the session's last answer; gaps: '-' or 'lo:hi,...').
+# The tally value's fields, in order (consumer/lua/complete.lua writes the JSON array [att, pub, hw, prompt,
+# gen, recomp, steps, es, t, gaps, account]; t: the server's clock, unix seconds, at the session's last
+# answer; gaps: '-' or 'lo:hi,...').
 TALLY_FIELDS: Final = ("att", "pub", "hw", "prompt_tokens", "generated_tokens", "recomputed_tokens", "steps",
                        "engine_seconds", "t", "gaps", "account")
 # What the tally adds to the session hash when folded; the other fields are positions, set, not added.
@@ -22,13 +24,22 @@ def _s(x: bytes | str) -> str:
 
 
 def parse_tally(raw: bytes | str | None) -> dict[str, str] | None:
-    """A tally field's value as named fields (None: no field, or not a tally value)."""
+    """A tally field's value as named fields, each as text (None: no field, or not a tally value)."""
     if raw is None:
         return None
-    parts = _s(raw).split(" ")
-    if len(parts) != len(TALLY_FIELDS):
+    try:
+        parts = json.loads(raw)
+    except ValueError:
         return None
-    return dict(zip(TALLY_FIELDS, parts, strict=True))
+    if not isinstance(parts, list) or len(parts) != len(TALLY_FIELDS):
+        return None
+    return {name: _text(v) for name, v in zip(TALLY_FIELDS, parts, strict=True)}
+
+
+def _text(v: object) -> str:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
+        return str(int(v))
+    return str(v)
 
 
 def merge(session_hash: Mapping[bytes | str, bytes | str], tally: Mapping[str, str] | None) -> dict[str, str]:

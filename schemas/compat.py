@@ -87,10 +87,21 @@ class BoundarySchema(_Frozen):
 
 
 class StateLayout(_Frozen):
-    """What a session's state looks like; states are interchangeable only with equal layouts."""
+    """What a session's state looks like; states are interchangeable only with equal layouts.
+
+    kind "kv": a KV cache that grows by position (its last positions can be removed); "recurrent" (Mamba,
+    RWKV): a fixed-size cell per block, overwritten by every token (a session's state can only be
+    emptied, or restored from a snapshot); "hybrid": both in one model (docs/state-layouts.md). For
+    recurrent and hybrid layouts `dims` includes "state_bytes", the bytes of one session's recurrent cells.
+    """
 
     kind: Literal["kv", "recurrent", "hybrid"]
     dims: dict[str, int] = Field(max_length=MAX_DIMS)  # e.g. {"n_layer": 2, "n_head_kv": 2, "head_dim": 32}
+
+    @property
+    def positional(self) -> bool:
+        """Can a session's last positions be removed (a rollback by position)? Only with a KV cache."""
+        return self.kind == "kv"
 
 
 class CompatibilityKey(_Frozen):

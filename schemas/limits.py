@@ -24,7 +24,10 @@ MAX_ROUTE_HOPS: Final = 16
 MAX_NAME_LEN: Final = 128  # architecture, quantization, runtime pin and other short names
 MAX_REASON_LEN: Final = 256  # free-text detail of a rejection
 MAX_DIMS: Final = 16  # entries of a state layout's dimension map
-MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire
+MAX_FIELD_BYTES: Final = 64 * 1024  # any one stream field on the wire, but a result record's
+# A result record (one entry per completion call: every answer of a fused call, a hop's inline rows among
+# them) is written by the worker alone (ACLs), and grows with the batch: bounded apart.
+MAX_RECORD_BYTES: Final = 32 * 1024 * 1024
 
 # Stream lengths (XADD MAXLEN ~, XTRIM) and TTLs of what several writers touch: one number each.
 CANCEL_MAXLEN: Final = 100_000  # a worker's cancellation stream: the producer, the reaper and the worker's trim

@@ -16,13 +16,13 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import redis
 
 from .limits import OUTAGE_MAX_S
 
-__all__ = ["OutageRider", "RetryPolicy", "transient"]
+__all__ = ["OutageListener", "OutageRider", "RetryPolicy", "transient"]
 
 T = TypeVar("T")
 
@@ -52,13 +52,27 @@ class RetryPolicy:
     cap_s: float = 2.0
 
 
-class OutageRider:
-    """Runs calls through outages under one policy; counts the outages it rode through."""
+class OutageListener(Protocol):
+    """Told when an outage starts and ends (the worker's metrics, consumer/metrics.py). Called on the
+    rider's thread, from inside the retry loop: keep it cheap, never raise."""
 
-    def __init__(self, policy: RetryPolicy, log: logging.Logger, who: str) -> None:
+    def outage_started(self) -> None: ...
+
+    def outage_ended(self, down_s: float) -> None: ...
+
+    def outage_gave_up(self, down_s: float) -> None: ...
+
+
+class OutageRider:
+    """Runs calls through outages under one policy; counts the outages it rode through, and tells its
+    `listener` (if any) when one starts, ends, or is given up."""
+
+    def __init__(self, policy: RetryPolicy, log: logging.Logger, who: str,
+                 listener: OutageListener | None = None) -> None:
         self.policy = policy
         self.log = log
         self.who = who
+        self.listener = listener
         self.outages = 0  # outages that ended (Redis came back)
         self._since: float | None = None
         self._retries = 0
@@ -81,9 +95,13 @@ class OutageRider:
             self._since, self._retries, self._delay = now, 0, self.policy.base_s
             self.log.warning("redis unreachable, retrying", extra={
                 "who": self.who, "error": f"{type(e).__name__}: {e}"[:200], "give_up_after_s": self.policy.max_s})
+            if self.listener is not None:
+                self.listener.outage_started()
         if now - self._since > self.policy.max_s:
             self.log.error("redis unreachable for too long, giving up", extra={
                 "who": self.who, "down_s": round(now - self._since, 2), "retries": self._retries})
+            if self.listener is not None:
+                self.listener.outage_gave_up(now - self._since)
             self._since = None
             raise e
         self._retries += 1
@@ -95,10 +113,13 @@ class OutageRider:
         """Account for a call that worked. True when it ended an outage (logged)."""
         if self._since is None:
             return False
+        down_s = time.monotonic() - self._since
         self.log.warning("redis reachable again", extra={
-            "who": self.who, "down_s": round(time.monotonic() - self._since, 2), "retries": self._retries})
+            "who": self.who, "down_s": round(down_s, 2), "retries": self._retries})
         self._since = None
         self.outages += 1
+        if self.listener is not None:
+            self.listener.outage_ended(down_s)
         return True
 
     def call(self, fn: Callable[[], T]) -> T:

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from .activations import Activations
 from .compat import Phase
 from .errors import ActivationError, WireError
-from .limits import MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB, WIRE_VERSION, is_id
+from .limits import MAX_FIELD_BYTES, MAX_RECORD_BYTES, MAX_TOKENS_PER_JOB, WIRE_VERSION, is_id
 from .reasons import Reason, Status
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
@@ -54,7 +54,8 @@ def _b(x: bytes | str) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 
 
-def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str) -> dict[bytes, bytes]:
+def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str, limit: int = MAX_FIELD_BYTES
+                  ) -> dict[bytes, bytes]:
     """The entry as bytes -> bytes, its version checked first (another version: schema_version, naming
     the v1 ids when they are there), then the field names and sizes."""
     if len(fields) > MAX_FIELDS:
@@ -73,8 +74,10 @@ def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str) -> dict[by
     if extra:
         raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}")
     for k, val in f.items():
-        if len(val) > MAX_FIELD_BYTES:
-            raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {MAX_FIELD_BYTES}")
+        if len(val) > limit:
+            # A job body over the limit still names its session when it is small enough to read for that.
+            ids = _body_ids(val) if k == b"j" and len(val) <= 4 * limit else {}
+            raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {limit}", **ids)
     return f
 
 
@@ -275,7 +278,7 @@ def record_fields(record: bytes, charges: bytes | str) -> dict[str, bytes | str]
 
 def decode_record(fields: Fields) -> tuple[ResultRecord, Charges]:
     """The record and its charges of a result entry; WireError for anything else."""
-    f = _bytes_fields(fields, _RESULT_FIELDS, "result")
+    f = _bytes_fields(fields, _RESULT_FIELDS, "result", MAX_RECORD_BYTES)
     try:
         rec = _RECORD.decode(f[b"r"])
         chg = _CHARGES.decode(f[b"c"])

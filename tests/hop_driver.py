@@ -163,7 +163,7 @@ class RouteDriver:
                     self.blob_bytes += len(raw)
                 else:
                     moved = acts
-                    self.inline_bytes += len(moved.model_dump_json(exclude_none=True))
+                    self.inline_bytes += len(moved.json())
                 self._push(pipe, hop + 1, job.session_id, job.phase, job.start_position, job.tokens, job.sample,
                            moved, raw)
             elif r.token is not None:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 from consumer.sched.outputs import Answer
 from consumer.transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
-from schemas import CompatibilityKey, Phase, StepJob
+from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
 
 
 class MemoryTransport:
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "worker-0") -> None:
+        self.worker_id = worker_id  # names the activation keys as a Redis transport of this worker would
         self.digests: dict[Phase, str] = {}
         self.queues: dict[Phase, deque[Inbound]] = {"decode": deque(), "prefill": deque()}
         self.answers: list[Answer] = []
@@ -85,6 +87,10 @@ class MemoryTransport:
         self.round_trips += 1
         return ({j.job_id for j in openings if j.job_id in self.answered},
                 {s for s in session_ids if s in self.cancel_markers})
+
+    def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
+        keys = WorkerKeys(self.worker_id)
+        return keys.activations_in(job_id) if direction == "in" else keys.activations_out(job_id)
 
     def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
         self.round_trips += 1

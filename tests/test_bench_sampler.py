@@ -12,8 +12,13 @@ from dgrtools.bench.sampler import run
 def test_sampler_bench_small(tmp_path: Path) -> None:
     payload = run(tmp_path, rows=(2, 3), repeats=1, vocab=2000)
     assert [(r["rows"], r["sampling"]) for r in payload["rows"]] == [
-        (n, s) for n in (2, 3) for s in ("greedy", "typical", "top-p")]
+        (n, s) for n in (2, 3) for s in ("greedy", "typical", "top-p", "min-p-rep", "logprobs")]  # json: no vocab
     assert json.loads((tmp_path / "sampler.json").read_text())["vocab"] == 2000
+
+
+def test_sampler_bench_with_a_gguf_vocabulary_runs_the_grammar(tmp_path: Path, tiny_model_path: Path) -> None:
+    payload = run(tmp_path, rows=(3,), repeats=1, settings=("typical", "json"), model=tiny_model_path)
+    assert [r["sampling"] for r in payload["rows"]] == ["typical", "json"] and payload["vocab"] == 512
 
 
 def test_e2e_sampling_options() -> None:

@@ -16,7 +16,7 @@ from .support import prompts, solo_generate
 
 
 def _worker(engine: NumpyReferenceEngine, wid: str) -> tuple[Worker, MemoryTransport]:
-    t = MemoryTransport()
+    t = MemoryTransport(wid)
     w = Worker(engine, t, WorkerSettings(worker_id=wid, block_ms=0, gather_ms=0.0))  # type: ignore[arg-type]
     w.start()
     return w, t

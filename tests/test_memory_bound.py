@@ -11,6 +11,7 @@ used_memory is back within the dead-letter stream's cap of the baseline. N is 5,
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -68,9 +69,10 @@ def test_hostile_entries_leave_keys_and_memory_bounded(real_redis: redis.Redis,
         if kind == 0:  # malformed, naming a new session: answered
             pipe.xadd(dec, {"v": "1", "session_id": f"m-{i}", "job_id": f"j-{i}", "pos": " 1"})
         elif kind == 1:  # a well-formed opening for the wrong key, under a new session and account
-            pipe.xadd(pre, {**refused_open, "session_id": f"o-{i}", "job_id": f"oj-{i}",
-                            "session": refused_open["session"].replace('"x"', f'"o-{i}"')
-                            .replace('"mallory"', f'"acct-{i}"')})
+            body = json.loads(refused_open["j"])
+            body.update(session_id=f"o-{i}", job_id=f"oj-{i}")
+            body["session"].update(session_id=f"o-{i}", account_id=f"acct-{i}")
+            pipe.xadd(pre, {**refused_open, "j": json.dumps(body)})
         elif kind == 2:  # nothing nameable: dead-lettered only
             pipe.xadd(dec, {b"\xff": b"\xfe" * 50})
         else:

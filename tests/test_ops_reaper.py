@@ -25,8 +25,9 @@ def age(client: redis.Redis, worker: str, session: str, seconds: float) -> None:
     keys = WorkerKeys(worker)
     t = parse_tally(client.hget(keys.tally, session))
     assert t is not None
-    t["t"] = str(redis_time_ms(client) // 1000 - int(seconds))
-    client.hset(keys.tally, session, " ".join(t[f] for f in TALLY_FIELDS))
+    raw = json.loads(client.hget(keys.tally, session))  # type: ignore[arg-type]
+    raw[TALLY_FIELDS.index("t")] = redis_time_ms(client) // 1000 - int(seconds)
+    client.hset(keys.tally, session, json.dumps(raw))
 
 
 def test_idle_sessions_are_cancelled_once(redis_client: redis.Redis) -> None:

@@ -243,7 +243,7 @@ def test_bad_input_is_answered_while_other_sessions_run(redis_server: LocalRedis
             "bad-token": (pre, job("s-token", tokens=(1, 10**6))),
             "too-long": (pre, job("s-long", tokens=tuple([5] * 1100))),
             "unknown": (dec, job("s-unknown", phase="decode", session=None, start_position=4, tokens=(3,))),
-            "oversized": (pre, {**job("s-big"), "created_at": "1" * (70 * 1024)}),
+            "oversized": (pre, {**job("s-big"), "j": job("s-big")["j"][:-1] + ',"pad":"' + "1" * (70 * 1024) + '"}'}),
         }
         for stream, fields in bad.values():
             client.xadd(stream, fields)  # type: ignore[arg-type]

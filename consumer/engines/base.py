@@ -7,7 +7,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from schemas import BoundarySchema, CompatibilityKey, EngineIdentity, Phase, Recipe, StateLayout
+from schemas import BoundarySchema, CompatibilityKey, EngineIdentity, Phase, Reason, Recipe, StateLayout
 
 from ..batch import EngineCapacity, EngineOutput, FusedBatch
 
@@ -15,15 +15,27 @@ __all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEng
 
 
 class EngineError(RuntimeError):
-    """One fused call failed. The engine has rolled every slot back to where it was before the call.
+    """One fused call failed. The engine has put every slot back where it was before the call, except
+    the slots in `lost`.
 
     `slots` names the slots known to be at fault (empty when the engine cannot tell); the worker then
-    retries without them, or bisects the batch.
+    answers their sessions and retries the call without them, or bisects the batch.
+    `reason` is the wire reason code for the sessions named in `slots` (schemas.step.Reason):
+    ENGINE_ERROR unless the engine refused the call before running it for a reason of its own
+    (BAD_TOKEN, POSITION_GAP, TOO_LONG, BAD_ACTIVATIONS).
+    `lost` (a subset of `slots`): slots whose state could not be put back (a recurrent or hybrid state
+    moved by the failed call, with no snapshot to restore; consumer/engines/state.py). The engine has
+    emptied them (next position 0): their sessions are answered `state_lost` and replayed.
     """
 
-    def __init__(self, message: str, slots: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, slots: tuple[int, ...] = (), *, reason: Reason = Reason.ENGINE_ERROR,
+                 lost: tuple[int, ...] = ()) -> None:
         super().__init__(message)
+        if not set(lost) <= set(slots):
+            raise ValueError(f"lost slots {lost} must be among the slots named {slots}")
         self.slots = slots
+        self.reason = reason
+        self.lost = lost
 
 
 @runtime_checkable
@@ -73,20 +85,22 @@ def check_hidden(batch: FusedBatch, boundary: BoundarySchema) -> npt.NDArray[np.
     if boundary.consumes != "hidden":
         if h is not None:
             raise EngineError(f"this hop consumes tokens (blocks [{boundary.first_layer}, {boundary.last_layer})), "
-                              "the batch carries hidden activations")
+                              "the batch carries hidden activations", reason=Reason.BAD_ACTIVATIONS)
         return None
     if h is None:
         raise EngineError(f"this hop consumes hidden activations (blocks [{boundary.first_layer}, "
-                          f"{boundary.last_layer})), the batch carries none")
+                          f"{boundary.last_layer})), the batch carries none", reason=Reason.BAD_ACTIVATIONS)
     if not isinstance(h, np.ndarray) or h.dtype != np.float32:
-        raise EngineError(f"hidden activations must be a float32 array, not {getattr(h, 'dtype', type(h))}")
+        raise EngineError(f"hidden activations must be a float32 array, not {getattr(h, 'dtype', type(h))}",
+                          reason=Reason.BAD_ACTIVATIONS)
     want = (len(batch), boundary.hidden_size)
     if h.shape != want:
-        raise EngineError(f"hidden activations of shape {h.shape}, {want} expected")
+        raise EngineError(f"hidden activations of shape {h.shape}, {want} expected", reason=Reason.BAD_ACTIVATIONS)
     finite = np.isfinite(h).all(axis=1)
     if not finite.all():
         bad = tuple(sorted({int(s) for s in np.asarray(batch.slots)[~finite]}))
-        raise EngineError(f"hidden activations not finite (NaN/inf) in slots {list(bad)}", bad)
+        raise EngineError(f"hidden activations not finite (NaN/inf) in slots {list(bad)}", bad,
+                          reason=Reason.BAD_ACTIVATIONS)
     return np.ascontiguousarray(h)
 
 

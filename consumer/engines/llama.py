@@ -39,6 +39,10 @@ Its identity names the SOURCE model's sha256, its boundary the absolute range, n
 - The last hop returns logits for the rows that want them, like a whole model.
 The invariance rules below hold per hop: each hop is a llama.cpp model of its own, run with the recipe.
 
+State layouts (consumer/engines/state.py, docs/state-layouts.md): a KV model ("kv"), a recurrent one
+(Mamba, RWKV: "recurrent") or both in one ("hybrid"); the layout, its dimensions and the bytes a session
+holds are advertised, and a failed call is undone by position, from a snapshot, or reported lost.
+
 Positions are checked here before llama.cpp sees them (llama.cpp silently accepts a first token at
 p > 0 on an empty sequence). llama.cpp's log goes to Python logging, logger "dgr.llama".
 """
@@ -60,13 +64,14 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from schemas import BoundarySchema, EngineIdentity, Recipe, StateLayout
+from schemas import BoundarySchema, EngineIdentity, Reason, Recipe, StateLayout
 from schemas.compat import hop_boundary
 
 from ..batch import BatchRow, EngineOutput, FusedBatch
 from ..cpuinfo import cpu_flags
 from .base import Engine, EngineCapacity, EngineError, LogitsEngine, check_hidden
 from .loader import SplitInfo, ftype_name, gguf_sha256, read_split_info
+from .state import Checkpoint, SlotStates, SnapshotPolicy, layout_dims, state_kind
 
 LLAMA_CPP_PIN = "0.3.36"
 RUNTIME = f"llama-cpp-python=={LLAMA_CPP_PIN}"
@@ -224,6 +229,7 @@ class LlamaCppEngine(LogitsEngine):
         kv_cache_type: Literal["f16", "f32"] = "f16",
         flash_attention: bool | None = None,
         extra_bufts: bool = False,
+        snapshots: SnapshotPolicy = "chunks",
     ) -> None:
         if recipe not in ("fast", "invariant"):
             raise ValueError(f"recipe must be 'fast' or 'invariant', not {recipe!r}")
@@ -287,6 +293,7 @@ class LlamaCppEngine(LogitsEngine):
             self._capture = _Capture(f"l_out-{n_blk - 1}", self._n_embd, n_batch)
         try:
             self._init_context(n_slots, ctx_per_session, n_batch, kv_cache_type, flash_attention)
+            self._states = SlotStates(L, self._ctx, self._mem, state_kind(L, model), snapshots)
         except BaseException:
             self.close()
             raise
@@ -299,9 +306,14 @@ class LlamaCppEngine(LogitsEngine):
         n_head_kv = int(L.llama_model_n_head_kv(model))
         n_embd = int(L.llama_model_n_embd(model))
         key_len = self._meta(f"{arch}.attention.key_length")
-        head_dim = int(key_len) if key_len and key_len.isdigit() else n_embd // n_head
+        head_dim = int(key_len) if key_len and key_len.isdigit() else n_embd // max(1, n_head)
         self._arch, self._quant, self._n_layer = arch, quant, n_layer
         self._kv_type, self._flash = kv_cache_type, flash_attention
+        if invariant and n_gpu_layers == 0 and quant in ("F32", "F16", "BF16"):
+            # Float weights: ggml's one-row matmul and llamafile's tinyBLAS (two rows or more) sum in
+            # different orders, so one row alone and in a batch differ (docs/state-layouts.md).
+            log.warning("recipe 'invariant' with %s weights on CPU: batch_invariant=False (use Q8_0)", quant)
+            invariant = False
 
         # A hop names its SOURCE model; the block range is in the boundary.
         source_sha = sp.source_sha256 if sp is not None else gguf_sha256(self.model_path)
@@ -312,12 +324,22 @@ class LlamaCppEngine(LogitsEngine):
         self._first, self._last = (sp.first_block, sp.last_block) if sp is not None else (0, n_layer)
         self.boundary: BoundarySchema = hop_boundary(self._first, self._last,
                                                      sp.source_block_count if sp is not None else n_layer, n_embd)
-        self.state_layout = StateLayout(kind="kv", dims={
-            "n_layer": n_layer, "n_head_kv": n_head_kv, "head_dim": head_dim,
-            "n_embd_k_gqa": n_head_kv * head_dim, "n_ctx_per_seq": int(self._n_ctx_seq),
-        })
+        # What one session's state weighs, measured on slot 0 (two one-row calls, then released).
+        hidden = np.zeros((1, self._n_embd), np.float32) if self._consumes_hidden else None
+        try:
+            size = self._states.measure(
+                lambda pos: self.forward(FusedBatch.from_rows("prefill", [BatchRow(0, pos, 1, True)], hidden)),
+                lambda: self.release(0))
+        except BaseException:
+            self.close()
+            raise
+        self.state_layout = StateLayout(kind=self._states.kind, dims=layout_dims(
+            self.model_path, arch, self._states.kind, n_layer=n_layer, n_head_kv=n_head_kv, head_dim=head_dim,
+            n_ctx_per_seq=int(self._n_ctx_seq), snapshot_bytes=size.snapshot))
         self.capacity = EngineCapacity(n_slots=n_slots, ctx_per_session=ctx_per_session,
-                                       max_tokens_per_call=self._n_batch, vocab_size=self._n_vocab)
+                                       max_tokens_per_call=self._n_batch, vocab_size=self._n_vocab,
+                                       state_bytes_per_session=size.per_session(ctx_per_session),
+                                       state_bytes_per_token=size.per_token)
 
     # --------------------------------------------------------------------------------- set-up
     def _init_context(self, n_slots: int, ctx_per_session: int, n_batch: int,
@@ -405,7 +427,7 @@ class LlamaCppEngine(LogitsEngine):
         if n == 0:
             raise EngineError("empty batch")
         if n > self._n_batch:
-            raise EngineError(f"batch of {n} rows exceeds n_batch {self._n_batch}: split it")
+            raise EngineError(f"batch of {n} rows exceeds n_batch {self._n_batch}: split it", reason=Reason.TOO_LONG)
         slots = np.asarray(batch.slots, dtype=np.int64)
         positions = np.asarray(batch.positions, dtype=np.int64)
         tokens = np.asarray(batch.tokens, dtype=np.int64)
@@ -432,6 +454,7 @@ class LlamaCppEngine(LogitsEngine):
             out = np.empty((wanted_sorted.shape[0], self._n_vocab), dtype=np.float32)
         s_hidden = hidden_in[order] if hidden_in is not None else None
         _decoded_in_process = True
+        cp = self._states.checkpoint(slots, positions)
         for rows in self._plan(s_slots):
             m = rows.shape[0]
             self._tok[:m] = s_tok[rows]
@@ -447,20 +470,17 @@ class LlamaCppEngine(LogitsEngine):
                 cap.row, cap.error = 0, None
             rc = int(self._L.llama_decode(self._ctx, self._batch))
             if rc != 0:
-                self._rollback(slots, positions)
                 what = {1: "no KV cell free for the batch", 2: "aborted"}.get(rc, "error")
-                raise EngineError(f"llama_decode returned {rc} ({what}); slots rolled back, see the dgr.llama log")
+                raise self._undo(cp, f"llama_decode returned {rc} ({what})")
             if cap is not None:
                 if cap.error is not None or cap.row != m:
-                    self._rollback(slots, positions)
-                    raise EngineError(f"boundary capture got {cap.row} of {m} rows ({cap.error}); slots rolled back")
+                    raise self._undo(cp, f"boundary capture got {cap.row} of {m} rows ({cap.error})")
                 s_hidden_out[rows] = cap.buf[:m]
                 continue
             for i in np.flatnonzero(s_wants[rows]).tolist():
                 ptr = self._L.llama_get_logits_ith(self._ctx, int(i))
                 if not ptr:
-                    self._rollback(slots, positions)
-                    raise EngineError(f"llama.cpp has no logits for row {i}")
+                    raise self._undo(cp, f"llama.cpp has no logits for row {i}")
                 out[out_row[rows[i]]] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
         np.maximum.at(self._next, slots, positions + 1)
         if cap is not None:
@@ -512,6 +532,11 @@ class LlamaCppEngine(LogitsEngine):
     def next_position(self, slot: int) -> int:
         return int(self._next[slot])
 
+    def llama_vocab(self) -> Any:
+        """The model's `llama_vocab*` (valid until close()): the sampler reads the token types and runs
+        grammars on it (consumer/sampling/vocab.py)."""
+        return self._vocab
+
     def describe(self) -> dict[str, str]:
         L = self._L
         return {
@@ -533,6 +558,8 @@ class LlamaCppEngine(LogitsEngine):
             "n_batch": str(self._n_batch),
             "n_threads": str(self._n_threads),
             "batch_invariant": str(self.recipe.batch_invariant),
+            "state_bytes_per_session": str(self.capacity.state_bytes_per_session),
+            **self._states.describe(),
         }
 
     def close(self) -> None:
@@ -559,7 +586,7 @@ class LlamaCppEngine(LogitsEngine):
             else np.empty(0, np.int64)
         if bad.size:
             raise EngineError(f"token out of vocabulary [0, {self._n_vocab}) in slots {bad.tolist()}",
-                              tuple(int(s) for s in bad))
+                              tuple(int(s) for s in bad), reason=Reason.BAD_TOKEN)
         if np.unique(slots).shape[0] == slots.shape[0]:  # one row per slot (decode): vectorised check
             expect = self._next[slots]
             wrong = positions != expect
@@ -567,27 +594,29 @@ class LlamaCppEngine(LogitsEngine):
                 i = int(np.flatnonzero(wrong)[0])
                 s = int(slots[i])
                 raise EngineError(f"slot {s}: position {int(positions[i])} given, next position is {int(expect[i])}",
-                                  tuple(int(x) for x in np.unique(slots[wrong])))
+                                  tuple(int(x) for x in np.unique(slots[wrong])), reason=Reason.POSITION_GAP)
             over = positions >= self._ctx_per_session
         else:
             nxt: dict[int, int] = {}
             for s_, p_ in zip(slots.tolist(), positions.tolist(), strict=True):
                 want = nxt.get(s_, int(self._next[s_]))
                 if p_ != want:
-                    raise EngineError(f"slot {s_}: position {p_} given, next position is {want}", (s_,))
+                    raise EngineError(f"slot {s_}: position {p_} given, next position is {want}", (s_,),
+                                      reason=Reason.POSITION_GAP)
                 nxt[s_] = p_ + 1
             over = positions >= self._ctx_per_session
         if over.any():
             bad = np.unique(slots[over])
             raise EngineError(f"slots {bad.tolist()}: position beyond ctx_per_session {self._ctx_per_session}",
-                              tuple(int(s) for s in bad))
+                              tuple(int(s) for s in bad), reason=Reason.TOO_LONG)
 
-    def _rollback(self, slots: npt.NDArray[np.int64], positions: npt.NDArray[np.int64]) -> None:
-        """Remove whatever this call may have left in the KV: positions >= each slot's first row."""
-        for s in np.unique(slots).tolist():
-            start = int(positions[slots == s].min())
-            self._L.llama_memory_seq_rm(self._mem, int(s), start, -1)
-            self._next[s] = start
+    def _undo(self, cp: Checkpoint, what: str) -> EngineError:
+        """A call failed inside llama.cpp (or after it): every slot put back where it was (state.py says
+        how), or emptied and named lost; returns the error to raise."""
+        err = self._states.undo(cp, what)
+        for s, start in cp.starts.items():
+            self._next[s] = 0 if s in err.lost else start
+        return err
 
 
 # ------------------------------------------------------------------------------------ benchmark

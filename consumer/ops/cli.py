@@ -14,10 +14,9 @@ import typer
 if TYPE_CHECKING:
     from .common import Client
 
-RedisUrl = Annotated[str, typer.Option(envvar="DGR_REDIS_URL",
-                                       help="Redis URL (redis://user:pass@host:port/db, rediss:// for TLS).")]
-Cluster = Annotated[bool, typer.Option("--cluster/--no-cluster", envvar="DGR_REDIS_CLUSTER",
-                                       help="The URL names a Redis Cluster node.")]
+from ..redis_options import RedisClusterFlag as Cluster
+from ..redis_options import RedisSentinel, RedisUrl, SentinelMaster, SentinelPassword, SentinelUsername, target
+
 Workers = Annotated[list[str] | None, typer.Option("--worker", "-w", envvar="DGR_OPS_WORKERS",
                                                    help="Only these workers (repeat; default: all in dgr:workers).")]
 Json = Annotated[bool, typer.Option("--json", envvar="DGR_OPS_JSON", help="Print JSON instead of tables.")]
@@ -32,22 +31,26 @@ dlq_app = typer.Typer(help="Dead letters: list, replay (at most once each, audit
 ops_app.add_typer(dlq_app, name="dlq")
 
 
-def _client(url: str, cluster: bool) -> Client:
-    from .common import connect
+def _client(url: str, cluster: bool, sentinel: str, master: str, sentinel_username: str,
+            sentinel_password: str) -> Client:
+    """Every command's client: a URL, a Cluster node's URL, or the master the sentinels name
+    (consumer/connect.py)."""
+    from ..connect import connect
 
-    return connect(url, cluster=cluster)
+    return connect(target(url, sentinel, master, sentinel_username, sentinel_password, cluster))
 
 
 def _print_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2, default=str))
 
 
-def inspect_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
-                as_json: Json = False) -> None:
+def inspect_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+                sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+                sentinel_password: SentinelPassword = "", worker: Workers = None, as_json: Json = False) -> None:
     """Per worker: advertised keys, heartbeat age, input lag/pending, dead letters, sessions, totals."""
     from .inspect import inspect_fleet, render, to_json
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     reports = inspect_fleet(client, worker)
     if as_json:
         typer.echo(to_json(reports))
@@ -56,7 +59,9 @@ def inspect_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, wor
 
 
 @ops_app.command("rollup")
-def rollup_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+def rollup_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+               sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+               sentinel_password: SentinelPassword = "", worker: Workers = None,
                account: Annotated[list[str] | None, typer.Option("--account", "-a", envvar="DGR_OPS_ACCOUNTS",
                                                                  help="Only these billing accounts.")] = None,
                as_json: Json = False) -> None:
@@ -66,7 +71,7 @@ def rollup_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, work
 
     from .rollup import read_ledger, rollup
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     rep = rollup(client, worker_ids=worker, account_ids=account)
     touched = sorted({f.account_id for f in rep.folds})
     entries = [read_ledger(client, a) for a in touched]
@@ -99,14 +104,16 @@ def _ledger_table(entries: list[Any], table_cls: Any) -> Any:
 
 @ops_app.command("ledger")
 def ledger_cmd(accounts: Annotated[list[str] | None, typer.Argument(help="Accounts (default: all).")] = None,
-               redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, as_json: Json = False) -> None:
+               redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+               sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+               sentinel_password: SentinelPassword = "", as_json: Json = False) -> None:
     """Show the rolled-up ledger (totals per billing account, with each worker's share)."""
     from rich.console import Console
     from rich.table import Table
 
     from .rollup import ledger_accounts, read_ledger
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     entries = [read_ledger(client, a) for a in (accounts or ledger_accounts(client))]
     if as_json:
         _print_json([e.as_dict() for e in entries])
@@ -115,7 +122,9 @@ def ledger_cmd(accounts: Annotated[list[str] | None, typer.Argument(help="Accoun
 
 
 @dlq_app.command("list")
-def dlq_list_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+def dlq_list_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+                 sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+                 sentinel_password: SentinelPassword = "", worker: Workers = None,
                  count: Annotated[int, typer.Option(envvar="DGR_OPS_COUNT", help="Newest N per worker.")] = 50,
                  reason: Annotated[str, typer.Option(envvar="DGR_OPS_REASON", help="Only this reason.")] = "",
                  as_json: Json = False) -> None:
@@ -125,7 +134,7 @@ def dlq_list_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, wo
 
     from .deadletters import list_dead_letters
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     items = list_dead_letters(client, worker, count=count, reason=reason or None)
     if as_json:
         _print_json([d.as_dict() for d in items])
@@ -141,7 +150,9 @@ def dlq_list_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, wo
 
 @dlq_app.command("replay")
 def dlq_replay_cmd(refs: Annotated[list[str], typer.Argument(help="<worker>/<id> (or <id> with --worker).")],
-                   redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False,
+                   redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+                   sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+                   sentinel_password: SentinelPassword = "",
                    worker: Annotated[str, typer.Option("--worker", "-w", envvar="DGR_WORKER_ID",
                                                        help="Worker of bare ids.")] = "",
                    who: Who = "",
@@ -153,7 +164,7 @@ def dlq_replay_cmd(refs: Annotated[list[str], typer.Argument(help="<worker>/<id>
     from .common import operator
     from .deadletters import Replay, parse_ref, replay
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     by_worker: dict[str, list[str]] = {}
     for ref in refs:
         try:
@@ -175,13 +186,15 @@ def dlq_replay_cmd(refs: Annotated[list[str], typer.Argument(help="<worker>/<id>
 
 
 @dlq_app.command("audit")
-def dlq_audit_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+def dlq_audit_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+                  sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+                  sentinel_password: SentinelPassword = "", worker: Workers = None,
                   count: Annotated[int, typer.Option(envvar="DGR_OPS_COUNT")] = 50, as_json: Json = False) -> None:
     """The replay audit log (dgr:{W}:dlq:audit), newest first."""
     from .common import workers
     from .deadletters import audit_log
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     rows = [{"worker_id": w, **a} for w in workers(client, worker) for a in audit_log(client, w, count)]
     if as_json:
         _print_json(rows)
@@ -194,7 +207,9 @@ def dlq_audit_cmd(redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, w
 @ops_app.command("reap")
 def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S",
                                                 help="Cancel sessions with no result for this many seconds.")],
-             redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, worker: Workers = None,
+             redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+             sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+             sentinel_password: SentinelPassword = "", worker: Workers = None,
              dry_run: Annotated[bool, typer.Option("--dry-run", envvar="DGR_OPS_DRY_RUN",
                                                    help="List, do not cancel.")] = False,
              who: Who = "", as_json: Json = False) -> None:
@@ -202,7 +217,7 @@ def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S"
     from .common import operator
     from .reaper import reap
 
-    client = _client(redis_url, cluster)
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
     rows = reap(client, ttl, worker_ids=worker, dry_run=dry_run, who=who or operator())
     if as_json:
         _print_json([x.as_dict() for x in rows])

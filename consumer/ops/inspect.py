@@ -157,38 +157,79 @@ def _fmt_num(x: float) -> str:
     return f"{x:.3f}" if x != int(x) else f"{int(x)}"
 
 
+# Every column a worker row can show, by header; a layout picks and orders them. Left-aligned: text.
+TEXT_COLUMNS = ("worker", "keys", "phase", "digest", "last delivered")
+WIDE_WORKERS = ("worker", "heartbeat", "keys", "slots", "active", "input lag", "pending", "dead letters",
+                "steps", "prompt tok", "generated tok", "fused calls", "engine s")
+WIDE_STREAMS = ("worker", "phase", "digest", "length", "lag", "pending", "consumers", "last delivered")
+# 80 columns: the workers' state, their accounting, their streams (the advertised keys are the streams'
+# phase and digest; the last delivered id is in --json).
+NARROW = (("dgr workers", ("worker", "heartbeat", "slots", "active", "input lag", "pending", "dead letters")),
+          ("accounting (dgr:{W}:acct:worker)", ("worker", "steps", "prompt tok", "generated tok", "fused calls",
+                                                 "engine s")))
+NARROW_STREAMS = ("worker", "phase", "digest", "length", "lag", "pending", "consumers")
+
+
+def _worker_row(w: WorkerReport) -> dict[str, str]:
+    a = w.accounting
+    active = "?" if w.active_sessions is None else str(w.active_sessions)
+    if w.active_source == "open_sessions":
+        active += "*"
+    keys = ", ".join(f"{k['phase']}:{k['digest']}" for k in w.keys) or ("-" if w.advertised else "[red]none[/red]")
+    return {"worker": w.worker_id, "heartbeat": _fmt_age(w.heartbeat_age_s, w.alive), "keys": keys,
+            "slots": str(w.info.get("slots", "?")), "active": active,
+            "input lag": str(sum(x.lag if x.lag is not None else x.length for x in w.streams)),
+            "pending": str(sum(x.pending for x in w.streams)),
+            "dead letters": f"[red]{w.dead_letters}[/red]" if w.dead_letters else "0",
+            "steps": _fmt_num(a.get("steps", 0)), "prompt tok": _fmt_num(a.get("prompt_tokens", 0)),
+            "generated tok": _fmt_num(a.get("generated_tokens", 0)),
+            "fused calls": _fmt_num(a.get("fused_calls", 0)), "engine s": f"{a.get('engine_seconds', 0.0):.3f}"}
+
+
+def _stream_rows(reports: list[WorkerReport]) -> list[dict[str, str]]:
+    return [{"worker": w.worker_id, "phase": x.phase, "digest": x.digest, "length": str(x.length),
+             "lag": "?" if x.lag is None else str(x.lag), "pending": str(x.pending), "consumers": str(x.consumers),
+             "last delivered": x.last_delivered_id or "-"} for w in reports for x in w.streams]
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[dict[str, str]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        # A header is never cut (min_width); a long worker id or key list wraps in its cell instead.
+        t.add_column(col, justify="left" if col in TEXT_COLUMNS else "right", min_width=len(col),
+                     overflow="fold", no_wrap=col not in ("worker", "keys"))
+    for row in rows:
+        t.add_row(*(row[c] for c in columns))
+    return t
+
+
+def _fits(console: Console, table: Table) -> bool:
+    """The table's natural width (unbounded) is within the terminal's."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(1 << 16), table).maximum <= console.width
+
+
 def render(reports: list[WorkerReport], console: Console | None = None) -> None:
+    """The fleet as tables: one wide table of workers and one of streams when the terminal holds them,
+    else (an 80-column terminal) narrower tables split by concern, none of whose headers is cut."""
     console = console or Console()
     if not reports:
         console.print("no workers in dgr:workers")
         return
-    t = Table(title="dgr workers", title_justify="left")
-    for col in ("worker", "heartbeat", "keys", "slots", "active", "input lag", "pending", "dead letters",
-                "steps", "prompt tok", "generated tok", "fused calls", "engine s"):
-        t.add_column(col, justify="left" if col in ("worker", "keys") else "right")
-    for w in reports:
-        keys = ", ".join(f"{k['phase']}:{k['digest']}" for k in w.keys) or ("-" if w.advertised else "[red]none[/red]")
-        lag = sum(x.lag if x.lag is not None else x.length for x in w.streams)
-        pend = sum(x.pending for x in w.streams)
-        a = w.accounting
-        active = "?" if w.active_sessions is None else str(w.active_sessions)
-        if w.active_source == "open_sessions":
-            active += "*"
-        t.add_row(w.worker_id, _fmt_age(w.heartbeat_age_s, w.alive), keys, str(w.info.get("slots", "?")), active,
-                  str(lag), str(pend), f"[red]{w.dead_letters}[/red]" if w.dead_letters else "0",
-                  _fmt_num(a.get("steps", 0)), _fmt_num(a.get("prompt_tokens", 0)),
-                  _fmt_num(a.get("generated_tokens", 0)), _fmt_num(a.get("fused_calls", 0)),
-                  f"{a.get('engine_seconds', 0.0):.3f}")
-    console.print(t)
-    st = Table(title="input streams", title_justify="left")
-    for col in ("worker", "phase", "digest", "length", "lag", "pending", "consumers", "last delivered"):
-        st.add_column(col, justify="left" if col in ("worker", "phase", "digest", "last delivered") else "right")
-    for w in reports:
-        for x in w.streams:
-            st.add_row(w.worker_id, x.phase, x.digest, str(x.length), "?" if x.lag is None else str(x.lag),
-                       str(x.pending), str(x.consumers), x.last_delivered_id or "-")
-    if st.row_count:
-        console.print(st)
+    workers = [_worker_row(w) for w in reports]
+    streams = _stream_rows(reports)
+    wide = [_table("dgr workers", WIDE_WORKERS, workers)]
+    if streams:
+        wide.append(_table("input streams", WIDE_STREAMS, streams))
+    if all(_fits(console, t) for t in wide):
+        tables = wide
+    else:
+        tables = [_table(title, cols, workers) for title, cols in NARROW]
+        if streams:
+            tables.append(_table("input streams", NARROW_STREAMS, streams))
+    for t in tables:
+        console.print(t)
     if any(w.active_source == "open_sessions" for w in reports):
         console.print("* active sessions counted from open session accounting hashes (no heartbeat busy_slots)")
 

@@ -11,15 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
-from schemas import Accounting, Activations, Phase, Reason, Sampling, Status, StepJob
+from schemas import Activations, Phase, Reason, Sampling, Status, StepJob
 
 from ..batch import FusedBatch
 
 AnswerClose = Literal["finished", "cancelled"]  # what an answer's `close` can say (transport contract)
+
+
+class Tallies(NamedTuple):
+    """What an outcome carries to be charged (the completion script decides what is: docs/accounting.md)."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    engine_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +53,9 @@ class Outcome:
         return 0 if self.token is None else 1
 
     @property
-    def accounting(self) -> Accounting:
-        """What the answer carries to be charged (the counters decide: schemas.Charges)."""
-        return Accounting(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-                          engine_seconds=self.engine_seconds)
+    def accounting(self) -> Tallies:
+        """What the answer carries to be charged (the counters decide: docs/accounting.md)."""
+        return Tallies(self.prompt_tokens, self.generated_tokens, self.engine_seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import redis
 
 from schemas import CompatibilityKey, Phase, Signer, StepJob, WorkerKeys
+from schemas.retry import OutageListener
 
 from ..config import TransportSettings
 from ..sched.outputs import Answer
@@ -39,8 +41,10 @@ class RedisTransport:
     bytes (`decode_responses=False`, the default)."""
 
     def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str = "c0",
-                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None) -> None:
-        self.io = RedisIO(client, worker_id, consumer_name, settings)
+                 settings: TransportSettings = TransportSettings(), signer: Signer | None = None,
+                 listener: OutageListener | None = None) -> None:
+        """`listener`: told when a Redis outage starts and ends (the worker's metrics)."""
+        self.io = RedisIO(client, worker_id, consumer_name, settings, listener)
         self.intake = Intake(self.io, signer)
         self.lease = Lease(self.io)
         self.upkeep = Upkeep(self.io, self.intake)
@@ -161,6 +165,9 @@ class RedisTransport:
 
     def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         return self.upkeep.checks(openings, session_ids)
+
+    def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
+        return self.io.keys.activations_in(job_id) if direction == "in" else self.io.keys.activations_out(job_id)
 
     def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
         return self.upkeep.fetch_activations(blobs)

@@ -19,32 +19,17 @@ from typing import Any, TypeVar
 
 import redis
 
-from schemas import TransportError, WorkerKeys
-from schemas.retry import OutageRider, RetryPolicy, transient
+from schemas import WorkerKeys
+from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
 from ..lua import script_source
+from .errors import LeaseHeld, LeaseLost, Stopping
 
 __all__ = ["LeaseHeld", "LeaseLost", "RedisIO", "Stopping"]
 
 T = TypeVar("T")
 log = logging.getLogger("dgr.transport")
-
-
-class LeaseLost(TransportError):
-    """Another process acquired this worker id's lease: this one must stop writing (and exit)."""
-
-
-class LeaseHeld(TransportError):
-    """The lease is held by another live process and the caller chose not to wait for it."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(f"another consumer holds this worker id's lease: {holder}")
-        self.holder = holder
-
-
-class Stopping(TransportError):
-    """A stop was requested while the transport waited (an outage's backoff, the lease as a standby)."""
 
 
 class RedisIO:
@@ -53,7 +38,7 @@ class RedisIO:
     SCRIPTS = ("complete", "pending", "recover", "acquire", "renew", "release")
 
     def __init__(self, client: redis.Redis, worker_id: str, consumer_name: str,
-                 settings: TransportSettings) -> None:
+                 settings: TransportSettings, listener: OutageListener | None = None) -> None:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("RedisTransport needs a client with decode_responses=False")
         self.client = client
@@ -64,7 +49,7 @@ class RedisIO:
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
         self.stop = threading.Event()  # set by the worker on SIGTERM: outage waits end at once
         self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
-                                  log, f"worker {worker_id}")
+                                  log, f"worker {worker_id}", listener)
         self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
 
     @property

@@ -25,8 +25,8 @@ from typing import Any
 import redis
 
 from schemas import GROUP, Phase, Reason, Signer, WireError, parse_input_stream
-from schemas.retry import transient
 from schemas.replies import as_str, entry_fields, flat_pairs, stream_entries
+from schemas.retry import transient
 from schemas.wire import cancel_from_fields, job_from_fields
 
 from .connection import RedisIO

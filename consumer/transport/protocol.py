@@ -116,6 +116,11 @@ class Transport(Protocol):
         """Entries to hand out again (a dead predecessor's, a lost read's), and those given up on."""
         ...
 
+    def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
+        """The key of a job's input ("in": written by the Tracker) or output ("out": written by the
+        completion) activations on this worker (route hops)."""
+        ...
+
     def fetch_activations(self, blobs: Sequence[str]) -> list[bytes | None]:
         """The bytes of each input activations blob (None: missing), in one round trip."""
         ...

@@ -18,7 +18,7 @@ from typing import Any, Final
 import msgspec
 import redis
 
-from schemas import GROUP, Reason
+from schemas import GROUP
 from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
 from schemas.replies import as_bytes
 from schemas.wire import END_OFFSET, STATUS_CODE, ResultRecord, RowExtra, encode_record
@@ -82,9 +82,6 @@ class _Rows:
     acct: list[int] = field(default_factory=list)  # per row: the call's account number (0: none)
     skey: list[int] = field(default_factory=list)  # per row: KEYS index of its session hash (0: none)
     res: dict[str, int] = field(default_factory=dict)  # row -> KEYS index of its once-only marker (not ok)
-    # row -> the end position of a job refused as a duplicate: not published when its session's answers
-    # got past it already (the job was answered: a Tracker's re-push of it is no news to anyone)
-    past: dict[str, int] = field(default_factory=dict)
     blob: dict[str, list[int]] = field(default_factory=dict)  # row -> [KEYS index, ARGV index] of output rows
 
 
@@ -171,8 +168,6 @@ class Publisher:
                 r.skey.append(0)
             if code:
                 r.res[str(i)] = keys(k.result_record(rid))
-                if o.reason is Reason.DUPLICATE and job is not None:
-                    r.past[str(i)] = job.end_position
             if a.blob is not None:
                 hidden = o.hidden
                 if hidden is None or hidden.blob != k.activations_out(rid):
@@ -203,10 +198,15 @@ class Publisher:
         for reply, r in rows.items():
             rec = ResultRecord(worker=io.worker_id, call=f"{self.lease.epoch}:{self.seq + 1}",
                                batch=call.batch_size if call is not None else 0, sid=r.sid, job=r.job, off=r.off,
-                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es, x=r.x)
+                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es,
+                               x=r.x)
             argv_tail.append(encode_record(rec))
-            records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail), "acct": r.acct,
-                            "skey": r.skey, "res": r.res, "past": r.past, "blob": r.blob})
+            # What the script reads of the rows (the record itself is only published): the columns it
+            # needs, without the job ids and texts it would otherwise decode for nothing.
+            argv_tail.append(_ENC.encode({"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
+                                          "fed": r.fed, "tok": r.tok, "es": r.es}))
+            records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail) - 1, "c": head + len(argv_tail),
+                            "acct": r.acct, "skey": r.skey, "res": r.res, "blob": r.blob})
         ctl: dict[str, Any] = {"records": records, "accounts": acct_list,
                                "acks": [[keys(s), ids] for s, ids in ack_ids.items()], "del": in_blobs,
                                "close": close, "nd": len(dead_letters)}

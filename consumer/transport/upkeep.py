@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from schemas import GROUP, WIRE_VERSION, CompatibilityKey, StepJob
+from schemas.accounting import parse_tally
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
 from schemas.replies import as_str
@@ -29,8 +30,8 @@ def _att_pub(raw: Any) -> tuple[int, int] | None:
         if raw[0] is None or raw[1] is None:
             return None
         return int(raw[0]), int(raw[1])
-    att, pub = as_str(raw).split(" ", 2)[:2]
-    return int(att), int(pub)
+    t = parse_tally(raw)
+    return None if t is None else (int(t["att"]), int(t["pub"]))
 
 
 class Upkeep:

@@ -15,13 +15,14 @@ charges those once per session. Nothing here speaks Redis.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from schemas import ActivationError, BoundarySchema, Reason, Status, StepJob, WorkerKeys
+from schemas import ActivationError, BoundarySchema, Reason, Status, StepJob
 from schemas.activations import decode, encode
 from schemas.limits import ACTIVATIONS_VERSION, MAX_REASON_LEN
 
@@ -37,9 +38,11 @@ F32 = npt.NDArray[np.float32]
 class HopSteps:
     """Activations of the jobs a worker holds, for one engine's boundary schema."""
 
-    def __init__(self, boundary: BoundarySchema, keys: WorkerKeys) -> None:
+    def __init__(self, boundary: BoundarySchema, blob_key: Callable[[Literal["in", "out"], str], str]) -> None:
+        """`blob_key(direction, job_id)`: the key of a job's input ("in") or output ("out") activations on
+        this worker (the transport names keys: `Transport.activation_key`)."""
         self.boundary = boundary
-        self.keys = keys
+        self.blob_key = blob_key
         self.consumes_hidden = boundary.consumes == "hidden"
         self.produces_hidden = boundary.produces == "hidden"
         self.hidden_size = boundary.hidden_size
@@ -95,7 +98,7 @@ class HopSteps:
             raise ActivationError(f"activation format {acts.v}, this hop reads {self.boundary.version}")
         raw: bytes | None = None
         if acts.blob is not None:
-            if acts.blob != self.keys.activations_in(job.job_id):
+            if acts.blob != self.blob_key("in", job.job_id):
                 raise ActivationError(f"blob {acts.blob[:80]} is not this job's input key on this worker")
             raw = self._fetched.get(acts.blob)
         return decode(acts, raw, hidden_size=self.hidden_size or None, dtype=self.dtype)
@@ -139,7 +142,7 @@ class HopSteps:
             failed = replace(r, status=Status.FAILED, reason=Reason.ENGINE_ERROR, detail=detail, prompt_tokens=0,
                              engine_seconds=0.0, token=None)
             return replace(a, result=failed)
-        acts, blob = encode(rows, self.dtype, blob=self.keys.activations_out(job.job_id))
+        acts, blob = encode(rows, self.dtype, blob=self.blob_key("out", job.job_id))
         # A hop that is not last charges no billable tokens (docs/accounting.md): only its engine seconds.
         result = replace(r, hidden=acts, prompt_tokens=0, token=None)
         return replace(a, result=result, blob=blob)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason, WorkerKeys
+from schemas import PHASES, Phase, Reason
 from schemas.limits import MAX_CONTINUATION
 
 from ..config import WorkerSettings
@@ -32,7 +32,7 @@ from ..engines.base import Engine, EngineError, engine_key
 from ..metrics import Metrics
 from ..sampler import BatchSampler
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
-from ..transport.connection import LeaseLost, Stopping
+from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
 from .admission import EntryAdmission, Prefetched
 from .delivery import DeliveryLedger
@@ -62,7 +62,7 @@ class Worker:
                             max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
         self.sampler = BatchSampler(cap.vocab_size)
-        self.hops = HopSteps(engine.boundary, WorkerKeys(settings.worker_id))  # route hops: activations in/out
+        self.hops = HopSteps(engine.boundary, transport.activation_key)  # route hops: activations in/out
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
                                   min_tokens=settings.prefill_floor)
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
@@ -88,6 +88,7 @@ class Worker:
         for slot in range(self.engine.capacity.n_slots):
             self.engine.release(slot)
         names = self.transport.register(list(self.keys.values()), self._info())
+        self.metrics.set_capacity(self.engine.capacity.n_slots, self.scheduler.config.max_batch)
         self._registered = True
         log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
         self._last_recover = time.monotonic()
@@ -350,6 +351,7 @@ class Worker:
             tr.heartbeat(self._info())
             for stream, lag in tr.input_lag().items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
+                self.metrics.input_pending.labels(self._m, stream).set(lag.get("pending", 0))
             tr.trim()
         if now - self._last_recover >= self.settings.recover_every_s:
             self._last_recover = now
@@ -408,6 +410,7 @@ class Worker:
             outcomes[key] = outcomes.get(key, 0) + 1
         for (status, reason), n in outcomes.items():
             m.results.labels(w, status, reason).inc(n)
+        m.observe_answers(completions, time.time())  # TTFT and inter-token latency
         if latencies:
             by_phase: dict[Phase, list[float]] = {}
             for phase, seconds in latencies:

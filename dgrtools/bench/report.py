@@ -16,7 +16,7 @@ TITLES = {
     "scale": "Scale: worker time per fused call vs idle sessions",
     "scheduler": "Scheduler: one scheduling round",
     "producer": "Producer: AsyncProducer vs the synchronous driver, many sessions at once",
-    "sampler": "Sampler stage: per-row sample() vs exact batched sampling, vocabulary 262,144",
+    "sampler": "Sampler stage: the serving path vs the oracle, vocabulary 262,144",
 }
 
 

@@ -108,7 +108,7 @@ def _measure(url: str, idle: int, active: int, calls: int, *, overlap: bool = Fa
         for sid in actives:
             for entry_id, fields in client.xrange(keys.results(sid), min=b"(" + last[sid]) or []:
                 last[sid] = entry_id  # type: ignore[assignment]
-                r = results_from_fields(fields)[-1]
+                r = results_from_fields(fields or {})[-1]
                 job = StepJob(job_id=f"{sid}-{pos[sid]}", session_id=sid, phase="decode", compat=decode.digest,
                               start_position=pos[sid], tokens=(r.token or 0,), created_at=time.time())
                 pipe.xadd(dstream, job_to_fields(job))  # type: ignore[arg-type]

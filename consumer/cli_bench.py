@@ -1,0 +1,184 @@
+"""`dgr bench ...`: every benchmark command. Each imports its tool (dgrtools/bench/) only when it runs, so
+the service never loads the tools (tests/test_service_imports.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .cli_options import Batches, Models, Out, RecipeOpt, ints
+
+bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
+
+@bench_app.command("scheduler")
+def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -> None:
+    """One scheduling round for 8, 64 and 1024 active sessions, with and without 10,000 idle ones."""
+    from dgrtools.bench.scheduler import run
+
+    run(out, repeats=repeats)
+
+
+@bench_app.command("engine")
+def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gemma",
+                 recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32, repeats: int = 3,
+                 threads: Annotated[int, typer.Option("--threads")] = 0,
+                 n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0) -> None:
+    """Fused decode tokens/s vs the same sessions one call at a time, per model and recipe."""
+    from dgrtools.bench.engine import run
+
+    run(out, models=tuple(models.split(",")), recipes=tuple(recipes.split(",")), batch_sizes=ints(batches),
+        steps=steps, threads=threads, n_gpu_layers=n_gpu_layers, repeats=repeats)
+
+
+@bench_app.command("e2e")
+def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: Batches = "1,2,4,8,16",
+              tokens: int = 64, repeats: int = 2,
+              recipe: Annotated[str, typer.Option(help="fast, invariant, or both comma-separated (one run, "
+                                                       "invariant/fast reported).")] = "invariant",
+              threads: Annotated[int, typer.Option("--threads")] = 0,
+              n_gpu_layers: Annotated[int, typer.Option("--n-gpu-layers")] = 0,
+              sampling: Annotated[str, typer.Option(help="The sessions' sampling: greedy, typical "
+                                                         "(t0.8/k40/p0.95) or top-p (t0.8/p0.95); several "
+                                                         "comma-separated: alternated in one run.")] = "greedy",
+              decode_n: Annotated[int, typer.Option("--decode-n", min=1, max=64,
+                                                    help="Tokens per decode job (the producer's continuation "
+                                                         "jobs, default the producer's; 1: one job per token).")
+                                  ] = 16,
+              engine: Annotated[str, typer.Option(help="llama, or sleep:<time> (e.g. sleep:2ms): an engine that "
+                                                       "only sleeps per fused call, a stand-in for a GPU step.")
+                                ] = "llama",
+              overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, or both (two consumers, "
+                                                        "alternated in one run).")] = "on",
+              ) -> None:
+    """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
+    prefill tok/s of a 512-token prompt through the service."""
+    from dgrtools.bench.e2e import SAMPLINGS, run, run_recipes
+
+    names = tuple(x for x in sampling.split(",") if x)
+    if not names or any(x not in SAMPLINGS for x in names):
+        raise typer.BadParameter(f"sampling must be among {', '.join(SAMPLINGS)}, not {sampling!r}")
+    recipes = tuple(r for r in recipe.split(",") if r)
+    if not recipes or any(r not in ("fast", "invariant") for r in recipes):
+        raise typer.BadParameter(f"recipes must be fast and/or invariant, not {recipe!r}")
+    if engine != "llama":
+        from consumer.engines.sleep import parse_sleep_spec
+
+        try:
+            parse_sleep_spec(engine)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    if overlap not in ("on", "off", "both"):
+        raise typer.BadParameter(f"overlap must be on, off or both, not {overlap!r}")
+    if len(recipes) > 1:
+        run_recipes(out, recipes, model=model, batch_sizes=ints(batches), tokens=tokens, repeats=repeats,
+                    threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
+        return
+    run(out, model=model, batch_sizes=ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
+        threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n, engine_kind=engine,
+        overlap=overlap)
+
+
+@bench_app.command("sampler")
+def bench_sampler(out: Out = Path("bench-out/sampler"), rows: Batches = "8,64", repeats: int = 5,
+                  sampling: Annotated[str, typer.Option(help="Comma-separated: greedy, typical, top-p, min-p-rep, "
+                                                             "logprobs, json (json needs --model).")]
+                  = "greedy,typical,top-p,min-p-rep,logprobs",
+                  threads: Annotated[int, typer.Option(help="Sampler threads of the threaded side.")] = 2,
+                  model: Annotated[str, typer.Option(help="A GGUF (or 'gemma') whose vocabulary to use; "
+                                                          "default: Gemma's special ids, no grammars.")] = "") -> None:
+    """Sampler stage per fused call at Gemma's vocabulary: the serving path (one thread, a pool) vs the oracle."""
+    from dgrtools.bench.sampler import SETTINGS, run
+
+    names = tuple(s for s in sampling.split(",") if s)
+    if not names or any(s not in SETTINGS for s in names):
+        raise typer.BadParameter(f"sampling must be among {', '.join(SETTINGS)}, not {sampling!r}")
+    path = None
+    if model:
+        from consumer.runtime import resolve_model
+
+        path = resolve_model(model)
+    run(out, rows=ints(rows), settings=names, repeats=repeats, threads=threads, model=path)
+
+
+@bench_app.command("interference")
+def bench_interference(out: Out = Path("bench-out/interference"), model: str = "gemma", decoders: int = 4,
+                       tokens: int = 96, prompt_len: int = 2000, recipe: RecipeOpt = "invariant",
+                       threads: Annotated[int, typer.Option("--threads")] = 0) -> None:
+    """Decode p50/p99 inter-token latency with and without a steady stream of long prompts."""
+    from dgrtools.bench.interference import run
+
+    run(out, model=model, decoders=decoders, tokens=tokens, prompt_len=prompt_len, recipe=recipe, threads=threads)
+
+
+@bench_app.command("peer")
+def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int = 64, repeats: int = 3,
+               recipe: RecipeOpt = "fast", threads: Annotated[int, typer.Option("--threads")] = 2,
+               cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
+               sampling: Annotated[str, typer.Option(help="Both sides' sampling: greedy, typical (t0.8/k40/p0.95) "
+                                                          "or top-p (t0.8/p0.95); request/session i seeded i.")
+                                   ] = "greedy",
+               no_repack: Annotated[bool, typer.Option("--with-no-repack/--without-no-repack",
+                                                       help="Also run a llama-server with --no-repack.")] = True,
+               ) -> None:
+    """llama.cpp's llama-server (-np, continuous batching) vs dgr on Gemma: same prompts, same tokens."""
+    from dgrtools.bench.e2e import SAMPLINGS
+    from dgrtools.bench.peer import run
+
+    if sampling not in SAMPLINGS:
+        raise typer.BadParameter(f"sampling must be one of {', '.join(SAMPLINGS)}, not {sampling!r}")
+    run(out, cache_dir=cache_dir, sessions=sessions, tokens=tokens, repeats=repeats, recipe=recipe,
+        threads=threads, sampling=sampling, no_repack=no_repack)
+
+
+@bench_app.command("report")
+def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JSON is.")] = Path("bench-out"),
+                 out: Annotated[Path, typer.Option(help="The Markdown to write.")] = Path("docs/benchmarks.md"),
+                 command: Annotated[str, typer.Option(help="The commands that produced the JSON.")] = "",
+                 ) -> None:
+    """Write docs/benchmarks.md from the JSON of one benchmark run."""
+    from dgrtools.bench.report import write
+
+    typer.echo(str(write(root, out, command or "dgr bench ... --out bench-out/<name>")))
+
+
+@bench_app.command("scale")
+def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: int = 8, calls: int = 300,
+                repeats: int = 3,
+                sessions: Annotated[str, typer.Option(help="Batch sizes for the worker's time per session per "
+                                                           "fused call ('' to skip).")] = "64,128,256",
+                session_calls: Annotated[int, typer.Option(help="Fused calls timed per batch size.")] = 100,
+                profile: Annotated[bool, typer.Option(help="Also time every stage of the loop and Redis's "
+                                                           "CPU per command, per batch size.")] = False) -> None:
+    """Worker time per session per fused decode call at 64-256 sessions (overlap off/on), and per call with
+    10,000 idle sessions known to it vs none (--idle 0 skips that part)."""
+    from dgrtools.bench.scale import run
+
+    run(out, idle=idle, active=active, calls=calls, repeats=repeats, sessions=ints(sessions) if sessions else (),
+        session_calls=session_calls, profile=profile)
+
+
+@bench_app.command("producer")
+def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
+                   repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
+                   model: str = "tiny") -> None:
+    """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
+    from dgrtools.bench.producer import run
+
+    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
+
+
+@bench_app.command("wire")
+def bench_wire(out: Out = Path("bench-out/wire"), sessions: Batches = "8,64,256",
+               step_ms: Annotated[str, typer.Option(help="Comma-separated fused call times of the sleep engine "
+                                                         "(ms; 0: no sleep).")] = "0,2,10",
+               tokens: int = 128,
+               tracker: Annotated[str, typer.Option(help="Comma-separated: sync, async.")] = "sync,async",
+               extra: Annotated[str, typer.Option(help="Extra `dgr consumer` options, space-separated.")] = "") -> None:
+    """CPU per generated token of the Tracker, Redis and the worker (measured from outside), and e2e tok/s
+    against the engine-bound rate, over a sleep engine that stands in for a GPU step (issue 21)."""
+    from dgrtools.bench.wire import run
+
+    run(out, ints(sessions), tuple(float(x) for x in step_ms.split(",") if x), tokens,
+        tuple(t for t in tracker.split(",") if t), tuple(extra.split()))

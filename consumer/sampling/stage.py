@@ -1,0 +1,262 @@
+"""The sampler stage: one fused call's logits rows -> one token per item that samples, plus what the
+session's controls need, kept per slot (docs/sampling.md, section 6).
+
+It sits between the engine and the scheduler (as vLLM v1's sampler between model runner and
+`update_from_output`). It owns the per-session state the controls need (the tokens fed at each
+position, where the prompt ends, the grammar state) and builds it only from what it is shown: every
+fused call that ran (`observe`, or `sample`, which observes first). A slot fed position 0 starts over
+(a new session, or a replay's new attempt), so a replay rebuilds exactly the state the first attempt
+had, and nothing of a previous session leaks. The worker may `release(slot)` to free a grammar early.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import Sampling
+
+from ..batch import EngineOutput
+from ..sched.outputs import BatchItem, ScheduledBatch
+from .arith import RowContext, RowStatus
+from .grammar import Grammar, GrammarInvalid, GrammarRefused, gbnf_of
+from .reference import argmax_rows, needs_context
+from .rows import RowInput, SampledCall, sample_rows
+from .vocab import Vocabulary
+
+__all__ = ["BatchSampler"]
+
+log = logging.getLogger("dgr.sampler")
+
+
+@dataclass
+class _Slot:
+    """What the stage knows of the session in one slot since it was fed position 0."""
+
+    prompt_len: int | None = None
+    stop_tokens: tuple[int, ...] = ()
+    tokens: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(256, np.int32))
+    length: int = 0  # positions 0 .. length-1 are known
+    broken: bool = False  # a gap in the positions seen: the context is not known
+    prompt_end: int | None = None
+    grammar: Grammar | None = None
+    gbnf: str | None = None
+    grammar_failed: RowStatus | None = None  # sticky until the grammar is rebuilt
+    plain: bool = False  # its sampling is plain greedy (the row's argmax: no context kept, no per-row work)
+
+    def write(self, first: int, tokens: npt.NDArray[np.int32]) -> None:
+        if first > self.length:
+            self.broken = True
+        end = first + tokens.shape[0]
+        if end > self.tokens.shape[0]:
+            grown = np.zeros(max(end, 2 * self.tokens.shape[0]), np.int32)
+            grown[:self.length] = self.tokens[:self.length]
+            self.tokens = grown
+        self.tokens[first:end] = tokens
+        if self.grammar is not None and self.prompt_end is not None and first < self.prompt_end + self.grammar.accepted:
+            self.drop_grammar()  # positions the grammar accepted were rewritten: rebuilt on the next row
+        self.length = end
+
+    def drop_grammar(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
+        self.grammar, self.gbnf, self.grammar_failed = None, None, None
+
+
+@functools.lru_cache(maxsize=4096)
+def _plain_sampling(s: Sampling) -> bool:
+    return (s.greedy and not s.penalized and not s.logit_bias and not s.banned_token_ids
+            and s.allowed_token_ids is None and s.min_tokens == 0 and s.logprobs is None and not s.constrained)
+
+
+def _plain(s: Sampling | None) -> bool:
+    return s is not None and _plain_sampling(s)
+
+
+class BatchSampler:
+    """`sample(batch, output)` for every fused call with logits output; `observe(batch)` for one
+    without (a route hop that is not last needs neither)."""
+
+    def __init__(self, vocab: Vocabulary | int, *, threads: int = 1) -> None:
+        self.vocab = vocab if isinstance(vocab, Vocabulary) else Vocabulary.plain(vocab)
+        self.vocab_size = self.vocab.n_vocab
+        self._slots: dict[int, _Slot] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dgr-sampler") if threads > 1 else None
+
+    # ---- state -------------------------------------------------------------------------------------
+    def observe(self, batch: ScheduledBatch) -> None:
+        """Record the tokens one fused call fed, slot by slot."""
+        fed = batch.fused.tokens
+        for it in batch.items:
+            first = it.first_position
+            slot = self._slots.get(it.slot)
+            if first == 0:
+                if slot is not None:
+                    slot.drop_grammar()
+                spec = it.job.session
+                slot = _Slot(prompt_len=spec.prompt_len if spec else None, stop_tokens=spec.stop_tokens if spec else (),
+                             plain=spec is not None and _plain(spec.sampling))
+                self._slots[it.slot] = slot
+            elif slot is None:
+                slot = self._slots[it.slot] = _Slot(broken=True)
+            if not slot.plain:  # a plain greedy session needs no context: nothing to keep
+                slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
+
+    def release(self, slot: int) -> None:
+        state = self._slots.pop(slot, None)
+        if state is not None:
+            state.drop_grammar()
+
+    def close(self) -> None:
+        for slot in list(self._slots):
+            self.release(slot)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def check(self, sampling: Sampling) -> RowStatus:
+        """Whether this worker can serve a session's sampling (OK), or why not: a grammar it cannot
+        compile or run. For admission, before the session takes a slot."""
+        if not sampling.constrained:
+            return RowStatus.OK
+        if not self.vocab.grammars:
+            return RowStatus.GRAMMAR_UNSUPPORTED
+        try:
+            gbnf = gbnf_of(sampling)
+            assert gbnf is not None
+            Grammar(self.vocab, gbnf).close()
+        except GrammarInvalid:
+            return RowStatus.GRAMMAR_INVALID
+        return RowStatus.OK
+
+    # ---- sampling ----------------------------------------------------------------------------------
+    def sample(self, batch: ScheduledBatch, output: EngineOutput) -> SampledCall:
+        """Every sampling item's token (in item order) with its status and log-probabilities. Each draw
+        is keyed by the session's seed and the position its token takes; nothing else of the call
+        feeds it. ValueError when the rows do not fit the call."""
+        if output.kind != "logits":
+            raise ValueError(f"cannot sample from {output.kind!r} rows")
+        self.observe(batch)
+        items = [it for it in batch.items if it.samples]
+        arr = np.asarray(output.rows)
+        n_logit = batch.fused.n_logit_rows
+        if len(items) != n_logit:
+            raise ValueError(f"{len(items)} sampling items, {n_logit} logit rows")
+        if n_logit == 0 and arr.size == 0:
+            return SampledCall.empty(0, 0)
+        if arr.shape != (n_logit, self.vocab_size):
+            raise ValueError(f"logits shape {arr.shape}, expected ({n_logit}, {self.vocab_size})")
+        fast, tokens = self._plain_greedy(items, arr)
+        if fast.all():  # every row is a plain greedy one: its argmax, nothing else to compute
+            out = SampledCall.empty(n_logit, 0)
+            out.tokens[:] = tokens
+            return out
+        slow = np.flatnonzero(~fast)
+        inputs: list[RowInput] = []
+        early: dict[int, RowStatus] = {}
+        for k, r in enumerate(slow.tolist()):
+            inp = self._row(items[r])
+            if isinstance(inp, RowStatus):
+                early[k] = inp
+                inp = RowInput(sampling=Sampling(), position=items[r].end_position)  # sampled, then overwritten
+            inputs.append(inp)
+        part = sample_rows(arr[slow], inputs, self.vocab, pool=self._pool)
+        for k, status in early.items():
+            part.tokens[k], part.status[k] = -1, status
+            part.logprob[k] = np.nan
+            part.top_ids[k] = -1
+            part.top_logprobs[k] = np.nan
+        if slow.shape[0] == n_logit:
+            return part
+        out = SampledCall.empty(n_logit, part.top_ids.shape[1])
+        out.tokens[:] = tokens
+        out.tokens[slow], out.status[slow], out.logprob[slow] = part.tokens, part.status, part.logprob
+        out.top_ids[slow], out.top_logprobs[slow] = part.top_ids, part.top_logprobs
+        return out
+
+    def _plain_greedy(self, items: list[BatchItem], arr: npt.NDArray[np.float32]
+                      ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.intp]]:
+        """Which rows are plain greedy ones (greedy, no control, no log-probabilities: their token is the
+        row's argmax, docs/sampling.md) and that argmax, for all rows at once. A row whose argmax is a
+        special token it may not sample, or NaN, is left to the full path (which is exact for it)."""
+        n = len(items)
+        slots = self._slots
+        plain = np.fromiter((slots[it.slot].plain for it in items), np.bool_, n)
+        if not plain.any():
+            return plain, np.zeros(n, np.intp)
+        top = np.argmax(arr, axis=1)
+        picked = arr[np.arange(n), top]
+        plain &= ~np.isnan(picked)
+        special = self.vocab.special
+        if special.size:
+            hit = np.isin(top, special)
+            if hit.any():
+                allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
+                                      np.bool_, n)
+                plain &= ~hit | allowed
+        return plain, top
+
+    def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
+        """Today's worker seam (a list of tokens). A row without a token gets the raw row's argmax, as
+        before statuses existed; `sample()` says why (the worker maps it once the wire carries it)."""
+        out = self.sample(batch, output)
+        tokens = [int(t) for t in out.tokens]
+        bad = np.flatnonzero(out.status != RowStatus.OK)
+        if bad.size:
+            fallback = argmax_rows(np.asarray(output.rows)[bad])
+            for r, t in zip(bad.tolist(), fallback.tolist(), strict=True):
+                log.warning("sampling row without a token (%s): the raw argmax stands in",
+                            RowStatus(int(out.status[r])).name)
+                tokens[r] = int(t)
+        return tokens
+
+    def _row(self, it: BatchItem) -> RowInput | RowStatus:
+        s = it.sampling
+        if s is None:
+            raise ValueError(f"item of job {it.job.job_id} samples but carries no sampling parameters")
+        slot = self._slots[it.slot]
+        p = it.end_position
+        if slot.prompt_end is None:
+            slot.prompt_end = slot.prompt_len if slot.prompt_len is not None else p
+        known = not slot.broken and slot.length == p
+        ctx = RowContext(slot.tokens[:p], slot.prompt_end, slot.stop_tokens) if known else None
+        if not s.constrained:
+            return RowInput(sampling=s, position=p, context=ctx)
+        if not self.vocab.grammars:
+            return RowStatus.GRAMMAR_UNSUPPORTED
+        if ctx is None:
+            return RowStatus.NO_CONTEXT
+        grammar = self._grammar(slot, s, ctx)
+        if isinstance(grammar, RowStatus):
+            return grammar
+        return RowInput(sampling=s, position=p, context=ctx if needs_context(s) else None, grammar=grammar)
+
+    def _grammar(self, slot: _Slot, s: Sampling, ctx: RowContext) -> Grammar | RowStatus:
+        """The slot's grammar, caught up with the session's generated tokens."""
+        try:
+            gbnf = gbnf_of(s)
+        except GrammarInvalid:
+            return RowStatus.GRAMMAR_INVALID
+        if slot.gbnf != gbnf:
+            slot.drop_grammar()
+            slot.gbnf = gbnf
+            try:
+                assert gbnf is not None
+                slot.grammar = Grammar(self.vocab, gbnf)
+            except GrammarInvalid:
+                slot.grammar_failed = RowStatus.GRAMMAR_INVALID
+        if slot.grammar_failed is not None:
+            return slot.grammar_failed
+        grammar = slot.grammar
+        assert grammar is not None
+        try:
+            for t in ctx.tokens[ctx.prompt_end + grammar.accepted:]:
+                grammar.accept(int(t))
+        except GrammarRefused:
+            slot.grammar_failed = RowStatus.GRAMMAR_END
+            return RowStatus.GRAMMAR_END
+        return grammar

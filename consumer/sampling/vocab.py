@@ -1,0 +1,115 @@
+"""What the sampler needs to know about a model's vocabulary: its size, which tokens are special (never
+sampled unless a session allows them), which end generation, and llama.cpp's `llama_vocab` for grammars.
+
+Read from llama.cpp (`llama_vocab_get_attr`, `llama_vocab_is_eog`), which reads the GGUF's
+`tokenizer.ggml.token_type`: a token marked CONTROL or UNUSED that does not end generation is special
+(docs/sampling.md, section 5). llama_cpp is imported only when a vocabulary is read from llama.cpp: the
+sampler stage itself loads no engine (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Vocabulary"]
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+class _VocabModel:
+    """A GGUF loaded vocab-only (no weights): owns the llama_model the vocab pointer lives in."""
+
+    def __init__(self, path: Path) -> None:
+        from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
+
+        self._L = llama_cpp_module()
+        params = self._L.llama_model_default_params()
+        params.vocab_only = True
+        self._lock = threading.Lock()
+        self.model = self._L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not read the vocabulary of {path}")
+        self.vocab = self._L.llama_model_get_vocab(self.model)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.model:
+                self._L.llama_model_free(self.model)
+                self.model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    n_vocab: int
+    special: npt.NDArray[np.int32] = field(default_factory=lambda: _EMPTY)  # sorted ids, masked by default
+    eog: npt.NDArray[np.int32] = field(default_factory=lambda: _EMPTY)  # sorted end-of-generation ids
+    llama_vocab: Any = None  # const llama_vocab*, for grammars; None: grammars unsupported
+    owner: Any = None  # keeps whatever owns llama_vocab (a model, an engine) alive
+
+    def __post_init__(self) -> None:
+        if self.n_vocab < 1:
+            raise ValueError(f"n_vocab must be >= 1, not {self.n_vocab}")
+        for name in ("special", "eog"):
+            ids = getattr(self, name)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab or (np.diff(ids) <= 0).any()):
+                raise ValueError(f"{name} must be sorted unique ids in [0, {self.n_vocab})")
+
+    @functools.cached_property
+    def special_ids(self) -> npt.NDArray[np.intp]:
+        return self.special.astype(np.intp)
+
+    @functools.cached_property
+    def eog_ids(self) -> npt.NDArray[np.intp]:
+        return self.eog.astype(np.intp)
+
+    @property
+    def grammars(self) -> bool:
+        return self.llama_vocab is not None
+
+    @classmethod
+    def plain(cls, n_vocab: int) -> Vocabulary:
+        """A vocabulary known only by its size: nothing special, no end-of-generation token, no grammars
+        (the reference and sleep engines)."""
+        return cls(n_vocab=n_vocab)
+
+    @classmethod
+    def from_llama(cls, llama_vocab: Any, owner: Any = None) -> Vocabulary:
+        """From a live `llama_vocab*` (an engine's: `LlamaCppEngine.llama_vocab()`); `owner` is kept
+        referenced so the pointer outlives nothing it depends on."""
+        from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
+
+        L = llama_cpp_module()
+        n = int(L.llama_vocab_n_tokens(llama_vocab))
+        attrs = np.fromiter((L.llama_vocab_get_attr(llama_vocab, i) for i in range(n)), dtype=np.int64, count=n)
+        eog = np.fromiter((L.llama_vocab_is_eog(llama_vocab, i) for i in range(n)), dtype=np.bool_, count=n)
+        marked = (attrs & (L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_UNUSED)) != 0
+        return cls(n_vocab=n, special=np.flatnonzero(marked & ~eog).astype(np.int32),
+                   eog=np.flatnonzero(eog).astype(np.int32), llama_vocab=llama_vocab, owner=owner)
+
+    @classmethod
+    def load(cls, path: Path | str) -> Vocabulary:
+        """A GGUF's vocabulary, loaded vocab-only (no weights, a fraction of a second)."""
+        model = _VocabModel(Path(path))
+        return cls.from_llama(model.vocab, owner=model)
+
+    @classmethod
+    def for_engine(cls, engine: Any, n_vocab: int) -> Vocabulary:
+        """The worker's vocabulary: from the engine's llama.cpp model when it has one, else plain."""
+        get = getattr(engine, "llama_vocab", None)
+        ptr = get() if callable(get) else None
+        if ptr is None:
+            return cls.plain(n_vocab)
+        vocab = cls.from_llama(ptr, owner=engine)
+        if vocab.n_vocab != n_vocab:
+            raise ValueError(f"the engine's vocabulary has {vocab.n_vocab} tokens, its capacity says {n_vocab}")
+        return vocab
