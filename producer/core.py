@@ -45,7 +45,7 @@ log = logging.getLogger("dgr.producer")
 Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Run:
     """The sessions one run_many / generate / drive call drives: those still to open (by start time, seconds
     from the call), the handles, the answers for its callbacks (`collect`). `waker`: the driver's."""
@@ -305,9 +305,11 @@ class ProducerCore(Steps):
         return run
 
     def open_many(self, run: Run, due: list[int], *, wait: bool) -> Plan[None]:
-        """Open the run's sessions `due` (indexes) in one pipeline. Backpressure: wait=True applies the policy
-        (raise, or wait); wait=False defers those the worker cannot take now to a later call."""
-        batch = Batch()
+        """Open the run's sessions `due` (indexes): one MULTI/EXEC per hop-0 worker, so a worker reads them all at
+        once (a worker that read the first few would size its prefill calls by the decode calls it then runs).
+        Backpressure: wait=True applies the policy (raise, or wait); wait=False defers those the worker cannot
+        take now to a later call."""
+        batches: dict[str, Batch] = {}
         left = deque(due)
         while left:
             spec, prompt = run.sessions[left[0]]
@@ -317,11 +319,11 @@ class ProducerCore(Steps):
             h = self.new_handle(spec, prompt)
             if not (yield from self.admit(h.input_stream("prefill"), wait=wait)):
                 break
-            self.queue_prefill(batch, h)
+            self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h)
             self.drive(h, run)
             left.popleft()
         run.pending.extendleft(reversed(left))
-        if batch:
+        for batch in batches.values():
             yield self.pushed(batch)
 
     def drive(self, h: SessionHandle, run: Run) -> None:

@@ -1,9 +1,10 @@
 """The credit window of continuation jobs (schemas/step.py StepJob.n), one-hop sessions only.
 
 With `decode_n > 1` a session's decode steps are jobs of up to n tokens; the worker decodes the session at every
-decode call and answers one row per token. Once no more than half of a job's tokens are still to come, the
-next job is pushed (a *continuation*: no token, it starts where the current one ends and feeds the token the
-worker sampled there), so the session never waits on the Tracker between jobs; at most two are outstanding.
+decode call and answers one row per token. Two jobs are kept outstanding: as soon as only one is, the next is
+pushed (a *continuation*: no token, it starts where the last one ends and feeds the token the worker sampled
+there). So the worker holds at least n tokens of credit whenever the Tracker acts, and a Tracker slower than n
+fused calls between two reads (a slow callback) is the only one a session ever waits for.
 What a job asks for depends only on where it starts (`job_n`, never past max_tokens), so a handle rebuilt by
 resume() pushes the same jobs (same ids, same n). A stop token ends the session early: the credit left is
 dropped (the worker answers a continuation queued behind it REJECTED FINISHED, no token, no charge).
@@ -64,7 +65,7 @@ def queue_next(core: Steps, batch: Batch, h: SessionHandle) -> bool:
         return False  # the prompt's token is not known yet
     c = h.credit
     if c.jobs:
-        if len(c.jobs) > 1 or _left(h) > max(1, c.n // 2):
+        if len(c.jobs) > 1:
             return False
         token = None  # pushed ahead: the worker feeds the token it samples there
     elif h.sent:
@@ -79,10 +80,6 @@ def queue_next(core: Steps, batch: Batch, h: SessionHandle) -> bool:
     c.jobs[job.job_id] = job
     h.position = job.end_position
     return True
-
-
-def _left(h: SessionHandle) -> int:
-    return sum(h.sent[jid].left.bit_count() for jid in h.credit.jobs if jid in h.sent)
 
 
 def place(h: SessionHandle, pos: int, tok: int, finished: bool) -> bool:

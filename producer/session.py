@@ -63,7 +63,7 @@ class HopLeg:
     blobs_in: int = 0  # of its jobs, how many took their rows from a blob
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SessionHandle:
     """One session. `status`: "open" while it runs, "finished" when its last hop said finished, else what ended
     it ("rejected", "failed", "cancelled"), or "state_lost" (not finished: `replay()` it). `generated`: the
@@ -102,6 +102,10 @@ class SessionHandle:
     def __post_init__(self) -> None:
         if not self.legs:
             self.legs = [HopLeg(k, rh.worker_id) for k, rh in enumerate(self.spec.route)]
+
+    def __repr__(self) -> str:  # short: a handle holds its spec, its jobs and its Run
+        return (f"SessionHandle({self.session_id!r}, {self.status}, {len(self.generated)} tokens, attempt "
+                f"{self.attempt}, {len(self.legs)} hop{'s' if len(self.legs) > 1 else ''})")
 
     @property
     def session_id(self) -> str:
