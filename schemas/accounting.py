@@ -11,10 +11,10 @@ from typing import Final
 __all__ = ["COUNTERS", "TALLY_FIELDS", "merge", "parse_tally"]
 
 # The tally value's fields, in order (consumer/lua/complete.lua writes the JSON array [att, pub, hw, prompt,
-# gen, recomp, steps, es, t, gaps, account]; t: the server's clock, unix seconds, at the session's last
-# answer; gaps: '-' or 'lo:hi,...').
+# gen, recomp, steps, es, t, gaps, account, owed]; t: the server's clock, unix seconds, at the session's
+# last answer; gaps (result positions not published) and owed (positions not charged): '-' or 'lo:hi,...').
 TALLY_FIELDS: Final = ("att", "pub", "hw", "prompt_tokens", "generated_tokens", "recomputed_tokens", "steps",
-                       "engine_seconds", "t", "gaps", "account")
+                       "engine_seconds", "t", "gaps", "account", "owed")
 # What the tally adds to the session hash when folded; the other fields are positions, set, not added.
 COUNTERS: Final = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps", "engine_seconds")
 
@@ -53,7 +53,7 @@ def merge(session_hash: Mapping[bytes | str, bytes | str], tally: Mapping[str, s
             out[name] = repr(float(out.get(name, 0.0)) + float(tally[name]))
         else:
             out[name] = str(int(out.get(name, 0)) + int(tally[name]))
-    for name in ("att", "pub", "hw", "t", "gaps", "account"):
+    for name in ("att", "pub", "hw", "t", "gaps", "account", "owed"):
         if tally[name]:
             out[name] = tally[name]
     return out

@@ -157,7 +157,8 @@ def _num(x: bytes | None) -> float:
     return float(x) if x is not None else 0.0
 
 
-NOT_COUNTERS = (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", b"hw", b"gaps")  # of a session hash
+# the fields of a session hash that are not counters
+NOT_COUNTERS = (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", b"hw", b"gaps", b"owed")
 
 
 def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionSpec, list[int]]],

@@ -25,6 +25,7 @@ from schemas import (
     job_to_fields,
     results_from_fields,
 )
+from schemas.wire import decode_record
 
 WID = "hostile-w"
 
@@ -133,4 +134,10 @@ def accounted(client: redis.Redis, stream: str, entry_id: str, fields: Mapping[b
         job = job_from_fields(fields)
     except WireError:
         return ""
-    return "answered" if client.exists(keys.result_record(job.job_id)) else ""
+    # A refusal has its once-only marker; an ok answer is a row of a record published to its reply stream.
+    if client.exists(keys.result_record(job.job_id)):
+        return "answered"
+    for _id, f in client.xrange(keys.results(job.reply)):
+        if job.job_id in decode_record(f)[0].job:
+            return "answered"
+    return ""

@@ -67,6 +67,7 @@ class FakeWorker:
     cancelled: set[str] = field(default_factory=set)
     steps_seen: int = 0
     errors: list[BaseException] = field(default_factory=list)
+    answered: dict[str, tuple[StepResult, str | None, str | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.t = RedisTransport(self.client, self.worker_id, "c0", self.settings)
@@ -76,7 +77,16 @@ class FakeWorker:
         self._thread: threading.Thread | None = None
 
     def _answer(self, job: StepJob) -> tuple[StepResult, str | None, str | None]:
-        """(result, account, close)"""
+        """(result, account, close). A job answered before (a Tracker's re-push) gets its answer again,
+        as the worker's delivery ledger does; the completion script does not publish it twice."""
+        again = self.answered.get(job.job_id)
+        if again is not None:
+            return again
+        out = self._answer_new(job)
+        self.answered[job.job_id] = out
+        return out
+
+    def _answer_new(self, job: StepJob) -> tuple[StepResult, str | None, str | None]:
         sid = job.session_id
 
         def res(status: Status, reason: Reason | None = None, token: int | None = None, finished: bool = False,

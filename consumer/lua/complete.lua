@@ -13,9 +13,10 @@
 --     `SET NX` of its result id's marker (`res` key). A row that is not fresh is neither published nor
 --     charged: its index goes to the charges' `d` list;
 --   * charged (rows with a billing account): prompt positions fed (`fed`, the positions pos - fed ..
---     pos - 1) above the session's charged high-water mark `hw`, the rest recomputed; a sampled token
---     at position pos >= hw; then hw moves past them. So every prompt position and every sampled
---     token is charged once per session, however often it is replayed, re-sent or redelivered;
+--     pos - 1) at or above the session's charged high-water mark `hw` or owed (below), the rest
+--     recomputed; a sampled token at position pos >= hw or owed; then hw moves past them. So every
+--     prompt position and every sampled token is charged once per session, however often it is
+--     replayed, re-sent or redelivered;
 --   * counted: tally deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
 -- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was
 -- charged) unless no row of it is fresh. Then the acks (one XACK per input stream), input blobs to
@@ -23,7 +24,7 @@
 -- dead letters, and the fused call's counters.
 --
 -- Tally entry (one field per session of KEYS[6]): the JSON array
--- [att, pub, hw, prompt, gen, recomp, steps, es, t, gaps, account]. A new entry starts from the session
+-- [att, pub, hw, prompt, gen, recomp, steps, es, t, gaps, account, owed]. A new entry starts from the session
 -- hash (a session closed and opened again: a route's replay; or a late answer) or empty.
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
@@ -100,7 +101,7 @@ end
 -- ---------------------------------------------------------------- the tally entries this call touches
 -- An entry is the decoded array; what the script learns of it on the way lives in side tables keyed by
 -- session id (so the array encodes back as it is).
-local ATT, PUB, HW, PROMPT, GEN, RECOMP, STEPS, ES, T, GAPS, ACCOUNT = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
+local ATT, PUB, HW, PROMPT, GEN, RECOMP, STEPS, ES, T, GAPS, ACCOUNT, OWED = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
 local L = {}        -- session id -> entry
 local stored = {}   -- session id -> true: the entry is a field of the tally hash
 local fresh_e = {}  -- session id -> true: made from nothing (everything before its first answer was lost)
@@ -109,6 +110,7 @@ local dirty = {}    -- session id -> true: changed by this call
 local sk = {}       -- session id -> KEYS index of its session hash
 local ac = {}       -- session id -> its account number
 local gl = {}       -- session id -> its gap list, once parsed
+local ol = {}       -- session id -> its owed list, once parsed
 do
   local want, seen = {}, {}
   for _, rec in ipairs(ctl.records) do
@@ -146,10 +148,11 @@ end
 -- answer filed after its session's closure, or a session opened again after it closed): its counts
 -- go straight into the hash, so a closed session's hash and its account's sums stay equal.
 local function entry(sid, skey)
-  local e = {-1, -1, 0, 0, 0, 0, 0, 0, now, '-', ''}
-  local h = redis.call('HMGET', KEYS[skey], 'att', 'pub', 'hw', 'closed', 'gaps')
+  local e = {-1, -1, 0, 0, 0, 0, 0, 0, now, '-', '', '-'}
+  local h = redis.call('HMGET', KEYS[skey], 'att', 'pub', 'hw', 'closed', 'gaps', 'owed')
   if h[3] then
     e[ATT], e[PUB], e[HW], e[GAPS] = tonumber(h[1]) or -1, tonumber(h[2]) or -1, tonumber(h[3]) or 0, h[5] or '-'
+    e[OWED] = h[6] or '-'
   else
     fresh_e[sid] = true
   end
@@ -167,15 +170,31 @@ end
 -- is in a gap, which it then leaves. A gap opens when an answer's first position (`frm`) is above the
 -- last published position (answers in between were lost), or below the first answer of a tally entry
 -- made from nothing (everything before it was lost with the entry).
+-- Owed: the same for charges. Positions below `hw` that no published answer charged, same format: an
+-- answer whose first computed position is above `hw` leaves the positions in between owed (their
+-- answers were lost with their charges); a later answer computing an owed position (the lost answer
+-- re-sent, or a replay's prefill) charges it, and it leaves the list. Without data loss both are '-'.
+local function ranges(text)
+  local g = {}
+  if text ~= '-' then
+    for lo, hi in string.gmatch(text, '(%d+):(%d+)') do
+      g[#g + 1] = {tonumber(lo), tonumber(hi)}
+    end
+  end
+  return g
+end
+
+local function ranges_text(g)
+  if #g == 0 then return '-' end
+  local parts = {}
+  for _, r in ipairs(g) do parts[#parts + 1] = string.format('%d:%d', r[1], r[2]) end
+  return table.concat(parts, ',')
+end
+
 local function gap_list(sid, e)
   local g = gl[sid]
   if g == nil then
-    g = {}
-    if e[GAPS] ~= '-' then
-      for lo, hi in string.gmatch(e[GAPS], '(%d+):(%d+)') do
-        g[#g + 1] = {tonumber(lo), tonumber(hi)}
-      end
-    end
+    g = ranges(e[GAPS])
     gl[sid] = g
   end
   return g
@@ -205,10 +224,48 @@ end
 local function gaps_text(sid, e)
   local g = gl[sid]
   if g == nil then return e[GAPS] end
-  if #g == 0 then return '-' end
-  local parts = {}
-  for _, r in ipairs(g) do parts[#parts + 1] = string.format('%d:%d', r[1], r[2]) end
-  return table.concat(parts, ',')
+  return ranges_text(g)
+end
+
+local function owed_list(sid, e)
+  local g = ol[sid]
+  if g == nil then
+    g = ranges(e[OWED])
+    ol[sid] = g
+  end
+  return g
+end
+
+local function owe(sid, e, lo, hi)
+  if lo <= hi then
+    local g = owed_list(sid, e)
+    g[#g + 1] = {lo, hi}
+  end
+end
+
+-- How many of positions lo .. hi are owed; they are charged now, so they leave the list.
+local function take_owed(sid, e, lo, hi)
+  if lo > hi or (e[OWED] == '-' and ol[sid] == nil) then return 0 end
+  local g = owed_list(sid, e)
+  local keep, n = {}, 0
+  for _, r in ipairs(g) do
+    local a, b = math.max(r[1], lo), math.min(r[2], hi)
+    if a <= b then
+      n = n + b - a + 1
+      if r[1] < a then keep[#keep + 1] = {r[1], a - 1} end
+      if b < r[2] then keep[#keep + 1] = {b + 1, r[2]} end
+    else
+      keep[#keep + 1] = r
+    end
+  end
+  ol[sid] = keep
+  return n
+end
+
+local function owed_text(sid, e)
+  local g = ol[sid]
+  if g == nil then return e[OWED] end
+  return ranges_text(g)
 end
 
 -- ---------------------------------------------------------------- rows
@@ -269,19 +326,27 @@ for ri, rec in ipairs(ctl.records) do
       published = published + 1
       local es = Res[i]
       if e ~= nil then
-        local fed, hw = Rfed[i], e[HW]
+        local fed, hw, tok = Rfed[i], e[HW], Rtok[i] >= 0
         if fed > pos then fed = pos end
+        -- the first position the row computed: above hw, the ones in between are owed (lost answers)
+        local lo = fed > 0 and pos - fed or (tok and pos or -1)
+        if lo > hw then owe(sid, e, hw, lo - 1) end
         if fed > 0 then
           local from = pos - fed
-          if from < hw then from = hw end
-          if pos > from then p = pos - from end
+          if from < hw then
+            p = take_owed(sid, e, from, math.min(pos, hw) - 1)
+            from = hw
+          end
+          if pos > from then p = p + pos - from end
           rc = fed - p
           if pos > hw then hw = pos end
         end
-        if Rtok[i] >= 0 then
+        if tok then
           if pos >= hw then
             g = 1
             hw = pos + 1
+          elseif take_owed(sid, e, pos, pos) == 1 then
+            g = 1
           else
             rc = rc + 1
           end
@@ -369,7 +434,8 @@ do
         redis.call('HINCRBY', hk, 'recomputed_tokens', int(e[RECOMP]))
         redis.call('HINCRBY', hk, 'steps', int(e[STEPS]))
         redis.call('HINCRBYFLOAT', hk, 'engine_seconds', fmt(e[ES]))
-        redis.call('HSET', hk, 'att', int(e[ATT]), 'pub', int(e[PUB]), 'hw', int(e[HW]), 'gaps', gaps_text(sid, e))
+        redis.call('HSET', hk, 'att', int(e[ATT]), 'pub', int(e[PUB]), 'hw', int(e[HW]), 'gaps', gaps_text(sid, e),
+          'owed', owed_text(sid, e))
         if account ~= '' then
           redis.call('HSET', hk, 'account', account)
         end
@@ -387,7 +453,7 @@ do
       -- two strings are ids and gap lists, plain ASCII with nothing to escape.
       pairs_[#pairs_ + 1] = '[' .. e[ATT] .. ',' .. e[PUB] .. ',' .. e[HW] .. ',' .. e[PROMPT] .. ',' .. e[GEN] ..
         ',' .. e[RECOMP] .. ',' .. e[STEPS] .. ',' .. e[ES] .. ',' .. now .. ',"' .. gaps_text(sid, e) .. '","' ..
-        account .. '"]'
+        account .. '","' .. owed_text(sid, e) .. '"]'
       if #pairs_ >= 2000 then
         redis.call('HSET', tally, unpack(pairs_))
         pairs_ = {}

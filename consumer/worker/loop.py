@@ -200,7 +200,8 @@ class Worker:
         completion may still be on the I/O thread on return."""
         t0 = time.perf_counter()
         self._housekeeping()
-        answers: list[Answer] = []
+        answers: list[Answer] = []  # cancellations and the fused call's answers
+        refusals: list[Answer] = []  # what admission answered (refused steps, superseded attempts)
         dead: list[DeadLetter] = []
         acks: list[Delivery] = []
         wire_rejects: list[Answer] = []
@@ -209,12 +210,12 @@ class Worker:
         entries = 0
         if got is not None:
             read_s += got.seconds
-            entries += self.admission.admit_all(got.inbound, answers, dead, wire_rejects, acks, got.fetched)
+            entries += self.admission.admit_all(got.inbound, refusals, dead, wire_rejects, acks, got.fetched)
             cancelled, refused = got.cancels, got.refused
         else:
             cancelled, refused = [], []
         if got is None or self.admission.should_read():
-            n, s = self.admission.read_and_admit(answers, dead, wire_rejects, acks)
+            n, s = self.admission.read_and_admit(refusals, dead, wire_rejects, acks)
             entries += n
             read_s += s
             more, more_refused = self.transport.cancellations()
@@ -241,8 +242,17 @@ class Worker:
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
         latencies: list[tuple[Phase, float]] = []
-        completions = wire_rejects + self.ledger.completions(answers, latencies)
-        self._publish(completions, dead, call, self._uncarried(completions, not_held), acks, flush)
+        honest = self.ledger.completions(answers, latencies)
+        refused_answers = wire_rejects + self.ledger.completions(refusals, latencies)
+        closures = self._uncarried([*honest, *refused_answers], not_held)
+        if call is not None and (refused_answers or dead):
+            # Refusals never stand in front of honest work in time: the call's answers are filed first,
+            # the refusals and dead letters (up to max_read_entries of them: a burst of junk) after.
+            self._publish(honest, (), call, closures, (), flush)
+            self._publish(refused_answers, dead, None, (), acks, flush)
+        else:
+            self._publish(honest + refused_answers, dead, call, closures, acks, flush)
+        completions = honest + refused_answers
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
         self._observe(batch, call, completions, dead, latencies)

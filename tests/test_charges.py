@@ -1,0 +1,261 @@
+"""What a published answer says it charged is what the counters charged, and nothing is charged twice
+or lost (docs/accounting.md), searched for counterexamples with hypothesis.
+
+A model of the worker's answers: sessions of a random prompt length and max_tokens, each run as a random
+number of attempts (an attempt ends where the worker lost the session's state, anywhere, the opening
+prefill included; the next replays prompt + generated tokens as prefill in random chunks, then decodes,
+some decode jobs continuations of several tokens). The answers are filed through the transport's one
+primitive (`complete`) in random calls (sessions interleaved, each in its own order, as the scheduler
+answers), with random re-filings of earlier answers (a twin, a redelivery, an older attempt's late
+answer), completion calls re-sent whole (the reply lost), and Redis losing the tail of its data (every
+key restored to a snapshot taken a few calls before), after which every answer of each session's last
+attempt is filed again (the Tracker re-pushes what it did not see answered).
+
+Checked on the data set that survives, against the records published (their rows and `c`):
+* per session, account and worker: the counters equal the sums of the published rows' charges;
+* no two published ok rows share (session, attempt, position);
+* every answer of a session's last attempt is published;
+* a finished session is charged its prompt and max_tokens exactly (prompt + generated = L + M when
+  Redis lost charges, the lost generated tokens then charged as the replay's prompt), however often it
+  was replayed.
+Runs on fakeredis and on a real redis-server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.ops.sessions import session_accounting
+from consumer.sched import Answer, Outcome
+from consumer.transport import RedisTransport
+from schemas import RouteHop, SessionSpec, Status, StepJob
+from schemas.step import result_job_id
+from schemas.wire import decode_record
+from tests.support import compat_key
+
+WORKER = "wc"
+ACCOUNTS = ("acct-a", "acct-b")
+COUNTERS = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps")
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt: int  # L
+    max_tokens: int  # M
+    cuts: tuple[int, ...]  # per lost attempt: how many of its answers were filed before the loss
+    chunk: int  # prefill chunk size
+    cont: int  # tokens per decode job (1: single steps; more: continuation jobs)
+
+
+def _spec(sid: str, account: str, max_tokens: int) -> SessionSpec:
+    return SessionSpec(session_id=sid, account_id=account,
+                       route=(RouteHop(worker_id=WORKER, key=compat_key("prefill")),), max_tokens=max_tokens)
+
+
+def _answer(job: StepJob, account: str, *, rid: str, pos: int, fed: int, token: int | None, finished: bool,
+            final: bool) -> Answer:
+    o = Outcome(rid, job.session_id, Status.OK, None, pos, token=token, finished=finished, prompt_tokens=fed,
+                engine_seconds=0.001 * (1 + fed))
+    return Answer(ref=None, job=job, result=o, account_id=account, close="finished" if finished else None,
+                  final=final)
+
+
+def attempt_answers(sid: str, account: str, plan: Plan, attempt: int, generated: int) -> list[Answer]:
+    """Every answer of one attempt that runs to the end: prefill of prompt + `generated` tokens, then decode."""
+    L, M = plan.prompt, plan.max_tokens
+    out: list[Answer] = []
+    n, start, g = L + generated, 0, generated
+    dig = compat_key("prefill").digest
+    while start < n:
+        end = min(n, start + plan.chunk)
+        last = end == n
+        job = StepJob(job_id=f"{sid}-p{start}-{attempt}", session_id=sid, phase="prefill", compat=dig,
+                      start_position=start, tokens=tuple(range(1, end - start + 1)), created_at=time.time(),
+                      attempt=attempt, sample=last, session=_spec(sid, account, M) if start == 0 else None)
+        out.append(_answer(job, account, rid=job.job_id, pos=end, fed=end - start, token=100 + end if last else None,
+                           finished=last and g + 1 == M, final=True))
+        start = end
+    g += 1
+    dig = compat_key("decode").digest
+    pos = n  # the sampled token's position: where the next decode job feeds it
+    while g < M:
+        k = min(plan.cont, M - g)
+        job = StepJob(job_id=f"{sid}-d{pos}-{attempt}", session_id=sid, phase="decode", compat=dig,
+                      start_position=pos, tokens=(100 + pos,), created_at=time.time(), attempt=attempt, n=k)
+        for off in range(k):
+            g += 1
+            out.append(_answer(job, account, rid=result_job_id(job.job_id, off), pos=pos + off + 1, fed=0,
+                               token=100 + pos + off + 1, finished=g == M, final=off == k - 1))
+        pos += k
+    return out
+
+
+def session_filings(sid: str, account: str, plan: Plan) -> tuple[list[Answer], list[Answer]]:
+    """(every answer filed, in order; the last attempt's answers)."""
+    filed: list[Answer] = []
+    generated = 0
+    for attempt, cut in enumerate(plan.cuts):
+        whole = attempt_answers(sid, account, plan, attempt, generated)
+        part = whole[:min(cut, len(whole) - 1)]  # lost before its last answer (that one finished the session)
+        filed += part
+        generated += sum(1 for a in part if a.result.token is not None)
+    last = attempt_answers(sid, account, plan, len(plan.cuts), generated)
+    return filed + last, last
+
+
+plans = st.builds(Plan, prompt=st.integers(1, 9), max_tokens=st.integers(1, 5),
+                  cuts=st.lists(st.integers(0, 6), max_size=3).map(tuple), chunk=st.integers(1, 6),
+                  cont=st.integers(1, 3))
+
+
+@dataclass(frozen=True)
+class Filing:
+    """How the answers are filed: per call, its size, whether its reply is lost (the call re-sent), a
+    snapshot before it or a restore to the last snapshot (Redis losing its tail) before it."""
+
+    sizes: list[int]
+    resend: list[bool]
+    events: list[int]  # 0 nothing, 1 snapshot, 2 restore
+    dups: list[int]  # indices (mod filed so far) of answers filed again in each call
+
+
+filings = st.builds(Filing, sizes=st.lists(st.integers(1, 8), min_size=1, max_size=40),
+                    resend=st.lists(st.booleans(), max_size=40), events=st.lists(st.sampled_from([0, 0, 0, 1, 2]),
+                                                                                 max_size=40),
+                    dups=st.lists(st.integers(0, 10_000), max_size=40))
+
+
+def snapshot(client: redis.Redis) -> dict[bytes, tuple[bytes, int]]:
+    return {k: (client.dump(k), client.pttl(k)) for k in client.keys("*")}  # type: ignore[misc]
+
+
+def restore(client: redis.Redis, snap: dict[bytes, tuple[bytes, int]]) -> None:
+    client.flushdb()
+    for k, (blob, ttl) in snap.items():
+        client.restore(k, max(ttl, 0), blob)
+
+
+def interleave(per_session: list[list[Answer]], draw: Any) -> list[Answer]:
+    queues = [list(q) for q in per_session if q]
+    out: list[Answer] = []
+    while queues:
+        i = draw(st.integers(0, len(queues) - 1))
+        out.append(queues[i].pop(0))
+        if not queues[i]:
+            queues.pop(i)
+    return out
+
+
+def file_all(t: RedisTransport, client: redis.Redis, answers: list[Answer], f: Filing) -> None:
+    snap: dict[bytes, tuple[bytes, int]] | None = None
+    script = t.io.script  # the reply of a re-sent call is lost: run the call twice, answer the second
+    at, call = 0, 0
+    while at < len(answers):
+        size = f.sizes[call % len(f.sizes)]
+        batch = answers[at:at + size]
+        if call < len(f.dups) and at:
+            batch = [*batch, answers[f.dups[call] % at]]  # an earlier answer filed again (twin, redelivery)
+        event = f.events[call] if call < len(f.events) else 0
+        if event == 1:
+            snap = snapshot(client)
+        elif event == 2 and snap is not None:
+            restore(client, snap)
+        resend = call < len(f.resend) and f.resend[call]
+
+        def twice(name: str, keys: list[str], args: list[Any]) -> Any:
+            script(name, keys, args)
+            return script(name, keys, args)
+
+        t.io.script = twice if resend else script  # type: ignore[method-assign]
+        try:
+            t.complete(batch)
+        finally:
+            t.io.script = script  # type: ignore[method-assign]
+        at += size
+        call += 1
+
+
+def published(client: redis.Redis, t: RedisTransport, sids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Per session, its published rows with what `c` says they charged."""
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for sid in sids:
+        for _id, fields in client.xrange(t.keys.results(sid)):
+            rec, chg = decode_record(fields)
+            skip = set(chg.d)
+            for i in range(len(rec)):
+                if i in skip:
+                    continue
+                out[rec.sid[i]].append({"att": rec.att[i], "pos": rec.pos[i], "st": rec.st[i], "job": rec.job[i],
+                                        "off": rec.off[i], "prompt_tokens": chg.p[i], "generated_tokens": chg.g[i],
+                                        "recomputed_tokens": chg.r[i], "fed": rec.fed[i], "tok": rec.tok[i]})
+    return out
+
+
+def check(client: redis.Redis, t: RedisTransport, sessions: dict[str, tuple[str, Plan, list[Answer]]],
+          lost: bool) -> None:
+    rows = published(client, t, list(sessions))
+    per_account: dict[str, Counter[str]] = defaultdict(Counter)
+    total: Counter[str] = Counter()
+    for sid, (account, plan, last) in sessions.items():
+        mine = rows.get(sid, [])
+        acct = session_accounting(client, WORKER, sid)
+        sums = Counter({c: sum(r[c] for r in mine) for c in COUNTERS[:3]})
+        sums["steps"] = len(mine)
+        for c in COUNTERS:
+            assert int(acct.get(c, 0)) == sums[c], (sid, c, acct, mine)
+        per_account[account] += sums
+        total += sums
+        # once: no (attempt, position) published twice
+        keys = Counter((r["att"], r["pos"]) for r in mine)
+        assert max(keys.values(), default=1) == 1, (sid, keys)
+        # complete: every answer of the last attempt is there
+        want = {(a.job.attempt, a.result.position) for a in last if a.job is not None}
+        assert want <= set(keys), (sid, sorted(want - set(keys)))
+        # billed: L prompt tokens and M generated tokens, once, however often replayed
+        L, M = plan.prompt, plan.max_tokens
+        p, g = int(acct["prompt_tokens"]), int(acct["generated_tokens"])
+        if lost:
+            assert p + g == L + M and p >= L, (sid, p, g, L, M)
+        else:
+            assert (p, g) == (L, M), (sid, p, g, L, M, mine)
+        fed = sum(r["fed"] + (r["tok"] >= 0) for r in mine)
+        assert int(acct["recomputed_tokens"]) == fed - p - g
+        assert acct.get("closed") == "finished"
+    for account, sums in per_account.items():
+        h = {k.decode(): int(float(v)) for k, v in client.hgetall(t.keys.billing_account(account)).items()}
+        for c in COUNTERS:
+            assert h.get(c, 0) == sums[c], (account, c, h, sums)
+    w = {k.decode(): v for k, v in client.hgetall(t.keys.worker_account).items()}
+    for c in COUNTERS:
+        assert int(w.get(c, 0)) == total[c], (c, w, total)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan_list=st.lists(plans, min_size=1, max_size=4), f=filings, data=st.data())
+def test_charges_equal_counters_and_nothing_doubled_or_lost(redis_client: redis.Redis, plan_list: list[Plan],
+                                                            f: Filing, data: st.DataObject) -> None:
+    redis_client.flushdb()
+    t = RedisTransport(redis_client, WORKER, "c1")
+    t.register([compat_key("prefill"), compat_key("decode")], {"slots": 8})
+    t.acquire_lease()  # the call guard works with a lease (its epoch names the process)
+    sessions: dict[str, tuple[str, Plan, list[Answer]]] = {}
+    per_session: list[list[Answer]] = []
+    for i, plan in enumerate(plan_list):
+        sid, account = f"s{i}", ACCOUNTS[i % 2]
+        filed, last = session_filings(sid, account, plan)
+        sessions[sid] = (account, plan, last)
+        per_session.append(filed)
+    answers = interleave(per_session, data.draw)
+    file_all(t, redis_client, answers, f)
+    lost = 2 in f.events
+    if lost:  # the Tracker re-pushes what it did not see answered: the worker re-files its last attempts
+        again = interleave([last for _a, _p, last in sessions.values()], data.draw)
+        file_all(t, redis_client, again, Filing(sizes=[4], resend=[], events=[], dups=[]))
+    check(redis_client, t, sessions, lost)
