@@ -164,7 +164,6 @@ class AsyncProducer(TrackerOps):
         core = self.core
         try:
             while core.driven:
-                await self._run(core.recover())
                 block = core.block_ms()
                 self._streams = {s for r in core.reads.values() for s in r}
                 self._reading = asyncio.ensure_future(self._run(core.read((), block)))

@@ -101,6 +101,7 @@ class ProducerCore(Steps):
         self.outage = False  # a driver sets it when Redis answers again after an outage
         self.refused = 0  # result entries that could not be decoded (another wire version: logged)
         self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
+        self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
 
     # ---------------------------------------------------------------- discovery and validation
 
@@ -373,16 +374,20 @@ class ProducerCore(Steps):
         """One read of every result stream driven sessions and `handles` wait on, applied: one XREAD per worker
         (one hash tag each: a blocking read cannot wait on two in a Cluster), in one pipeline whose last read
         blocks, on the worker the last pushes went to (its answer wakes it; Redis times a blocked read out only
-        every 100 ms or so when nothing else happens). True when something was applied."""
+        every 100 ms or so when nothing else happens). A read that rode through an outage is made again, once the
+        Tracker recovered (`recover`). True when something was applied."""
         streams = {w: dict(s) for w, s in self.reads.items()}
         for h in handles:
             for w, stream in self.streams_of(h):
                 streams.setdefault(w, {})[stream] = 1
-        if not streams:
-            return False
-        order = sorted(streams, key=lambda w: (w == self.expect, w))
-        replies = yield Read(tuple(XRead(tuple((s, self.cursor(s)) for s in sorted(streams[w])), READ_COUNT,
-                                         block_ms if w == order[-1] and block_ms > 0 else None) for w in order))
+        replies: Any = None
+        while replies is None or self.outage:
+            yield from self.recover()
+            if not streams:
+                return False
+            order = sorted(streams, key=lambda w: (w == self.expect, w))
+            replies = yield Read(tuple(XRead(tuple((s, self.cursor(s)) for s in sorted(streams[w])), READ_COUNT,
+                                             block_ms if w == order[-1] and block_ms > 0 else None) for w in order))
         got = False
         for reply in replies:
             for stream, entries in reply:
@@ -466,19 +471,23 @@ class ProducerCore(Steps):
 
     def recover(self) -> Plan[None]:
         """Redis answered again after an outage: read the result streams again from `rewind_ms` before their
-        cursors, re-push every driven session's unanswered jobs (idempotent) and advance them all (the next step
-        of sessions whose answer was read just before the outage). Time in the outage is no timeout."""
+        cursors; send again the cancels of the last `rewind_ms` (a failover may have lost them) and every driven
+        session's unanswered jobs (idempotent); advance them all (the next step of a session whose answer was read
+        just before the outage). Time in the outage is no timeout."""
         if not self.outage:
             return
         self.outage = False
-        rewind = self.settings.rewind_ms
+        now, rewind = time.monotonic(), self.settings.rewind_ms
         for stream, c in self.cursors.items():
             ms = id_tuple(c)[0]
             if ms:
                 self.cursors[stream] = f"{max(0, ms - rewind)}-0"
-        now = time.monotonic()
         self.answered = dict.fromkeys(self.answered, now)
         batch = Batch()
+        while self.cancels and now - self.cancels[0][0] > rewind / 1000:
+            self.cancels.popleft()
+        for _, worker_id, session_id in self.cancels:
+            self.cancel_ops(batch, worker_id, session_id)
         n = sum(self.queue_unanswered(batch, h) for h in self.driven.values())
         self.touched.update(self.driven)
         log.warning("re-pushed unanswered jobs after a redis outage", extra={"sessions": len(self.driven), "jobs": n})
@@ -486,8 +495,7 @@ class ProducerCore(Steps):
             yield batch
 
     def turn(self, block_ms: int) -> Plan[list[SessionHandle]]:
-        """One turn of a driver's loop: recover after an outage, read, advance."""
-        yield from self.recover()
+        """One turn of a driver's loop: read (after an outage: recover first), advance."""
         yield from self.read((), block_ms)
         return (yield from self.advance_touched())
 
