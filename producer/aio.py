@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -25,7 +24,6 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from schemas import SessionSpec, StepResult
-from schemas.retry import OutageRider, RetryPolicy
 
 from .commands import Batch, Get, Plan, Read, Sleep, XInfoGroups, XLen
 from .core import Run
@@ -37,7 +35,6 @@ from .tracker import TrackerOps
 
 __all__ = ["AsyncProducer"]
 
-log = logging.getLogger("dgr.producer")
 T = TypeVar("T")
 OnResult = Callable[[SessionHandle, StepResult], "Awaitable[None] | None"]
 _ASKED_ONCE = (Get, XLen, XInfoGroups)  # reads many tasks ask at once: one question in flight per equal Read
@@ -48,20 +45,13 @@ class AsyncProducer(TrackerOps):
     ProducerSettings. Every operation is a coroutine (`await producer.open(...)`)."""
 
     def __init__(self, client: aioredis.Redis, settings: ProducerSettings | None = None, **options: Any) -> None:
-        super().__init__(settings, **options)
-        self.client = client
-        self._rider = OutageRider(RetryPolicy(max_s=self.settings.outage_max_s), log, "producer")
+        super().__init__(client, settings, **options)
         self._pump: asyncio.Task[None] | None = None
         self._reading: asyncio.Future[Any] | None = None  # the pump's read in flight
         self._streams: set[str] = set()  # what that read reads
         self._asking: dict[Read, asyncio.Future[Any]] = {}
         self._outbox: dict[str | None, list[tuple[Batch, asyncio.Future[None]]]] = {}
         self._flushing: set[asyncio.Task[None]] = set()
-
-    @property
-    def outages(self) -> int:
-        """Redis outages this producer rode through."""
-        return self._rider.outages
 
     async def __aenter__(self) -> AsyncProducer:
         return self

@@ -1,14 +1,8 @@
-"""`Producer`: the Tracker side on redis-py, synchronous. It runs the core's plans (producer/core.py) and
-loops; every decision is the core's. Not thread-safe: drive it from one thread.
-
-Redis outages are ridden through (schemas/retry.py: backoff with jitter for at most `outage_max_s`, one log
-line per outage and per recovery); once Redis answers again the core re-pushes every driven session's
-unanswered jobs (idempotent: job ids) and reads its result streams again from a little earlier.
-"""
+"""`Producer`: the Tracker side on redis-py, synchronous: it runs the core's plans (producer/core.py) and loops;
+every decision is the core's. Not thread-safe: drive it from one thread."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -16,7 +10,6 @@ from typing import Any, TypeVar
 import redis
 
 from schemas import SessionSpec, StepResult
-from schemas.retry import OutageRider, RetryPolicy
 
 from .commands import Batch, Plan, Read, Sleep
 from .errors import SessionFailed
@@ -27,24 +20,16 @@ from .tracker import TrackerOps
 
 __all__ = ["Producer"]
 
-log = logging.getLogger("dgr.producer")
 T = TypeVar("T")
 OnResult = Callable[[SessionHandle, StepResult], None]
 
 
 class Producer(TrackerOps):
-    """The Tracker-side client on a `redis.Redis` (or RedisCluster). `settings` (or keyword options):
-    ProducerSettings."""
+    """The Tracker-side client on a `redis.Redis` (or RedisCluster); `settings` (or keyword options):
+    ProducerSettings. The operations: producer/tracker.py; the loops: `run_many`, `generate`, `drive`, `poll`."""
 
     def __init__(self, client: redis.Redis, settings: ProducerSettings | None = None, **options: Any) -> None:
-        super().__init__(settings, **options)
-        self.client = client
-        self._rider = OutageRider(RetryPolicy(max_s=self.settings.outage_max_s), log, "producer")
-
-    @property
-    def outages(self) -> int:
-        """Redis outages this producer rode through."""
-        return self._rider.outages
+        super().__init__(client, settings, **options)
 
     def _call(self, plan: Plan[T]) -> T:
         reply: Any = None
@@ -101,12 +86,9 @@ class Producer(TrackerOps):
                     time.sleep(min(0.05, max(until, 0.005)) if until is not None else 0.05)
                     continue
                 self._turn(until)
-                if on_result is not None:
-                    for h, r in run.take():
-                        on_result(h, r)
-                self.core.expire()
-                if run.error is not None:
-                    raise run.error
+                for h, r in run.take():
+                    on_result(h, r)  # type: ignore[misc]  # results are collected only with a callback
+                self._raise(run)
         finally:
             self.core.stop(run)
 
@@ -131,9 +113,7 @@ class Producer(TrackerOps):
                 if h.finished:
                     break
                 self._turn(None)
-                self.core.expire()
-                if run.error is not None:
-                    raise run.error
+                self._raise(run)
         finally:
             self.core.stop(run)
         if h.status not in ("finished", "cancelled"):
@@ -154,3 +134,8 @@ class Producer(TrackerOps):
         block = self.core.block_ms(until)
         if not self._call(self.core.turn(block)) and block <= 0:
             time.sleep(self.settings.poll_s)
+
+    def _raise(self, run: Any) -> None:
+        self.core.expire()
+        if run.error is not None:
+            raise run.error

@@ -68,16 +68,16 @@ class XInfoGroups(NamedTuple):
     stream: str
 
 
+class XRange(NamedTuple):
+    stream: str
+    start: str
+    limit: int  # start: "-", an id, "(" + id
+
+
 class XRead(NamedTuple):
     streams: tuple[tuple[str, str], ...]  # (stream, read after this id)
     limit: int  # entries per stream
     block_ms: int | None = None  # None: do not block
-
-
-class XRange(NamedTuple):
-    stream: str
-    start: str  # "-", an id, or "(" + id (exclusive)
-    limit: int
 
 
 Command = XAdd | Set | HSet | Expire | Delete | Get | Exists | HGetAll | SMembers | XLen | XInfoGroups | XRead | XRange

@@ -20,24 +20,22 @@ import logging
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import SessionSpec, StepResult, WireError, WorkerKeys
-from schemas.keys import PREFIX, WORKERS_INDEX
-from schemas.lag import stream_lag
-from schemas.limits import MAX_POSITION
+from schemas.keys import PREFIX
 from schemas.replies import id_tuple
-from schemas.wire import END_OFFSET, STATUS_CODE, RowExtra, decode_record
+from schemas.wire import decode_record
 
-from .commands import Batch, Exists, Get, Plan, Read, Sleep, SMembers, XAdd, XInfoGroups, XLen, XRead
-from .errors import Backpressure, ResultTimeout
-from .route import check_joins, relay
-from .session import SessionHandle, apply, row_result
+from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
+from .errors import ResultTimeout
+from .route import relay
+from .session import SessionHandle, apply, apply_result, row_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
-from .validate import WorkerInfo, check_id, check_token, check_tokens, vocab_size
+from .validate import Admission, WorkerInfo, check_id, check_token
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
@@ -85,8 +83,10 @@ class Run:
                 **{k: self.handles[k] for k in order if k in self.handles}}
 
 
-class ProducerCore(Steps):
+class ProducerCore(Steps, Admission):
     """Settings, caches and every plan of the Tracker side (see the module docstring)."""
+
+    apply = staticmethod(apply_result)
 
     def __init__(self, settings: ProducerSettings | None = None, **options: Any) -> None:
         self.settings = ProducerSettings.of(settings, options)
@@ -102,130 +102,6 @@ class ProducerCore(Steps):
         self.refused = 0  # result entries that could not be decoded (another wire version: logged)
         self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
         self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
-
-    # ---------------------------------------------------------------- discovery and validation
-
-    def discover(self, worker_id: str) -> Plan[WorkerInfo]:
-        k = WorkerKeys(check_id(worker_id, "worker_id"))
-        spec_raw, hb_raw = yield Read((Get(k.spec), Get(k.heartbeat)))
-        info = WorkerInfo.parse(worker_id, spec_raw, hb_raw)
-        if info is None:
-            raise LookupError(f"worker {worker_id!r} has not advertised (no {k.spec})")
-        self.remember(info.check_wire())
-        return info
-
-    def workers(self) -> Plan[list[WorkerInfo]]:
-        (ids,) = yield Read((SMembers(WORKERS_INDEX),))
-        if not ids:
-            return []
-        replies = yield Read(tuple(c for w in ids for c in (Get(WorkerKeys(w).spec), Get(WorkerKeys(w).heartbeat))))
-        infos = (WorkerInfo.parse(w, replies[2 * i], replies[2 * i + 1]) for i, w in enumerate(ids))
-        return [info for info in infos if info is not None]
-
-    def remember(self, info: WorkerInfo) -> None:
-        self.discovered[info.worker_id] = (time.monotonic(), info)
-
-    def to_discover(self, spec: SessionSpec) -> list[str]:
-        """The route's workers whose advertisement must be (re)read before opening."""
-        if not self.settings.verify_route:
-            return []
-        now = time.monotonic()
-        stale = (rh.worker_id for rh in spec.route if rh.worker_id not in self.discovered
-                 or now - self.discovered[rh.worker_id][0] > self.settings.discover_cache_s)
-        return list(dict.fromkeys(stale))
-
-    def check_shape(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
-        """What can be checked without the workers' advertisements: types, hop, prompt, context, joins."""
-        if not isinstance(spec, SessionSpec):
-            raise TypeError(f"spec must be a SessionSpec, not {type(spec).__name__}")
-        if isinstance(hop, bool) or not isinstance(hop, int) or not 0 <= hop < len(spec.route):
-            raise ValueError(f"hop {hop!r} is not on the route ({len(spec.route)} hops)")
-        toks = check_tokens(prompt, None)
-        if not toks:
-            raise ValueError("empty prompt")
-        if spec.route[hop].key.boundary.consumes != "tokens":
-            raise ValueError("this producer drives token-consuming hops only")
-        check_joins(spec)
-        ctx = spec.route[hop].key.recipe.ctx_per_session
-        if len(toks) + spec.max_tokens > ctx:
-            raise ValueError(f"prompt ({len(toks)}) + max_tokens ({spec.max_tokens}) over the context per session "
-                             f"({ctx})")
-        if len(toks) + spec.max_tokens > MAX_POSITION:
-            raise ValueError("session longer than MAX_POSITION")
-        return toks
-
-    def new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> SessionHandle:
-        """A handle, once the prompt and route are checked (with verify_route, against the advertisements of
-        every hop's worker, discovered first: `to_discover`)."""
-        toks = self.check_shape(spec, prompt, hop)
-        if self.settings.verify_route:
-            for k, rh in enumerate(spec.route):
-                digests = self.discovered[rh.worker_id][1].digests
-                for phase in ("prefill", "decode"):
-                    d = rh.key.for_phase(phase).digest
-                    if d not in digests:
-                        what = f"the route's {phase} key" if len(spec.route) == 1 else f"hop {k}'s {phase} key"
-                        raise ValueError(f"worker {rh.worker_id!r} does not advertise {what} {d}")
-        worker = spec.route[hop].worker_id
-        toks = check_tokens(toks, self.vocab(worker))
-        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id,
-                             opened_at=time.time())
-
-    def vocab(self, worker_id: str) -> int | None:
-        cached = self.discovered.get(worker_id)
-        return vocab_size(cached[1].info) if cached is not None else None
-
-    @staticmethod
-    def apply(h: SessionHandle, r: StepResult) -> bool:
-        """Apply an answer built in memory (a test double of a worker, tests/test_continuation.py) as a row read
-        from a record would be. False (ignored) when it answers no current job of the session."""
-        base, _, suffix = r.job_id.rpartition(".")
-        off = END_OFFSET if base and suffix == "end" else int(suffix) if base and suffix.isdigit() else 0
-        s = h.sent.get(base if off else r.job_id)
-        if s is None or r.session_id != h.session_id:
-            return False
-        a, x = r.accounting, None
-        if r.reason is not None or r.detail or r.hidden is not None:
-            x = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
-        if not apply(h, s, off, STATUS_CODE[r.status], r.position, -1 if r.token is None else r.token, int(r.finished),
-                     x, a.engine_seconds, a.prompt_tokens, a.generated_tokens):
-            return False
-        h.last_row = r
-        return True
-
-    @staticmethod
-    def check_handles(handles: Iterable[object]) -> None:
-        for h in handles:
-            if not isinstance(h, SessionHandle):
-                raise TypeError(f"handles must be SessionHandles, not {type(h).__name__}")
-
-    # ---------------------------------------------------------------- backpressure
-
-    def input_lag(self, stream: str) -> Plan[int]:
-        cached = self.lag.get(stream)
-        if cached is not None and time.monotonic() - cached[0] < self.settings.lag_cache_s:
-            return cached[1]
-        length, groups = yield Read((XLen(stream), XInfoGroups(stream)), errors=True)
-        lag = stream_lag(length, groups).behind
-        self.lag[stream] = (time.monotonic(), lag)
-        return lag
-
-    def admit(self, stream: str, *, wait: bool) -> Plan[bool]:
-        """True when the stream's lag is within max_lag. wait=False: answer at once; wait=True: apply the policy
-        (raise Backpressure, or wait up to timeout_s then raise)."""
-        st = self.settings
-        if st.max_lag is None or (yield from self.input_lag(stream)) <= st.max_lag:
-            return True
-        if not wait:
-            return False
-        if st.backpressure == "wait":
-            deadline = time.monotonic() + st.timeout_s
-            while time.monotonic() < deadline:
-                yield Sleep(max(st.lag_cache_s, 0.01))
-                if (yield from self.input_lag(stream)) <= st.max_lag:
-                    return True
-        raise Backpressure(f"input lag of {stream} over max_lag={st.max_lag}"
-                           + (f" for {st.timeout_s} s" if st.backpressure == "wait" else ""))
 
     # ---------------------------------------------------------------- sessions driven by hand
 

@@ -1,5 +1,5 @@
-"""The one place the Tracker's typed commands (producer/commands.py) meet redis-py: how each is sent (a
-client or a pipeline, sync or asyncio alike: a pipeline queues synchronously) and how its reply is read
+"""The one place the Tracker's typed commands (producer/commands.py) meet redis-py: how each is sent (on a client
+or a pipeline, sync or asyncio alike: a pipeline queues synchronously) and how its reply is read
 (schemas/replies.py). A single command goes alone (`client.xread(...)`), several as one pipeline."""
 
 from __future__ import annotations
@@ -9,104 +9,65 @@ from typing import Any
 
 from schemas.replies import as_str, range_reply, read_reply, str_map
 
-from .commands import (
-    Batch,
-    Command,
-    Delete,
-    Exists,
-    Expire,
-    Get,
-    HGetAll,
-    HSet,
-    Read,
-    Set,
-    SMembers,
-    XAdd,
-    XInfoGroups,
-    XLen,
-    XRange,
-    XRead,
-)
+from . import commands as c
 
 __all__ = ["aexecute", "execute"]
 
-
-def _xadd(t: Any, c: XAdd) -> Any:
-    if c.maxlen is None:
-        return t.xadd(c.stream, c.fields)
-    return t.xadd(c.stream, c.fields, maxlen=c.maxlen, approximate=True)
-
-
 _SEND: dict[type, Callable[[Any, Any], Any]] = {
-    XAdd: _xadd,
-    Set: lambda t, c: t.set(c.key, c.value, ex=c.ex),
-    HSet: lambda t, c: t.hset(c.key, mapping=c.mapping),
-    Expire: lambda t, c: t.expire(c.key, c.seconds),
-    Delete: lambda t, c: t.delete(c.key),
-    Get: lambda t, c: t.get(c.key),
-    Exists: lambda t, c: t.exists(c.key),
-    HGetAll: lambda t, c: t.hgetall(c.key),
-    SMembers: lambda t, c: t.smembers(c.key),
-    XLen: lambda t, c: t.xlen(c.stream),
-    XInfoGroups: lambda t, c: t.xinfo_groups(c.stream),
-    XRead: lambda t, c: t.xread(dict(c.streams), count=c.limit, block=c.block_ms if c.block_ms else None),
-    XRange: lambda t, c: t.xrange(c.stream, min=c.start, count=c.limit),
+    c.XAdd: lambda t, x: t.xadd(x.stream, x.fields) if x.maxlen is None else
+    t.xadd(x.stream, x.fields, maxlen=x.maxlen, approximate=True),
+    c.Set: lambda t, x: t.set(x.key, x.value, ex=x.ex),
+    c.HSet: lambda t, x: t.hset(x.key, mapping=x.mapping),
+    c.Expire: lambda t, x: t.expire(x.key, x.seconds),
+    c.Delete: lambda t, x: t.delete(x.key),
+    c.Get: lambda t, x: t.get(x.key),
+    c.Exists: lambda t, x: t.exists(x.key),
+    c.HGetAll: lambda t, x: t.hgetall(x.key),
+    c.SMembers: lambda t, x: t.smembers(x.key),
+    c.XLen: lambda t, x: t.xlen(x.stream),
+    c.XInfoGroups: lambda t, x: t.xinfo_groups(x.stream),
+    c.XRead: lambda t, x: t.xread(dict(x.streams), count=x.limit, block=x.block_ms or None),
+    c.XRange: lambda t, x: t.xrange(x.stream, min=x.start, count=x.limit),
 }
 _READ: dict[type, Callable[[Any], Any]] = {
-    Exists: bool,
-    HGetAll: str_map,
-    SMembers: lambda r: sorted(as_str(x) for x in r or ()),
-    XRead: read_reply,
-    XRange: range_reply,
+    c.Exists: bool, c.HGetAll: str_map, c.SMembers: lambda r: sorted(as_str(x) for x in r or ()),
+    c.XRead: read_reply, c.XRange: range_reply,
 }
 
 
-def _parse(cmd: Command, raw: Any) -> Any:
-    if isinstance(raw, Exception):
-        return raw
+def _parse(cmd: c.Command, raw: Any) -> Any:
     parse = _READ.get(type(cmd))
-    return raw if parse is None else parse(raw)
+    return raw if parse is None or isinstance(raw, Exception) else parse(raw)
 
 
-def _pipeline(client: Any, req: Read | Batch, transaction: bool | None) -> tuple[Any, Any]:
-    cmds = req.cmds if isinstance(req, Read) else req.ops
-    if transaction is None:
-        transaction = isinstance(req, Batch) and req.transaction
-    pipe = client.pipeline(transaction=transaction)
-    for c in cmds:
-        _SEND[type(c)](pipe, c)
-    return pipe, cmds
+def _pipeline(client: Any, req: c.Read | c.Batch, transaction: bool | None) -> tuple[Any, Any, Any]:
+    """(the first command when it goes alone, or None; the pipeline, or None; the commands)."""
+    cmds = req.cmds if isinstance(req, c.Read) else req.ops
+    if isinstance(req, c.Read) and len(cmds) == 1 and not req.errors:
+        return cmds[0], None, cmds
+    pipe = client.pipeline(transaction=(isinstance(req, c.Batch) and req.transaction) if transaction is None
+                           else transaction)
+    for x in cmds:
+        _SEND[type(x)](pipe, x)
+    return None, pipe, cmds
 
 
-def _alone(req: Read | Batch) -> Command | None:
-    """The one command a request sends alone (no pipeline), if it is one."""
-    if isinstance(req, Read) and len(req.cmds) == 1 and not req.errors:
-        return req.cmds[0]
-    return None
+def _replies(req: c.Read | c.Batch, cmds: Any, raw: list[Any]) -> Any:
+    return [_parse(x, r) for x, r in zip(cmds, raw, strict=True)] if isinstance(req, c.Read) else None
 
 
-def _raises(req: Read | Batch) -> bool:
-    return not (isinstance(req, Read) and req.errors)
-
-
-def _replies(req: Read | Batch, cmds: Any, raw: list[Any]) -> Any:
-    return [_parse(c, r) for c, r in zip(cmds, raw, strict=True)] if isinstance(req, Read) else None
-
-
-def execute(client: Any, req: Read | Batch, transaction: bool | None = None) -> Any:
-    """Send a request on a redis-py client; the parsed replies (a Read), None (a Batch). `transaction`: MULTI/EXEC
-    or not, whatever the Batch says."""
-    one = _alone(req)
+def execute(client: Any, req: c.Read | c.Batch, transaction: bool | None = None) -> Any:
+    """Send a request on a redis-py client: the parsed replies of a Read, None for a Batch. `transaction`:
+    MULTI/EXEC or not, whatever the Batch says."""
+    one, pipe, cmds = _pipeline(client, req, transaction)
     if one is not None:
         return [_parse(one, _SEND[type(one)](client, one))]
-    pipe, cmds = _pipeline(client, req, transaction)
-    return _replies(req, cmds, pipe.execute(raise_on_error=_raises(req)))
+    return _replies(req, cmds, pipe.execute(raise_on_error=not (isinstance(req, c.Read) and req.errors)))
 
 
-async def aexecute(client: Any, req: Read | Batch, transaction: bool | None = None) -> Any:
+async def aexecute(client: Any, req: c.Read | c.Batch, transaction: bool | None = None) -> Any:
     """`execute` on a redis.asyncio client."""
-    one = _alone(req)
+    one, pipe, cmds = _pipeline(client, req, transaction)
     if one is not None:
         return [_parse(one, await _SEND[type(one)](client, one))]
-    pipe, cmds = _pipeline(client, req, transaction)
-    return _replies(req, cmds, await pipe.execute(raise_on_error=_raises(req)))
+    return _replies(req, cmds, await pipe.execute(raise_on_error=not (isinstance(req, c.Read) and req.errors)))

@@ -1,16 +1,16 @@
-"""What only routes of several hops need (docs/routes.md): the checks that a route's hops join, and the relay
-of a hop's output rows as the next hop's input. The Tracker relays, as Petals' client does: every hop answers
-into its own hash tag (its result stream; a prefill chunk's rows in a blob `act:out:<job>` of its tag), and
-the next hop's job carries the rows inline (a decode step) or in a blob the Tracker writes into that hop's tag
-(`act:in:<job>`) in the pipeline that pushes the job. Workers never write another worker's tag (Redis Cluster
-safe, per-worker ACLs), only the Tracker signs jobs, and cancel, replay and billing stay in one place.
+"""What only routes of several hops need (docs/routes.md; the checks that a route's hops join: validate.py): the
+relay of a hop's output rows as the next hop's input. The Tracker relays, as Petals' client does: every hop
+answers into its own hash tag (its result stream; a prefill chunk's rows in a blob `act:out:<job>` of its tag),
+and the next hop's job carries the rows inline (a decode step) or in a blob the Tracker writes into that hop's
+tag (`act:in:<job>`) in the pipeline that pushes the job. Workers never write another worker's tag (Redis
+Cluster safe, per-worker ACLs), only the Tracker signs jobs, and cancel, replay and billing stay in one place.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from schemas import Reason, SessionSpec, WorkerKeys
+from schemas import Reason, WorkerKeys
 
 from .commands import Batch, Delete
 from .session import RouteHandle, SessionHandle, lose
@@ -19,22 +19,7 @@ from .steps import job_id
 if TYPE_CHECKING:
     from .core import ProducerCore
 
-__all__ = ["RouteHandle", "check_joins", "relay"]
-
-
-def check_joins(spec: SessionSpec) -> None:
-    """Hop 0 takes tokens, every later hop the previous hop's activations (same blocks boundary, hidden size,
-    dtype); only the last produces logits."""
-    for k, rh in enumerate(spec.route):
-        b = rh.key.boundary
-        if k > 0 and b.consumes != "hidden":
-            raise ValueError(f"hop {k} of the route must consume hidden activations, not {b.consumes}")
-        if (b.produces == "logits") != (k == len(spec.route) - 1):
-            raise ValueError(f"hop {k} produces {b.produces}: only the last hop may produce logits")
-        if k > 0:
-            prev = spec.route[k - 1].key.boundary
-            if prev.last_layer != b.first_layer or prev.hidden_size != b.hidden_size or prev.dtype != b.dtype:
-                raise ValueError(f"hop {k - 1} and hop {k} do not join (blocks, hidden size or dtype differ)")
+__all__ = ["RouteHandle", "relay"]
 
 
 def relay(core: ProducerCore, batch: Batch, h: SessionHandle, blobs: dict[str, bytes | None], *,

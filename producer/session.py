@@ -13,11 +13,12 @@ from typing import Any
 from schemas import Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
 from schemas.activations import Activations
 from schemas.step import end_job_id, result_job_id
-from schemas.wire import STATUSES, Charges, ResultRecord, RowExtra, row_result_id
+from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecord, RowExtra, row_result_id
 
 from . import credit
 
-__all__ = ["HopLeg", "Relay", "RouteHandle", "Sent", "SessionHandle", "apply", "end", "lose", "row_result"]
+__all__ = ["HopLeg", "Relay", "RouteHandle", "Sent", "SessionHandle", "apply", "apply_result", "end", "lose",
+           "row_result"]
 
 _OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
 
@@ -114,11 +115,6 @@ class SessionHandle:
     @property
     def last_hop(self) -> int:
         return len(self.legs) - 1
-
-    @property
-    def results_key(self) -> str:
-        """Hop 0's result stream for this session."""
-        return WorkerKeys(self.worker_id).results(self.reply or self.session_id)
 
     def input_stream(self, phase: Phase, hop: int = 0) -> str:
         return WorkerKeys(self.legs[hop].worker_id).input_stream(self.spec.route[hop].key.for_phase(phase).digest,
@@ -245,4 +241,22 @@ def _answer(h: SessionHandle, s: Sent, leg: HopLeg, off: int, st: int, pos: int,
     if finished:
         leg.closed = True
         end(h, "finished")
+    return True
+
+
+def apply_result(h: SessionHandle, r: StepResult) -> bool:
+    """Apply an answer built in memory (a test double of a worker, tests/test_continuation.py) as a row read from
+    a record would be. False (ignored) when it answers no current job of the session."""
+    base, _, suffix = r.job_id.rpartition(".")
+    off = END_OFFSET if base and suffix == "end" else int(suffix) if base and suffix.isdigit() else 0
+    s = h.sent.get(base if off else r.job_id)
+    if s is None or r.session_id != h.session_id:
+        return False
+    a, x = r.accounting, None
+    if r.reason is not None or r.detail or r.hidden is not None:
+        x = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
+    if not apply(h, s, off, STATUS_CODE[r.status], r.position, -1 if r.token is None else r.token, int(r.finished),
+                 x, a.engine_seconds, a.prompt_tokens, a.generated_tokens):
+        return False
+    h.last_row = r
     return True

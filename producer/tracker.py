@@ -10,10 +10,12 @@ wanted back only from the last) and the session's record, in one MULTI/EXEC; eve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from schemas import SessionSpec
+from schemas.retry import OutageRider, RetryPolicy
 
 from .commands import Plan
 from .core import ProducerCore
@@ -23,16 +25,28 @@ from .settings import ProducerSettings
 
 __all__ = ["TrackerOps"]
 
+log = logging.getLogger("dgr.producer")
+
 
 class TrackerOps:
-    """`settings`: one frozen ProducerSettings (keyword options override its fields)."""
+    """`client`: a redis-py client (sync or asyncio, as the driver); `settings`: one frozen ProducerSettings
+    (keyword options override its fields). Every call rides through a Redis outage (schemas/retry.py: backoff
+    with jitter for at most `outage_max_s`, one log line per outage and per recovery); after one the core
+    re-pushes what its sessions have unanswered and reads their streams again from a little earlier."""
 
-    def __init__(self, settings: ProducerSettings | None = None, **options: Any) -> None:
+    def __init__(self, client: Any, settings: ProducerSettings | None = None, **options: Any) -> None:
+        self.client = client
         self.settings = ProducerSettings.of(settings, options)
         self.core = ProducerCore(self.settings)
+        self._rider = OutageRider(RetryPolicy(max_s=self.settings.outage_max_s), log, "producer")
 
     def _call(self, plan: Plan[Any]) -> Any:
         raise NotImplementedError
+
+    @property
+    def outages(self) -> int:
+        """Redis outages this producer rode through."""
+        return self._rider.outages
 
     @property
     def tracker_id(self) -> str:
