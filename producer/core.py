@@ -79,7 +79,8 @@ class Run:
     def out(self) -> dict[str, SessionHandle]:
         """The handles: resumed ones first, then in the order given."""
         order = [s.session_id for s, _ in self.sessions]
-        return {**{k: h for k, h in self.handles.items() if k not in set(order)},
+        given = set(order)
+        return {**{k: h for k, h in self.handles.items() if k not in given},
                 **{k: self.handles[k] for k in order if k in self.handles}}
 
 
@@ -134,11 +135,23 @@ class ProducerCore(Steps, Admission):
             yield batch
 
     def cancel(self, worker_id: str, session_id: str) -> Plan[None]:
-        yield from self.cancel_batches([worker_id], session_id)
+        yield from self._cancel([worker_id], session_id)
 
     def cancel_route(self, h: SessionHandle) -> Plan[None]:
         self.check_handles([h])
-        yield from self.cancel_batches([leg.worker_id for leg in h.legs], h.session_id)
+        yield from self._cancel([leg.worker_id for leg in h.legs], h.session_id)
+
+    def _cancel(self, workers: list[str], session_id: str) -> Plan[None]:
+        """One transaction per worker; kept for rewind_ms, to send again after an outage (a failover loses the
+        writes of its last moments)."""
+        for b in self.cancel_batches(workers, session_id):
+            yield b
+            self.cancels.append((time.monotonic(), b.tag or "", session_id))
+        self._recent_cancels()
+
+    def _recent_cancels(self) -> None:
+        while self.cancels and time.monotonic() - self.cancels[0][0] > self.settings.rewind_ms / 1000:
+            self.cancels.popleft()
 
     def cancelled(self, worker_id: str, session_id: str) -> Plan[bool]:
         keys = WorkerKeys(check_id(worker_id, "worker_id"))
@@ -360,8 +373,7 @@ class ProducerCore(Steps, Admission):
                 self.cursors[stream] = f"{max(0, ms - rewind)}-0"
         self.answered = dict.fromkeys(self.answered, now)
         batch = Batch()
-        while self.cancels and now - self.cancels[0][0] > rewind / 1000:
-            self.cancels.popleft()
+        self._recent_cancels()
         for _, worker_id, session_id in self.cancels:
             self.cancel_ops(batch, worker_id, session_id)
         n = sum(self.queue_unanswered(batch, h) for h in self.driven.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
+from schemas import PHASES, Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
 from schemas.activations import Activations
 from schemas.step import end_job_id, result_job_id
 from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecord, RowExtra, row_result_id
@@ -53,10 +53,12 @@ class Relay:
 
 @dataclass(eq=False, slots=True)
 class HopLeg:
-    """One hop of a session's route: what its worker charged the session and what was relayed into it."""
+    """One hop of a session's route: its compatibility key's digest per phase (its streams' names), what its
+    worker charged the session and what was relayed into it."""
 
     hop: int
     worker_id: str
+    digests: dict[str, str] = field(default_factory=dict)  # phase -> digest (computed once: sha256 of JSON)
     closed: bool = False  # it answered finished / cancelled, or was released
     engine_seconds: float = 0.0  # what this hop's worker charged the session (answers of every attempt)
     rows: int = 0  # positions it computed for the session
@@ -102,7 +104,8 @@ class SessionHandle:
 
     def __post_init__(self) -> None:
         if not self.legs:
-            self.legs = [HopLeg(k, rh.worker_id) for k, rh in enumerate(self.spec.route)]
+            self.legs = [HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES})
+                         for k, rh in enumerate(self.spec.route)]
 
     def __repr__(self) -> str:  # short: a handle holds its spec, its jobs and its Run
         return (f"SessionHandle({self.session_id!r}, {self.status}, {len(self.generated)} tokens, attempt "
@@ -117,8 +120,8 @@ class SessionHandle:
         return len(self.legs) - 1
 
     def input_stream(self, phase: Phase, hop: int = 0) -> str:
-        return WorkerKeys(self.legs[hop].worker_id).input_stream(self.spec.route[hop].key.for_phase(phase).digest,
-                                                                   phase)
+        leg = self.legs[hop]
+        return WorkerKeys(leg.worker_id).input_stream(leg.digests[phase], phase)
 
     @property
     def awaits_replay(self) -> bool:

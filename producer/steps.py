@@ -63,7 +63,7 @@ class Steps:
             n: int = 1, session: SessionSpec | None = None, hidden: Activations | None = None,
             created_at: float | None = None) -> StepJob:
         return StepJob(job_id=job_id(h.session_id, hop, phase, start, h.attempt), session_id=h.session_id, hop=hop,
-                       phase=phase, compat=h.spec.route[hop].key.for_phase(phase).digest, start_position=start,
+                       phase=phase, compat=h.legs[hop].digests[phase], start_position=start,
                        tokens=tokens, sample=sample, attempt=h.attempt, n=n, session=session, hidden=hidden,
                        reply_to=h.reply, created_at=time.time() if created_at is None else created_at)
 

@@ -275,3 +275,20 @@ def test_resume_rebuilds_a_session_from_its_record_and_its_answers() -> None:
     assert other.cursors[KEYS.results("t-old")] == "2-0"
     with pytest.raises(LookupError):
         run(resume(other, WORKER, ["x"]), lambda req: [{}])
+
+
+def test_recent_cancels_are_sent_again_after_an_outage() -> None:
+    """A failover can lose the writes of its last moments: a cancel among them would let the session run on."""
+    c = core(rewind_ms=60_000)
+    plan = c.cancel(WORKER, "s-1")
+    req = plan.send(None)
+    assert isinstance(req, Batch) and req.transaction
+    with pytest.raises(StopIteration):
+        plan.send(None)
+    c.outage = True
+    again = next(c.recover())
+    assert [op[0] for op in again.ops] == [KEYS.cancel_marker("s-1"), KEYS.cancellations]
+    old = core(rewind_ms=0)
+    run(old.cancel(WORKER, "s-2"), lambda _: None)
+    old.outage = True
+    assert list(old.recover()) == []  # older than rewind_ms: not sent again

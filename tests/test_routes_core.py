@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer import ProducerCore, SessionHandle, WorkerInfo
-from producer.commands import Batch, Delete, Exists, Get, Read, Set, Sleep, XAdd, XRead
+from producer.commands import Batch, Delete, Exists, Get, HGetAll, HSet, Read, Set, Sleep, XAdd, XRange, XRead
 from producer.route import relay
 from schemas import (
     Accounting,
@@ -106,6 +107,20 @@ def oracle(prompt: Sequence[int], n_hops: int, max_tokens: int, stop: tuple[int,
 
 
 @dataclass
+class Answer:
+    """One answer as a hop files it: a record of one row, with the attempt of the job it answers."""
+
+    result: StepResult
+    attempt: int
+
+    def fields(self) -> dict[bytes, bytes]:
+        f = results_to_fields([self.result])
+        rec = msgspec.json.decode(f[b"r"])
+        rec["att"] = [self.attempt]
+        return {**f, b"r": msgspec.json.encode(rec)}
+
+
+@dataclass
 class SimSession:
     attempt: int
     next_pos: int
@@ -132,7 +147,7 @@ class SimHop:
         """A kill -9 and a fresh process: every session's state is gone; queued jobs stay in the stream."""
         self.sessions.clear()
 
-    def run_one(self, rng: random.Random, store: dict[str, bytes], streams: dict[str, list[StepResult]]) -> None:
+    def run_one(self, rng: random.Random, store: dict[str, bytes], streams: dict[str, list[Answer]]) -> None:
         # any queued job of any session may go first, but one session's jobs stay in stream order
         firsts: dict[str, int] = {}
         for i, j in enumerate(self.queue):
@@ -142,7 +157,7 @@ class SimHop:
             return
         r = self.serve(job, store)
         self.answered.add(job.job_id)
-        streams.setdefault(WorkerKeys(self.worker).results(job.reply), []).append(r)
+        streams.setdefault(WorkerKeys(self.worker).results(job.reply), []).append(Answer(r, job.attempt))
 
     def _res(self, job: StepJob, status: Status, reason: Reason | None = None, **kw: object) -> StepResult:
         return StepResult(job_id=job.job_id, session_id=job.session_id, status=status, reason=reason,
@@ -205,8 +220,9 @@ class SimCluster:
     def __init__(self, hops: list[SimHop]) -> None:
         self.hops = hops
         self.store: dict[str, bytes] = {}
-        self.streams: dict[str, list[StepResult]] = {}
+        self.streams: dict[str, list[Answer]] = {}
         self.markers: set[str] = set()
+        self.records: dict[str, dict[str, str]] = {}  # the session records (HSET) the Tracker wrote
 
     def send(self, batch: Batch) -> None:
         for op in batch.ops:
@@ -229,16 +245,22 @@ class SimCluster:
                     self.markers.add(op.key)
             elif isinstance(op, Delete):
                 self.store.pop(op.key, None)
+            elif isinstance(op, HSet):
+                self.records[op.key] = dict(op.mapping)
 
     def answer(self, req: Read) -> list[object]:
         out: list[object] = []
         for c in req.cmds:
             if isinstance(c, XRead):  # one record per answer (one completion call each), ids by index
-                out.append([(s, [(f"{i + 1}-0", results_to_fields([r])) for i, r in
+                out.append([(s, [(f"{i + 1}-0", r.fields()) for i, r in
                                  enumerate(self.streams.get(s, [])) if i + 1 > int(after.split("-")[0])])
                             for s, after in c.streams])
             elif isinstance(c, Get):
                 out.append(self.store.get(c.key))
+            elif isinstance(c, HGetAll):
+                out.append(self.records.get(c.key, {}))
+            elif isinstance(c, XRange):  # one page holds everything here
+                out.append([(f"{i + 1}-0", r.fields()) for i, r in enumerate(self.streams.get(c.stream, []))])
             else:
                 assert isinstance(c, Exists)
                 out.append(c.key in self.markers)
@@ -343,7 +365,7 @@ def test_cancel_ops_reach_every_worker_and_relayed_jobs_name_the_next_hops_blob(
     core.touched.clear()
     cluster.hops[0].run_one(random.Random(0), cluster.store, cluster.streams)
     (stream,) = [s for s in cluster.streams if s.startswith("dgr:{w0}")]
-    assert core.ingest(stream, [("1-0", results_to_fields(cluster.streams[stream]))])
+    assert core.ingest(stream, [("1-0", cluster.streams[stream][0].fields())])
     (rl,) = h.relays
     assert rl.blob == WorkerKeys("w0").activations_out(rl.job.job_id)
     b = Batch()
@@ -388,52 +410,35 @@ def test_the_step_by_step_flow_refuses_a_route_of_several_hops() -> None:
         core.queue_decode(Batch(), h, 3)
 
 
-def test_a_route_resumed_in_another_tracker_finishes_with_the_composed_models_tokens() -> None:
-    """A Tracker drives routes part way and goes away; another rebuilds every session from its record and the
-    answers on every hop's stream (one scan each), then drives them to the end: the oracle's tokens, each job
-    answered once."""
-    rng = random.Random(3)
-    core, cluster, workers, cuts = make(3, False, inline_max=5 * HIDDEN * 4, prefill_chunk=4)
+@settings(max_examples=300 if SOAK else 30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_hops=st.integers(1, 3), turns=st.integers(0, 80), chunk=st.integers(1, 8), inline_rows=st.integers(0, 6),
+       crashes=st.dictionaries(st.integers(1, 80), st.integers(0, 2), max_size=2), seed=st.integers(0, 2**32 - 1))
+def test_a_route_resumed_in_another_tracker_finishes_with_the_composed_models_tokens(
+        n_hops: int, turns: int, chunk: int, inline_rows: int, crashes: dict[int, int], seed: int) -> None:
+    """A Tracker drives routes part way (hops crashing meanwhile: replays) and goes away; another rebuilds every
+    session from its record and the answers on every hop's stream (one scan each), then drives them to the end:
+    the oracle's tokens, whatever point the first one stopped at."""
+    from producer.resume import resume
+
+    rng = random.Random(seed)
+    core, cluster, workers, cuts = make(n_hops, False, inline_rows * HIDDEN * 4, prefill_chunk=chunk)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 14)]
     handles = [opened(core, cluster, route_spec(f"s{i}", cuts, workers, 6), p) for i, p in enumerate(prompts)]
     run = core.start([], resume=handles)
-    for _ in range(25):  # part way: prefill relays (blobs and inline) and a few decode steps
+    for step in range(turns):  # part way: prefill relays (blobs and inline), decode steps, replays
         for hop in cluster.hops:
             if hop.queue:
                 hop.run_one(rng, cluster.store, cluster.streams)
+        if step in crashes:
+            cluster.hops[crashes[step] % n_hops].crash()
         cluster.run(core.turn(0))
-    assert not all(h.finished for h in handles)
-    records = {}  # what Redis holds: the session records hop 0's worker got with each opening
-    for h in handles:
-        b = Batch()
-        core.queue_prefill(b, SessionHandle(spec=h.spec, prompt=h.prompt, worker_id=h.worker_id, reply=h.reply))
-        (record,) = [op for op in b.ops if type(op).__name__ == "HSet"]
-        records[h.session_id] = {**record[1], "from": "{}"}
-    other, _, _, _ = make(3, False, prefill_chunk=4)
-
-    def answer(req: Read) -> list[object]:
-        if type(req.cmds[0]).__name__ == "HGetAll":
-            return [records[c[0].rsplit(":", 1)[1]] for c in req.cmds]
-        if type(req.cmds[0]).__name__ == "XRange":
-            (c,) = req.cmds
-            return [[(f"{i + 1}-0", results_to_fields([r])) for i, r in enumerate(cluster.streams.get(c[0], []))]]
-        return cluster.answer(req)
-
-    from producer.resume import resume
-
-    reply = None
-    plan = resume(other, "w0", [h.session_id for h in handles])
-    try:
-        while True:
-            req = plan.send(reply)
-            reply = cluster.send(req) if isinstance(req, Batch) else answer(req)
-    except StopIteration as stop:
-        rebuilt = stop.value
     core.stop(run)  # the first Tracker is gone
+    other, _, _, _ = make(n_hops, False, prefill_chunk=chunk)
+    rebuilt = cluster.run(resume(other, "w0", [h.session_id for h in handles]))
     for h in handles:
         r = rebuilt[h.session_id]
         assert (r.generated, r.attempt) == (h.generated, h.attempt), h.session_id
     drive(other, cluster, list(rebuilt.values()), rng, {})
     for i, p in enumerate(prompts):
         assert rebuilt[f"s{i}"].status == "finished"
-        assert rebuilt[f"s{i}"].generated == oracle(p, 3, 6, ())
+        assert rebuilt[f"s{i}"].generated == oracle(p, n_hops, 6, ())
