@@ -115,10 +115,6 @@ class SessionHandle:
     def session_id(self) -> str:
         return self.spec.session_id
 
-    @property
-    def last_hop(self) -> int:
-        return len(self.legs) - 1
-
     def input_stream(self, phase: Phase, hop: int = 0) -> str:
         leg = self.legs[hop]
         return WorkerKeys(leg.worker_id).input_stream(leg.digests[phase], phase)

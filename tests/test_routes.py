@@ -30,6 +30,7 @@ from dgrtools.tiny_model import write_tiny_model
 from producer import AsyncProducer, Producer, RouteHandle
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
+from .producer_drivers import DRIVERS, SyncOverAsync
 from .support import ConsumerProcess, prompts, session_results
 
 SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
@@ -119,12 +120,20 @@ def whole_tokens(fleet: Fleet, prefix: str, ps: Sequence[Sequence[int]], max_tok
 # 1 and 8 sessions through real processes by default (2 and 4 under DGR_SOAK=1): tests/test_hop_worker.py
 # and tests/test_hop_engine.py check 1/2/4/8 on every run, a layer below.
 @pytest.mark.parametrize("n_sessions", [1, 2, 4, 8] if SOAK else [1, 8])
-def test_route_tokens_equal_the_whole_model(fleet: Fleet, n_hops: int, n_sessions: int) -> None:
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_route_tokens_equal_the_whole_model(fleet: Fleet, n_hops: int, n_sessions: int, driver: str) -> None:
     ps = mixed_prompts(n_sessions, seed=n_sessions * 10 + n_hops)
     sampled = [i % 3 == 2 for i in range(n_sessions)]
-    want = whole_tokens(fleet, f"w{n_hops}-{n_sessions}", ps, 12, sampled)
-    prefix = f"r{n_hops}-{n_sessions}"
-    got = fleet.producer().run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+    want = whole_tokens(fleet, f"w{n_hops}-{n_sessions}{driver}", ps, 12, sampled)
+    prefix = f"r{n_hops}-{n_sessions}{driver}"
+    if driver == "sync":
+        got = fleet.producer().run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+    else:  # the asyncio driver, the same body (tests/producer_drivers.py)
+        p = SyncOverAsync(fleet.client, prefill_chunk=CHUNK, timeout_s=60)
+        try:
+            got = p.run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+        finally:
+            p.close()
     if n_sessions > 1:  # the long prompts' rows went through blobs, each deleted once relayed / read
         assert not list(fleet.client.scan_iter("dgr:*:act:*")), "a blob outlived its relay"
     for i, p in enumerate(ps):
