@@ -21,7 +21,6 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import SessionSpec, StepResult, WireError, WorkerKeys
@@ -32,7 +31,7 @@ from schemas.wire import decode_record
 from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
 from .errors import ResultTimeout
 from .route import relay
-from .session import SessionHandle, apply, apply_result, row_result
+from .session import Run, SessionHandle, Sessions, apply, apply_result, row_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
 from .validate import Admission, WorkerInfo, check_id, check_token
@@ -40,48 +39,6 @@ from .validate import Admission, WorkerInfo, check_id, check_token
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
 log = logging.getLogger("dgr.producer")
-Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
-
-
-@dataclass(eq=False, repr=False)
-class Run:
-    """The sessions one run_many / generate / drive call drives: those still to open (by start time, seconds
-    from the call), the handles, the answers for its callbacks (`collect`). `waker`: the driver's."""
-
-    sessions: Sessions
-    times: list[float]
-    replay: bool = True
-    collect: bool = False
-    handles: dict[str, SessionHandle] = field(default_factory=dict)
-    results: list[tuple[SessionHandle, StepResult]] = field(default_factory=list)
-    live: int = 0
-    error: BaseException | None = None
-    waker: Any = None  # the driver's (AsyncProducer: an asyncio.Event)
-    pending: deque[int] = field(default_factory=deque)
-
-    def due(self, elapsed: float) -> list[int]:
-        out = []
-        while self.pending and self.times[self.pending[0]] <= elapsed:
-            out.append(self.pending.popleft())
-        return out
-
-    def until_next(self, elapsed: float) -> float | None:
-        return max(0.0, self.times[self.pending[0]] - elapsed) if self.pending else None
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and not self.live
-
-    def take(self) -> list[tuple[SessionHandle, StepResult]]:
-        out, self.results = self.results, []
-        return out
-
-    def out(self) -> dict[str, SessionHandle]:
-        """The handles: resumed ones first, then in the order given."""
-        order = [s.session_id for s, _ in self.sessions]
-        given = set(order)
-        return {**{k: h for k, h in self.handles.items() if k not in given},
-                **{k: self.handles[k] for k in order if k in self.handles}}
 
 
 class ProducerCore(Steps, Admission):

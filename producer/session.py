@@ -2,11 +2,14 @@
 row of a result record, schemas/wire.py) goes through `apply`. A one-hop session is a route of one hop: hop 0
 takes tokens, each later hop the previous hop's activations, the last one samples (docs/routes.md).
 
-Nothing here does I/O or builds a job: what a session needs next is producer/steps.py's business.
+A `Run` is the sessions one run_many / generate / drive call drives. Nothing here does I/O or builds a job: what
+a session needs next is producer/steps.py's business.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +20,10 @@ from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecor
 
 from . import credit
 
-__all__ = ["HopLeg", "Relay", "RouteHandle", "Sent", "SessionHandle", "apply", "apply_result", "end", "lose",
-           "row_result"]
+__all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
+           "end", "lose", "row_result"]
+
+Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
 
 _OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
 
@@ -140,6 +145,47 @@ class SessionHandle:
     def last_result(self) -> StepResult | None:
         r = self.last_row
         return row_result(*r) if isinstance(r, tuple) else r
+
+
+@dataclass(eq=False, repr=False)
+class Run:
+    """The sessions one run_many / generate / drive call drives: those still to open (by start time, seconds
+    from the call), the handles, the answers for its callbacks (`collect`). `waker`: the driver's."""
+
+    sessions: Sessions
+    times: list[float]
+    replay: bool = True
+    collect: bool = False
+    handles: dict[str, SessionHandle] = field(default_factory=dict)
+    results: list[tuple[SessionHandle, StepResult]] = field(default_factory=list)
+    live: int = 0
+    error: BaseException | None = None
+    waker: Any = None  # the driver's (AsyncProducer: an asyncio.Event)
+    pending: deque[int] = field(default_factory=deque)
+
+    def due(self, elapsed: float) -> list[int]:
+        out = []
+        while self.pending and self.times[self.pending[0]] <= elapsed:
+            out.append(self.pending.popleft())
+        return out
+
+    def until_next(self, elapsed: float) -> float | None:
+        return max(0.0, self.times[self.pending[0]] - elapsed) if self.pending else None
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.live
+
+    def take(self) -> list[tuple[SessionHandle, StepResult]]:
+        out, self.results = self.results, []
+        return out
+
+    def out(self) -> dict[str, SessionHandle]:
+        """The handles: resumed ones first, then in the order given."""
+        order = [s.session_id for s, _ in self.sessions]
+        given = set(order)
+        return {**{k: h for k, h in self.handles.items() if k not in given},
+                **{k: self.handles[k] for k in order if k in self.handles}}
 
 
 RouteHandle = SessionHandle  # a session on a route of one or more hops: one class

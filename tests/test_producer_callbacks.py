@@ -7,6 +7,7 @@ real worker (the sleep engine: a fixed time per call) in a thread, on a real red
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -67,7 +68,7 @@ def specs(w: Worker, tag: str) -> list[tuple[SessionSpec, list[int]]]:
 def gaps_ms(w: Worker) -> list[float]:
     """Time between one decode call's end and the next one's start, while every session decodes."""
     calls = w.engine.decode  # type: ignore[attr-defined]
-    return [(b[0] - a[1]) * 1e3 for a, b in zip(calls, calls[1:], strict=False)]
+    return [(b[0] - a[1]) * 1e3 for a, b in itertools.pairwise(calls)]
 
 
 def check(w: Worker, handles: dict[str, SessionHandle], slow_reads: int) -> None:
