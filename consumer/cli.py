@@ -103,6 +103,9 @@ def consumer(
     answered_memory: Annotated[int, typer.Option(
         envvar="DGR_ANSWERED_MEMORY", help="Answers remembered by job id, re-sent for a late duplicate.")
     ] = _W.answered_memory,
+    sampler_threads: Annotated[int, typer.Option(
+        envvar="DGR_SAMPLER_THREADS", help="Threads sampling rows with controls (1: in the loop's thread).")
+    ] = _W.sampler_threads,
     max_deliveries: Annotated[int, typer.Option(
         envvar="DGR_MAX_DELIVERIES", help="Dead-letter an entry delivered more than this many times.")
     ] = _T.max_deliveries,
@@ -171,7 +174,8 @@ def consumer(
                               recover_every_s=recover_every_s, standby=on_lease_held == "wait",
                               answered_memory=answered_memory, max_read_entries=max_read_entries,
                               max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s,
-                              overlap=overlap, overlap_max_call_ms=overlap_max_call_ms),
+                              overlap=overlap, overlap_max_call_ms=overlap_max_call_ms,
+                              sampler_threads=sampler_threads),
         transport=TransportSettings(block_ms=block_ms, gather_ms=gather_ms, max_deliveries=max_deliveries,
                                     result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
                                     dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,

@@ -182,3 +182,12 @@ def bench_wire(out: Out = Path("bench-out/wire"), sessions: Batches = "8,64,256"
 
     run(out, ints(sessions), tuple(float(x) for x in step_ms.split(",") if x), tokens,
         tuple(t for t in tracker.split(",") if t), tuple(extra.split()))
+
+
+@bench_app.command("completion")
+def bench_completion(out: Out = Path("bench-out/completion"), rows: Batches = "1,8,64,256", calls: int = 40) -> None:
+    """Redis CPU of one completion call per answer (row), in steady state: the completion script alone,
+    from Redis' own command statistics."""
+    from dgrtools.bench.completion import run
+
+    run(out, ints(rows), calls)

@@ -79,6 +79,10 @@ class WorkerSettings:
     # has little to gain (the publish is a small share of it) and its spinning threads lose a core to the
     # publish (Gemma on 2 cores measured slower with it, the tiny model and the sleep engines faster).
     overlap_max_call_ms: float = 20.0
+    # Threads sampling the rows of a call that need more than an argmax (numpy releases the GIL): worth it
+    # where cores are free while the loop samples (a GPU worker); 1 on a CPU worker, whose cores the
+    # engine's threads hold (docs/sampling.md).
+    sampler_threads: int = 1
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from .limits import SCHEMA_VERSION, WIRE_VERSION
 from .reasons import Reason, Status
 from .session import RouteHop, Sampling, SessionSpec
 from .signing import Signer
-from .step import Accounting, StepJob, StepResult
+from .step import Accounting, StepJob, StepResult, TokenLogprobs
 from .wire import (
     Charges,
     ResultRecord,
@@ -58,6 +58,7 @@ __all__ = [
     "Status",
     "StepJob",
     "StepResult",
+    "TokenLogprobs",
     "TransportError",
     "WireError",
     "WorkerKeys",

@@ -4,17 +4,23 @@ open, a field of its worker's tally hash (`WorkerKeys.tally`); once closed, its 
 
 from __future__ import annotations
 
-import json
+import struct
 from collections.abc import Mapping
 from typing import Final
 
-__all__ = ["COUNTERS", "TALLY_FIELDS", "merge", "parse_tally"]
+__all__ = ["COUNTERS", "TALLY_FIELDS", "TALLY_LUA_FORMAT", "merge", "pack_tally", "parse_tally"]
 
-# The tally value's fields, in order (consumer/lua/complete.lua writes the JSON array [att, pub, hw, prompt,
-# gen, recomp, steps, es, t, gaps, account, owed]; t: the server's clock, unix seconds, at the session's
-# last answer; gaps (result positions not published) and owed (positions not charged): '-' or 'lo:hi,...').
+# The tally value's fields, in order. consumer/lua/complete.lua writes them with Redis' `struct` library
+# as `TALLY_LUA_FORMAT`: nine little-endian numbers (att, pub, hw, prompt, gen, recomp, steps as int64,
+# es as a double, t as int64: the server's clock, unix seconds, at the session's last answer), then
+# three strings each after its uint16 length: gaps (result positions not published) and owed (positions
+# not charged), '-' or 'lo:hi,...', and the account. Binary, not JSON: the completion script decodes and
+# re-encodes every session of every call, and this halves its cost per token (docs/benchmarks.md).
 TALLY_FIELDS: Final = ("att", "pub", "hw", "prompt_tokens", "generated_tokens", "recomputed_tokens", "steps",
                        "engine_seconds", "t", "gaps", "account", "owed")
+TALLY_LUA_FORMAT: Final = "<llllllldlHc0Hc0Hc0"
+_NUMBERS: Final = struct.Struct("<qqqqqqqdq")
+_LEN: Final = struct.Struct("<H")
 # What the tally adds to the session hash when folded; the other fields are positions, set, not added.
 COUNTERS: Final = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps", "engine_seconds")
 
@@ -27,13 +33,36 @@ def parse_tally(raw: bytes | str | None) -> dict[str, str] | None:
     """A tally field's value as named fields, each as text (None: no field, or not a tally value)."""
     if raw is None:
         return None
+    data = raw.encode("latin-1") if isinstance(raw, str) else raw
     try:
-        parts = json.loads(raw)
-    except ValueError:
+        nums = _NUMBERS.unpack_from(data)
+        at = _NUMBERS.size
+        texts = []
+        for _ in range(3):
+            (n,) = _LEN.unpack_from(data, at)
+            at += _LEN.size
+            if at + n > len(data):
+                return None
+            texts.append(data[at:at + n].decode())
+            at += n
+    except (struct.error, UnicodeDecodeError):
         return None
-    if not isinstance(parts, list) or len(parts) != len(TALLY_FIELDS):
+    if at != len(data):
         return None
-    return {name: _text(v) for name, v in zip(TALLY_FIELDS, parts, strict=True)}
+    gaps, account, owed = texts
+    values = [*nums, gaps, account, owed]
+    return {name: _text(v) for name, v in zip(TALLY_FIELDS, values, strict=True)}
+
+
+def pack_tally(fields: Mapping[str, str | int | float]) -> bytes:
+    """The value complete.lua would write for these fields (tools and tests: e.g. aging a session)."""
+    nums = [int(fields[n]) for n in ("att", "pub", "hw", "prompt_tokens", "generated_tokens", "recomputed_tokens",
+                                     "steps")]
+    out = _NUMBERS.pack(*nums, float(fields["engine_seconds"]), int(fields["t"]))
+    for name in ("gaps", "account", "owed"):
+        b = str(fields[name]).encode()
+        out += _LEN.pack(len(b)) + b
+    return out
 
 
 def _text(v: object) -> str:

@@ -40,12 +40,27 @@ class TransportError(DgrError, RuntimeError):
 
 
 class EngineError(DgrError, RuntimeError):
-    """An engine call failed. `slots` names the sequence slots at fault when the engine can tell (the
-    worker then retries the rest of the fused call without them)."""
+    """One fused call failed. The engine has put every slot back where it was before the call, except
+    the slots in `lost`.
 
-    def __init__(self, message: str, slots: tuple[int, ...] = ()) -> None:
+    `slots` names the slots known to be at fault (empty when the engine cannot tell); the worker then
+    answers their sessions and retries the call without them, or bisects the batch.
+    `reason` is the wire reason code for the sessions named in `slots`: ENGINE_ERROR unless the engine
+    refused the call before running it for a reason of its own (BAD_TOKEN, POSITION_GAP, TOO_LONG,
+    BAD_ACTIVATIONS).
+    `lost` (a subset of `slots`): slots whose state could not be put back (a recurrent or hybrid state
+    moved by the failed call, with no snapshot to restore; consumer/engines/state.py). The engine has
+    emptied them (next position 0): their sessions are answered `state_lost` and replayed.
+    """
+
+    def __init__(self, message: str, slots: tuple[int, ...] = (), *, reason: Reason = Reason.ENGINE_ERROR,
+                 lost: tuple[int, ...] = ()) -> None:
         super().__init__(message)
+        if not set(lost) <= set(slots):
+            raise ValueError(f"lost slots {lost} must be among the slots named {slots}")
         self.slots = tuple(slots)
+        self.reason = reason
+        self.lost = tuple(lost)
 
 
 class ProducerError(DgrError, RuntimeError):

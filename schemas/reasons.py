@@ -37,3 +37,6 @@ class Reason(StrEnum):
     ACCOUNT_LIMIT = "account_limit"  # the billing account holds its most slots on this worker
     BAD_SIGNATURE = "bad_signature"  # signing is on and the entry's HMAC is missing or wrong (dead letter only)
     BAD_ACTIVATIONS = "bad_activations"  # the step's activations are missing, malformed or not this hop's schema
+    GRAMMAR_INVALID = "grammar_invalid"  # the session's grammar or JSON schema does not compile (at its opening)
+    GRAMMAR_UNSUPPORTED = "grammar_unsupported"  # a grammar asked of an engine without a llama.cpp vocabulary
+    NO_TOKEN = "no_token"  # the session's masks left no token to sample (every id banned or -inf)

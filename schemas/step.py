@@ -207,6 +207,16 @@ class Accounting(msgspec.Struct, frozen=True, kw_only=True):
 _NO_CHARGE: Final = Accounting()
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Log-probabilities of a sampled token (`Sampling.logprobs`: docs/sampling.md): `lp` the chosen
+    token's, from the raw row (before the session's controls, as llama.cpp's `n_probs` and vLLM's
+    `logprobs` report); `top` the most likely ids with theirs, most likely first (up to the N asked; ids
+    of probability 0 are left out)."""
+
+    lp: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     """One step's answer as a Tracker reads it: one row of a result record (schemas/wire.py)."""
 
@@ -223,10 +233,10 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     batch_size: int = 0  # sessions in the fused call that served it
     # A non-last hop's OK answer: its output activations, one row per token of the job (no token).
     hidden: Activations | None = None
+    logprobs: TokenLogprobs | None = None  # with a token, when the session asked (Sampling.logprobs)
 
     def __post_init__(self) -> None:
         if (self.status == Status.OK) != (self.reason is None):
             raise ValueError("a reason is given exactly when status is not ok")
         if self.hidden is not None and (self.status != Status.OK or self.token is not None):
             raise ValueError("activations come only with an OK answer that sampled no token")
-

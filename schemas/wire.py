@@ -29,7 +29,7 @@ from .limits import MAX_FIELD_BYTES, MAX_RECORD_BYTES, MAX_TOKENS_PER_JOB, WIRE_
 from .reasons import Reason, Status
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
-from .step import Accounting, StepJob, StepResult, end_job_id, result_job_id
+from .step import Accounting, StepJob, StepResult, TokenLogprobs, end_job_id, result_job_id
 
 __all__ = [
     "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields", "cancel_to_fields",
@@ -210,6 +210,7 @@ class RowExtra(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
     reason: Reason | None = None
     detail: str = ""
     hidden: Activations | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -315,8 +316,8 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
         cols["fin"].append(int(r.finished))
         cols["fed"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)
         cols["es"].append(r.accounting.engine_seconds)
-        if r.status != Status.OK or r.detail or r.hidden is not None:
-            x[str(i)] = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
+        if r.status != Status.OK or r.detail or r.hidden is not None or r.logprobs is not None:
+            x[str(i)] = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden, logprobs=r.logprobs)
     rec = ResultRecord(worker=results[0].worker_id, call=call, batch=results[0].batch_size, x=x, **cols)
     chg = Charges(p=[r.accounting.prompt_tokens for r in results], g=[r.accounting.generated_tokens for r in results],
                   r=[r.accounting.recomputed_tokens for r in results], d=[])
@@ -345,7 +346,8 @@ def results_from_fields(fields: Fields) -> list[StepResult]:
                 detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
                 accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
                                       recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
-                batch_size=rec.batch, hidden=extra.hidden if extra else None))
+                batch_size=rec.batch, hidden=extra.hidden if extra else None,
+                logprobs=extra.logprobs if extra else None))
     except ValueError as e:
         raise WireError(Reason.MALFORMED, f"invalid result row: {e}"[:200]) from None
     return out

@@ -1,1 +1,2 @@
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.models", "tests.fixtures.cluster"]
+pytest_plugins = ["tests.fixtures.lua_struct", "tests.fixtures.redis_server", "tests.fixtures.models",
+                  "tests.fixtures.cluster"]

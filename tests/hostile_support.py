@@ -55,14 +55,17 @@ class Honest:
         self.tokens: dict[str, list[int]] = {}
         self.results: dict[str, list[StepResult]] = {}
 
-    def spec(self, sid: str, max_tokens: int, account: str = "honest-acct") -> SessionSpec:
+    def spec(self, sid: str, max_tokens: int, account: str = "honest-acct", sampling: Sampling | None = None,
+             stop_tokens: tuple[int, ...] = ()) -> SessionSpec:
         return SessionSpec(session_id=sid, account_id=account, route=(RouteHop(worker_id=WID, key=self.key),),
-                           sampling=Sampling(), max_tokens=max_tokens)
+                           sampling=sampling or Sampling(), max_tokens=max_tokens, stop_tokens=stop_tokens)
 
-    def open(self, sid: str, prompt: list[int], max_tokens: int, account: str = "honest-acct") -> str:
+    def open(self, sid: str, prompt: list[int], max_tokens: int, account: str = "honest-acct",
+             sampling: Sampling | None = None, stop_tokens: tuple[int, ...] = ()) -> str:
         jid = f"honest-j{next(self.ids)}"
+        spec = self.spec(sid, max_tokens, account, sampling, stop_tokens)
         self.push(StepJob(job_id=jid, session_id=sid, phase="prefill", compat=self.key.digest, start_position=0,
-                          tokens=tuple(prompt), created_at=time.time(), session=self.spec(sid, max_tokens, account)))
+                          tokens=tuple(prompt), created_at=time.time(), session=spec))
         self.position[sid] = len(prompt)
         self.tokens[sid], self.results[sid], self.last[sid] = [], [], b"0-0"
         return jid

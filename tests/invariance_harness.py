@@ -21,7 +21,8 @@ import redis
 
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine, engine_key
-from consumer.sampling import argmax_rows, sample
+from consumer.sampling import RowContext, RowStatus, Vocabulary, sample_row
+from consumer.sampling.grammar import Grammar, gbnf_of
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer
@@ -65,22 +66,41 @@ class _Crash(BaseException):
     """Stands for kill -9: raised inside the worker loop, never caught by it."""
 
 
+_VOCABS: dict[int, Vocabulary] = {}
+
+
 def oracle(engine: Engine, s: Session, stops: tuple[int, ...] = ()) -> list[int]:
     """The session alone: prompt in one call (the engine cuts it only above a micro-batch, never to
-    one row), then one decode row per call; today's sampler."""
+    one row), then one decode row per call; each token by the sampler's reference (`sample_row`, row by
+    row with the session's whole context, on the engine's vocabulary: special tokens masked, a grammar
+    caught up on every token). A row with no token (a complete grammar) ends the session."""
+    vocab = _VOCABS.get(id(engine))
+    if vocab is None:
+        vocab = _VOCABS[id(engine)] = Vocabulary.for_engine(engine, engine.capacity.vocab_size)
+    gbnf = gbnf_of(s.sampling)
+    grammar = Grammar(vocab, gbnf) if gbnf is not None else None
     engine.release(0)
     prompt = s.prompt
     rows = [BatchRow(0, i, t, i == len(prompt) - 1) for i, t in enumerate(prompt)]
     logits = engine.step(FusedBatch.from_rows("prefill", rows))[0]
     pos, tokens = len(prompt), []
-    while True:
-        t = int(argmax_rows(logits[None])[0]) if s.sampling.greedy else sample(logits, s.sampling, pos)
-        tokens.append(t)
-        if len(tokens) >= s.max_tokens or t in stops:
-            break
-        logits = engine.step(FusedBatch.from_rows("decode", [BatchRow(0, pos, t, True)]))[0]
-        pos += 1
-    engine.release(0)
+    try:
+        while True:
+            ctx = RowContext(np.asarray([*prompt, *tokens], dtype=np.int32), len(prompt), stops)
+            t, status = sample_row(logits, s.sampling, pos, context=ctx, vocab=vocab, grammar=grammar)
+            if status != RowStatus.OK:
+                break
+            tokens.append(t)
+            if grammar is not None:
+                grammar.accept(t)
+            if len(tokens) >= s.max_tokens or t in stops:
+                break
+            logits = engine.step(FusedBatch.from_rows("decode", [BatchRow(0, pos, t, True)]))[0]
+            pos += 1
+    finally:
+        if grammar is not None:
+            grammar.close()
+        engine.release(0)
     return tokens
 
 

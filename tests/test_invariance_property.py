@@ -80,8 +80,15 @@ def client(redis_server: object) -> Iterator[redis.Redis]:
 
 # ---- what hypothesis draws -------------------------------------------------------------------------
 
+# Every control of docs/sampling.md: penalties and min_tokens need the session's context (rebuilt on a
+# replay), a grammar its state (caught up on the session's tokens), log-probabilities change no token.
 _SAMPLINGS = [Sampling(), Sampling(temperature=0.9, seed=3), Sampling(temperature=0.6, top_k=40, top_p=0.95, seed=11),
-              Sampling(temperature=1.3, top_p=0.9, seed=7)]
+              Sampling(temperature=1.3, top_p=0.9, seed=7),
+              Sampling(temperature=0.8, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.4,
+                       frequency_penalty=0.2, penalty_last_n=16, seed=5, logprobs=2),
+              Sampling(repetition_penalty=1.5, penalty_last_n=-1, penalize_prompt=False, min_tokens=3,
+                       logit_bias=((60, 4.0), (61, -100.0)), banned_token_ids=(62, 63)),
+              Sampling(temperature=0.7, seed=9, grammar='root ::= [a-z]+ " " [0-9]+')]
 
 
 @st.composite

@@ -8,6 +8,8 @@ from importlib import resources
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from consumer.lua import SCRIPTS, load_lua, script_source
 from consumer.transport import COMPLETE_ARGV, FIXED_KEYS
@@ -76,3 +78,39 @@ def test_fakeredis_answers_like_redis_where_the_scripts_rely_on_it(redis_client:
         "local r = redis.call('XREADGROUP', 'GROUP', 'g', 'c', 'STREAMS', 's', '0')\n"
         "return {type(r[1]), r[1][1], #r[1][2]}", 0)
     assert shape == [b"table", b"s", 1]
+
+
+_TALLY_VALUES = st.tuples(*[st.integers(-(2**53), 2**53) for _ in range(7)],
+                          st.floats(allow_nan=False, width=64) | st.sampled_from([0.0, -0.0, 5e-324, 1e308]),
+                          st.integers(0, 2**40), st.text("0123456789:,-", max_size=40),
+                          st.text("abcdefghij-_.", max_size=30), st.text("0123456789:,-", max_size=40))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=_TALLY_VALUES)
+def test_the_tally_layout_reads_back_the_same_in_python_and_in_lua(redis_client: redis.Redis,
+                                                                   values: tuple) -> None:  # type: ignore[type-arg]
+    """The tally entry (schemas/accounting.py) packed by the scripts' `struct` (a real redis-server's, and
+    tests/fixtures/lua_struct.py's on fakeredis) is byte for byte what Python packs, and reads back."""
+    from schemas.accounting import TALLY_FIELDS, TALLY_LUA_FORMAT, pack_tally, parse_tally
+
+    *nums, es, t, gaps, account, owed = values
+    fields = dict(zip(TALLY_FIELDS, [*nums, es, t, gaps, account, owed], strict=True))
+    want = pack_tally(fields)
+    got = redis_client.eval(
+        "return struct.pack(ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), "
+        "tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), "
+        "#ARGV[11], ARGV[11], #ARGV[12], ARGV[12], #ARGV[13], ARGV[13])", 0, TALLY_LUA_FORMAT,
+        *[str(n) for n in nums], repr(es), str(t), gaps, account, owed)
+    assert got == want
+    back = redis_client.eval("local t = {struct.unpack(ARGV[1], ARGV[2])} for i = 1, #t do "
+                             "t[i] = type(t[i]) == 'number' and string.format('%.17g', t[i]) or t[i] end return t",
+                             0, TALLY_LUA_FORMAT, want)
+    assert [x.decode() for x in back[:12]] == [*[str(n) for n in nums], _g(es), str(t), gaps, account, owed]
+    assert int(back[12]) == len(want) + 1  # unpack's next position
+    parsed = parse_tally(want)
+    assert parsed is not None and float(parsed["engine_seconds"]) == es and parsed["owed"] == owed
+
+
+def _g(x: float) -> str:
+    return f"{x:.17g}"

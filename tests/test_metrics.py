@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import redis
 from prometheus_client import generate_latest
 
@@ -36,3 +37,29 @@ def test_metrics_count_calls_tokens_results_and_slots(fake_redis: redis.Redis, t
     assert value("dgr_busy_slots") == 0  # all three finished and were released
     assert value("dgr_step_latency_seconds_count", phase="decode") == 3 * 3
     assert "dgr_loop_overhead_seconds" in text
+
+
+def test_observe_many_equals_one_observe_per_value() -> None:
+    """The bulk histogram update the loop uses for inter-token gaps: the same buckets and count as observe()
+    per value, the same sum up to float summation order (values on bucket bounds, between them, above
+    the last finite one, negative: clamped at 0 as the loop does)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from consumer.metrics import observe_many
+
+    values = [0.0, 0.001, 0.0025, 0.004, 0.1, 0.25, 7.5, 1e6, -0.5, 0.05, 0.05]
+    out = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        h = Histogram("x_seconds", "x", ["w"], buckets=(0.001, 0.0025, 0.05, 0.25, 5.0), registry=reg)
+        child = h.labels("w")
+        if bulk:
+            observe_many(child, values)
+        else:
+            for v in values:
+                child.observe(max(0.0, v))
+        out.append({(smp.name, smp.labels.get("le")): smp.value for m in reg.collect() for smp in m.samples
+                    if not smp.name.endswith("_created")})
+    one, bulk_ = out
+    assert one.pop(("x_seconds_sum", None)) == pytest.approx(bulk_.pop(("x_seconds_sum", None)))
+    assert one == bulk_ and one[("x_seconds_bucket", "0.001")] == 3 and one[("x_seconds_count", None)] == 11

@@ -15,7 +15,7 @@ from consumer.ops.jobs import reap_job
 from consumer.ops.reaper import open_sessions, reap
 from dgrtools.localredis import LocalRedis
 from schemas import Reason, Status, StepResult, WorkerKeys
-from schemas.accounting import TALLY_FIELDS, parse_tally
+from schemas.accounting import pack_tally, parse_tally
 from tests.test_ops_support import close, push, read_all, register, serve, step_job
 from tests.transport_support import Completion, complete_entries
 
@@ -23,11 +23,10 @@ from tests.transport_support import Completion, complete_entries
 def age(client: redis.Redis, worker: str, session: str, seconds: float) -> None:
     """Make the session's last answer `seconds` old (its tally's `t`: the server's clock at that answer)."""
     keys = WorkerKeys(worker)
-    t = parse_tally(client.hget(keys.tally, session))
+    t = parse_tally(client.hget(keys.tally, session))  # type: ignore[arg-type]
     assert t is not None
-    raw = json.loads(client.hget(keys.tally, session))  # type: ignore[arg-type]
-    raw[TALLY_FIELDS.index("t")] = redis_time_ms(client) // 1000 - int(seconds)
-    client.hset(keys.tally, session, json.dumps(raw))
+    t["t"] = str(redis_time_ms(client) // 1000 - int(seconds))
+    client.hset(keys.tally, session, pack_tally(t))
 
 
 def test_idle_sessions_are_cancelled_once(redis_client: redis.Redis) -> None:

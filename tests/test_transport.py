@@ -143,7 +143,8 @@ def xrange(client: redis.Redis, key: str) -> list[tuple[bytes, dict[bytes, bytes
 
 
 def hget_all(client: redis.Redis, key: str) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(key).items()}  # type: ignore[union-attr]
+    """A hash as text (a tally's binary values as latin-1: compared, never read)."""
+    return {k.decode(): v.decode("latin-1") for k, v in client.hgetall(key).items()}  # type: ignore[union-attr]
 
 
 @pytest.fixture

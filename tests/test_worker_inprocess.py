@@ -21,6 +21,7 @@ from consumer.engines.reference import NumpyReferenceEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from schemas import (
+    Reason,
     RouteHop,
     Sampling,
     SessionSpec,
@@ -166,6 +167,49 @@ def test_engine_failure_fails_only_the_offending_session(fake_redis: redis.Redis
     assert fake_redis.hget(WorkerKeys(WID).session_account("s2"), "closed") == b"failed"
     for i in (0, 1, 3):
         assert d.tokens[f"s{i}"] == solo_generate(ref_engine, ps[i], 6), f"s{i}"
+
+
+@pytest.mark.parametrize("how", ["lost", "refused"])
+def test_slots_the_engine_names_are_answered_with_its_reason_and_the_rest_served(
+        fake_redis: redis.Redis, ref_engine: NumpyReferenceEngine, how: str) -> None:
+    """EngineError naming a slot: `lost` (its state moved and could not be put back, as a recurrent
+    state without a snapshot) answers the session `state_lost`; a reason of the engine's own (it refused
+    the call before running it) answers it with that reason. The other sessions run again, untouched."""
+    poison = 299
+
+    class Naming(LogitsEngine):
+        def __init__(self, inner: NumpyReferenceEngine) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+        def step(self, batch: FusedBatch) -> np.ndarray:
+            bad = tuple(sorted({int(s) for s, t in zip(batch.slots, batch.tokens, strict=True) if t == poison}))
+            if bad:
+                if how == "lost":
+                    raise EngineError("state moved", bad, lost=bad)
+                raise EngineError("refused", bad, reason=Reason.BAD_TOKEN)
+            return self.inner.step(batch)
+
+    worker = make_worker(fake_redis, Naming(ref_engine))
+    d = Driver(fake_redis, worker)
+    ps = [p for p in prompts(4, 299, seed=6)]
+    ps[1] = [*ps[1][:2], poison, *ps[1][2:]]
+    for i, p in enumerate(ps):
+        d.open(f"s{i}", p, max_tokens=5)
+    for _ in range(60):
+        worker.run_once()
+        d.poll()
+        if all(d.done(f"s{i}") for i in range(4)):
+            break
+    (r,) = d.results["s1"]
+    if how == "lost":
+        assert (r.status, r.reason) == (Status.STATE_LOST, Reason.ENGINE_ERROR) and "state lost" in r.detail
+    else:
+        assert (r.status, r.reason) == (Status.REJECTED, Reason.BAD_TOKEN)
+    for i in (0, 2, 3):
+        assert d.tokens[f"s{i}"] == solo_generate(ref_engine, ps[i], 5), f"s{i}"
 
 
 def test_one_read_one_cancel_check_one_completion_per_fused_call(fake_redis: redis.Redis,

@@ -8,34 +8,11 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import BoundarySchema, CompatibilityKey, EngineIdentity, Phase, Reason, Recipe, StateLayout
+from schemas.errors import EngineError  # one error root (schemas/errors.py); engines raise it from here
 
 from ..batch import EngineCapacity, EngineOutput, FusedBatch
 
 __all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "check_hidden", "engine_key"]
-
-
-class EngineError(RuntimeError):
-    """One fused call failed. The engine has put every slot back where it was before the call, except
-    the slots in `lost`.
-
-    `slots` names the slots known to be at fault (empty when the engine cannot tell); the worker then
-    answers their sessions and retries the call without them, or bisects the batch.
-    `reason` is the wire reason code for the sessions named in `slots` (schemas.step.Reason):
-    ENGINE_ERROR unless the engine refused the call before running it for a reason of its own
-    (BAD_TOKEN, POSITION_GAP, TOO_LONG, BAD_ACTIVATIONS).
-    `lost` (a subset of `slots`): slots whose state could not be put back (a recurrent or hybrid state
-    moved by the failed call, with no snapshot to restore; consumer/engines/state.py). The engine has
-    emptied them (next position 0): their sessions are answered `state_lost` and replayed.
-    """
-
-    def __init__(self, message: str, slots: tuple[int, ...] = (), *, reason: Reason = Reason.ENGINE_ERROR,
-                 lost: tuple[int, ...] = ()) -> None:
-        super().__init__(message)
-        if not set(lost) <= set(slots):
-            raise ValueError(f"lost slots {lost} must be among the slots named {slots}")
-        self.slots = slots
-        self.reason = reason
-        self.lost = lost
 
 
 @runtime_checkable

@@ -23,9 +23,11 @@
 -- delete, closures (a closed session's tally entry is folded into its session hash and removed),
 -- dead letters, and the fused call's counters.
 --
--- Tally entry (one field per session of KEYS[6]): the JSON array
--- [att, pub, hw, prompt, gen, recomp, steps, es, t, gaps, account, owed]. A new entry starts from the session
--- hash (a session closed and opened again: a route's replay; or a late answer) or empty.
+-- Tally entry (one field per session of KEYS[6]): att, pub, hw, prompt, gen, recomp, steps, es, t, gaps,
+-- account, owed, packed with Redis' struct library as TALLY (schemas/accounting.py names the layout and
+-- reads it; binary because this script decodes and re-encodes every session of every call, and JSON
+-- cost twice as much). A new entry starts from the session hash (a session closed and opened again: a
+-- route's replay; or a late answer) or empty.
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
 -- KEYS[1] worker hash, [2] billing accounts index set, [3] dead-letter stream, [4] lease, [5] lease
@@ -102,6 +104,8 @@ end
 -- An entry is the decoded array; what the script learns of it on the way lives in side tables keyed by
 -- session id (so the array encodes back as it is).
 local ATT, PUB, HW, PROMPT, GEN, RECOMP, STEPS, ES, T, GAPS, ACCOUNT, OWED = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
+local TALLY = '<llllllldlHc0Hc0Hc0'  -- schemas/accounting.py: TALLY_LUA_FORMAT
+local MAX_TEXT = 65535  -- a string of the entry (its uint16 length)
 local L = {}        -- session id -> entry
 local stored = {}   -- session id -> true: the entry is a field of the tally hash
 local fresh_e = {}  -- session id -> true: made from nothing (everything before its first answer was lost)
@@ -137,7 +141,9 @@ do
     for k, sid in ipairs(part) do
       local v = got[k]
       if v then
-        L[sid] = cjson.decode(v)
+        local e = {struct.unpack(TALLY, v)}
+        e[13] = nil  -- unpack's next position
+        L[sid] = e
         stored[sid] = true
       end
     end
@@ -188,7 +194,14 @@ local function ranges_text(g)
   if #g == 0 then return '-' end
   local parts = {}
   for _, r in ipairs(g) do parts[#parts + 1] = string.format('%d:%d', r[1], r[2]) end
-  return table.concat(parts, ',')
+  local text = table.concat(parts, ',')
+  -- Past MAX_TEXT (thousands of ranges: Redis lost data again and again) the oldest ranges are dropped:
+  -- what they name is then neither re-published nor charged, never doubled.
+  while #text > MAX_TEXT do
+    table.remove(parts, 1)
+    text = table.concat(parts, ',')
+  end
+  return text
 end
 
 local function gap_list(sid, e)
@@ -449,11 +462,9 @@ do
       end
     elseif dirty[sid] then
       pairs_[#pairs_ + 1] = sid
-      -- Numbers far below 1e14 (engine seconds to 14 digits): Lua's own number format writes them; the
-      -- two strings are ids and gap lists, plain ASCII with nothing to escape.
-      pairs_[#pairs_ + 1] = '[' .. e[ATT] .. ',' .. e[PUB] .. ',' .. e[HW] .. ',' .. e[PROMPT] .. ',' .. e[GEN] ..
-        ',' .. e[RECOMP] .. ',' .. e[STEPS] .. ',' .. e[ES] .. ',' .. now .. ',"' .. gaps_text(sid, e) .. '","' ..
-        account .. '","' .. owed_text(sid, e) .. '"]'
+      local g, o = gaps_text(sid, e), owed_text(sid, e)
+      pairs_[#pairs_ + 1] = struct.pack(TALLY, e[ATT], e[PUB], e[HW], e[PROMPT], e[GEN], e[RECOMP], e[STEPS],
+        e[ES], now, #g, g, #account, account, #o, o)
       if #pairs_ >= 2000 then
         redis.call('HSET', tally, unpack(pairs_))
         pairs_ = {}

@@ -15,7 +15,7 @@ end
 if redis.call('EXISTS', marker) == 1 then
   return {'reaped', -1}
 end
-local last = tonumber(cjson.decode(v)[9])  -- its `t`
+local last = select(9, struct.unpack('<llllllldlHc0Hc0Hc0', v))  -- its `t` (schemas/accounting.py: the layout)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local idle = last and (now - last * 1000) or -1

@@ -4,9 +4,10 @@ sampled tokens advance positions, finish sessions and become answers; a failed c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
-from schemas import Reason, Status
+from schemas import Reason, Status, TokenLogprobs
 
 from .outputs import Answer, BatchItem, ScheduledBatch
 from .session_table import SessionState
@@ -17,7 +18,8 @@ __all__ = ["OutputProcessor"]
 
 class OutputProcessor(SchedulerState):
     def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int | None], engine_seconds: float,
-                           ) -> list[Answer]:
+                           *, logprobs: Sequence[TokenLogprobs | None] | None = None,
+                           ended: Collection[int] = ()) -> list[Answer]:
         """Apply a successful call. `tokens`: the sampler's token for every item that samples, in item
         order (consumer/sampler.py: keyed by the session's seed and the position the token takes).
         None for every item on a route hop that is not last (it answers activations, the last hop
@@ -31,6 +33,10 @@ class OutputProcessor(SchedulerState):
         the token is a stop token: result.finished, close='finished', slot released, and any step
         still queued for it answered REJECTED FINISHED. Items that do not finish their job produce no
         answer.
+
+        `logprobs` (per sampling item, when given): what each answer carries back. `ended`: sampling
+        items (their index among them) whose session the sampler ended without a token (its grammar
+        admits nothing more, its output is complete): the answer is OK, finished, with no token.
         """
         n_sampling = sum(1 for it in batch.items if it.samples)
         if len(tokens) != n_sampling:
@@ -67,7 +73,11 @@ class OutputProcessor(SchedulerState):
                 continue
             token: int | None = None
             finished = False
-            if it.samples:
+            lp: TokenLogprobs | None = None
+            if it.samples and sampled in ended:
+                finished = True  # no token: the sampler ended the session (its grammar is complete)
+                entry.state = SessionState.DECODING
+            elif it.samples:
                 got = tokens[sampled]
                 token = None if got is None else int(got)
                 entry.generated += 1
@@ -76,6 +86,8 @@ class OutputProcessor(SchedulerState):
                 if token is not None:
                     entry.generated_tokens += 1
                     self.stats.tokens_sampled += 1
+                    if logprobs is not None:
+                        lp = logprobs[sampled]
                 finished = entry.generated >= entry.spec.max_tokens or (
                     token is not None and token in entry.spec.stop_tokens)
             elif batch.phase == "prefill":
@@ -91,8 +103,11 @@ class OutputProcessor(SchedulerState):
             q.answered = final
             self.stats.jobs_ok += 1
             result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
-                                  q=q,
+                                  q=q, detail="" if token is not None or not finished or not it.samples
+                                  else "the session's grammar admits no further token",
                                   batch_size=batch_size, offset=it.offset if batch.phase == "decode" else 0)
+            if lp is not None:
+                result = replace(result, logprobs=lp)
             out.append(Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
                                close="finished" if finished else None, final=final))
             if batch.phase == "decode":
@@ -102,11 +117,14 @@ class OutputProcessor(SchedulerState):
         self._settle(touched)
         return out
 
-    def fail(self, batch: ScheduledBatch, reason_detail: str) -> list[Answer]:
+    def fail(self, batch: ScheduledBatch, reason_detail: str, *, status: Status = Status.FAILED,
+             reason: Reason = Reason.ENGINE_ERROR) -> list[Answer]:
         """The call failed: every item's job is answered FAILED (ENGINE_ERROR) and its session closed
         (forgotten: a later step gets state_lost), since the state it holds is unreliable. Steps
         still queued for those sessions are answered FAILED too. The answers carry close=None; the
-        closures (kind 'failed') show in drain_closed()."""
+        closures (kind 'failed') show in drain_closed(). `status` / `reason` for the items' own jobs
+        when the cause is known: STATE_LOST (the engine emptied the session's state: the Tracker
+        replays it), or a reason the engine or the sampler gave (BAD_TOKEN, NO_TOKEN, ...)."""
         out: list[Answer] = []
         touched: dict[int, _Lane] = {}
         batch_size = len(batch.session_ids)
@@ -123,7 +141,7 @@ class OutputProcessor(SchedulerState):
                 out.append(self._closed_answer(lane, q, lane.entry.position, batch_size))
                 continue
             failing[it.slot] = lane
-            per_lane.setdefault(it.slot, []).append(self._failed(lane, q, reason_detail, batch_size))
+            per_lane.setdefault(it.slot, []).append(self._failed(lane, q, reason_detail, batch_size, status, reason))
         for slot, lane in failing.items():
             answers = per_lane[slot]
             for q in self._drop_queued(lane):
@@ -185,9 +203,9 @@ class OutputProcessor(SchedulerState):
                                   detail="session closed: an engine call failed on it", batch_size=batch_size)
         return Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id, close=None)
 
-    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int) -> Answer:
+    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int, status: Status = Status.FAILED,
+                reason: Reason = Reason.ENGINE_ERROR) -> Answer:
         q.answered = True
         self.stats.jobs_failed += 1
-        result = self._result(q.job, Status.FAILED, Reason.ENGINE_ERROR, lane.entry.position,
-                              detail=detail, batch_size=batch_size)
+        result = self._result(q.job, status, reason, lane.entry.position, detail=detail, batch_size=batch_size)
         return Answer(ref=q.ref, job=q.job, result=result, account_id=lane.entry.account_id, close=None)

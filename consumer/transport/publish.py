@@ -153,8 +153,8 @@ class Publisher:
             r.fin.append(1 if o.finished else 0)
             r.fed.append(o.prompt_tokens)
             r.es.append(o.engine_seconds)
-            if code or o.hidden is not None:
-                r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden)
+            if code or o.hidden is not None or o.logprobs is not None or o.detail:
+                r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
             account = a.account_id
             if account:
                 n = accounts.get(account)

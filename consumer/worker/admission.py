@@ -10,8 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from schemas import Phase, Reason
+from schemas import Phase, Reason, StepJob
 
+from ..sampler import RowStatus
 from ..sched import Answer
 from ..transport.protocol import DeadLetter, Delivery, Inbound
 from .delivery import wire_reject_outcome
@@ -199,6 +200,11 @@ class EntryAdmission:
             # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
             # attempt can take it: a full worker re-opens every session of a replayed route.
             w._release_slots()
+        if job.session is not None and job.session.sampling.constrained and not w.hops.produces_hidden:
+            grammar_refusal = self._grammar_refusal(job, inb)
+            if grammar_refusal is not None:
+                answers.append(grammar_refusal)
+                return False
         answer = w.scheduler.admit(job, inb.digest, inb.ref)
         if answer is not None:
             answers.append(answer)
@@ -207,3 +213,16 @@ class EntryAdmission:
         if w.idle is not None:
             w.idle.touch(job.session_id)
         return True
+
+    def _grammar_refusal(self, job: StepJob, inb: Inbound) -> Answer | None:
+        """An opening whose grammar this worker's sampler cannot run is refused before it takes a slot
+        (an engine without a llama.cpp vocabulary, a grammar or JSON schema that does not compile)."""
+        assert job.session is not None
+        status = self.w.sampler.check(job.session.sampling)
+        if status == RowStatus.OK:
+            return None
+        if status == RowStatus.GRAMMAR_UNSUPPORTED:
+            return self.w.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_UNSUPPORTED,
+                                           "this worker's engine has no llama.cpp vocabulary: no grammars")
+        return self.w.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_INVALID,
+                                       "the session's grammar (or JSON schema) does not compile")

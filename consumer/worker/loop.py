@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason
+from schemas import PHASES, Phase, Reason, Status
 from schemas.limits import MAX_CONTINUATION
 
 from ..config import WorkerSettings
 from ..engines.base import Engine, EngineError, engine_key
 from ..metrics import Metrics
-from ..sampler import BatchSampler
+from ..sampler import BatchSampler, Vocabulary
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
@@ -39,6 +39,8 @@ from .delivery import DeliveryLedger
 from .hop_steps import HopSteps
 from .idle import IdleSessions
 from .io_thread import IOThread
+from .observe import observe_iteration
+from .sampled import apply_sampled
 from .stats import LoopStats
 
 __all__ = ["LoopStats", "Reason", "Worker", "WorkerSettings"]
@@ -61,7 +63,8 @@ class Worker:
                             w_decode=settings.w_decode, w_prefill=settings.w_prefill,
                             max_slots_per_account=settings.max_slots_per_account),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
-        self.sampler = BatchSampler(cap.vocab_size)
+        # The engine's own vocabulary when it has one (special tokens masked, grammars), else its size.
+        self.sampler = BatchSampler(Vocabulary.for_engine(engine, cap.vocab_size), threads=settings.sampler_threads)
         self.hops = HopSteps(engine.boundary, transport.activation_key)  # route hops: activations in/out
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
                                   min_tokens=settings.prefill_floor)
@@ -146,6 +149,7 @@ class Worker:
             log.warning("stopped while redis was unreachable: lease left to expire", extra={"worker": self._m})
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
         self.io.close()
+        self.sampler.close()  # its grammars hold the engine's vocabulary: freed before the engine is
 
     # ---- the I/O thread ---------------------------------------------------------------------
     def _overlapping(self) -> bool:
@@ -255,7 +259,7 @@ class Worker:
         completions = honest + refused_answers
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
-        self._observe(batch, call, completions, dead, latencies)
+        observe_iteration(self.metrics, self._m, call, completions, dead, latencies, self.scheduler.table.busy_slots)
         if call is not None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
@@ -308,15 +312,10 @@ class Worker:
             detail = f"{type(e).__name__}: {e}"[:200]
             sessions = batch.session_ids
             log.warning("fused call failed", extra={"sessions": len(sessions), "error": detail})
-            if len(sessions) == 1:
-                return self.scheduler.fail(batch, detail)
             named = set(e.slots) if isinstance(e, EngineError) else set()
             bad = [i.job.session_id for i in batch.items if i.slot in named]
-            if bad:
-                good = batch.without(bad)
-                only_bad = batch.without([s for s in sessions if s not in bad])
-                out = self.scheduler.fail(only_bad, detail) if only_bad else []
-                return out + (self._run_batch(good) if good else [])
+            if bad or len(sessions) == 1:
+                return self._fail_named(batch, e, bad or list(sessions), detail)
             half = set(sessions[: len(sessions) // 2])
             first, second = batch.without([s for s in sessions if s not in half]), batch.without(half)
             return [o for part in (first, second) if part is not None for o in self._run_batch(part)]
@@ -329,14 +328,35 @@ class Worker:
             except Exception as e:  # the engine ran (its state moved) but its rows are unusable: no retry
                 log.warning("hop output refused", extra={"sessions": len(batch.session_ids), "error": str(e)})
                 return self.scheduler.fail(batch, f"hop output: {e}"[:200])
+            outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
         else:  # the last hop (or a whole model) samples
-            tokens = self.sampler(batch, output)
-        outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
+            outcomes = apply_sampled(self.scheduler, batch, self.sampler.sample(batch, output), elapsed)
         if self.idle is not None:
             for o in outcomes:
                 self.idle.touch(o.result.session_id)
         self.admission.answered(outcomes)
         return outcomes
+
+    def _fail_named(self, batch: ScheduledBatch, e: Exception, bad: Sequence[str], detail: str) -> list[Answer]:
+        """Answer the sessions the engine named (all of a one-session call) and run the rest again: the
+        engine put every other slot back. A slot it could not put back (`EngineError.lost`: a recurrent
+        state moved with no snapshot) is answered `state_lost` (the Tracker replays it); a call the
+        engine refused for a reason of its own before running it, with that reason."""
+        lost_slots = set(e.lost) if isinstance(e, EngineError) else set()
+        lost = {i.job.session_id for i in batch.items if i.slot in lost_slots}
+        reason = e.reason if isinstance(e, EngineError) else Reason.ENGINE_ERROR
+        out: list[Answer] = []
+        for part_ids, status in ((lost, Status.STATE_LOST), (set(bad) - lost, None)):
+            part = batch.without([s for s in batch.session_ids if s not in part_ids]) if part_ids else None
+            if part is None:
+                continue
+            if status is Status.STATE_LOST:
+                out += self.scheduler.fail(part, f"state lost: {detail}", status=status, reason=Reason.ENGINE_ERROR)
+            else:
+                out += self.scheduler.fail(part, detail, reason=reason,
+                                           status=Status.FAILED if reason == Reason.ENGINE_ERROR else Status.REJECTED)
+        good = batch.without(bad)
+        return out + (self._run_batch(good) if good is not None else [])
 
     def _release_slots(self) -> None:
         for slot in self.scheduler.drain_released():
@@ -403,32 +423,3 @@ class Worker:
                 "prefill_budget": self.scheduler.config.prefill_budget, "prefill_max": self.pacer.max_tokens,
                 "prefill_ratio": self.pacer.ratio, "vocab_size": cap.vocab_size,
                 "engine": self.engine.describe(), "stats": self.stats.snapshot()}
-
-    def _observe(self, batch: ScheduledBatch | None, call: FusedCallStats | None,
-                 completions: Sequence[Answer], dead: Sequence[DeadLetter],
-                 latencies: Sequence[tuple[Phase, float]]) -> None:
-        m, w = self.metrics, self._m
-        if batch is not None and call is not None:
-            m.batch_size.labels(w, call.phase).observe(call.batch_size)
-            m.tokens.labels(w, call.phase).inc(call.tokens)
-            m.engine_seconds.labels(w, call.phase).inc(call.engine_seconds)
-        # Counted per label set, then one labels() lookup each: this runs for every session of every call.
-        outcomes: dict[tuple[str, str], int] = {}
-        for c in completions:
-            r = c.result
-            key = (r.status.value, r.reason.value if r.reason else "")
-            outcomes[key] = outcomes.get(key, 0) + 1
-        for (status, reason), n in outcomes.items():
-            m.results.labels(w, status, reason).inc(n)
-        m.observe_answers(completions, time.time())  # TTFT and inter-token latency
-        if latencies:
-            by_phase: dict[Phase, list[float]] = {}
-            for phase, seconds in latencies:
-                by_phase.setdefault(phase, []).append(seconds)
-            for phase, values in by_phase.items():
-                hist = m.step_latency.labels(w, phase)
-                for seconds in values:
-                    hist.observe(seconds)
-        for dl in dead:
-            m.dead_letters.labels(w, dl.reason.value).inc()
-        m.busy_slots.labels(w).set(self.scheduler.table.busy_slots)

@@ -1,0 +1,43 @@
+"""One loop iteration's metrics (consumer/metrics.py): the fused call, the answers by status, TTFT and
+inter-token latency, step latency, dead letters, busy slots. Counted per label set first, then one
+`labels()` lookup each: this runs for every session of every call."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from schemas import Phase
+
+from ..metrics import Metrics
+from ..sched import Answer
+from ..transport.protocol import DeadLetter, FusedCallStats
+
+__all__ = ["observe_iteration"]
+
+
+def observe_iteration(m: Metrics, worker: str, call: FusedCallStats | None, completions: Sequence[Answer],
+                      dead: Sequence[DeadLetter], latencies: Sequence[tuple[Phase, float]], busy_slots: int) -> None:
+    if call is not None:
+        m.batch_size.labels(worker, call.phase).observe(call.batch_size)
+        m.tokens.labels(worker, call.phase).inc(call.tokens)
+        m.engine_seconds.labels(worker, call.phase).inc(call.engine_seconds)
+    outcomes: dict[tuple[str, str], int] = {}
+    for c in completions:
+        r = c.result
+        key = (r.status.value, r.reason.value if r.reason else "")
+        outcomes[key] = outcomes.get(key, 0) + 1
+    for (status, reason), n in outcomes.items():
+        m.results.labels(worker, status, reason).inc(n)
+    m.observe_answers(completions, time.time())  # TTFT and inter-token latency
+    if latencies:
+        by_phase: dict[Phase, list[float]] = {}
+        for phase, seconds in latencies:
+            by_phase.setdefault(phase, []).append(seconds)
+        for phase, values in by_phase.items():
+            hist = m.step_latency.labels(worker, phase)
+            for seconds in values:
+                hist.observe(seconds)
+    for dl in dead:
+        m.dead_letters.labels(worker, dl.reason.value).inc()
+    m.busy_slots.labels(worker).set(busy_slots)
