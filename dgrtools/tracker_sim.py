@@ -59,16 +59,19 @@ def run_tracker_sim(*, redis_target: RedisTarget, worker_id: str, sessions: int,
                  for i in rng.choice(sessions, n_cancel, replace=False)} if n_cancel else {}
     latencies: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
     last: dict[str, float] = {}
+    tokens: dict[str, int] = dict.fromkeys(latencies, 0)
 
     def observe(h: SessionHandle, r: StepResult) -> bool:
-        """Record the inter-token latency; True when this session is to be cancelled now."""
+        """Record the inter-token latency; True when this session is to be cancelled now: at its token number
+        cancel_at, counted here (an AsyncProducer calls back after its pump moved on: the handle may hold more)."""
         if r.token is None:  # a hop that is not last: rows, no token
             return False
         now = time.perf_counter()
         if r.session_id in last:
             latencies[r.session_id].append(now - last[r.session_id])
         last[r.session_id] = now
-        return cancel_at.get(r.session_id) == len(h.generated) and r.token is not None
+        tokens[r.session_id] += 1
+        return cancel_at.get(r.session_id) == tokens[r.session_id]
 
     def on_result(h: SessionHandle, r: StepResult) -> None:
         if observe(h, r):

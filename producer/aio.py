@@ -191,8 +191,9 @@ class AsyncProducer(TrackerOps):
                        replay_state_lost: bool = True, start_times: Sequence[float] | None = None,
                        resume: Sequence[SessionHandle] = ()) -> dict[str, SessionHandle]:
         """Producer.run_many on asyncio: every session opens at its start time and the pump drives it; the
-        callbacks run here (a coroutine's awaited), after the pump pushed the next jobs. The handles by id
-        (resumed first, then in the order given)."""
+        callbacks run here (a coroutine's awaited), after the pump pushed the next jobs, in each session's order:
+        a callback sees its handle as it is then (the pump may have moved it on: read the result's fields). The
+        handles by id (resumed first, then in the order given)."""
         run = self.core.start(sessions, start_times, resume, replay_state_lost, on_result is not None)
         run.waker = asyncio.Event()
         t0 = time.monotonic()
