@@ -48,7 +48,7 @@ def consumer(
     sentinel_password: SentinelPassword = _S.sentinel_password,
     redis_cluster: RedisClusterFlag = _S.redis_cluster,
     worker_id: WorkerId = _W.worker_id,
-    model: Model = _E.model,
+    model: Model = list(_E.model),  # noqa: B006 (click reads the default, nothing mutates it)
     engine: EngineOpt = _E.kind,
     recipe: RecipeOpt = _E.recipe,
     slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = _E.slots,
@@ -153,7 +153,7 @@ def consumer(
     from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
     from .connect import connect
     from .metrics import Metrics
-    from .runtime import make_engine, resolve_model
+    from .runtime import make_engines, model_choices
     from .transport import LeaseHeld, LeaseLost, RedisTransport
     from .worker import Worker
 
@@ -165,8 +165,8 @@ def consumer(
                                 sentinel_username=sentinel_username, sentinel_password=sentinel_password,
                                 redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
                                 max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
-        engine=EngineSettings(model=model, kind=engine, recipe=recipe, slots=slots, ctx_per_session=ctx_per_session,
-                              threads=n_threads, n_gpu_layers=n_gpu_layers),
+        engine=EngineSettings(model=tuple(model), kind=engine, recipe=recipe, slots=slots,
+                              ctx_per_session=ctx_per_session, threads=n_threads, n_gpu_layers=n_gpu_layers),
         worker=WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
                               w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
@@ -188,11 +188,16 @@ def consumer(
 
     _logging(svc.log_level, svc.log_format)
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
-    if eng_s.recipe == "invariant":  # ggml reads it once, at the first K-quant matmul of the process
-        os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-    eng = make_engine(resolve_model(eng_s.model), kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
-                      n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
-                      n_gpu_layers=eng_s.n_gpu_layers)
+    try:
+        choices = model_choices(eng_s.model)
+        if "invariant" in {c.recipe or eng_s.recipe for c in choices}:
+            os.environ.setdefault("GGML_CPU_TILED_MM", "0")  # ggml reads it once, at the first K-quant matmul
+        # One engine per --model, each with its own slots; the worker serves them all (one lane each).
+        eng = make_engines(choices, kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
+                           n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session,
+                           n_threads=eng_s.threads or None, n_gpu_layers=eng_s.n_gpu_layers)
+    except ValueError as e:  # a bad --model, or two models with the same keys (EngineSet)
+        raise typer.BadParameter(str(e), param_hint="--model") from None
     metrics = Metrics(worker_id)
     if svc.metrics_port:
         metrics.serve(svc.metrics_port, svc.metrics_addr)

@@ -159,6 +159,15 @@ def bench_scale(out: Out = Path("bench-out/scale"), idle: int = 10_000, active: 
         session_calls=session_calls, profile=profile)
 
 
+@bench_app.command("lanes")
+def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: int = 300, repeats: int = 5) -> None:
+    """The worker's own time per fused decode call serving one engine vs three (the same sessions per call),
+    and the lane choice alone (docs/state-layouts.md, "Several engines in one worker")."""
+    from dgrtools.bench.lanes import run
+
+    run(out, sessions=sessions, calls=calls, repeats=repeats)
+
+
 @bench_app.command("producer")
 def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
                    repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",

@@ -10,7 +10,10 @@ import typer
 __all__ = ["Batches", "EngineOpt", "HmacKeyFile", "Model", "Models", "Out", "RecipeOpt", "WorkerId", "ints"]
 
 WorkerId = Annotated[str, typer.Option(envvar="DGR_WORKER_ID", help="Worker id: the hash tag of all its keys.")]
-Model = Annotated[str, typer.Option(envvar="DGR_MODEL", help="'tiny', 'gemma' or a GGUF path.")]
+Model = Annotated[list[str], typer.Option(
+    envvar="DGR_MODEL",
+    help="'tiny', 'gemma' or a GGUF path. Give it more than once for one engine per model in this worker, each "
+         "with its own streams and slots: [NAME=]MODEL[,slots=N][,ctx=N][,recipe=R][,weight=W] (docs/operations.md).")]
 EngineOpt = Annotated[str, typer.Option(envvar="DGR_ENGINE", help="'llama' (llama.cpp) or 'reference' (NumPy).")]
 RecipeOpt = Annotated[str, typer.Option(envvar="DGR_RECIPE",
                                         help="'invariant' (bit-identical in any batch) or 'fast'.")]

@@ -87,7 +87,9 @@ class WorkerSettings:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    model: str = "tiny"  # 'tiny', 'gemma' or a GGUF path
+    # 'tiny', 'gemma' or a GGUF path; several: one engine each in this worker, `[NAME=]MODEL[,slots=N][,ctx=N]
+    # [,recipe=R][,weight=W]` (consumer/runtime.py `model_choice`, docs/state-layouts.md)
+    model: tuple[str, ...] = ("tiny",)
     kind: str = "llama"  # 'llama' (llama.cpp) or 'reference' (NumPy)
     recipe: str = "invariant"  # 'invariant' (bit-identical in any batch) or 'fast'
     slots: int = 16  # sequence slots (concurrent sessions)

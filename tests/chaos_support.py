@@ -167,9 +167,12 @@ NOT_COUNTERS = (b"account", b"closed", b"reaped", b"reaped_by", b"att", b"pub", 
 
 
 def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionSpec, list[int]]],
-                handles: dict[str, SessionHandle], model: Path, *, allow_cancel: set[str] = frozenset(),  # type: ignore[assignment]
-                must_cancel: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-    """THE check (see the module docstring). Returns a summary for the report."""
+                handles: dict[str, SessionHandle], model: Path | None, *, allow_cancel: set[str] = frozenset(),  # type: ignore[assignment]
+                must_cancel: set[str] = frozenset(),  # type: ignore[assignment]
+                solo_of: Callable[[SessionSpec, list[int]], list[int]] | None = None) -> dict[str, Any]:
+    """THE check (see the module docstring). Returns a summary for the report. A session's solo tokens
+    come from the reference engine on `model`, or from `solo_of(spec, prompt)` (a worker of several
+    engines: each session's own model)."""
     keys = WorkerKeys(worker)
     summary: dict[str, Any] = {"sessions": len(specs), "finished": 0, "cancelled": 0, "recomputed": 0,
                                "replays": sum(h.attempt for h in handles.values()), "results": 0}
@@ -177,7 +180,11 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
     for spec, prompt in specs:
         sid = spec.session_id
         h = handles[sid]
-        want = solo(model, prompt, spec.max_tokens)
+        if solo_of is not None:
+            want = solo_of(spec, prompt)
+        else:
+            assert model is not None
+            want = solo(model, prompt, spec.max_tokens)
         if sid in must_cancel:
             assert h.status == "cancelled", (sid, h.status, h.reason, h.detail)
         if h.status == "cancelled":

@@ -6,6 +6,10 @@ worker crash (the worker and its engine are dropped at a drawn completion, befor
 call, and a fresh worker with a fresh engine takes over the same consumer name, as after kill -9). It
 returns every session whose tokens differ from `oracle`: the session alone on an engine of its own,
 prompt in one call, one row per decode step. Used by tests/test_invariance_property.py.
+
+`make_engine` may return an `EngineSet` (a worker of several engines, docs/state-layouts.md): each
+session then names its engine (`Session.engine`), is routed on that engine's key, and `solo` is asked
+for it on that engine.
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ import numpy as np
 import redis
 
 from consumer.batch import BatchRow, FusedBatch
-from consumer.engines.base import Engine, engine_key
+from consumer.engines.base import Engine
+from consumer.engines.engine_set import EngineSet
 from consumer.sampling import RowContext, RowStatus, Vocabulary, sample_row
 from consumer.sampling.grammar import Grammar, gbnf_of
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer
-from schemas import RouteHop, Sampling, SessionSpec
+from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec
 
 _worker_ids = itertools.count()
 
@@ -40,6 +45,7 @@ class Session:
     start_s: float = 0.0
     cancel_after: int | None = None  # cancel once this many tokens arrived
     n: int = 1  # tokens per decode job (the producer's decode_n for this session: a continuation job)
+    engine: str = ""  # the worker's engine that serves it (a worker of several engines); "": the first
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,8 @@ def oracle(engine: Engine, s: Session, stops: tuple[int, ...] = ()) -> list[int]
 class _Supervised:
     """The worker in a thread; after a simulated crash a fresh worker and engine take over."""
 
-    def __init__(self, client: redis.Redis, wid: str, make_engine: Callable[[int], Engine], c: Conditions) -> None:
+    def __init__(self, client: redis.Redis, wid: str, make_engine: Callable[[int], Engine | EngineSet],
+                 c: Conditions) -> None:
         self.client, self.wid, self.make_engine, self.c = client, wid, make_engine, c
         self.settings = WorkerSettings(worker_id=wid, max_batch=c.max_batch, prefill_budget=c.prefill_budget,
                                        prefill_ratio=c.prefill_ratio, w_decode=c.w_decode, w_prefill=c.w_prefill,
@@ -142,7 +149,7 @@ class _Supervised:
             self.worker.run()
         except _Crash:
             self.crashed = True
-            self.worker.engine.close()  # type: ignore[attr-defined]
+            self.worker.engines.close()
             with self._lock:  # stop() may have come while the dead worker was being replaced
                 if self._stopping:
                     return
@@ -155,15 +162,19 @@ class _Supervised:
             self.worker.request_stop()
         self.thread.join(timeout=30)
         assert not self.thread.is_alive(), "the worker thread did not stop"
-        self.worker.engine.close()  # type: ignore[attr-defined]
+        self.worker.engines.close()
 
 
 def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
-                 make_engine: Callable[[int], Engine], solo: Callable[[Session, tuple[int, ...]], list[int]],
-                 ) -> Outcome:
+                 make_engine: Callable[[int], Engine | EngineSet],
+                 solo: Callable[[Session, tuple[int, ...]], list[int]]) -> Outcome:
     wid = f"inv{next(_worker_ids)}"
     sup = _Supervised(client, wid, make_engine, c)
-    key = engine_key(sup.worker.engine, "prefill")
+    engines = sup.worker.engines
+
+    def key_of(s: Session) -> CompatibilityKey:
+        return engines.keys_of(s.engine or next(iter(engines)))["prefill"]
+
     specs: list[tuple[SessionSpec, list[int]]] = []
     stops: dict[str, tuple[int, ...]] = {}
     for i, s in enumerate(sessions):
@@ -175,7 +186,7 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
                 stop = (full[s.stop_at],)
         stops[sid] = stop
         specs.append((SessionSpec(session_id=sid, account_id=f"acct{i % 2}",
-                                  route=(RouteHop(worker_id=wid, key=key),), sampling=s.sampling,
+                                  route=(RouteHop(worker_id=wid, key=key_of(s)),), sampling=s.sampling,
                                   max_tokens=s.max_tokens, stop_tokens=stop), list(s.prompt)))
     producer = Producer(client, prefill_chunk=c.prefill_chunk, timeout_s=60, backpressure="wait",
                         max_attempts=5)

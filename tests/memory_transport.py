@@ -3,6 +3,10 @@
 Jobs are pushed as decoded StepJobs (or as refusals, standing in for entries the wire refused); what
 the worker files comes back in `answers`, `dead` and `calls`. A job id's first answer is the one that
 counts, as with the completion script.
+
+One stream per registered key, as a Redis transport: `mem:<phase>` for the first key of each phase (a
+worker of one engine), `mem:<digest>:<phase>` for the others (a worker of several engines, which reads
+them with `read_streams`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
 class MemoryTransport:
     def __init__(self, worker_id: str = "worker-0") -> None:
         self.worker_id = worker_id  # names the activation keys as a Redis transport of this worker would
-        self.digests: dict[Phase, str] = {}
-        self.queues: dict[Phase, deque[Inbound]] = {"decode": deque(), "prefill": deque()}
+        self.digests: dict[Phase, str] = {}  # the first key registered per phase
+        self.streams: dict[tuple[str, Phase], str] = {}  # (digest, phase) -> stream name
+        self.queues: dict[str, deque[Inbound]] = {"mem:decode": deque(), "mem:prefill": deque()}
+        self._read: dict[tuple[str, str], Inbound] = {}  # (stream, entry id) -> the entry read, for inbound()
         self.answers: list[Answer] = []
         self.dead: list[DeadLetter] = []
         self.calls: list[FusedCallStats] = []
@@ -30,26 +36,32 @@ class MemoryTransport:
         self.pending_cancels: list[str] = []
         self.answered: set[str] = set()
         self.blobs: dict[str, bytes] = {}  # activations blobs (input: the test writes them; output: complete())
+        self.info: dict[str, object] = {}  # what the worker registered or beat last
         self.round_trips = 0
         self.outages = 0
         self._n = 0
 
     # ---- the test's side ----------------------------------------------------------------------
-    def push(self, job: StepJob, phase: Phase | None = None) -> Delivery:
-        """Queue a job on its phase (or another phase's queue, as a misrouted entry would arrive)."""
-        return self._push(phase or job.phase, job, None)
+    def push(self, job: StepJob, phase: Phase | None = None, digest: str | None = None) -> Delivery:
+        """Queue a job on the stream of its key (its `compat` when registered, else the first key of the
+        phase), or of another phase or key (`phase`, `digest`: as a misrouted entry would arrive)."""
+        phase = phase or job.phase
+        if digest is None:
+            digest = job.compat if (job.compat, phase) in self.streams else self.digests[phase]
+        return self._push(phase, job, None, digest)
 
-    def push_refused(self, phase: Phase, refusal: Refusal) -> Delivery:
-        return self._push(phase, None, refusal)
+    def push_refused(self, phase: Phase, refusal: Refusal, digest: str | None = None) -> Delivery:
+        return self._push(phase, None, refusal, digest or self.digests[phase])
 
     def cancel(self, session_id: str) -> None:
         self.cancel_markers.add(session_id)
         self.pending_cancels.append(session_id)
 
-    def _push(self, phase: Phase, job: StepJob | None, refusal: Refusal | None) -> Delivery:
+    def _push(self, phase: Phase, job: StepJob | None, refusal: Refusal | None, digest: str) -> Delivery:
         self._n += 1
-        d = Delivery(stream=f"mem:{phase}", entry_id=str(self._n), fields={}, digest=self.digests[phase], phase=phase)
-        self.queues[phase].append(Inbound(d, phase, d.digest, f"{phase}.{self._n}", job, refusal))
+        stream = self.streams[(digest, phase)]
+        d = Delivery(stream=stream, entry_id=str(self._n), fields={}, digest=digest, phase=phase)
+        self.queues[stream].append(Inbound(d, phase, d.digest, f"{phase}.{self._n}", job, refusal))
         return d
 
     # ---- the Transport ------------------------------------------------------------------------
@@ -63,22 +75,39 @@ class MemoryTransport:
         pass
 
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> Sequence[str]:
+        self.info = dict(info)
+        names = []
         for k in keys:
-            self.digests[k.phase] = k.digest
-        return [f"mem:{k.phase}" for k in keys]
+            first = self.digests.setdefault(k.phase, k.digest) == k.digest
+            name = f"mem:{k.phase}" if first else f"mem:{k.digest}:{k.phase}"
+            name = self.streams.setdefault((k.digest, k.phase), name)
+            self.queues.setdefault(name, deque())
+            names.append(name)
+        return names
 
     def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
-        pass
+        if info is not None:
+            self.info = dict(info)
 
     def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
              more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
+        ds = self.read_streams({self.streams[(self.digests[p], p)]: n for p, n in want.items() if p in self.digests})
+        return [self.inbound(d) for d in ds]
+
+    def read_streams(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+                     more: Callable[[list[Delivery]], bool] | None = None) -> list[Delivery]:
         self.round_trips += 1
-        out: list[Inbound] = []
-        for phase, n in want.items():
-            q = self.queues[phase]
+        out: list[Delivery] = []
+        for stream, n in want.items():
+            q = self.queues[stream]
             for _ in range(min(n, len(q))):
-                out.append(q.popleft())
+                inb = q.popleft()
+                self._read[(stream, inb.ref.entry_id)] = inb
+                out.append(inb.ref)
         return out
+
+    def inbound(self, d: Delivery) -> Inbound:
+        return self._read.pop((d.stream, d.entry_id))
 
     def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
         return [], []
@@ -122,7 +151,7 @@ class MemoryTransport:
         return first
 
     def input_lag(self) -> dict[str, dict[str, int]]:
-        return {f"mem:{p}": {"length": len(q), "lag": len(q), "pending": 0} for p, q in self.queues.items()}
+        return {s: {"length": len(q), "lag": len(q), "pending": 0} for s, q in self.queues.items()}
 
     def trim(self) -> None:
         pass

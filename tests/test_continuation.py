@@ -135,7 +135,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
         for op in batch.ops:
             if isinstance(op, XAdd):
                 d = t.push(job_from_fields(op.fields))
-                entries[d.entry_id] = t.queues[d.phase][-1]
+                entries[d.entry_id] = t.queues[d.stream][-1]
 
     stops: dict[str, tuple[int, ...]] = {}
     handles: dict[str, SessionHandle] = {}
@@ -173,8 +173,8 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             read = [entries[e] for e in entries if e not in acked]
             queued = {id(x) for q in t.queues.values() for x in q}
             lost = [x for x in read if id(x) not in queued and x.ref.entry_id not in acked]
-            for phase in ("decode", "prefill"):
-                t.queues[phase] = deque([x for x in lost if x.phase == phase] + list(t.queues[phase]))
+            for stream in list(t.queues):
+                t.queues[stream] = deque([x for x in lost if x.ref.stream == stream] + list(t.queues[stream]))
         batch = Batch()
         for a in t.answers[seen:]:
             ref = a.ref

@@ -80,3 +80,43 @@ def test_inspect_json_is_the_same_at_80_columns(redis_server: LocalRedis, real_r
     assert {s["phase"] for s in w["streams"]} == {"prefill", "decode"} and w["keys"][0]["digest"]
     res = runner.invoke(make_app(), ["inspect"], env={"DGR_REDIS_URL": redis_server.url, "COLUMNS": "80"})
     assert res.exit_code == 0 and " dead letters " in res.output and " generated tok " in res.output, res.output
+
+
+def test_a_worker_of_several_engines_shows_one_row_per_engine(real_redis: redis.Redis) -> None:
+    """A real worker's heartbeat (three engines, sessions on one): `dgr inspect` reads one row per engine
+    (name, layout, slots busy/total, state bytes per session) in 80 columns; a worker of one engine shows
+    none, as before."""
+    from consumer.engines.engine_set import EngineSet
+    from consumer.ops.inspect import ENGINE_COLUMNS, inspect_fleet
+    from consumer.transport import RedisTransport
+    from consumer.worker import Worker, WorkerSettings
+    from schemas import RouteHop, SessionSpec, StepJob, WorkerKeys, job_to_fields
+    from tests.doubles.null import NullEngine
+
+    engines = {f"e{i}": NullEngine(n_slots=2 + i, vocab_size=32, model=i) for i in range(3)}
+    multi = Worker(EngineSet(engines), RedisTransport(real_redis, "multi", consumer_name="multi"),
+                   WorkerSettings(worker_id="multi", block_ms=0, gather_ms=0.0, await_ms=0, heartbeat_s=0.0))
+    single = Worker(NullEngine(n_slots=4, vocab_size=32), RedisTransport(real_redis, "single", consumer_name="single"),
+                    WorkerSettings(worker_id="single", block_ms=0, gather_ms=0.0, await_ms=0))
+    for w in (multi, single):
+        w.start()
+    key = multi.engines.keys_of("e1")["prefill"]
+    spec = SessionSpec(session_id="s1", account_id="a", route=(RouteHop(worker_id="multi", key=key),), max_tokens=9)
+    job = StepJob(job_id="s1.0", session_id="s1", phase="prefill", compat=key.digest, start_position=0,
+                  tokens=(1, 2, 3), created_at=1.0, session=spec)
+    real_redis.xadd(WorkerKeys("multi").input_stream(key.digest, "prefill"), job_to_fields(job))  # type: ignore[arg-type]
+    multi.run_once()
+    multi.run_once()  # its heartbeat (every iteration here) says the session it holds
+    single.run_once()
+    reports = {r.worker_id: r for r in inspect_fleet(real_redis)}
+    assert [(e["engine"], e["busy_slots"], e["slots"]) for e in reports["multi"].engines] == [
+        ("e0", 0, 2), ("e1", 1, 3), ("e2", 0, 4)]
+    assert reports["multi"].active_sessions == 1 and reports["multi"].info["slots"] == 9
+    assert [e["engine"] for e in reports["single"].engines] == ["main"]
+    text = _render(list(reports.values()), 80)
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for header in ENGINE_COLUMNS:
+        assert f" {header} " in text, f"header {header!r} cut or wrapped:\n{text}"
+    rows = [line for line in text.splitlines() if " e1 " in line or " main " in line]
+    assert len(rows) == 1 and "1/3" in rows[0] and " kv " in rows[0], text  # the single worker has no row
+    assert "engines" not in _render([reports["single"]], 80)

@@ -1,5 +1,6 @@
 """The invariance property through the whole service path (producer, real Redis, worker, llama.cpp), with
-the state layout drawn: the tiny llama ("kv"), the tiny Mamba ("recurrent") or the tiny Jamba ("hybrid").
+the state layouts drawn: one worker serves one, two or all three of the tiny llama ("kv"), the tiny Mamba
+("recurrent") and the tiny Jamba ("hybrid"), one engine each, and each session is drawn onto one of them.
 Hypothesis draws sessions, arrivals, settings, cancellations and a worker crash (kill -9 and a fresh
 worker, which answers `state_lost` and the producer replays) as in tests/test_invariance_property.py;
 every session must end with the tokens it gets alone. Pinned: kill -9 mid-decode on recurrent sessions."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from consumer.engines.engine_set import EngineSet
 from schemas import Sampling
 from tests.invariance_harness import Conditions, Session, random_prompt, run_scenario
 from tests.test_invariance_property import Engines, scenarios
@@ -24,11 +27,6 @@ pytestmark = pytest.mark.llama
 
 SOAK = os.environ.get("DGR_SOAK") == "1"
 LAYOUTS = ("kv", "recurrent", "hybrid")
-
-
-@pytest.fixture(scope="module")
-def by_layout(tiny_layout_paths: dict[str, Path]) -> dict[str, Engines]:
-    return {k: Engines(p, probe=False) for k, p in tiny_layout_paths.items()}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +40,19 @@ def client(redis_server: object) -> Iterator[redis.Redis]:
 @settings(max_examples=60 if SOAK else 12, deadline=None, derandomize=not SOAK, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
-@given(layout=st.sampled_from(LAYOUTS), scenario=scenarios(max_prompt=300))
-def test_service_tokens_equal_solo_any_layout(by_layout: dict[str, Engines], client: redis.Redis, layout: str,
-                                              scenario: tuple[list[Session], Conditions]) -> None:
-    engines = by_layout[layout]
+@given(layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=3, unique=True),
+       scenario=scenarios(max_prompt=300), data=st.data())
+def test_service_tokens_equal_solo_any_layout(by_layout: dict[str, Engines], client: redis.Redis, layouts: list[str],
+                                              scenario: tuple[list[Session], Conditions], data: st.DataObject) -> None:
+    """One worker, one engine per drawn layout (the engine set drawn too), each session on a drawn one."""
     ss, c = scenario
-    out = run_scenario(client, ss, c, engines.make, engines.solo)
-    assert out.mismatches == [], f"{layout} {c}\n" + "\n".join(out.mismatches)
+    ss = [replace(s, engine=data.draw(st.sampled_from(layouts), label=f"engine of s{i}")) for i, s in enumerate(ss)]
+
+    def make(n_slots: int) -> EngineSet:
+        return EngineSet({k: by_layout[k].make(n_slots) for k in layouts})
+
+    out = run_scenario(client, ss, c, make, lambda s, stops: by_layout[s.engine].solo(s, stops))
+    assert out.mismatches == [], f"{layouts} {[s.engine for s in ss]} {c}\n" + "\n".join(out.mismatches)
 
 
 @pytest.mark.parametrize("layout", ["recurrent", "hybrid"])

@@ -23,12 +23,20 @@ from .base import Engine, engine_key
 
 
 class EngineSet:
-    """Named engines, each with its own keys (streams) and slots."""
+    """Named engines, each with its own keys (streams) and slots. `weights`: each engine's share of the
+    fused calls while several have work (1 each by default; the worker's lane turns, consumer/worker/lane.py)."""
 
-    def __init__(self, engines: Mapping[str, Engine]) -> None:
+    def __init__(self, engines: Mapping[str, Engine], weights: Mapping[str, int] | None = None) -> None:
         if not engines:
             raise ValueError("an engine set holds at least one engine")
         self._engines = dict(engines)
+        self._weights = {name: 1 for name in self._engines}
+        for name, w in (weights or {}).items():
+            if name not in self._engines:
+                raise ValueError(f"a weight for {name!r}, which is not an engine of the set")
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"engine {name!r}: weight {w!r} is not an integer >= 1")
+            self._weights[name] = w
         self._keys: dict[str, dict[Phase, CompatibilityKey]] = {}
         self._by_digest: dict[str, str] = {}
         for name, eng in self._engines.items():
@@ -53,6 +61,9 @@ class EngineSet:
     def __getitem__(self, name: str) -> Engine:
         return self._engines[name]
 
+    def weight(self, name: str) -> int:
+        return self._weights[name]
+
     def keys_of(self, name: str) -> dict[Phase, CompatibilityKey]:
         return dict(self._keys[name])
 
@@ -75,7 +86,8 @@ class EngineSet:
                 "engine": name, "digests": {ph: k.digest for ph, k in self._keys[name].items()},
                 "architecture": eng.identity.architecture, "state_layout": eng.state_layout.kind,
                 "slots": cap.n_slots, "ctx_per_session": cap.ctx_per_session,
-                "max_tokens_per_call": cap.max_tokens_per_call,
+                "max_tokens_per_call": cap.max_tokens_per_call, "vocab_size": cap.vocab_size,
+                "weight": self._weights[name],
                 "state_bytes_per_session": cap.state_bytes_per_session,
                 "state_bytes_per_token": cap.state_bytes_per_token,
                 "state_bytes_all_slots": cap.state_bytes_per_session * cap.n_slots,

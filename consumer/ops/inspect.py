@@ -10,7 +10,10 @@ Per worker (ids from `dgr:workers`):
 * dead letters (XLEN `dgr:{W}:dlq`);
 * active sessions: `busy_slots` from the heartbeat (or the advertisement), else the number of
   session accounting hashes that are neither closed nor reaped;
-* accounting totals (`dgr:{W}:acct:worker`).
+* accounting totals (`dgr:{W}:acct:worker`);
+* its engines, when it serves several (docs/state-layouts.md, "Several engines in one worker"): one row
+  each (name, state layout, slots busy / total, state bytes a session holds), from the heartbeat's
+  `engines` (or the advertisement's). A worker of one engine shows no such row, as before.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class WorkerReport:
     active_sessions: int | None = None
     active_source: str = ""
     accounting: dict[str, float] = field(default_factory=dict)
+    engines: list[dict[str, Any]] = field(default_factory=list)  # one per engine: see _engine_summary
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,10 +80,29 @@ def _key_summary(raw: dict[str, Any]) -> dict[str, Any]:
         k = CompatibilityKey.model_validate(raw)
     except ValueError:
         return {"phase": raw.get("phase", "?"), "digest": "invalid"}
-    return {"phase": k.phase, "digest": k.digest, "architecture": k.engine.architecture,
-            "quantization": k.recipe.quantization, "kv_cache_type": k.recipe.kv_cache_type,
-            "ctx_per_session": k.recipe.ctx_per_session, "batch_invariant": k.recipe.batch_invariant,
-            "runtime": k.recipe.runtime, "boundary": f"{k.boundary.name}/{k.boundary.version}"}
+    out = {"phase": k.phase, "digest": k.digest, "architecture": k.engine.architecture,
+           "quantization": k.recipe.quantization, "kv_cache_type": k.recipe.kv_cache_type,
+           "ctx_per_session": k.recipe.ctx_per_session, "batch_invariant": k.recipe.batch_invariant,
+           "runtime": k.recipe.runtime, "boundary": f"{k.boundary.name}/{k.boundary.version}",
+           "state": k.state.kind}
+    if "state_bytes" in k.state.dims:  # recurrent / hybrid: one session's recurrent cells
+        out["state_bytes"] = k.state.dims["state_bytes"]
+    return out
+
+
+def _int(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _engine_summary(raw: Any) -> dict[str, Any] | None:
+    """One engine of a worker's heartbeat (`engines`: EngineSet.advertise() and the worker's per-engine
+    fields), reduced to what inspect shows; None for anything that is not such an entry."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("engine"), str):
+        return None
+    counts = ("slots", "busy_slots", "state_bytes_per_session", "state_bytes_per_token", "fused_calls")
+    return {"engine": raw["engine"], "architecture": str(raw.get("architecture", "?")),
+            "state_layout": str(raw.get("state_layout", "?")), **{c: _int(raw.get(c)) for c in counts},
+            "digests": raw.get("digests") if isinstance(raw.get("digests"), dict) else {}}
 
 
 def _json(raw: Any) -> dict[str, Any]:
@@ -108,6 +131,10 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
                        heartbeat_age_s=age, keys=[_key_summary(x) for x in spec.get("keys", [])], info=info,
                        dead_letters=int(dlq_len),
                        accounting={f: _num(v) for f, v in sdict(cast(dict[Any, Any], acct)).items()})
+    engines = hb.get("engines") if hb_raw is not None else None
+    if not isinstance(engines, list):
+        engines = info.get("engines")
+    rep.engines = [e for e in map(_engine_summary, engines if isinstance(engines, list) else []) if e is not None]
     streams = [str(x) for x in spec.get("streams", [])]
     if not streams and spec_raw is None:  # never advertised: look for its streams
         streams = sorted(scan_worker(client, worker_id, k.input_pattern, type_="stream"))
@@ -158,7 +185,7 @@ def _fmt_num(x: float) -> str:
 
 
 # Every column a worker row can show, by header; a layout picks and orders them. Left-aligned: text.
-TEXT_COLUMNS = ("worker", "keys", "phase", "digest", "last delivered")
+TEXT_COLUMNS = ("worker", "keys", "phase", "digest", "last delivered", "engine", "layout")
 WIDE_WORKERS = ("worker", "heartbeat", "keys", "slots", "active", "input lag", "pending", "dead letters",
                 "steps", "prompt tok", "generated tok", "fused calls", "engine s")
 WIDE_STREAMS = ("worker", "phase", "digest", "length", "lag", "pending", "consumers", "last delivered")
@@ -168,6 +195,8 @@ NARROW = (("dgr workers", ("worker", "heartbeat", "slots", "active", "input lag"
           ("accounting (dgr:{W}:acct:worker)", ("worker", "steps", "prompt tok", "generated tok", "fused calls",
                                                  "engine s")))
 NARROW_STREAMS = ("worker", "phase", "digest", "length", "lag", "pending", "consumers")
+# A worker of several engines: one row per engine (80 columns wide at most).
+ENGINE_COLUMNS = ("worker", "engine", "layout", "slots busy/total", "state B/session")
 
 
 def _worker_row(w: WorkerReport) -> dict[str, str]:
@@ -190,6 +219,17 @@ def _stream_rows(reports: list[WorkerReport]) -> list[dict[str, str]]:
     return [{"worker": w.worker_id, "phase": x.phase, "digest": x.digest, "length": str(x.length),
              "lag": "?" if x.lag is None else str(x.lag), "pending": str(x.pending), "consumers": str(x.consumers),
              "last delivered": x.last_delivered_id or "-"} for w in reports for x in w.streams]
+
+
+def _engine_rows(reports: list[WorkerReport]) -> list[dict[str, str]]:
+    """One row per engine of every worker that serves several (a worker of one engine: none, as before)."""
+    def num(x: int | None) -> str:
+        return "?" if x is None else f"{x:,}"
+
+    return [{"worker": w.worker_id, "engine": e["engine"], "layout": e["state_layout"],
+             "slots busy/total": f"{num(e['busy_slots'])}/{num(e['slots'])}",
+             "state B/session": num(e["state_bytes_per_session"])}
+            for w in reports if len(w.engines) > 1 for e in w.engines]
 
 
 def _table(title: str, columns: tuple[str, ...], rows: list[dict[str, str]]) -> Table:
@@ -228,6 +268,9 @@ def render(reports: list[WorkerReport], console: Console | None = None) -> None:
         tables = [_table(title, cols, workers) for title, cols in NARROW]
         if streams:
             tables.append(_table("input streams", NARROW_STREAMS, streams))
+    engines = _engine_rows(reports)
+    if engines:
+        tables.append(_table("engines (workers of several)", ENGINE_COLUMNS, engines))
     for t in tables:
         console.print(t)
     if any(w.active_source == "open_sessions" for w in reports):

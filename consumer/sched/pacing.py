@@ -42,10 +42,13 @@ class PrefillPacer:
         else:
             self.prefill_s_per_token = self._ema(self.prefill_s_per_token, seconds / tokens)
 
-    def budget(self, decoding: bool) -> int:
-        if self.ratio <= 0 or not decoding or self.decode_s is None or self.prefill_s_per_token is None:
+    def budget(self, decoding: bool, decode_s: float | None = None) -> int:
+        """`decode_s`: pace against this decode call time instead of this pacer's own (a worker of several
+        engines: the decoding sessions that wait for this prefill call may be another engine's)."""
+        decode_s = self.decode_s if decode_s is None else decode_s
+        if self.ratio <= 0 or not decoding or decode_s is None or self.prefill_s_per_token is None:
             return self.max_tokens
-        tokens = int(self.ratio * self.decode_s / self.prefill_s_per_token)
+        tokens = int(self.ratio * decode_s / self.prefill_s_per_token)
         return max(min(self.min_tokens, self.max_tokens), min(self.max_tokens, tokens))
 
     def _ema(self, old: float | None, new: float) -> float:

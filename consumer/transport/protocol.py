@@ -112,6 +112,16 @@ class Transport(Protocol):
         """Up to want[phase] entries per phase; `more(counts read so far)` keeps a short gather going."""
         ...
 
+    def read_streams(self, want: Mapping[str, int], *, block_ms: int | None = None, gather_ms: float | None = None,
+                     more: Callable[[list[Delivery]], bool] | None = None) -> list[Delivery]:
+        """Up to want[stream] entries of each named input stream (`register` returned the names), not yet
+        decoded: a worker of several engines reads several streams per phase in one read."""
+        ...
+
+    def inbound(self, d: Delivery) -> Inbound:
+        """One entry read by `read_streams`, decoded (a job, or why it is refused)."""
+        ...
+
     def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
         """Entries to hand out again (a dead predecessor's, a lost read's), and those given up on."""
         ...

@@ -1,6 +1,7 @@
 """The batching worker: the loop (loop.py) over the transport, the scheduler, the engine and the sampler;
-the delivery rules (delivery.py), entry admission (admission.py), the I/O thread (io_thread.py), route
-hops' activations (hop_steps.py), idle sessions (idle.py)."""
+one lane per engine (lane.py: a worker may serve several), a fused call and its retries (calls.py), the
+delivery rules (delivery.py), entry admission (admission.py), the I/O thread (io_thread.py), route hops'
+activations (hop_steps.py), idle sessions (idle.py)."""
 
 from ..config import WorkerSettings
 from .loop import Worker

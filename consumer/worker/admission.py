@@ -1,6 +1,10 @@
 """The worker's side of reading: which entries to read, and admitting each one (the scheduler decides,
 the delivery ledger holds twins and re-sends, a hop checks activations). Every entry, whatever its
-bytes, is admitted inside a guard: an exception dead-letters that entry and nothing else."""
+bytes, is admitted inside a guard: an exception dead-letters that entry and nothing else.
+
+A worker of several engines (consumer/worker/lane.py) reads every lane's streams in one read and admits
+each entry in one lane: the lane holding the entry's session, else the lane whose stream it came on.
+Answers are kept per lane (`answers[lane.index]`): each lane's ledger files its own."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from ..sampler import RowStatus
 from ..sched import Answer
 from ..transport.protocol import DeadLetter, Delivery, Inbound
 from .delivery import wire_reject_outcome
+from .lane import Lane, Want, read_lanes
 
 if TYPE_CHECKING:
     from .loop import Worker
@@ -39,72 +44,78 @@ class Prefetched:
 class EntryAdmission:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
-        self._hot: set[str] = set()  # sessions that got a token in the last fused call and hold no credit
-        self._more_prefill = 0  # prefill entries to read past refused ones (a burst of junk), next read
 
     # ---- what to read ---------------------------------------------------------------------------
-    def answered(self, outcomes: Sequence[Answer]) -> None:
+    def answered(self, lane: Lane, outcomes: Sequence[Answer]) -> None:
         """After a fused call: the sessions whose next step the Tracker sends now (one-hop sessions that
         got a token and hold no credit: a continuation needs no read)."""
-        sched = self.w.scheduler
-        self._hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
-                         and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))
+        sched = lane.scheduler
+        lane.hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                        and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))
 
     def should_read(self) -> bool:
         """Read now, in the loop (blocking a little), besides what the I/O thread prefetched: when there
         is nothing to run, or steps of sessions the last call answered are on their way."""
-        sched = self.w.scheduler
-        return not sched.has_work() or bool(self._hot and sched.awaiting_decode())
+        lanes = self.w.lanes
+        return (not any(lane.scheduler.has_work() for lane in lanes)
+                or any(lane.hot and lane.scheduler.awaiting_decode() for lane in lanes))
 
-    def want(self) -> dict[Phase, int]:
-        """Entries to read per phase: what the scheduler wants, and more prefill entries after a read
-        whose prefill entries were refused (junk is read past, not one `want` at a time)."""
-        want = {p: n for p, n in self.w.scheduler.want().items() if n > 0}
-        if self._more_prefill:
-            want["prefill"] = max(want.get("prefill", 0), self._more_prefill)
+    def want(self) -> Want:
+        """Entries to read per lane and phase: what each scheduler wants, and more prefill entries after a
+        read whose prefill entries were refused (junk is read past, not one `want` at a time)."""
+        want: Want = {}
+        for lane in self.w.lanes:
+            i = lane.index
+            for p, n in lane.scheduler.want().items():
+                if n > 0:
+                    want[(i, p)] = n
+            if lane.more_prefill:
+                want[(i, "prefill")] = max(want.get((i, "prefill"), 0), lane.more_prefill)
         return want
 
     # ---- reading in the loop --------------------------------------------------------------------
-    def read_and_admit(self, answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
+    def read_and_admit(self, answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
                        acks: list[Delivery]) -> tuple[int, float]:
         """Read what the scheduler wants and admit it; while entries read are refused (and the phases
         they came from gave all that was asked), read past them at once, doubling each read, until the
         entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
         w = self.w
         got, want, read_s = self._read()
-        queued: dict[Phase, int] = dict.fromkeys(want, 0)
+        queued: Want = dict.fromkeys(want, 0)
         asked = dict(want)
         total = 0
         while got:
             total += len(got)
             took, refused = self._admit_counted(got, None, answers, dead, wire_rejects, acks, queued)
-            more: dict[Phase, int] = {}
+            more: Want = {}
             room = w.settings.max_read_entries - total
-            for p, n in asked.items():
+            for k, n in asked.items():
                 if room <= 0:
                     break
-                if refused.get(p) and took.get(p, 0) >= n and queued.get(p, 0) < want.get(p, 0):
-                    more[p] = min(2 * n, room)
-                    room -= more[p]
+                if refused.get(k) and took.get(k, 0) >= n and queued.get(k, 0) < want.get(k, 0):
+                    more[k] = min(2 * n, room)
+                    room -= more[k]
             if not more:
                 break
             asked = more
             t = time.perf_counter()
-            got = w.transport.read(more, block_ms=0, gather_ms=0)
+            got = read_lanes(w.transport, w.lanes.streams, more, block_ms=0, gather_ms=0)
             w.stats.reads += 1
             read_s += time.perf_counter() - t
         return total, read_s
 
-    def _read(self) -> tuple[list[Inbound], dict[Phase, int], float]:
+    def _read(self) -> tuple[list[Inbound], Want, float]:
         w = self.w
         counts = self.want()
         if not counts:
             return [], counts, 0.0
         # Wait only for the sessions the last fused call just answered with a token: their next step is
         # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
-        expected = min(len(self._hot), w.scheduler.awaiting_decode())
-        self._hot = set()
-        busy = w.scheduler.has_work()
+        expected = sum(min(len(lane.hot), lane.scheduler.awaiting_decode()) for lane in w.lanes)
+        busy = False
+        for lane in w.lanes:
+            lane.hot = set()
+            busy = busy or lane.scheduler.has_work()
         seen = [0]
 
         def more(got: Mapping[Phase, int]) -> bool:
@@ -120,12 +131,12 @@ class EntryAdmission:
         t = time.perf_counter()
         st = w.settings
         block_ms = max(0 if busy else st.block_ms, st.await_ms if expected else 0)
-        got = w.transport.read(counts, block_ms=block_ms, gather_ms=st.gather_ms, more=more)
+        got = read_lanes(w.transport, w.lanes.streams, counts, block_ms=block_ms, gather_ms=st.gather_ms, more=more)
         w.stats.reads += 1
         return got, counts, time.perf_counter() - t
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit_all(self, inbound: Sequence[Inbound], answers: list[Answer], dead: list[DeadLetter],
+    def admit_all(self, inbound: Sequence[Inbound], answers: Sequence[list[Answer]], dead: list[DeadLetter],
                   wire_rejects: list[Answer], acks: list[Delivery], fetched: dict[str, bytes | None] | None) -> int:
         """Admit entries read (by the I/O thread: `fetched` holds their activation blobs; None: fetch
         them now). Returns how many there were."""
@@ -133,46 +144,65 @@ class EntryAdmission:
             return 0
         took, refused = self._admit_counted(inbound, fetched, answers, dead, wire_rejects, acks, {})
         # A prefetch whose prefill entries were all refused reads past them on the next one, doubling.
-        n = took.get("prefill", 0)
-        self._more_prefill = min(2 * n, self.w.settings.max_read_entries) if n and refused.get("prefill") == n else 0
+        cap = self.w.settings.max_read_entries
+        for lane in self.w.lanes:
+            n = took.get((lane.index, "prefill"), 0)
+            lane.more_prefill = min(2 * n, cap) if n and refused.get((lane.index, "prefill")) == n else 0
         return len(inbound)
 
     def _admit_counted(self, got: Sequence[Inbound], fetched: dict[str, bytes | None] | None,
-                       answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
-                       acks: list[Delivery], queued: dict[Phase, int]) -> tuple[dict[Phase, int], dict[Phase, int]]:
+                       answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
+                       acks: list[Delivery], queued: Want) -> tuple[Want, Want]:
         w = self.w
         if fetched is None:
-            w.hops.prefetch(w.transport, got)
+            fetched = w.lanes.fetch_blobs(w.transport, got)
+        lanes = w.lanes
+        single = len(lanes) == 1
+        if single:
+            openings, sids = lanes[0].ledger.openings_to_check(got)
         else:
-            w.hops.use_fetched(fetched)
-        openings, sids = w.ledger.openings_to_check(got)
-        w.ledger.precheck = w.transport.checks(openings, sids) if sids else (set(), set())
-        took: dict[Phase, int] = {}
-        refused: dict[Phase, int] = {}
+            openings, sids = [], []
+            by_lane: dict[int, list[Inbound]] = {}
+            for inb in got:
+                by_lane.setdefault(lanes.for_entry(inb).index, []).append(inb)
+            for i, entries in by_lane.items():
+                o, s = lanes[i].ledger.openings_to_check(entries)
+                openings += o
+                sids += s
+        precheck = w.transport.checks(openings, sids) if sids else (set(), set())
+        for lane in lanes:
+            lane.hops.use_fetched(fetched)
+            lane.ledger.precheck = precheck
+        took: Want = {}
+        refused: Want = {}
         for inb in got:
-            took[inb.phase] = took.get(inb.phase, 0) + 1
+            # counted by the stream it was read from
+            k = (0 if single else lanes.stream_lane(inb.digest).index, inb.phase)
+            took[k] = took.get(k, 0) + 1
             if self.admit(inb, answers, dead, wire_rejects, acks):
-                queued[inb.phase] = queued.get(inb.phase, 0) + 1
+                queued[k] = queued.get(k, 0) + 1
             else:
-                refused[inb.phase] = refused.get(inb.phase, 0) + 1
+                refused[k] = refused.get(k, 0) + 1
         w.stats.refused += sum(refused.values())
         return took, refused
 
-    def admit(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter], wire_rejects: list[Answer],
+    def admit(self, inb: Inbound, answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
               acks: list[Delivery]) -> bool:
         """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
         per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
         on every redelivery (the transport's decoding is guarded the same way)."""
         try:
-            return self._admit_entry(inb, answers, dead, wire_rejects, acks)
+            lane = self.w.lanes.for_entry(inb)
+            return self._admit_entry(lane, inb, answers[lane.index], dead, wire_rejects, acks)
         except Exception as e:
             log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
             dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
             return False
 
-    def _admit_entry(self, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
+    def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
                      wire_rejects: list[Answer], acks: list[Delivery]) -> bool:
         w = self.w
+        sched = lane.scheduler
         job = inb.job
         if job is None:
             refusal = inb.refusal
@@ -181,48 +211,48 @@ class EntryAdmission:
             # Tell the session too (never on a bad signature: the session was named by a forger), so its
             # caller is not left waiting. It names no billing account: it charges nothing.
             if refusal.session_id is not None:
-                entry = w.scheduler.table.get(refusal.session_id)
+                entry = sched.table.get(refusal.session_id)
                 outcome = wire_reject_outcome(inb, entry.queued_position if entry is not None else 0)
                 wire_rejects.append(Answer(ref=inb.ref, job=None, result=outcome, account_id=None, close=None,
                                            reply=refusal.reply_to or refusal.session_id))
             return False
-        if w.ledger.duplicate(job, inb, wire_rejects, acks):
+        if lane.ledger.duplicate(job, inb, wire_rejects, acks):
             return False
-        held = w.scheduler.table.get(job.session_id)
-        answer = w.hops.admit(job, inb.digest, w.scheduler.engine_digests.get(job.phase),
-                              held.queued_position if held is not None else job.start_position, w.settings.worker_id,
-                              inb.ref)
+        held = sched.table.get(job.session_id)
+        answer = lane.hops.admit(job, inb.digest, sched.engine_digests.get(job.phase),
+                                 held.queued_position if held is not None else job.start_position,
+                                 w.settings.worker_id, inb.ref)
         if answer is not None:
             answers.append(answer)
             return False
         if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
-            answers.extend(w.scheduler.supersede(job, inb.digest))
+            answers.extend(sched.supersede(job, inb.digest))
             # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
             # attempt can take it: a full worker re-opens every session of a replayed route.
-            w._release_slots()
-        if job.session is not None and job.session.sampling.constrained and not w.hops.produces_hidden:
-            grammar_refusal = self._grammar_refusal(job, inb)
+            lane.release_slots()
+        if job.session is not None and job.session.sampling.constrained and not lane.hops.produces_hidden:
+            grammar_refusal = self._grammar_refusal(lane, job, inb)
             if grammar_refusal is not None:
                 answers.append(grammar_refusal)
                 return False
-        answer = w.scheduler.admit(job, inb.digest, inb.ref)
+        answer = sched.admit(job, inb.digest, inb.ref)
         if answer is not None:
             answers.append(answer)
             return False
-        w.ledger.admitted(job)
+        lane.ledger.admitted(job)
         if w.idle is not None:
             w.idle.touch(job.session_id)
         return True
 
-    def _grammar_refusal(self, job: StepJob, inb: Inbound) -> Answer | None:
-        """An opening whose grammar this worker's sampler cannot run is refused before it takes a slot
+    def _grammar_refusal(self, lane: Lane, job: StepJob, inb: Inbound) -> Answer | None:
+        """An opening whose grammar this lane's sampler cannot run is refused before it takes a slot
         (an engine without a llama.cpp vocabulary, a grammar or JSON schema that does not compile)."""
         assert job.session is not None
-        status = self.w.sampler.check(job.session.sampling)
+        status = lane.sampler.check(job.session.sampling)
         if status == RowStatus.OK:
             return None
         if status == RowStatus.GRAMMAR_UNSUPPORTED:
-            return self.w.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_UNSUPPORTED,
-                                           "this worker's engine has no llama.cpp vocabulary: no grammars")
-        return self.w.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_INVALID,
-                                       "the session's grammar (or JSON schema) does not compile")
+            return lane.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_UNSUPPORTED,
+                                         "this worker's engine has no llama.cpp vocabulary: no grammars")
+        return lane.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_INVALID,
+                                     "the session's grammar (or JSON schema) does not compile")

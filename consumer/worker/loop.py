@@ -11,6 +11,11 @@ while the engine computes (the engine releases the GIL); after the call it hands
 completion, filed while the loop admits the entries read and builds call k+1. The loop reads for itself
 (blocking up to `block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next
 steps of sessions that hold no credit (a Tracker that pushes one job per token).
+
+Several engines (an `EngineSet`: a small and a large model, one per state layout): one lane per engine
+(lane.py), each with its own streams, scheduler, sampler and slots. One read covers every lane's
+streams; each fused call is one lane's (lanes taken in weighted round-robin among those with work), so
+one call never mixes engines and an engine's failure touches its own sessions only.
 """
 
 from __future__ import annotations
@@ -24,52 +29,44 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from types import FrameType
 
-from schemas import PHASES, Phase, Reason, Status
+from schemas import Phase, Reason
 from schemas.limits import MAX_CONTINUATION
 
 from ..config import WorkerSettings
-from ..engines.base import Engine, EngineError, engine_key
+from ..engines.base import Engine
+from ..engines.engine_set import EngineSet
 from ..metrics import Metrics
-from ..sampler import BatchSampler, Vocabulary
-from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
+from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
 from .admission import EntryAdmission, Prefetched
-from .delivery import DeliveryLedger
-from .hop_steps import HopSteps
+from .calls import run_fused
 from .idle import IdleSessions
 from .io_thread import IOThread
+from .lane import Lane, Lanes, read_lanes
 from .observe import observe_iteration
-from .sampled import apply_sampled
 from .stats import LoopStats
 
-__all__ = ["LoopStats", "Reason", "Worker", "WorkerSettings"]
+__all__ = ["DEFAULT_ENGINE", "LoopStats", "Reason", "Worker", "WorkerSettings"]
 
 log = logging.getLogger("dgr.worker")
 
+DEFAULT_ENGINE = "main"  # the name of a worker's engine when it is given one engine, not a set
+
 
 class Worker:
-    def __init__(self, engine: Engine, transport: Transport, settings: WorkerSettings,
+    def __init__(self, engine: Engine | EngineSet, transport: Transport, settings: WorkerSettings,
                  metrics: Metrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.engine = engine
+        self.engines = engine if isinstance(engine, EngineSet) else EngineSet({DEFAULT_ENGINE: engine})
         self.transport = transport
         self.settings = settings
         self.metrics = metrics or Metrics(settings.worker_id)
-        self.keys = {p: engine_key(engine, p) for p in PHASES}
-        cap = engine.capacity
-        self.scheduler = Scheduler(
-            SchedulerConfig(capacity=cap, max_batch=min(settings.max_batch, cap.n_slots),
-                            prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
-                            w_decode=settings.w_decode, w_prefill=settings.w_prefill,
-                            max_slots_per_account=settings.max_slots_per_account),
-            settings.worker_id, {p: k.digest for p, k in self.keys.items()})
-        # The engine's own vocabulary when it has one (special tokens masked, grammars), else its size.
-        self.sampler = BatchSampler(Vocabulary.for_engine(engine, cap.vocab_size), threads=settings.sampler_threads)
-        self.hops = HopSteps(engine.boundary, transport.activation_key)  # route hops: activations in/out
-        self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
-                                  min_tokens=settings.prefill_floor)
+        self.lanes = Lanes(self.engines, settings, transport)
+        # The first (or only) lane's parts under the names a one-engine worker always had.
+        first = self.lanes[0]
+        self.engine, self.keys, self.scheduler, self.sampler = first.engine, first.keys, first.scheduler, first.sampler
+        self.hops, self.pacer, self.ledger = first.hops, first.pacer, first.ledger
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
-        self.ledger = DeliveryLedger(self.scheduler, self.hops, settings.answered_memory)
         self.stats = LoopStats()
         self.admission = EntryAdmission(self)
         self._registered = False
@@ -88,12 +85,14 @@ class Worker:
         # One live consumer per worker id: wait as a standby (or refuse) while another holds the lease.
         self.transport.acquire_lease(wait=self.settings.standby)
         # A fresh scheduler believes every slot is free: make the engine agree, whatever it held before.
-        for slot in range(self.engine.capacity.n_slots):
-            self.engine.release(slot)
-        names = self.transport.register(list(self.keys.values()), self._info())
-        self.metrics.set_capacity(self.engine.capacity.n_slots, self.scheduler.config.max_batch)
+        for lane in self.lanes:
+            for slot in range(lane.engine.capacity.n_slots):
+                lane.engine.release(slot)
+        names = self._register()
+        self.metrics.set_capacity(self.lanes.slots(), self.scheduler.config.max_batch)
         self._registered = True
-        log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe()})
+        log.info("worker ready", extra={"worker": self._m, "streams": names, "engine": self.engine.describe(),
+                                        "engines": list(self.engines)})
         self._last_recover = time.monotonic()
         self._outages_seen = self.transport.outages
         self._recover()
@@ -149,7 +148,8 @@ class Worker:
             log.warning("stopped while redis was unreachable: lease left to expire", extra={"worker": self._m})
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
         self.io.close()
-        self.sampler.close()  # its grammars hold the engine's vocabulary: freed before the engine is
+        for lane in self.lanes:
+            lane.sampler.close()  # its grammars hold the engine's vocabulary: freed before the engine is
 
     # ---- the I/O thread ---------------------------------------------------------------------
     def _overlapping(self) -> bool:
@@ -188,13 +188,14 @@ class Worker:
         """Hand the next read (entries, cancellations, activation blobs) to the I/O thread: it runs
         while the engine computes."""
         want = self.admission.want()
-        tr, hops = self.transport, self.hops
+        tr, lanes = self.transport, self.lanes
+        streams = lanes.streams
 
         def work() -> Prefetched:
             t = time.perf_counter()
-            got = tr.read(want, block_ms=0, gather_ms=0) if want else []
+            got = read_lanes(tr, streams, want, block_ms=0, gather_ms=0) if want else []
             cancels, refused = tr.cancellations()
-            return Prefetched(got, cancels, refused, hops.fetch(tr, got), time.perf_counter() - t)
+            return Prefetched(got, cancels, refused, lanes.fetch_blobs(tr, got), time.perf_counter() - t)
 
         self._prefetched = self.io.submit(work)
 
@@ -204,8 +205,8 @@ class Worker:
         completion may still be on the I/O thread on return."""
         t0 = time.perf_counter()
         self._housekeeping()
-        answers: list[Answer] = []  # cancellations and the fused call's answers
-        refusals: list[Answer] = []  # what admission answered (refused steps, superseded attempts)
+        answers: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: cancellations, the fused call's answers
+        refusals: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: refused steps, superseded attempts
         dead: list[DeadLetter] = []
         acks: list[Delivery] = []
         wire_rejects: list[Answer] = []
@@ -228,26 +229,28 @@ class Worker:
         dead.extend(refused)
         not_held: list[str] = []
         for sid in cancelled + self._idle_sessions():
-            if self.scheduler.table.get(sid) is None:
+            lane = self.lanes.holding(sid)
+            if lane is None:
                 not_held.append(sid)
-            self._cancel(sid, answers)
-        decoding = self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
-        self.scheduler.set_prefill_budget(self.pacer.budget(decoding))
-        batch = self.scheduler.next_batch()
+            else:
+                self._cancel(lane, sid, answers[lane.index])
+        picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
+        batch = None
         engine_s = 0.0
         call: FusedCallStats | None = None
-        if batch is not None:
+        if picked is not None:
+            lane, batch = picked
             if not flush:
                 self._prefetch()
             before = self.stats.engine_seconds
-            answers.extend(self._run_batch(batch))
+            answers[lane.index].extend(run_fused(self, lane, batch))
             engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
             self._last_call_s = engine_s
             call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                   engine_seconds=engine_s)
         latencies: list[tuple[Phase, float]] = []
-        honest = self.ledger.completions(answers, latencies)
-        refused_answers = wire_rejects + self.ledger.completions(refusals, latencies)
+        honest = self.lanes.completions(answers, latencies)
+        refused_answers = wire_rejects + self.lanes.completions(refusals, latencies)
         closures = self._uncarried([*honest, *refused_answers], not_held)
         if call is not None and (refused_answers or dead):
             # Refusals never stand in front of honest work in time: the call's answers are filed first,
@@ -259,7 +262,7 @@ class Worker:
         completions = honest + refused_answers
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
-        observe_iteration(self.metrics, self._m, call, completions, dead, latencies, self.scheduler.table.busy_slots)
+        observe_iteration(self.metrics, self._m, call, completions, dead, latencies, self.lanes.busy_slots())
         if call is not None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
@@ -275,17 +278,30 @@ class Worker:
         f, self._prefetched = self._prefetched, None
         return self.io.collect(f) if f is not None else None
 
-    def _cancel(self, session_id: str, answers: list[Answer]) -> None:
+    # ---- lanes -------------------------------------------------------------------------------
+    def _register(self) -> Sequence[str]:
+        """Every lane's keys (so its streams); the names the transport gives back, in key order, are each
+        lane's streams."""
+        names = self.transport.register(self.lanes.keys(), self._info())
+        self.lanes.bind(names)
+        return names
+
+    # ---- sessions -----------------------------------------------------------------------------
+    def _cancel(self, lane: Lane, session_id: str, answers: list[Answer]) -> None:
         try:
-            answers.extend(self.scheduler.cancel(session_id))
+            answers.extend(lane.scheduler.cancel(session_id))
         except Exception:  # a valid id reaching a scheduler bug must not stop the loop; say so loudly
             log.exception("cancellation failed", extra={"session": session_id})
+
+    def _session_busy(self, session_id: str) -> bool:
+        lane = self.lanes.holding(session_id)
+        return lane is not None and lane.scheduler.session_busy(session_id)
 
     def _idle_sessions(self) -> list[str]:
         """Open sessions with no step admitted or served for idle_session_s: cancelled like any other."""
         if self.idle is None:
             return []
-        due = self.idle.due(self.scheduler.table.__contains__, self.scheduler.session_busy)
+        due = self.idle.due(lambda sid: self.lanes.holding(sid) is not None, self._session_busy)
         for sid in due:
             self.stats.sessions_idle_cancelled += 1
             log.info("idle session cancelled", extra={"session": sid, "idle_s": self.idle.idle_s})
@@ -295,73 +311,13 @@ class Worker:
         """The closures no answer carries: a cancel with nothing queued, a failed engine call, a cancel of
         a session this worker does not hold (an earlier process may have charged it)."""
         carried = {c.result.session_id for c in completions if c.close is not None}
-        todo = [Closure(cs.session_id, cs.kind, cs.account_id or None) for cs in self.scheduler.drain_closed()
-                if cs.session_id not in carried]
+        todo = [Closure(cs.session_id, cs.kind, cs.account_id or None) for lane in self.lanes
+                for cs in lane.scheduler.drain_closed() if cs.session_id not in carried]
         todo += [Closure(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
         return todo
 
-    def _run_batch(self, batch: ScheduledBatch) -> list[Answer]:
-        """One fused call. On failure, answer the offending sessions `failed` and keep serving the rest:
-        retry without the slots the engine named, else bisect."""
-        t = time.perf_counter()
-        try:
-            output = self.engine.forward(self.hops.fused(batch))
-        except Exception as e:  # any engine fault must not take the worker down
-            self.stats.engine_seconds += time.perf_counter() - t
-            self.metrics.engine_failures.labels(self._m).inc()
-            detail = f"{type(e).__name__}: {e}"[:200]
-            sessions = batch.session_ids
-            log.warning("fused call failed", extra={"sessions": len(sessions), "error": detail})
-            named = set(e.slots) if isinstance(e, EngineError) else set()
-            bad = [i.job.session_id for i in batch.items if i.slot in named]
-            if bad or len(sessions) == 1:
-                return self._fail_named(batch, e, bad or list(sessions), detail)
-            half = set(sessions[: len(sessions) // 2])
-            first, second = batch.without([s for s in sessions if s not in half]), batch.without(half)
-            return [o for part in (first, second) if part is not None for o in self._run_batch(part)]
-        elapsed = time.perf_counter() - t
-        self.stats.count_call(batch.phase, len(batch.session_ids), elapsed)
-        self.pacer.observe(batch.phase, len(batch.fused), elapsed)
-        if output.kind == "hidden":  # a hop that is not last answers activations, no sampling
-            try:
-                tokens: Sequence[int | None] = self.hops.collect(batch, output)
-            except Exception as e:  # the engine ran (its state moved) but its rows are unusable: no retry
-                log.warning("hop output refused", extra={"sessions": len(batch.session_ids), "error": str(e)})
-                return self.scheduler.fail(batch, f"hop output: {e}"[:200])
-            outcomes = self.scheduler.update_from_output(batch, tokens, elapsed)
-        else:  # the last hop (or a whole model) samples
-            outcomes = apply_sampled(self.scheduler, batch, self.sampler.sample(batch, output), elapsed)
-        if self.idle is not None:
-            for o in outcomes:
-                self.idle.touch(o.result.session_id)
-        self.admission.answered(outcomes)
-        return outcomes
-
-    def _fail_named(self, batch: ScheduledBatch, e: Exception, bad: Sequence[str], detail: str) -> list[Answer]:
-        """Answer the sessions the engine named (all of a one-session call) and run the rest again: the
-        engine put every other slot back. A slot it could not put back (`EngineError.lost`: a recurrent
-        state moved with no snapshot) is answered `state_lost` (the Tracker replays it); a call the
-        engine refused for a reason of its own before running it, with that reason."""
-        lost_slots = set(e.lost) if isinstance(e, EngineError) else set()
-        lost = {i.job.session_id for i in batch.items if i.slot in lost_slots}
-        reason = e.reason if isinstance(e, EngineError) else Reason.ENGINE_ERROR
-        out: list[Answer] = []
-        for part_ids, status in ((lost, Status.STATE_LOST), (set(bad) - lost, None)):
-            part = batch.without([s for s in batch.session_ids if s not in part_ids]) if part_ids else None
-            if part is None:
-                continue
-            if status is Status.STATE_LOST:
-                out += self.scheduler.fail(part, f"state lost: {detail}", status=status, reason=Reason.ENGINE_ERROR)
-            else:
-                out += self.scheduler.fail(part, detail, reason=reason,
-                                           status=Status.FAILED if reason == Reason.ENGINE_ERROR else Status.REJECTED)
-        good = batch.without(bad)
-        return out + (self._run_batch(good) if good is not None else [])
-
     def _release_slots(self) -> None:
-        for slot in self.scheduler.drain_released():
-            self.engine.release(slot)
-            self.scheduler.slot_cleared(slot)
+        self.lanes.release_slots()
 
     # ---- periodic --------------------------------------------------------------------------
     def _housekeeping(self) -> None:
@@ -395,28 +351,31 @@ class Worker:
         self._outages_seen = self.transport.outages
         log.info("re-registering after a redis outage", extra={"worker": self._m, "outages": self._outages_seen})
         self.transport.renew_lease()
-        self.transport.register(list(self.keys.values()), self._info())
+        self._register()
         self._last_recover = time.monotonic()
         self._recover()
 
     def _recover(self) -> None:
         self.flush()
         inbound, dead = self.transport.recover()
-        self.hops.prefetch(self.transport, inbound)
-        answers: list[Answer] = []
+        answers: list[list[Answer]] = [[] for _ in self.lanes]
         wire_rejects: list[Answer] = []
         acks: list[Delivery] = []
         self.admission.admit_all(inbound, answers, dead, wire_rejects, acks, None)
-        completions = wire_rejects + self.ledger.completions(answers, [])
+        completions = wire_rejects + self.lanes.completions(answers, [])
         if completions or dead or acks:
             self.transport.complete(completions, dead, None, acks=acks)
         for dl in dead:
             self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
 
     def _info(self) -> dict[str, object]:
+        """The heartbeat's body: the first engine's fields as a one-engine worker always advertised (slots
+        and busy_slots: the worker's, every engine's together), and `engines`: per engine what
+        `EngineSet.advertise()` says, its busy slots, calls and `describe()`."""
         cap = self.engine.capacity
+        engines = [{**ad, **lane.info()} for ad, lane in zip(self.engines.advertise(), self.lanes, strict=True)]
         return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
-                "slots": cap.n_slots, "busy_slots": self.scheduler.table.busy_slots,
+                "slots": self.lanes.slots(), "busy_slots": self.lanes.busy_slots(), "engines": engines,
                 "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
                 "max_continuation": MAX_CONTINUATION,  # the producer asks for n > 1 only when advertised

@@ -58,7 +58,7 @@ PROFILED: dict[str, tuple[str, ...]] = {
     "scheduler": ("admit", "next_batch", "update_from_output", "want", "cancel"),
     "admission": ("read_and_admit", "admit_all", "admit"),
     "ledger": ("completions", "duplicate", "openings_to_check"),
-    "worker": ("_run_batch", "_housekeeping", "_release_slots", "_uncarried", "_publish"),
+    "worker": ("_housekeeping", "_release_slots", "_uncarried", "_publish"),
 }
 
 
@@ -78,7 +78,8 @@ def _profile(worker: Worker, acc: defaultdict[str, float]) -> None:
         obj: Any = worker if owner == "worker" else getattr(worker, owner)
         for name in names:
             setattr(obj, name, timed(f"{owner}.{name}", getattr(obj, name)))
-    worker.sampler.sample = timed("sampler", worker.sampler.sample)  # type: ignore[method-assign]
+    for lane in worker.lanes:
+        lane.sampler.sample = timed("sampler", lane.sampler.sample)  # type: ignore[method-assign]
 
 
 def _measure(url: str, idle: int, active: int, calls: int, *, overlap: bool = False,

@@ -14,8 +14,9 @@ class NullEngine(LogitsEngine):
     """Logits are a fixed row (argmax = `token`); positions are tracked per slot like a real engine."""
 
     def __init__(self, n_slots: int = 64, ctx_per_session: int = 4096, vocab_size: int = 256,
-                 token: int = 7) -> None:
-        self.identity = EngineIdentity(architecture="null", gguf_sha256="0" * 64)
+                 token: int = 7, model: int = 0) -> None:
+        # `model`: engines of different numbers are different models (their own keys, streams)
+        self.identity = EngineIdentity(architecture="null", gguf_sha256=f"{model:064x}")
         self.recipe = Recipe(quantization="none", kv_cache_type="none", ctx_per_session=ctx_per_session,
                              flash_attention=False, batch_invariant=True, runtime="null/1")
         self.boundary = whole_model_boundary(1)  # a block range is never empty (schemas/compat.py)
