@@ -13,8 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from consumer.connect import RedisTarget, connect, connect_async
-from producer import SessionHandle
-from producer.route import RouteHandle
+from producer import DECODE_N, SessionHandle
 from schemas import RouteHop, Sampling, SessionSpec, Signer, StepResult
 
 
@@ -32,8 +31,6 @@ def run_tracker_sim(*, redis_target: RedisTarget, worker_id: str, sessions: int,
 
     console = Console()
     signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
-    from producer.core import DECODE_N
-
     per_job = DECODE_N if decode_n is None else decode_n
     producer = Producer(connect(redis_target), signer=signer, decode_n=per_job)  # type: ignore[arg-type]
     hop_ids = worker_id.split(",")
@@ -62,23 +59,23 @@ def run_tracker_sim(*, redis_target: RedisTarget, worker_id: str, sessions: int,
                  for i in rng.choice(sessions, n_cancel, replace=False)} if n_cancel else {}
     latencies: dict[str, list[float]] = {s.session_id: [] for s, _ in specs}
     last: dict[str, float] = {}
+    tokens: dict[str, int] = dict.fromkeys(latencies, 0)
 
     def observe(h: SessionHandle, r: StepResult) -> bool:
-        """Record the inter-token latency; True when this session is to be cancelled now."""
+        """Record the inter-token latency; True when this session is to be cancelled now: at its token number
+        cancel_at, counted here (an AsyncProducer calls back after its pump moved on: the handle may hold more)."""
         if r.token is None:  # a hop that is not last: rows, no token
             return False
         now = time.perf_counter()
         if r.session_id in last:
             latencies[r.session_id].append(now - last[r.session_id])
         last[r.session_id] = now
-        return cancel_at.get(r.session_id) == len(h.generated) and r.token is not None
+        tokens[r.session_id] += 1
+        return cancel_at.get(r.session_id) == tokens[r.session_id]
 
     def on_result(h: SessionHandle, r: StepResult) -> None:
         if observe(h, r):
-            if isinstance(h, RouteHandle):
-                producer.cancel_route(h)  # every hop
-            else:
-                producer.cancel(worker_id, r.session_id)
+            producer.cancel_route(h)  # on every hop of its route
 
     t0 = time.perf_counter()
     if use_async:
@@ -110,16 +107,13 @@ async def _run_async(redis_target: RedisTarget, signer: Signer | None, worker_id
                      specs: Sequence[tuple[SessionSpec, list[int]]], starts: Sequence[float],
                      observe: Callable[[SessionHandle, StepResult], bool],
                      decode_n: int) -> dict[str, SessionHandle]:
-    from producer.aio import AsyncProducer
+    from producer import AsyncProducer
 
     client = connect_async(redis_target)
     async with AsyncProducer(client, signer=signer, decode_n=decode_n) as producer:  # type: ignore[arg-type]
         async def on_result(h: SessionHandle, r: StepResult) -> None:
             if observe(h, r):
-                if isinstance(h, RouteHandle):
-                    await producer.cancel_route(h)  # every hop
-                else:
-                    await producer.cancel(worker_id, r.session_id)
+                await producer.cancel_route(h)  # on every hop of its route
 
         handles = await producer.run_many(specs, on_result=on_result, start_times=starts)
     await client.aclose()

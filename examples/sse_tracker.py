@@ -7,8 +7,8 @@ Needs the `tracker` extra (`pip install -e ".[tracker]"`: aiohttp). Against a ru
     python examples/sse_tracker.py --redis-url redis://127.0.0.1:6379/0 --worker-id demo
     curl -N 'http://127.0.0.1:8080/generate?prompt=5,6,7&max_tokens=16'
 
-Every request is one session; all of them are driven by one AsyncProducer (one result read per worker for
-all sessions). A client that goes away cancels its session on the worker.
+Every request is one session; all of them are driven by one AsyncProducer (one result stream per worker for all
+of them, one read per fused call of the worker). A client that goes away cancels its session on the worker.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import uuid
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from producer import ResultTimeout, SessionFailed
-from producer.aio import AsyncProducer
+from producer import AsyncProducer, ResultTimeout, SessionFailed
 from schemas import RouteHop, Sampling, SessionSpec
 
 PRODUCER = web.AppKey("producer", AsyncProducer)

@@ -1,18 +1,18 @@
-"""dgr producer: the Tracker-side client that opens sessions and pushes step jobs.
+"""dgr producer: the Tracker side, which opens sessions, pushes their step jobs and reads their answers.
 
-`Producer` (synchronous, redis-py) and `AsyncProducer` (asyncio, `redis.asyncio`; in producer.aio) are two
-thin drivers over one sans-I/O core (producer.core.ProducerCore)."""
+`Producer` (synchronous, redis-py) and `AsyncProducer` (asyncio, `redis.asyncio`) run the plans of one sans-I/O
+core (producer/core.py) on their own event loops; one `ProducerSettings` configures either. Every error raised
+on purpose is a `schemas.DgrError` (the producer's: `ProducerError`)."""
 
+from .aio import AsyncProducer
 from .client import Producer
-from .core import (
-    Backpressure,
-    ProducerCore,
-    ResultTimeout,
-    SessionFailed,
-    SessionHandle,
-    WorkerInfo,
-    job_id,
-)
+from .core import ProducerCore, Run
+from .errors import Backpressure, ProducerError, ResultTimeout, SessionFailed
+from .session import HopLeg, RouteHandle, SessionHandle
+from .settings import DECODE_N, ProducerSettings
+from .steps import job_id
+from .validate import WorkerInfo
 
-__all__ = ["Backpressure", "Producer", "ProducerCore", "ResultTimeout", "SessionFailed", "SessionHandle",
-           "WorkerInfo", "job_id"]
+__all__ = ["DECODE_N", "AsyncProducer", "Backpressure", "HopLeg", "Producer", "ProducerCore", "ProducerError",
+           "ProducerSettings", "ResultTimeout", "RouteHandle", "Run", "SessionFailed", "SessionHandle", "WorkerInfo",
+           "job_id"]

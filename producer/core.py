@@ -1,654 +1,374 @@
-"""The producer's sans-I/O core: every decision of the Tracker side, no Redis call, no sleep.
+"""The Tracker's sans-I/O core: every decision of the Tracker side, as plans, no Redis call and no sleep.
 
-Both drivers (`producer.client.Producer`, synchronous, and `producer.aio.AsyncProducer`, on asyncio)
-are thin loops over this module: they ask Redis what the core needs to know (a worker's
-advertisement, a stream's lag, a cancel marker, result entries) and send the commands the core
-queued into a `Batch` (stream writes, the session record). The core never does I/O, so it is tested
-on its own (tests/test_producer_core.py) and the two drivers cannot drift apart: a session's state
-machine (results -> next pushes), the replay after `state_lost`, what is re-pushed after an outage,
-how a handle is rebuilt by `resume`, all live here, once.
+A plan is a generator that yields the requests it needs (producer/commands.py: typed commands, no client) and
+receives their replies, parsed; both drivers (`Producer`, `AsyncProducer`) only run plans, each on its own event
+loop. The state a plan moves: sessions (producer/session.py, one state machine for every route length), what
+they need next (producer/steps.py), and where reading each result stream stands.
 
-Clocks are read here (`time.time()` for `created_at`, `time.monotonic()` for cache ages) because they
-are values, not I/O; what to wait for, and how, is the driver's business.
+One result stream per Tracker and worker: every job names `reply_to` = the Tracker id, so a worker files ONE
+entry per completion call for all of this Tracker's sessions (`dgr:{W}:out:<tracker>`, docs/wire-format.md). A
+read is one XREAD per worker (one hash tag: Redis Cluster safe) from the stream's cursor; each record is decoded
+once and its rows applied to their sessions by id (rows the worker did not publish, `c.d`, skipped). So the
+Tracker's Redis work is O(completion calls), and its Python per row a lookup and one call. After a Redis outage
+the cursors go back `rewind_ms` (a new master may write ids below them after a failover): answers re-read are
+ignored (their jobs were answered), so nothing is skipped nor applied twice.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import weakref
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
 
-from schemas import (
-    CompatibilityKey,
-    Phase,
-    Reason,
-    SessionSpec,
-    Signer,
-    Status,
-    StepJob,
-    StepResult,
-    WireError,
-    WorkerKeys,
-    cancel_to_fields,
-    job_to_fields,
-    results_from_fields,
-)
-from schemas.lag import stream_lag
-from schemas.limits import (
-    CANCEL_MARKER_TTL_S,
-    CANCEL_MAXLEN,
-    MAX_CONTINUATION,
-    MAX_POSITION,
-    MAX_TOKENS_PER_JOB,
-    SESSION_RECORD_TTL_S,
-)
+from schemas import SessionSpec, StepResult, WireError, WorkerKeys
+from schemas.keys import PREFIX
+from schemas.replies import id_tuple
+from schemas.wire import decode_record
 
-from . import credit
-from .validate import check_id, check_token, check_tokens, vocab_size
+from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
+from .errors import ResultTimeout
+from .route import relay
+from .session import Run, SessionHandle, Sessions, apply, apply_result, row_result
+from .settings import DECODE_N, READ_COUNT, ProducerSettings
+from .steps import Steps, job_id, one_hop
+from .validate import Admission, WorkerInfo, check_id, check_token
 
-__all__ = [
-    "CANCEL_MAXLEN", "READ_COUNT", "Backpressure", "Batch", "CoreSettings", "ProducerCore", "ResultTimeout", "Resumer",
-    "SessionFailed", "SessionHandle", "WorkerInfo", "decode_str", "job_id", "read_streams",
-]
+__all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
-READ_COUNT = 1_000  # results read per stream per XREAD (and per XRANGE page of resume)
-# Tokens per decode job by default (a continuation job: producer/credit.py), so a session never waits on
-# the Tracker between tokens. 1 keeps one job per token (the behaviour before continuation jobs). The
-# producer asks for n > 1 only from a worker that advertises max_continuation, and never on a route of
-# several hops.
-DECODE_N = 16
-BackpressurePolicy = Literal["raise", "wait"]
+log = logging.getLogger("dgr.producer")
 
 
-class Backpressure(RuntimeError):
-    """The target worker's input lag is over the bound."""
+class ProducerCore(Steps, Admission):
+    """Settings, caches and every plan of the Tracker side (see the module docstring)."""
 
+    apply = staticmethod(apply_result)
 
-class ResultTimeout(TimeoutError):
-    """No result arrived within timeout_s."""
-
-
-class SessionFailed(RuntimeError):
-    """A session ended with rejected / failed / an unrecoverable state_lost (generate() raises it)."""
-
-    def __init__(self, handle: SessionHandle) -> None:
-        super().__init__(f"session {handle.session_id} ended with {handle.status}"
-                         + (f" ({handle.reason}: {handle.detail})" if handle.reason else ""))
-        self.handle = handle
-
-
-def job_id(session_id: str, hop: int, phase: Phase, position: int, attempt: int) -> str:
-    """Deterministic job id: 40 hex chars of sha1 over (session, hop, phase, position, attempt)."""
-    check_id(session_id, "session_id")
-    raw = f"{session_id}\x1f{hop}\x1f{phase}\x1f{position}\x1f{attempt}".encode()
-    return hashlib.sha1(raw, usedforsecurity=False).hexdigest()
-
-
-def decode_str(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def read_streams(resp: Any) -> Iterator[tuple[bytes | str, list[tuple[Any, Any]]]]:
-    """(stream name, entries) of an XREAD reply, RESP2 (a list) or RESP3 (a dict)."""
-    if not resp:
-        return
-    if isinstance(resp, dict):  # RESP3
-        for name, value in resp.items():
-            yield name, (value[0] if value and isinstance(value[0], list) else value)
-    else:
-        for name, entries in resp:
-            yield name, entries
-
-
-@dataclass
-class WorkerInfo:
-    worker_id: str
-    keys: list[CompatibilityKey]
-    info: dict[str, Any]
-    alive: bool  # the heartbeat key exists (it expires ~10 s after the last beat)
-    heartbeat_age_s: float | None
-    heartbeat: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def digests(self) -> set[str]:
-        return {k.digest for k in self.keys}
-
-    @staticmethod
-    def parse(worker_id: str, spec_raw: bytes | str | None, hb_raw: bytes | str | None) -> WorkerInfo | None:
-        """From the worker's `spec` and heartbeat keys; None when it never advertised."""
-        if spec_raw is None:
-            return None
-        spec = json.loads(spec_raw)
-        keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
-        hb = json.loads(hb_raw) if hb_raw is not None else {}
-        age = max(0.0, time.time() - float(hb["ts"])) if "ts" in hb else None
-        return WorkerInfo(worker_id=worker_id, keys=keys, info=dict(spec.get("info", {})),
-                          alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
-
-
-@dataclass
-class SessionHandle:
-    """One session as the producer drives it. `status`: "open" while it runs, "finished" when a
-    result said finished, else the Status that ended it ("rejected", "failed", "cancelled"), or
-    "state_lost" (not finished: call `Producer.replay`)."""
-
-    spec: SessionSpec
-    prompt: tuple[int, ...]
-    worker_id: str
-    position: int = 0  # the next position to push
-    generated: list[int] = field(default_factory=list)
-    attempt: int = 0
-    finished: bool = False
-    status: str = "open"
-    last_result_id: str = "0-0"
-    pending_job: str | None = None  # the sampling job whose result (a token) is awaited
-    hop: int = 0
-    reason: str | None = None
-    detail: str = ""
-    jobs: set[str] = field(default_factory=set)  # unanswered job ids of the current attempt
-    last_result: StepResult | None = None
-    opened_at: float = 0.0
-    replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill (0: attempt 0)
-    credit: credit.Credit = field(default_factory=credit.Credit)  # continuation jobs (producer/credit.py)
-
-    @property
-    def session_id(self) -> str:
-        return self.spec.session_id
-
-    @property
-    def results_key(self) -> str:
-        return WorkerKeys(self.worker_id).results(self.spec.session_id)
-
-    def input_stream(self, phase: Phase) -> str:
-        key = self.spec.route[self.hop].key.for_phase(phase)
-        return WorkerKeys(self.worker_id).input_stream(key.digest, phase)
-
-    @property
-    def awaits_replay(self) -> bool:
-        """Its state was lost and it is not finished: the next step is a replay (or a cancel)."""
-        return self.status == "state_lost" and not self.finished
-
-
-class Batch:
-    """Redis commands the core queued, as (method name, args, kwargs) of a redis-py pipeline. A driver
-    sends them as one pipeline, and again as a whole after an outage (every command is idempotent:
-    pushes carry job ids the worker answers once, the record is a plain overwrite)."""
-
-    def __init__(self) -> None:
-        self.ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.ops)
-
-    def xadd(self, *args: Any, **kwargs: Any) -> None:
-        self.ops.append(("xadd", args, kwargs))
-
-    def hset(self, *args: Any, **kwargs: Any) -> None:
-        self.ops.append(("hset", args, kwargs))
-
-    def expire(self, *args: Any, **kwargs: Any) -> None:
-        self.ops.append(("expire", args, kwargs))
-
-    def set(self, *args: Any, **kwargs: Any) -> None:
-        self.ops.append(("set", args, kwargs))
-
-    def apply_to(self, pipe: Any) -> Any:
-        """Queue the commands on a redis-py pipeline (sync or asyncio: both queue synchronously)."""
-        for name, args, kwargs in self.ops:
-            getattr(pipe, name)(*args, **kwargs)
-        return pipe
-
-
-class ProducerCore:
-    """The producer's settings and every decision it makes. Methods named `queue_*` append commands to a
-    Batch and update the handle as if they were sent (the drivers send them before anything else can
-    look at the handle); nothing here touches Redis."""
-
-    def __init__(self, *, prefill_chunk: int = 512, max_lag: int | None = 10_000,
-                 backpressure: BackpressurePolicy = "raise", timeout_s: float = 60.0, max_attempts: int = 3,
-                 verify_route: bool = True, lag_cache_s: float = 0.1, discover_cache_s: float = 1.0,
-                 signer: Signer | None = None, cancel_ttl_s: int = CANCEL_MARKER_TTL_S,
-                 record_ttl_s: int = SESSION_RECORD_TTL_S, decode_n: int = DECODE_N) -> None:
-        if not 1 <= prefill_chunk <= MAX_TOKENS_PER_JOB:
-            raise ValueError(f"prefill_chunk must be in [1, {MAX_TOKENS_PER_JOB}]")
-        if backpressure not in ("raise", "wait"):
-            raise ValueError("backpressure must be 'raise' or 'wait'")
-        self.prefill_chunk = prefill_chunk
-        self.max_lag = max_lag
-        self.backpressure: BackpressurePolicy = backpressure
-        self.timeout_s = timeout_s
-        self.max_attempts = max_attempts
-        self.verify_route = verify_route
-        self.lag_cache_s = lag_cache_s
-        self.discover_cache_s = discover_cache_s
-        self.signer = signer
-        self.cancel_ttl_s = cancel_ttl_s
-        self.record_ttl_s = record_ttl_s
-        if isinstance(decode_n, bool) or not isinstance(decode_n, int) or not 1 <= decode_n <= MAX_CONTINUATION:
-            raise ValueError(f"decode_n must be an int in [1, {MAX_CONTINUATION}]")
-        self.decode_n = decode_n  # tokens per decode job (producer/credit.py; 1: one job per token)
+    def __init__(self, settings: ProducerSettings | None = None, **options: Any) -> None:
+        self.settings = ProducerSettings.of(settings, options)
         self.lag: dict[str, tuple[float, int]] = {}  # stream -> (monotonic time asked, lag)
         self.discovered: dict[str, tuple[float, WorkerInfo]] = {}
+        self.driven: dict[str, SessionHandle] = {}  # by session id: sessions a Run drives
+        self.by_hand: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()
+        self.reads: dict[str, dict[str, int]] = {}  # worker -> {result stream: driven sessions reading it}
+        self.cursors: dict[str, str] = {}  # result stream -> the last entry id read
+        self.answered: dict[str, float] = {}  # worker -> monotonic time of its last record read (timeouts)
+        self.touched: dict[str, SessionHandle] = {}  # driven sessions moved since their last advance
+        self.outage = False  # a driver sets it when Redis answers again after an outage
+        self.refused = 0  # result entries that could not be decoded (another wire version: logged)
+        self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
+        self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
 
-    # ---------------------------------------------------------------- discovery and validation
+    # ---------------------------------------------------------------- sessions driven by hand
 
-    def remember(self, info: WorkerInfo) -> None:
-        self.discovered[info.worker_id] = (time.monotonic(), info)
-
-    def route_worker_to_discover(self, spec: SessionSpec, hop: int) -> str | None:
-        """The hop's worker when its advertisement must be (re)read before opening, else None."""
-        if not self.verify_route:
-            return None
-        worker = spec.route[hop].worker_id
-        cached = self.discovered.get(worker)
-        if cached is None or time.monotonic() - cached[0] > self.discover_cache_s:
-            return worker
-        return None
-
-    def vocab(self, worker_id: str) -> int | None:
-        """The vocabulary the worker advertised, when this producer has discovered it."""
-        cached = self.discovered.get(worker_id)
-        return vocab_size(cached[1].info) if cached is not None else None
-
-    def validate(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
-        """The prompt as plain ints, or TypeError/ValueError saying what is wrong. With verify_route,
-        the hop's worker must have been discovered (`route_worker_to_discover`) first."""
-        toks = self.check_shape(spec, prompt, hop)
-        key = spec.route[hop].key
-        worker = spec.route[hop].worker_id
-        if self.verify_route:
-            info = self.discovered[worker][1]
-            for phase in ("prefill", "decode"):
-                d = key.for_phase(phase).digest
-                if d not in info.digests:
-                    raise ValueError(f"worker {worker!r} does not advertise the route's {phase} key {d}")
-        return check_tokens(toks, self.vocab(worker))
-
-    def check_shape(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
-        """What can be checked without the worker's advertisement: types, hop, prompt, context."""
-        if not isinstance(spec, SessionSpec):
-            raise TypeError(f"spec must be a SessionSpec, not {type(spec).__name__}")
-        if isinstance(hop, bool) or not isinstance(hop, int) or not 0 <= hop < len(spec.route):
-            raise ValueError(f"hop {hop!r} is not on the route ({len(spec.route)} hops)")
-        toks = check_tokens(prompt, None)
-        if not toks:
-            raise ValueError("empty prompt")
-        key = spec.route[hop].key
-        if key.boundary.consumes != "tokens":
-            raise ValueError("this producer drives token-consuming hops only")
-        ctx = key.recipe.ctx_per_session
-        if len(toks) + spec.max_tokens > ctx:
-            raise ValueError(f"prompt ({len(toks)}) + max_tokens ({spec.max_tokens}) over the context "
-                             f"per session ({ctx})")
-        if len(toks) + spec.max_tokens > MAX_POSITION:
-            raise ValueError("session longer than MAX_POSITION")
-        return toks
-
-    def new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> SessionHandle:
-        if len(spec.route) > 1:  # its hop 0 answers rows, not tokens: producer/route.py drives it
-            raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), "
-                             "not step by step")
-        toks = self.validate(spec, prompt, hop)
-        return SessionHandle(spec=spec, prompt=toks, worker_id=spec.route[hop].worker_id, hop=hop,
-                             opened_at=time.time())
-
-    def check_decode_token(self, h: object, token: object) -> int:
-        if not isinstance(h, SessionHandle):
-            raise TypeError(f"h must be a SessionHandle, not {type(h).__name__}")
-        return check_token(token, self.vocab(h.worker_id))
-
-    @staticmethod
-    def check_handles(handles: Iterable[object]) -> None:
-        for h in handles:
-            if not isinstance(h, SessionHandle):
-                raise TypeError(f"handles must be SessionHandles, not {type(h).__name__}")
-
-    # ---------------------------------------------------------------- backpressure
-
-    def cached_lag(self, stream: str) -> int | None:
-        """The stream's lag when it was asked less than lag_cache_s ago, else None (ask Redis)."""
-        cached = self.lag.get(stream)
-        if cached is not None and time.monotonic() - cached[0] < self.lag_cache_s:
-            return cached[1]
-        return None
-
-    def record_lag(self, stream: str, length: object, groups: object) -> int:
-        """The lag from an XLEN and an XINFO GROUPS reply (either may be an error: no stream yet)."""
-        lag = stream_lag(length, groups).behind
-        self.lag[stream] = (time.monotonic(), lag)
-        return lag
-
-    def within_lag(self, lag: int) -> bool:
-        return self.max_lag is None or lag <= self.max_lag
-
-    def over_lag(self, stream: str, waited_s: float | None = None) -> Backpressure:
-        """The error to raise: at once ("raise"), or after waiting `waited_s` ("wait")."""
-        if waited_s is None:
-            return Backpressure(f"{stream}: input lag over {self.max_lag}")
-        return Backpressure(f"{stream}: input lag over {self.max_lag} for {waited_s} s")
-
-    # ---------------------------------------------------------------- signing
-
-    def entry(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
-        return self.signer.signed(stream, fields) if self.signer is not None else fields
-
-    # ---------------------------------------------------------------- jobs
-
-    def prefill_jobs(self, h: SessionHandle) -> list[StepJob]:
-        """The current attempt's prefill chunks: prompt + the generated tokens it re-feeds."""
-        tokens = h.prompt + tuple(h.generated[:h.replayed_generated])
-        # prompt_len tells the worker where the prompt ends: a replay's generated tokens are then computed
-        # one row per call, as when they were decoded, so the replay is exact (docs/invariance.md).
-        spec = SessionSpec.model_validate({**h.spec.model_dump(), "prompt_len": len(h.prompt),
-                                           "max_tokens": h.spec.max_tokens - h.replayed_generated})
-        compat = h.spec.route[h.hop].key.for_phase("prefill").digest
-        now = time.time()
-        n = self.prefill_chunk
-        jobs = []
-        for start in range(0, len(tokens), n):
-            chunk = tokens[start:start + n]
-            last = start + n >= len(tokens)
-            jid = job_id(h.session_id, h.hop, "prefill", start, h.attempt)
-            jobs.append(StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="prefill", compat=compat,
-                                start_position=start, tokens=chunk, sample=last, attempt=h.attempt,
-                                created_at=now, session=spec if start == 0 else None))
-        return jobs
-
-    def decode_job(self, h: SessionHandle, position: int, token: int) -> StepJob:
-        key = h.spec.route[h.hop].key.for_phase("decode")
-        jid = job_id(h.session_id, h.hop, "decode", position, h.attempt)
-        return StepJob(job_id=jid, session_id=h.session_id, hop=h.hop, phase="decode", compat=key.digest,
-                       start_position=position, tokens=(token,), sample=True, attempt=h.attempt,
-                       created_at=time.time())
-
-    def _push(self, batch: Batch, h: SessionHandle, job: StepJob) -> None:
-        stream = h.input_stream(job.phase)
-        batch.xadd(stream, self.entry(stream, job_to_fields(job)))
-
-    def queue_prefill(self, batch: Batch, h: SessionHandle) -> None:
-        """Push prompt + generated as prefill chunks of the handle's attempt (position 0 on), and the
-        session's record (what `resume()` rebuilds a handle from)."""
-        h.replayed_generated = len(h.generated)
-        jobs = self.prefill_jobs(h)
-        h.jobs = set()
-        h.credit.clear()
-        if not h.credit.n:
-            h.credit.n = credit.tokens_per_job(self, h)
-        for job in jobs:
-            self._push(batch, h, job)
-            h.jobs.add(job.job_id)
-        h.pending_job = jobs[-1].job_id
-        h.position = jobs[-1].end_position
-        h.status = "open"
-        h.reason, h.detail = None, ""
-        record = WorkerKeys(h.worker_id).session_record(h.session_id)
-        batch.hset(record, mapping={"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
-                                    "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n)})
-        batch.expire(record, self.record_ttl_s)
-
-    def queue_unanswered(self, batch: Batch, h: SessionHandle) -> int:
-        """Re-push the handle's unanswered jobs of its current attempt (idempotent: same job ids).
-        Returns how many."""
-        if h.finished or h.status == "state_lost" or not h.jobs:
-            return 0
-        n = 0
-        for job in self.prefill_jobs(h):
-            if job.job_id in h.jobs:
-                self._push(batch, h, job)
-                n += 1
-        if h.pending_job in h.jobs and h.generated and h.position > 0:
-            job = self.decode_job(h, h.position - 1, h.generated[-1])
-            if job.job_id == h.pending_job:
-                self._push(batch, h, job)
-                n += 1
-        return n + credit.requeue(self, batch, h)
-
-    def queue_decode(self, batch: Batch, h: SessionHandle, token: int) -> str:
-        _one_hop(h)
-        if h.finished:
-            raise ValueError(f"session {h.session_id} is {h.status}")
-        job = self.decode_job(h, h.position, token)
-        self._push(batch, h, job)
-        h.jobs.add(job.job_id)
-        h.pending_job = job.job_id
-        h.position += 1
-        return job.job_id
-
-    def queue_replay(self, batch: Batch, h: SessionHandle, *, cancel_marked: bool) -> None:
-        """After state_lost: attempt + 1 and the prefill of prompt + generated. `cancel_marked`: the
-        session's cancel marker is set (the driver asked Redis): then nothing is pushed, it ends
-        cancelled. SessionFailed when max_attempts is spent."""
-        _one_hop(h)
-        if cancel_marked:
-            h.finished, h.status, h.jobs, h.pending_job = True, "cancelled", set(), None
-            h.reason, h.detail = Reason.CANCELLED.value, "cancelled before the replay"
-            return
-        if h.attempt + 1 > self.max_attempts:
-            h.finished = True
-            raise SessionFailed(h)
-        if len(h.generated) >= h.spec.max_tokens:
-            h.finished, h.status, h.jobs, h.pending_job = True, "finished", set(), None
-            return
-        h.attempt += 1
-        h.finished = False
+    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
+        self.check_shape(spec, prompt, hop)
+        for w in self.to_discover(spec):
+            yield from self.discover(w)
+        h = self.new_handle(spec, prompt, hop)
+        one_hop(h)
+        yield from self.admit(h.input_stream("prefill"), wait=True)
+        batch = Batch(transaction=True, tag=h.worker_id)
         self.queue_prefill(batch, h)
+        yield self.pushed(batch)
+        self.by_hand[h.session_id] = h
+        return h
 
-    def cancel_ops(self, batch: Batch, worker_id: str, session_id: str) -> None:
-        """The cancel: the marker (wins over a step not yet admitted) and the event, to send in one
-        transaction. Both ids are checked here, before a key is built from them."""
+    def push_decode(self, h: SessionHandle, token: int) -> Plan[str]:
+        self.check_handles([h])
+        batch = Batch()
+        jid = self.queue_decode(batch, h, check_token(token, self.vocab(h.worker_id)))
+        yield batch
+        return jid
+
+    def replay(self, h: SessionHandle) -> Plan[None]:
+        self.check_handles([h])
+        marked = yield from self.cancelled(h.worker_id, h.session_id)
+        batch = Batch(transaction=True, tag=h.worker_id)
+        self.queue_replay(batch, h, cancel_marked=marked)
+        if batch:
+            yield batch
+
+    def cancel(self, worker_id: str, session_id: str) -> Plan[None]:
+        yield from self._cancel([worker_id], session_id)
+
+    def cancel_route(self, h: SessionHandle) -> Plan[None]:
+        self.check_handles([h])
+        yield from self._cancel([leg.worker_id for leg in h.legs], h.session_id)
+
+    def _cancel(self, workers: list[str], session_id: str) -> Plan[None]:
+        """One transaction per worker; kept for rewind_ms, to send again after an outage (a failover loses the
+        writes of its last moments)."""
+        for b in self.cancel_batches(workers, session_id):
+            yield b
+            self.cancels.append((time.monotonic(), b.tag or "", session_id))
+        self._recent_cancels()
+
+    def _recent_cancels(self) -> None:
+        while self.cancels and time.monotonic() - self.cancels[0][0] > self.settings.rewind_ms / 1000:
+            self.cancels.popleft()
+
+    def cancelled(self, worker_id: str, session_id: str) -> Plan[bool]:
         keys = WorkerKeys(check_id(worker_id, "worker_id"))
-        sid = check_id(session_id, "session_id")
-        batch.set(keys.cancel_marker(sid), "1", ex=self.cancel_ttl_s)
-        batch.xadd(keys.cancellations, self.entry(keys.cancellations, cancel_to_fields(sid)),
-                   maxlen=CANCEL_MAXLEN, approximate=True)
+        (marked,) = yield Read((Exists(keys.cancel_marker(check_id(session_id, "session_id"))),))
+        return bool(marked)
 
-    # ---------------------------------------------------------------- the per-session state machine
+    def read_results(self, handles: Sequence[SessionHandle], block_ms: int) -> Plan[dict[str, list[StepResult]]]:
+        """Read the handles' result streams (one XREAD per worker, the busiest blocking up to block_ms) until one
+        of them got answers; apply them and return the handles' answers of their current attempts, by session."""
+        if isinstance(block_ms, bool) or not isinstance(block_ms, int):
+            raise TypeError(f"block_ms must be an int, not {type(block_ms).__name__}")
+        self.check_handles(handles)
+        for h in handles:
+            if h.run is None:
+                self.by_hand[h.session_id] = h
+        deadline = time.monotonic() + max(0, block_ms) / 1000
+        while True:
+            yield from self.read(handles, int((deadline - time.monotonic()) * 1000))
+            if any(h.inbox for h in handles) or time.monotonic() >= deadline:
+                break
+        out = {h.session_id: h.inbox for h in handles if h.inbox}
+        for h in handles:
+            h.inbox = []
+        return out
+
+    # ---------------------------------------------------------------- sessions a Run drives
+
+    def start(self, sessions: Sessions, start_times: Sequence[float] | None = None,
+              resume: Sequence[SessionHandle] = (), replay: bool = True, collect: bool = False) -> Run:
+        if start_times is not None and len(start_times) != len(sessions):
+            raise ValueError("start_times must give one time per session")
+        self.check_handles(resume)
+        ids = [spec.session_id for spec, _ in sessions] + [h.session_id for h in resume]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate session ids")
+        times = list(start_times) if start_times is not None else [0.0] * len(sessions)
+        run = Run(sessions, times, replay, collect, pending=deque(sorted(range(len(sessions)), key=times.__getitem__)))
+        for h in resume:
+            self.drive(h, run)
+            self.touched[h.session_id] = h  # its next step may be due (a handle rebuilt by resume())
+        return run
+
+    def open_many(self, run: Run, due: list[int], *, wait: bool) -> Plan[None]:
+        """Open the run's sessions `due` (indexes): one MULTI/EXEC per hop-0 worker, so a worker reads them all at
+        once (a worker that read the first few would size its prefill calls by the decode calls it then runs).
+        Backpressure: wait=True applies the policy (raise, or wait); wait=False defers those the worker cannot
+        take now to a later call."""
+        batches: dict[str, Batch] = {}
+        left = deque(due)
+        while left:
+            spec, prompt = run.sessions[left[0]]
+            self.check_shape(spec, prompt, 0)
+            for w in self.to_discover(spec):
+                yield from self.discover(w)
+            h = self.new_handle(spec, prompt)
+            if not (yield from self.admit(h.input_stream("prefill"), wait=wait)):
+                break
+            self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h)
+            self.drive(h, run)
+            left.popleft()
+        run.pending.extendleft(reversed(left))
+        for batch in batches.values():
+            yield self.pushed(batch)
+
+    def drive(self, h: SessionHandle, run: Run) -> None:
+        h.run = run
+        run.handles[h.session_id] = h
+        if h.finished:
+            return
+        self.driven[h.session_id] = h
+        run.live += 1
+        now = time.monotonic()
+        for w, stream in self.streams_of(h):
+            reading = self.reads.setdefault(w, {})
+            if not reading:
+                self.answered[w] = now  # the timeout's clock starts with the worker's first session
+            reading[stream] = reading.get(stream, 0) + 1
+
+    def retire(self, h: SessionHandle) -> None:
+        """Stop driving a session (it ended, timed out, or its driver went away)."""
+        if self.driven.get(h.session_id) is not h:
+            return
+        del self.driven[h.session_id]
+        self.touched.pop(h.session_id, None)
+        h.run.live -= 1
+        for w, stream in self.streams_of(h):
+            reading = self.reads[w]
+            reading[stream] -= 1
+            if not reading[stream]:
+                del reading[stream]
+                if not reading:
+                    del self.reads[w]
+
+    def stop(self, run: Run) -> None:
+        for h in list(run.handles.values()):
+            self.retire(h)
 
     @staticmethod
-    def apply(h: SessionHandle, r: StepResult) -> bool:
-        """Apply one result to its handle. False (ignored) when it is not one of the handle's current
-        jobs: an older attempt's, a stray job's, another session's."""
-        if r.job_id not in h.jobs or r.session_id != h.session_id:
+    def streams_of(h: SessionHandle) -> set[tuple[str, str]]:
+        reply = h.reply or h.session_id
+        return {(leg.worker_id, WorkerKeys(leg.worker_id).results(reply)) for leg in h.legs}
+
+    def cursor(self, stream: str) -> str:
+        return self.cursors.get(stream, "0-0")
+
+    # ---------------------------------------------------------------- reading, applying, advancing
+
+    def read(self, handles: Sequence[SessionHandle] = (), block_ms: int = 0) -> Plan[bool]:
+        """One read of every result stream driven sessions and `handles` wait on, applied: one XREAD per worker
+        (one hash tag each: a blocking read cannot wait on two in a Cluster), in one pipeline whose last read
+        blocks, on the worker the last pushes went to (its answer wakes it; Redis times a blocked read out only
+        every 100 ms or so when nothing else happens). A read that rode through an outage is made again, once the
+        Tracker recovered (`recover`). True when something was applied."""
+        streams = {w: dict(s) for w, s in self.reads.items()}
+        for h in handles:
+            for w, stream in self.streams_of(h):
+                streams.setdefault(w, {})[stream] = 1
+        replies: Any = None
+        while replies is None or self.outage:
+            yield from self.recover()
+            if not streams:
+                return False
+            order = sorted(streams, key=lambda w: (w == self.expect, w))
+            replies = yield Read(tuple(XRead(tuple((s, self.cursor(s)) for s in sorted(streams[w])), READ_COUNT,
+                                             block_ms if w == order[-1] and block_ms > 0 else None) for w in order))
+        got = False
+        for reply in replies:
+            for stream, entries in reply:
+                got = self.ingest(stream, entries) or got
+        return got
+
+    def pushed(self, batch: Batch) -> Batch:
+        """Note the worker most of a batch's jobs went to: the next read blocks on it."""
+        jobs = Counter(op.stream.split("}", 1)[0] for op in batch.ops if isinstance(op, XAdd) and ":in:" in op.stream)
+        if jobs:
+            self.expect = jobs.most_common(1)[0][0][len(PREFIX) + 2:]
+        return batch
+
+    def ingest(self, stream: str, entries: Sequence[tuple[str, Any]]) -> bool:
+        """Apply a result stream's records (the hot path: one decode per record, a lookup per row); answers of
+        sessions driven by hand go to their `inbox`, of driven ones to their Run's callbacks (when it has any)."""
+        if not entries:
             return False
-        h.jobs.discard(r.job_id)
-        h.last_result = r
-        if r.status == Status.OK:
-            finished = r.finished
-            if r.job_id == h.pending_job:
-                h.pending_job = None
-                if r.token is not None:
-                    h.generated.append(r.token)
-            elif credit.on_ok(h, r):  # a continuation job's token: in position order
-                finished = credit.place(h, r)
-            if finished:
-                h.finished, h.status = True, "finished"
-                h.jobs = set()  # credit left unused is dropped: what is answered for it is ignored
-                h.credit.clear()
-        else:
-            h.reason, h.detail = (r.reason.value if r.reason else None), r.detail
-            h.jobs, h.pending_job = set(), None
-            h.credit.clear()
-            if r.status == Status.STATE_LOST or (r.status == Status.REJECTED
-                                                 and r.reason == Reason.UNKNOWN_SESSION):
-                h.status = "state_lost"
-            else:
-                h.finished, h.status = True, r.status.value
+        driven, by_hand, touched = self.driven, self.by_hand, self.touched
+        for eid, fields in entries:
+            try:
+                rec, chg = decode_record(fields)
+            except WireError as e:
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.error("result entry refused", extra={"stream": stream, "entry": eid, "reason": e.reason.value,
+                                                             "detail": str(e)[:200], "refused": self.refused})
+                continue
+            skip = frozenset(chg.d) if chg.d else ()
+            jobs, offs, sts, poss, toks, fins, ess, ps, gs, x = (rec.job, rec.off, rec.st, rec.pos, rec.tok, rec.fin,
+                                                                 rec.es, chg.p, chg.g, rec.x)
+            for i, sid in enumerate(rec.sid):
+                h = driven.get(sid) or by_hand.get(sid)
+                if h is None:
+                    continue
+                s = h.sent.get(jobs[i])
+                if s is None or i in skip or not apply(h, s, offs[i], sts[i], poss[i], toks[i], fins[i],
+                                                       x.get(str(i)) if x else None, ess[i], ps[i], gs[i]):
+                    continue
+                h.last_result_id, h.last_row = eid, (rec, chg, i)
+                run = h.run
+                if run is None:
+                    h.inbox.append(row_result(rec, chg, i))
+                else:
+                    touched[sid] = h
+                    if run.collect:
+                        run.results.append((h, row_result(rec, chg, i)))
+        last = entries[-1][0]
+        if id_tuple(last) > id_tuple(self.cursor(stream)):
+            self.cursors[stream] = last
+        self.answered[stream.split("{", 1)[1].split("}", 1)[0]] = time.monotonic()
         return True
 
-    def apply_entries(self, h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> list[StepResult]:
-        """Apply a stream's entries (read on from h.last_result_id) in order; the results applied."""
-        return [r for r in read_on(h, entries) if self.apply(h, r)]
-
-    def apply_read(self, by_key: Mapping[str, SessionHandle], resps: Iterable[Any]) -> dict[str, list[StepResult]]:
-        """Apply XREAD replies over the handles' result streams (by stream key); results by session."""
-        out: dict[str, list[StepResult]] = {}
-        for resp in resps:
-            for name, entries in read_streams(resp):
-                h = by_key[decode_str(name)]
-                applied = self.apply_entries(h, entries)
-                if applied:
-                    out.setdefault(h.session_id, []).extend(applied)
-        return out
-
-    def advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool, *, cancel_marked: bool = False) -> bool:
-        """Queue the session's next job, if any: the next decode step after a token, or the replay after
-        state_lost (`cancel_marked`: what Redis said of its cancel marker, asked by the driver when
-        `needs_cancel_check`). True when something was queued."""
-        if h.finished:
-            return False
-        if h.status == "state_lost":
-            if not replay_state_lost:
-                h.finished = True
-                return False
-            try:
-                self.queue_replay(batch, h, cancel_marked=cancel_marked)
-            except SessionFailed:
-                return False
-            return bool(h.jobs)
-        return self.queue_next(batch, h)
-
-    def queue_next(self, batch: Batch, h: SessionHandle) -> bool:
-        """The session's next decode job, when one is due: under credit (producer/credit.py) or, with
-        decode_n = 1, one job per token once the last one is answered. True when one was queued."""
-        if h.credit.n > 1 and h.generated:
-            return credit.queue_next(self, batch, h, h.credit.n)
-        if h.pending_job is None and not h.jobs:
-            if not h.generated:  # an ok sampling result without a token: nothing to feed
-                h.finished, h.status, h.detail = True, "failed", "sampling result carried no token"
-                return False
-            self.queue_decode(batch, h, h.generated[-1])
-            return True
-        return False
-
-    @staticmethod
-    def needs_cancel_check(h: SessionHandle, replay_state_lost: bool) -> bool:
-        """advance() would replay it: the driver must first ask whether its cancel marker is set."""
-        return replay_state_lost and h.awaits_replay
-
-    def after_outage(self, batch: Batch, live: Sequence[SessionHandle]) -> int:
-        """Redis answered again: re-push every live session's unanswered jobs (idempotent). The driver
-        then advances each (the next step of sessions whose last result was read but not acted on).
-        Returns how many jobs were queued again."""
-        return sum(self.queue_unanswered(batch, h) for h in live)
-
-    @staticmethod
-    def by_worker(handles: Iterable[SessionHandle]) -> dict[str, dict[str, SessionHandle]]:
-        """The handles by worker, then by result stream key: one XREAD per worker (its keys share one
-        hash tag, so the read is Redis Cluster safe)."""
-        out: dict[str, dict[str, SessionHandle]] = {}
-        for h in handles:
-            out.setdefault(h.worker_id, {})[h.results_key] = h
-        return out
-
-    # ---------------------------------------------------------------- resuming
-
-    def resumer(self, worker_id: str, session_id: str, record: Mapping[bytes | str, bytes | str]) -> Resumer:
-        return Resumer(self, worker_id, session_id, {decode_str(k): decode_str(v) for k, v in record.items()})
-
-
-class Resumer:
-    """Rebuilds a handle from the session's record and its result stream, page by page, through the same
-    state machine the drivers run: `cursor` is the XRANGE start of the next page (None: done), `feed()`
-    takes a page, `finish()` returns the handle and the commands that re-push what is unanswered."""
-
-    def __init__(self, core: ProducerCore, worker_id: str, session_id: str, record: dict[str, str]) -> None:
-        if "spec" not in record:
-            raise LookupError(f"no record of session {session_id!r} on worker {worker_id!r}")
-        self.core = core
-        spec = SessionSpec.model_validate_json(record["spec"])
-        self.h = SessionHandle(spec=spec, prompt=tuple(int(t) for t in record["prompt"].split(",")),
-                               worker_id=worker_id, hop=int(record.get("hop", "0")), opened_at=time.time())
-        self.attempts = int(record.get("attempt", "0"))
-        self.h.credit.n = max(1, int(record.get("decode_n", "1")))  # what the original driver used
-        self.sink = Batch()  # the pushes the original driver made: rebuilt, not sent
-        core.queue_prefill(self.sink, self.h)
-        self.opening = job_id(self.h.session_id, self.h.hop, "prefill", 0, 0)
-        self.first: str | None = None
-        self.cursor: str | None = "-"
-
-    def feed(self, page: Sequence[tuple[Any, Any]]) -> None:
-        h = self.h
-        for r in read_on(h, page):
-            self.first = self.first or r.job_id
-            if self.core.apply(h, r) and not h.finished:
-                if h.status == "state_lost":
-                    if h.attempt < self.attempts:  # the driver replayed it: follow
-                        self.core.queue_replay(self.sink, h, cancel_marked=False)
-                elif h.generated:
-                    self.core.queue_next(self.sink, h)
-        self.cursor = None if len(page) < READ_COUNT else "(" + h.last_result_id
-
-    def finish(self) -> tuple[SessionHandle, Batch]:
-        h = self.h
-        if self.first is not None and self.first != self.opening:
-            raise LookupError(f"the result stream of session {h.session_id!r} no longer starts at its opening")
-        if h.status == "state_lost" and h.attempt < self.attempts:
-            self.core.queue_replay(self.sink, h, cancel_marked=False)  # replayed, not answered yet
+    def advance_touched(self) -> Plan[list[SessionHandle]]:
+        """Every driven session moved since its last advance: relay its rows (the blobs fetched in one
+        pipeline), ask whether a session about to be replayed was cancelled, and push every next job in ONE
+        pipeline, before any callback runs. The sessions, for the driver to call back and wake."""
+        hs = list(self.touched.values())
+        self.touched = {}
+        if not hs:
+            return hs
+        wanted = [rl.blob for h in hs for rl in h.relays if rl.blob is not None]
+        blobs: dict[str, bytes | None] = {}
+        if wanted:
+            blobs = dict(zip(wanted, (yield Read(tuple(Get(k) for k in wanted))), strict=True))
+        lost = [h for h in hs if h.awaits_replay and h.run is not None and h.run.replay]
+        marked: set[str] = set()
+        if lost:
+            replies = yield Read(tuple(Exists(WorkerKeys(h.worker_id).cancel_marker(h.session_id)) for h in lost))
+            marked = {h.session_id for h, m in zip(lost, replies, strict=True) if m}
         batch = Batch()
-        self.core.queue_unanswered(batch, h)
-        return h, batch
+        for h in hs:
+            if h.relays:
+                relay(self, batch, h, blobs)
+            self.advance(batch, h, h.run is None or h.run.replay, cancel_marked=h.session_id in marked)
+            if h.finished:
+                self.retire(h)
+        if batch:
+            yield self.pushed(batch)
+        return hs
 
+    def recover(self) -> Plan[None]:
+        """Redis answered again after an outage: read the result streams again from `rewind_ms` before their
+        cursors; send again the cancels of the last `rewind_ms` (a failover may have lost them) and every driven
+        session's unanswered jobs (idempotent); advance them all (the next step of a session whose answer was read
+        just before the outage). Time in the outage is no timeout."""
+        if not self.outage:
+            return
+        self.outage = False
+        now, rewind = time.monotonic(), self.settings.rewind_ms
+        for stream, c in self.cursors.items():
+            ms = id_tuple(c)[0]
+            if ms:
+                self.cursors[stream] = f"{max(0, ms - rewind)}-0"
+        self.answered = dict.fromkeys(self.answered, now)
+        batch = Batch()
+        self._recent_cancels()
+        for _, worker_id, session_id in self.cancels:
+            self.cancel_ops(batch, worker_id, session_id)
+        n = sum(self.queue_unanswered(batch, h) for h in self.driven.values())
+        self.touched.update(self.driven)
+        log.warning("re-pushed unanswered jobs after a redis outage", extra={"sessions": len(self.driven), "jobs": n})
+        if batch:
+            yield batch
 
-class CoreSetting:
-    """A driver attribute that is the core's setting of the same name (`producer.timeout_s = 5` sets the
-    core's): the drivers keep their historical attributes, the core keeps the one copy."""
+    def turn(self, block_ms: int) -> Plan[list[SessionHandle]]:
+        """One turn of a driver's loop: read (after an outage: recover first), advance."""
+        yield from self.read((), block_ms)
+        return (yield from self.advance_touched())
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+    def expire(self) -> list[Run]:
+        """Stop driving the sessions waiting on a worker that answered nothing for timeout_s (a session queued
+        behind others is not timed out while its worker answers them); their Runs get a ResultTimeout."""
+        now, limit = time.monotonic(), self.settings.timeout_s
+        silent = {w for w in self.reads if now - self.answered.get(w, now) > limit}
+        if not silent:
+            return []
+        runs: dict[int, Run] = {}
+        waiting = [h for h in self.driven.values()
+                   if not silent.isdisjoint({h.legs[s.hop].worker_id for s in h.sent.values()} or {h.worker_id})]
+        for h in waiting:
+            run = h.run
+            runs[id(run)] = run
+            run.error = run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
+                                                   f"{h.legs[0].worker_id} for {limit} s")
+            self.retire(h)
+        return list(runs.values())
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj.core, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj.core, self.name, value)
-
-
-class CoreSettings:
-    """The settings both drivers expose (see ProducerCore)."""
-
-    core: ProducerCore
-    prefill_chunk = CoreSetting()
-    max_lag = CoreSetting()
-    backpressure = CoreSetting()
-    timeout_s = CoreSetting()
-    max_attempts = CoreSetting()
-    verify_route = CoreSetting()
-    lag_cache_s = CoreSetting()
-    discover_cache_s = CoreSetting()
-    signer = CoreSetting()
-    cancel_ttl_s = CoreSetting()
-    record_ttl_s = CoreSetting()
-    decode_n = CoreSetting()
-
-    @property
-    def _lag(self) -> dict[str, tuple[float, int]]:
-        return self.core.lag
-
-    @property
-    def _discovered(self) -> dict[str, tuple[float, WorkerInfo]]:
-        return self.core.discovered
-
-
-def _one_hop(h: SessionHandle) -> None:
-    if len(h.spec.route) > 1:  # producer/route.py drives those
-        raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), "
-                         "not step by step")
-
-
-def read_on(h: SessionHandle, entries: Iterable[tuple[Any, Any]]) -> Iterator[StepResult]:
-    """The session's results among a result stream's entries (records of rows, schemas/wire.py), in
-    order, moving h.last_result_id past every entry (an undecodable one included, so it is never read
-    again)."""
-    sid = h.session_id
-    for entry_id, fields in entries:
-        h.last_result_id = decode_str(entry_id)
-        try:
-            rows = results_from_fields(fields)
-        except WireError:
-            continue
-        for r in rows:
-            if r.session_id == sid:
-                yield r
+    def block_ms(self, until_s: float | None = None) -> int:
+        """How long a read may block: read_block_ms, no longer than the next timeout or the next start."""
+        if self.settings.read_block_ms <= 0:
+            return 0
+        now = time.monotonic()
+        oldest = min((self.answered.get(w, now) for w in self.reads), default=now)
+        wait = min(self.settings.read_block_ms / 1000, self.settings.timeout_s - (now - oldest))
+        if until_s is not None:
+            wait = min(wait, until_s)
+        return max(1, int(wait * 1000))

@@ -1,16 +1,30 @@
-"""Argument checks of the producer's public methods: wrong input fails here, with a message that says
-what is wrong, before anything is written to Redis (an id that is not an id could build a key outside
-the worker's hash tag; a token past the vocabulary only comes back as a rejection)."""
+"""What is checked before anything is written: the arguments of the public methods (wrong input fails here, with a
+message that says what is wrong: an id that is not an id could build a key outside the worker's hash tag; a token
+past the vocabulary only comes back as a rejection), what the route's workers advertise (`Admission.discover`),
+and backpressure (`Admission.admit`). The core is an `Admission`."""
 
 from __future__ import annotations
 
+import json
 import numbers
-from collections.abc import Iterable
-from typing import Any
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from schemas.limits import MAX_TOKEN_ID, is_id
+from schemas import CompatibilityKey, Reason, SessionSpec, WireError, WorkerKeys
+from schemas.keys import WORKERS_INDEX
+from schemas.lag import stream_lag
+from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, WIRE_VERSION, is_id
 
-__all__ = ["check_id", "check_token", "check_tokens", "vocab_size"]
+from .commands import Get, Plan, Read, Sleep, SMembers, XInfoGroups, XLen
+from .errors import Backpressure
+from .session import SessionHandle
+
+if TYPE_CHECKING:
+    from .settings import ProducerSettings
+
+__all__ = ["Admission", "WorkerInfo", "check_id", "check_joins", "check_token", "check_tokens", "vocab_size"]
 
 
 def check_id(value: object, what: str) -> str:
@@ -44,3 +58,167 @@ def vocab_size(info: dict[str, Any] | None) -> int | None:
     """The vocabulary a worker advertises (its spec's info), when it does."""
     v = (info or {}).get("vocab_size")
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def check_joins(spec: SessionSpec) -> None:
+    """Hop 0 takes tokens, every later hop the previous hop's activations (same blocks boundary, hidden size,
+    dtype); only the last produces logits."""
+    for k, rh in enumerate(spec.route):
+        b = rh.key.boundary
+        if k > 0 and b.consumes != "hidden":
+            raise ValueError(f"hop {k} of the route must consume hidden activations, not {b.consumes}")
+        if (b.produces == "logits") != (k == len(spec.route) - 1):
+            raise ValueError(f"hop {k} produces {b.produces}: only the last hop may produce logits")
+        if k > 0:
+            prev = spec.route[k - 1].key.boundary
+            if prev.last_layer != b.first_layer or prev.hidden_size != b.hidden_size or prev.dtype != b.dtype:
+                raise ValueError(f"hop {k - 1} and hop {k} do not join (blocks, hidden size or dtype differ)")
+
+
+@dataclass
+class WorkerInfo:
+    """A worker's advertisement: its compatibility keys and info, and its heartbeat."""
+
+    worker_id: str
+    keys: list[CompatibilityKey]
+    info: dict[str, Any]
+    alive: bool  # the heartbeat key exists (it expires ~10 s after the last beat)
+    heartbeat_age_s: float | None
+    heartbeat: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def digests(self) -> set[str]:
+        return {k.digest for k in self.keys}
+
+    def check_wire(self) -> WorkerInfo:
+        """Itself, when it speaks this producer's wire version; a worker advertising another (or none) is refused
+        by name (reason schema_version), never driven silently."""
+        v = self.info.get("wire_version")
+        if v != WIRE_VERSION:
+            raise WireError(Reason.SCHEMA_VERSION, f"worker {self.worker_id!r} speaks wire version {v!r}, this "
+                                                   f"producer {WIRE_VERSION} (docs/wire-format.md)")
+        return self
+
+    @staticmethod
+    def parse(worker_id: str, spec_raw: bytes | str | None, hb_raw: bytes | str | None) -> WorkerInfo | None:
+        """From the worker's `spec` and heartbeat keys; None when it never advertised."""
+        if spec_raw is None:
+            return None
+        spec = json.loads(spec_raw)
+        keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
+        hb = json.loads(hb_raw) if hb_raw is not None else {}
+        age = max(0.0, time.time() - float(hb["ts"])) if "ts" in hb else None
+        return WorkerInfo(worker_id=worker_id, keys=keys, info=dict(spec.get("info", {})),
+                          alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
+
+
+class Admission:
+    """The advertisement and backpressure checks: state (`discovered`, `lag`) and plans."""
+
+    settings: ProducerSettings
+    discovered: dict[str, tuple[float, WorkerInfo]]
+    lag: dict[str, tuple[float, int]]  # stream -> (monotonic time asked, lag)
+
+    def discover(self, worker_id: str) -> Plan[WorkerInfo]:
+        k = WorkerKeys(check_id(worker_id, "worker_id"))
+        spec_raw, hb_raw = yield Read((Get(k.spec), Get(k.heartbeat)))
+        info = WorkerInfo.parse(worker_id, spec_raw, hb_raw)
+        if info is None:
+            raise LookupError(f"worker {worker_id!r} has not advertised (no {k.spec})")
+        self.remember(info.check_wire())
+        return info
+
+    def workers(self) -> Plan[list[WorkerInfo]]:
+        (ids,) = yield Read((SMembers(WORKERS_INDEX),))
+        if not ids:
+            return []
+        replies = yield Read(tuple(c for w in ids for c in (Get(WorkerKeys(w).spec), Get(WorkerKeys(w).heartbeat))))
+        infos = (WorkerInfo.parse(w, replies[2 * i], replies[2 * i + 1]) for i, w in enumerate(ids))
+        return [info for info in infos if info is not None]
+
+    def remember(self, info: WorkerInfo) -> None:
+        self.discovered[info.worker_id] = (time.monotonic(), info)
+
+    def to_discover(self, spec: SessionSpec) -> list[str]:
+        """The route's workers whose advertisement must be (re)read before opening."""
+        if not self.settings.verify_route:
+            return []
+        now = time.monotonic()
+        stale = (rh.worker_id for rh in spec.route if rh.worker_id not in self.discovered
+                 or now - self.discovered[rh.worker_id][0] > self.settings.discover_cache_s)
+        return list(dict.fromkeys(stale))
+
+    def check_shape(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
+        """What can be checked without the workers' advertisements: types, hop, prompt, context, joins."""
+        if not isinstance(spec, SessionSpec):
+            raise TypeError(f"spec must be a SessionSpec, not {type(spec).__name__}")
+        if isinstance(hop, bool) or not isinstance(hop, int) or not 0 <= hop < len(spec.route):
+            raise ValueError(f"hop {hop!r} is not on the route ({len(spec.route)} hops)")
+        toks = check_tokens(prompt, None)
+        if not toks:
+            raise ValueError("empty prompt")
+        if spec.route[hop].key.boundary.consumes != "tokens":
+            raise ValueError("this producer drives token-consuming hops only")
+        check_joins(spec)
+        ctx = spec.route[hop].key.recipe.ctx_per_session
+        if len(toks) + spec.max_tokens > ctx:
+            raise ValueError(f"prompt ({len(toks)}) + max_tokens ({spec.max_tokens}) over the context per session "
+                             f"({ctx})")
+        if len(toks) + spec.max_tokens > MAX_POSITION:
+            raise ValueError("session longer than MAX_POSITION")
+        return toks
+
+    def new_handle(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> SessionHandle:
+        """A handle, once the prompt and route are checked (with verify_route, against the advertisements of
+        every hop's worker, discovered first: `to_discover`)."""
+        toks = self.check_shape(spec, prompt, hop)
+        if self.settings.verify_route:
+            for k, rh in enumerate(spec.route):
+                digests = self.discovered[rh.worker_id][1].digests
+                for phase in ("prefill", "decode"):
+                    d = rh.key.for_phase(phase).digest
+                    if d not in digests:
+                        what = f"the route's {phase} key" if len(spec.route) == 1 else f"hop {k}'s {phase} key"
+                        raise ValueError(f"worker {rh.worker_id!r} does not advertise {what} {d}")
+        worker = spec.route[hop].worker_id
+        toks = check_tokens(toks, self.vocab(worker))
+        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id,
+                             opened_at=time.time())
+
+    def vocab(self, worker_id: str) -> int | None:
+        cached = self.discovered.get(worker_id)
+        return vocab_size(cached[1].info) if cached is not None else None
+
+    @staticmethod
+    def check_handles(handles: Iterable[object]) -> None:
+        for h in handles:
+            if not isinstance(h, SessionHandle):
+                raise TypeError(f"handles must be SessionHandles, not {type(h).__name__}")
+
+    # ---------------------------------------------------------------- backpressure
+
+    def input_lag(self, stream: str) -> Plan[int]:
+        cached = self.lag.get(stream)
+        if cached is not None and time.monotonic() - cached[0] < self.settings.lag_cache_s:
+            return cached[1]
+        length, groups = yield Read((XLen(stream), XInfoGroups(stream)), errors=True)
+        lag = stream_lag(length, groups).behind
+        self.lag[stream] = (time.monotonic(), lag)
+        return lag
+
+    def admit(self, stream: str, *, wait: bool) -> Plan[bool]:
+        """True when the stream's lag is within max_lag. wait=False: answer at once; wait=True: apply the policy
+        (raise Backpressure, or wait up to timeout_s then raise)."""
+        st = self.settings
+        if st.max_lag is None or (yield from self.input_lag(stream)) <= st.max_lag:
+            return True
+        if not wait:
+            return False
+        if st.backpressure == "wait":
+            deadline = time.monotonic() + st.timeout_s
+            while time.monotonic() < deadline:
+                yield Sleep(max(st.lag_cache_s, 0.01))
+                if (yield from self.input_lag(stream)) <= st.max_lag:
+                    return True
+        raise Backpressure(f"input lag of {stream} over max_lag={st.max_lag}"
+                           + (f" for {st.timeout_s} s" if st.backpressure == "wait" else ""))

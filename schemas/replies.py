@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["as_bytes", "as_str", "entry_fields", "flat_pairs", "stream_entries"]
+__all__ = ["as_bytes", "as_str", "entry_fields", "entry_id", "flat_pairs", "id_tuple", "range_reply", "read_reply",
+           "str_map", "stream_entries"]
 
 
 def as_str(x: bytes | str) -> str:
@@ -46,3 +47,33 @@ def flat_pairs(flat: Sequence[Any] | None) -> dict[bytes, bytes]:
         return {}
     it = iter(flat)
     return {as_bytes(k): as_bytes(v) for k, v in zip(it, it, strict=False)}
+
+
+def entry_id(x: bytes | str) -> str:
+    """A stream entry id as text ("<ms>-<seq>")."""
+    return x.decode("ascii") if isinstance(x, bytes) else x
+
+
+def read_reply(resp: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """An XREAD reply as [(stream name, [(entry id, fields), ...]), ...], names and ids as text (the fields
+    as the client returned them: `entry_fields` makes them bytes when a reader needs that)."""
+    return [(as_str(name), [(entry_id(eid), f) for eid, f in entries]) for name, entries in stream_entries(resp)]
+
+
+def range_reply(resp: Sequence[Any] | None) -> list[tuple[str, Any]]:
+    """An XRANGE reply as [(entry id, fields), ...], ids as text."""
+    return [(entry_id(eid), f) for eid, f in resp or ()]
+
+
+def str_map(resp: Mapping[Any, Any] | None) -> dict[str, str]:
+    """A hash (HGETALL) as text -> text."""
+    return {as_str(k): as_str(v) for k, v in (resp or {}).items()}
+
+
+def id_tuple(x: str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds, sequence), for ordering ids ("0-0" for anything unreadable)."""
+    ms, _, seq = x.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0

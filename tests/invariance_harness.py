@@ -196,7 +196,7 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
     queue_prefill = producer.core.queue_prefill
 
     def per_session_n(batch: Any, h: Any) -> None:
-        producer.core.decode_n = by_sid[h.session_id].n
+        h.credit.n = h.credit.n or by_sid[h.session_id].n
         queue_prefill(batch, h)
 
     producer.core.queue_prefill = per_session_n  # type: ignore[method-assign]

@@ -9,6 +9,7 @@ running between calls, as in a service), and every call waits for its answer.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
@@ -21,9 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from producer import Producer
-from producer.aio import AsyncProducer
-from producer.core import CoreSettings
+from producer import AsyncProducer, Producer, ProducerCore, ProducerSettings
 from tests.test_transport import CommandCounter
 
 T = TypeVar("T")
@@ -61,14 +60,15 @@ class _Loop:
         self.thread.join(5)
 
 
-class SyncOverAsync(CoreSettings):
+class SyncOverAsync:
     """An AsyncProducer with Producer's synchronous methods (the test bodies' face)."""
 
     def __init__(self, client: redis.Redis, **options: Any) -> None:
         self._loop = _Loop()
         self.client = client  # the synchronous client the test inspects Redis with
         self.aio: AsyncProducer = self._loop.run(self._make(client, options))
-        self.core = self.aio.core
+        self.core: ProducerCore = self.aio.core
+        self.settings: ProducerSettings = self.aio.settings
 
     @staticmethod
     async def _make(client: redis.Redis, options: dict[str, Any]) -> AsyncProducer:
@@ -82,9 +82,14 @@ class SyncOverAsync(CoreSettings):
         attr = getattr(self.aio, name)
         if name == "generate":
             return self._generate
-        if asyncio.iscoroutinefunction(attr):
-            return lambda *a, **k: self._loop.run(attr(*a, **k))
-        return attr
+        if not callable(attr):
+            return attr
+
+        def call(*a: Any, **k: Any) -> Any:
+            out = attr(*a, **k)  # an AsyncProducer operation returns an awaitable (producer/tracker.py)
+            return self._loop.run(out) if inspect.isawaitable(out) else out
+
+        return call
 
     @property
     def outages(self) -> int:

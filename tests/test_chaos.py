@@ -52,8 +52,8 @@ def redis_srv(tmp_path: Path) -> RestartableRedis:
 
 
 def _producer(url: str, **kw: object) -> Producer:
-    return Producer(redis.Redis.from_url(url), prefill_chunk=8, timeout_s=90 if SOAK else 45,
-                    outage_max_s=60, **kw)  # type: ignore[arg-type]
+    return Producer(redis.Redis.from_url(url), **{"prefill_chunk": 8, "timeout_s": 90 if SOAK else 45,  # type: ignore[arg-type]
+                                                  "outage_max_s": 60, **kw})
 
 
 def _log_tail(p: ConsumerProcess) -> str:
@@ -150,8 +150,7 @@ def test_a_pause_longer_than_the_lease_and_the_sweep(redis_srv: RestartableRedis
     c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=extra)
     client = redis.Redis.from_url(redis_srv.url)
     specs = specs_for(client, worker, "stop", prompts(N_SESSIONS, 300, seed=SEED % 1000 + 2), TOKENS)
-    producer = _producer(redis_srv.url)
-    producer.timeout_s = 120 if SOAK else 45
+    producer = _producer(redis_srv.url, timeout_s=120 if SOAK else 45)  # settings are one frozen object
     drive = Drive(producer, specs).start()
     drive.wait_results(rng.randint(3, 25))
     pause(c, 60.0 if SOAK else 3.0)

@@ -25,7 +25,8 @@ from consumer.batch import FusedBatch
 from consumer.sampling import argmax_rows, sample
 from consumer.transport.protocol import Delivery, Inbound
 from consumer.worker import Worker, WorkerSettings
-from producer.core import Batch, ProducerCore, SessionHandle
+from producer import ProducerCore, SessionHandle
+from producer.commands import Batch, XAdd
 from schemas import Reason, RouteHop, Sampling, SessionSpec, Status, StepJob, StepResult, job_from_fields
 from schemas.step import end_job_id, result_job_id
 from tests.doubles.null import NullEngine
@@ -131,9 +132,9 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     acked: set[str] = set()
 
     def send(batch: Batch) -> None:
-        for name, args, _kw in batch.ops:
-            if name == "xadd":
-                d = t.push(job_from_fields(args[1]))
+        for op in batch.ops:
+            if isinstance(op, XAdd):
+                d = t.push(job_from_fields(op.fields))
                 entries[d.entry_id] = t.queues[d.stream][-1]
 
     stops: dict[str, tuple[int, ...]] = {}
@@ -195,7 +196,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
                 cancelled.add(r.session_id)
                 t.cancel(r.session_id)
             if s.dup_every and seen_by[r.session_id] % s.dup_every == 0 and h.credit.jobs:
-                core._push(batch, h, next(iter(h.credit.jobs.values())))  # a twice-pushed continuation
+                core.xadd(batch, h, h.sent[next(iter(h.credit.jobs))])  # a twice-pushed continuation
         seen = len(t.answers)
         for sid, h in handles.items():
             core.advance(batch, h, True, cancel_marked=sid in t.cancel_markers)
@@ -451,9 +452,9 @@ def test_decode_calls_are_full_under_credit() -> None:
     handles = []
 
     def send(b: Batch) -> None:
-        for name, args, _kw in b.ops:
-            if name == "xadd":
-                t.push(job_from_fields(args[1]))
+        for op in b.ops:
+            if isinstance(op, XAdd):
+                t.push(job_from_fields(op.fields))
 
     for i in range(4):
         hop = RouteHop(worker_id=WID, key=w.keys["prefill"])

@@ -17,7 +17,7 @@ import redis
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer
-from producer.core import Batch
+from producer.commands import Batch
 from schemas import GROUP, RouteHop, Sampling, SessionSpec, WorkerKeys, job_to_fields
 from schemas.step import result_job_id
 from tests.support import session_results

@@ -24,7 +24,7 @@ from consumer.engines.reference import NumpyReferenceEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer, SessionHandle
-from producer.client import _Batch
+from producer.commands import Batch
 from schemas import Status, WorkerKeys
 
 from .chaos_support import SOAK, check_exact, solo, specs_for, stream_results
@@ -53,22 +53,13 @@ class Stepper:
     def __init__(self, producer: Producer, worker: Worker) -> None:
         self.producer, self.worker = producer, worker
         self.handles: dict[str, SessionHandle] = {}
-        self.outages = producer.outages
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
             self.worker.run_once()
             live = [h for h in self.handles.values() if not h.finished]
-            if not live:
-                continue
-            if self.producer.outages != self.outages:  # as run_many does after an outage
-                self.outages = self.producer.outages
-                self.producer._after_outage(live, True)
-            got = self.producer.read_results(live, block_ms=0)
-            batch = _Batch()
-            for sid in got:
-                self.producer._advance(batch, self.handles[sid], True)
-            self.producer._send(batch)
+            if live:  # one turn of run_many's loop: read, apply, push the next jobs (re-push after an outage)
+                self.producer.poll(live, block_ms=0)
 
     def run(self, limit: int = 400) -> None:
         for _ in range(limit):
@@ -91,11 +82,11 @@ class Echo(Producer):
     def __init__(self, client: redis.Redis, plan: list[int], **kw: Any) -> None:
         super().__init__(client, **kw)
         self.plan = plan  # per pipeline sent: -1 never again, 0 at once, k > 0 after k iterations
-        self.later: list[tuple[int, _Batch]] = []
+        self.later: list[tuple[int, Batch]] = []
         self.sent = 0
         self.tick = 0
 
-    def _send(self, batch: _Batch, *, transaction: bool = False) -> None:
+    def _send(self, batch: Batch, *, transaction: bool = False) -> None:
         super()._send(batch, transaction=transaction)
         if not batch.ops:
             return
@@ -157,8 +148,8 @@ def test_a_duplicate_decode_while_queued_is_held_and_acked_with_the_original(
     h = stepper.handles["twin-0"]
     stepper.step(2)
     assert h.generated and h.pending_job is not None
-    batch = _Batch()
-    assert producer._queue_unanswered(batch, h) == 1  # the decode in flight, pushed again
+    batch = Batch()
+    assert producer.core.queue_unanswered(batch, h) == 1  # the decode in flight, pushed again
     producer._send(batch)
     worker.run_once()  # reads the twin while the original is queued or answered in this very call
     stepper.run()
@@ -203,8 +194,8 @@ def test_cancel_with_nothing_queued_closes_the_accounting(redis_client: redis.Re
     assert worker.scheduler.table.busy_slots == 0
     stepper = Stepper(producer, worker)
     stepper.handles[h.session_id] = h
-    batch = _Batch()
-    producer._advance(batch, h, True)  # the Tracker's next step arrives after the cancel
+    batch = Batch()
+    producer.core.advance(batch, h, True)  # the Tracker's next step arrives after the cancel
     producer._send(batch)
     stepper.run()
     assert h.status == "cancelled"

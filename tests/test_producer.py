@@ -26,13 +26,12 @@ from schemas import (
     StepJob,
     StepResult,
     WireError,
-    WorkerKeys,
     job_from_fields,
     job_to_fields,
-    results_from_fields,
 )
 from schemas.limits import ID_PATTERN
 from tests.producer_drivers import MakeProducer, counting_calls, make_producer
+from tests.support import session_results
 from tests.test_transport import WORKER, hget_all, make_key, make_spec, xrange
 from tests.transport_support import Completion, complete_entries
 
@@ -164,7 +163,8 @@ class FakeWorker:
 
 
 def results_of(client: redis.Redis, worker: str, session_id: str) -> list[StepResult]:
-    return [r for _id, f in xrange(client, WorkerKeys(worker).results(session_id)) for r in results_from_fields(f)]
+    """The session's answers, on whichever result stream its jobs named (a Tracker's)."""
+    return session_results(client, worker, session_id)
 
 
 # ------------------------------------------------------------------------------------------ unit-ish
@@ -388,14 +388,14 @@ def test_backpressure_raises_or_waits(redis_client: redis.Redis, make_producer: 
     p = make_producer(redis_client, max_lag=3)
     for i in range(4):
         p.open(make_spec(f"b{i}"), [1])
-    p._lag.clear()  # the lag is cached ~100 ms
+    p.core.lag.clear()  # the lag is cached ~100 ms
     with pytest.raises(Backpressure):
         p.open(make_spec("b-over"), [1])
     waiting = make_producer(redis_client, max_lag=3, backpressure="wait", timeout_s=0.2)
     with pytest.raises(Backpressure):
         waiting.open(make_spec("b-wait"), [1])
     w.t.read_streams({w.pre: 4}, block_ms=0)  # the worker catches up: lag 0
-    waiting._lag.clear()
+    waiting.core.lag.clear()
     waiting.open(make_spec("b-ok"), [1])
     unbounded = make_producer(redis_client, max_lag=None)
     for i in range(5):

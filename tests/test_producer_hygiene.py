@@ -89,3 +89,14 @@ def test_other_entry_points(producer: Producer) -> None:
         producer.replay("s-1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="session_id"):
         job_id("s\n", 0, "decode", 1, 0)
+
+
+def test_errors_have_one_root_and_come_from_the_package() -> None:
+    import producer
+    from schemas import DgrError, ProducerError
+
+    for name in ("Backpressure", "ResultTimeout", "SessionFailed"):
+        err = getattr(producer, name)
+        assert issubclass(err, ProducerError) and issubclass(err, DgrError) and issubclass(err, RuntimeError), name
+        assert err.__module__ == "producer.errors"
+    assert issubclass(producer.ResultTimeout, TimeoutError) and producer.ProducerError is ProducerError

@@ -27,13 +27,11 @@ from consumer.ops.sessions import session_accounting
 from dgrtools.localredis import LocalRedis
 from dgrtools.split_model import split_route
 from dgrtools.tiny_model import write_tiny_model
-from producer import Producer
-from producer.aio import AsyncProducer
-from producer.route import RouteHandle
-from producer.route_drivers import arun_routes
+from producer import AsyncProducer, Producer, RouteHandle
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
 
-from .support import ConsumerProcess, prompts
+from .producer_drivers import DRIVERS, SyncOverAsync
+from .support import ConsumerProcess, prompts, session_results
 
 SOAK = os.environ.get("DGR_SOAK") == "1"  # DGR_SOAK=1: the long searches
 
@@ -122,12 +120,20 @@ def whole_tokens(fleet: Fleet, prefix: str, ps: Sequence[Sequence[int]], max_tok
 # 1 and 8 sessions through real processes by default (2 and 4 under DGR_SOAK=1): tests/test_hop_worker.py
 # and tests/test_hop_engine.py check 1/2/4/8 on every run, a layer below.
 @pytest.mark.parametrize("n_sessions", [1, 2, 4, 8] if SOAK else [1, 8])
-def test_route_tokens_equal_the_whole_model(fleet: Fleet, n_hops: int, n_sessions: int) -> None:
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_route_tokens_equal_the_whole_model(fleet: Fleet, n_hops: int, n_sessions: int, driver: str) -> None:
     ps = mixed_prompts(n_sessions, seed=n_sessions * 10 + n_hops)
     sampled = [i % 3 == 2 for i in range(n_sessions)]
-    want = whole_tokens(fleet, f"w{n_hops}-{n_sessions}", ps, 12, sampled)
-    prefix = f"r{n_hops}-{n_sessions}"
-    got = fleet.producer().run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+    want = whole_tokens(fleet, f"w{n_hops}-{n_sessions}{driver}", ps, 12, sampled)
+    prefix = f"r{n_hops}-{n_sessions}{driver}"
+    if driver == "sync":
+        got = fleet.producer().run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+    else:  # the asyncio driver, the same body (tests/producer_drivers.py)
+        p = SyncOverAsync(fleet.client, prefill_chunk=CHUNK, timeout_s=60)
+        try:
+            got = p.run_many(fleet.specs(n_hops, prefix, ps, 12, sampled))
+        finally:
+            p.close()
     if n_sessions > 1:  # the long prompts' rows went through blobs, each deleted once relayed / read
         assert not list(fleet.client.scan_iter("dgr:*:act:*")), "a blob outlived its relay"
     for i, p in enumerate(ps):
@@ -230,7 +236,7 @@ def test_async_driver_gives_the_same_tokens(fleet: Fleet) -> None:
             assert len(seen) == len(set(seen)) >= 4 * 8
             (spec, prompt), *_ = fleet.specs(3, "ag", ps, 8, [False, True, False, True])
             streamed = [t async for t in p.generate(spec, prompt)]
-            direct = await arun_routes(p, fleet.specs(3, "ad", ps[2:3], 8))
+            direct = await p.run_many(fleet.specs(3, "ad", ps[2:3], 8))
             return many, streamed, direct  # type: ignore[return-value]
 
     many, streamed, direct = asyncio.run(go())
@@ -315,4 +321,72 @@ def test_tracker_sim_drives_a_route_and_cancels_on_every_hop(fleet: Fleet, tmp_p
     for s in sessions:
         if s["status"] == "cancelled":
             assert all(fleet.client.exists(WorkerKeys(w).cancel_marker(s["session"])) for w in ROUTES[3])
+    wait_released(fleet, ROUTES[3])
+
+
+class _Gone:
+    """A Redis client whose every call fails for good: the Tracker that held it died."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError("this Tracker is gone")
+
+
+@pytest.mark.parametrize("use_async,die_at", [(False, 8), (False, 40), (True, 20)])
+def test_a_tracker_restarted_mid_route_resumes_its_sessions_from_redis(fleet: Fleet, use_async: bool,
+                                                                      die_at: int) -> None:
+    """A Tracker drives 3-hop routes and dies mid-way (in their prompts' relays, or decoding);
+    another process rebuilds every session from Redis with ONE scan per hop's result stream (`resume_many`) and
+    finishes them: the whole model's tokens, every job answered once on every hop, billed once by the last."""
+    import threading
+
+    ps = mixed_prompts(6, seed=17)
+    want = whole_tokens(fleet, f"rzw{int(use_async)}{die_at}", ps, 24)
+    prefix = f"rz{int(use_async)}{die_at}"
+    specs = fleet.specs(3, prefix, ps, 24)
+    first = fleet.producer()
+    seen: list[int] = []
+    box: dict[str, BaseException] = {}
+
+    def on_result(h: object, r: StepResult) -> None:
+        seen.append(1)
+        if len(seen) == die_at:  # the Tracker's process dies (its client fails for good)
+            first.client = _Gone()  # type: ignore[assignment]
+
+    def drive() -> None:
+        try:
+            first.run_many(specs, on_result=on_result)
+        except RuntimeError as e:
+            box["died"] = e
+
+    t = threading.Thread(target=drive)
+    t.start()
+    t.join(120)
+    assert "died" in box, "the first Tracker finished before it could die: the test did not test resume"
+    sids = [spec.session_id for spec, _ in specs]
+    if use_async:
+        async def go() -> dict[str, RouteHandle]:
+            import redis.asyncio as aioredis
+
+            client = aioredis.Redis.from_url(fleet.url)
+            async with AsyncProducer(client, prefill_chunk=CHUNK, timeout_s=60) as p:
+                resumed = await p.resume_many(ROUTES[3][0], sids)
+                out = await p.drive(list(resumed.values()))
+            await client.aclose()
+            return out  # type: ignore[no-any-return]
+
+        got = asyncio.run(go())
+    else:
+        other = fleet.producer()
+        resumed = other.resume_many(ROUTES[3][0], sids)
+        assert all(h.reply == first.tracker_id for h in resumed.values())  # the stream its jobs name
+        got = other.drive(list(resumed.values()))
+    for i, p in enumerate(ps):
+        h = got[f"{prefix}-{i}"]
+        assert h.status == "finished", (h.status, h.reason, h.detail)
+        assert h.generated == want[i], i
+        last = fleet.account(ROUTES[3][-1], h.session_id)
+        assert int(last["prompt_tokens"]) == len(p) and int(last["generated_tokens"]) == 24
+        for w in ROUTES[3]:  # nothing answered twice on any hop
+            ids = [r.job_id for r in session_results(fleet.client, w, h.session_id)]
+            assert len(ids) == len(set(ids)), (w, i)
     wait_released(fleet, ROUTES[3])

@@ -1,4 +1,5 @@
-"""RouteCore (producer/route.py) without Redis or engines: simulated hops, the composed model as the oracle.
+"""The core's route decisions (producer/core.py, steps.py, route.py) without Redis or engines: simulated hops
+that answer the core's plans (typed commands), the composed model as the oracle.
 
 Each simulated hop keeps per-session state the way a KV cache does (a running sum over the positions it
 computed), so a hop that was given a wrong row, a row twice, a row out of order or a stale attempt's row
@@ -13,13 +14,17 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.core import Batch, ProducerCore, WorkerInfo
-from producer.route import RouteCore, RouteHandle
+from producer import ProducerCore, SessionHandle, WorkerInfo
+from producer.commands import Batch, Delete, Exists, Get, HGetAll, HSet, Read, Set, Sleep, XAdd, XRange, XRead
+from producer.route import relay
 from schemas import (
     Accounting,
     CompatibilityKey,
@@ -102,6 +107,20 @@ def oracle(prompt: Sequence[int], n_hops: int, max_tokens: int, stop: tuple[int,
 
 
 @dataclass
+class Answer:
+    """One answer as a hop files it: a record of one row, with the attempt of the job it answers."""
+
+    result: StepResult
+    attempt: int
+
+    def fields(self) -> dict[bytes, bytes]:
+        f = results_to_fields([self.result])
+        rec = msgspec.json.decode(f[b"r"])
+        rec["att"] = [self.attempt]
+        return {**f, b"r": msgspec.json.encode(rec)}
+
+
+@dataclass
 class SimSession:
     attempt: int
     next_pos: int
@@ -128,7 +147,7 @@ class SimHop:
         """A kill -9 and a fresh process: every session's state is gone; queued jobs stay in the stream."""
         self.sessions.clear()
 
-    def run_one(self, rng: random.Random, store: dict[str, bytes], streams: dict[str, list[StepResult]]) -> None:
+    def run_one(self, rng: random.Random, store: dict[str, bytes], streams: dict[str, list[Answer]]) -> None:
         # any queued job of any session may go first, but one session's jobs stay in stream order
         firsts: dict[str, int] = {}
         for i, j in enumerate(self.queue):
@@ -138,7 +157,7 @@ class SimHop:
             return
         r = self.serve(job, store)
         self.answered.add(job.job_id)
-        streams.setdefault(WorkerKeys(self.worker).results(job.session_id), []).append(r)
+        streams.setdefault(WorkerKeys(self.worker).results(job.reply), []).append(Answer(r, job.attempt))
 
     def _res(self, job: StepJob, status: Status, reason: Reason | None = None, **kw: object) -> StepResult:
         return StepResult(job_id=job.job_id, session_id=job.session_id, status=status, reason=reason,
@@ -195,47 +214,79 @@ class SimHop:
 
 
 class SimCluster:
-    """Applies the Tracker's batches (XADD to input streams, SET/DEL of blobs, cancels) to simulated hops."""
+    """Answers the core's requests for the simulated hops: writes (XADD to input streams, SET/DEL of blobs,
+    cancels) and reads (XREAD of result streams, GET of blobs, EXISTS of cancel markers)."""
 
     def __init__(self, hops: list[SimHop]) -> None:
         self.hops = hops
         self.store: dict[str, bytes] = {}
-        self.streams: dict[str, list[StepResult]] = {}
-        self.cursor: dict[str, int] = {}
+        self.streams: dict[str, list[Answer]] = {}
+        self.markers: set[str] = set()
+        self.records: dict[str, dict[str, str]] = {}  # the session records (HSET) the Tracker wrote
 
     def send(self, batch: Batch) -> None:
-        for name, args, kwargs in batch.ops:
-            if name == "xadd":
-                stream, fields = args[0], args[1]
-                parsed = parse_input_stream(stream)
+        for op in batch.ops:
+            if isinstance(op, XAdd):
+                fields = {k.encode(): v.encode() for k, v in op.fields.items()}
+                parsed = parse_input_stream(op.stream)
                 if parsed is None:  # the cancel stream
-                    sid = cancel_from_fields({k.encode(): v.encode() for k, v in fields.items()})
-                    worker = stream.split("{")[1].split("}")[0]
+                    worker = op.stream.split("{")[1].split("}")[0]
                     for hop in self.hops:
                         if hop.worker == worker:
-                            hop.cancelled.add(sid)
+                            hop.cancelled.add(cancel_from_fields(fields))
                     continue
-                job = job_from_fields({k.encode(): v.encode() for k, v in fields.items()})
-                hop = next(h for h in self.hops if h.worker == parsed[0] and h.hop == job.hop)
-                hop.queue.append(job)
-            elif name == "set":
-                if "act:in:" in args[0]:
-                    assert kwargs.get("ex"), "every blob has a TTL"
-                    self.store[args[0]] = args[1]
-            elif name == "delete":
-                self.store.pop(args[0], None)
+                job = job_from_fields(fields)
+                next(h for h in self.hops if h.worker == parsed[0] and h.hop == job.hop).queue.append(job)
+            elif isinstance(op, Set):
+                if "act:in:" in op.key:
+                    assert op.ex, "every blob has a TTL"
+                    self.store[op.key] = op.value  # type: ignore[assignment]
+                else:
+                    self.markers.add(op.key)
+            elif isinstance(op, Delete):
+                self.store.pop(op.key, None)
+            elif isinstance(op, HSet):
+                self.records[op.key] = dict(op.mapping)
 
-    def entries(self, key: str) -> list[tuple[str, dict[bytes, bytes]]]:
-        got = self.streams.get(key, [])
-        start = self.cursor.get(key, 0)
-        self.cursor[key] = len(got)
-        return [(f"{i + 1}-0", results_to_fields([r]))
-                for i, r in enumerate(got[start:], start)]
+    def answer(self, req: Read) -> list[object]:
+        out: list[object] = []
+        for c in req.cmds:
+            if isinstance(c, XRead):  # one record per answer (one completion call each), ids by index
+                out.append([(s, [(f"{i + 1}-0", r.fields()) for i, r in
+                                 enumerate(self.streams.get(s, [])) if i + 1 > int(after.split("-")[0])])
+                            for s, after in c.streams])
+            elif isinstance(c, Get):
+                out.append(self.store.get(c.key))
+            elif isinstance(c, HGetAll):
+                out.append(self.records.get(c.key, {}))
+            elif isinstance(c, XRange):  # one page holds everything here
+                out.append([(f"{i + 1}-0", r.fields()) for i, r in enumerate(self.streams.get(c.stream, []))])
+            else:
+                assert isinstance(c, Exists)
+                out.append(c.key in self.markers)
+        return out
+
+    def run(self, plan: Any) -> Any:
+        """Step one of the core's plans against the simulated hops."""
+        reply = None
+        try:
+            while True:
+                req = plan.send(reply)
+                if isinstance(req, Batch):
+                    self.send(req)
+                    reply = None
+                else:
+                    assert not isinstance(req, Sleep)
+                    reply = self.answer(req)
+        except StopIteration as stop:
+            return stop.value
 
 
-def drive(rc: RouteCore, cluster: SimCluster, handles: list[RouteHandle], rng: random.Random,
+def drive(core: ProducerCore, cluster: SimCluster, handles: list[SessionHandle], rng: random.Random,
           crash_at: dict[int, int]) -> None:
-    """The driver's loop, by hand: run one queued job somewhere, read, fetch, advance, send."""
+    """The driver's loop, by hand: run some queued jobs somewhere, then one turn of the core (read, fetch,
+    relay, advance, push)."""
+    run = core.start([], resume=handles)
     step = 0
     while any(not h.finished for h in handles) or any(h.queue for h in cluster.hops):
         for _ in range(rng.choice((1, 1, 2, 4))):  # several answers may arrive in one read
@@ -245,29 +296,26 @@ def drive(rc: RouteCore, cluster: SimCluster, handles: list[RouteHandle], rng: r
         step += 1
         if step in crash_at:
             cluster.hops[crash_at[step] % len(cluster.hops)].crash()
-        batch = Batch()
-        touched = []
-        for h in handles:
-            for w in h.cursors:
-                entries = cluster.entries(WorkerKeys(w).results(h.session_id))
-                if rc.apply_entries(h, w, entries, batch):
-                    touched.append(h)
-        blobs = {k: cluster.store.get(k) for ks in rc.fetches(touched).values() for k in ks}
-        for h in touched:
-            if h.relays:
-                rc.relay(batch, h, blobs)
-            rc.advance(batch, h, True)
-        cluster.send(batch)
+        cluster.run(core.turn(0))
         assert step < 100_000
+    assert run.done
 
 
 def make(n_hops: int, same_worker: bool, inline_max: int = 0,
-         **kw: object) -> tuple[RouteCore, SimCluster, list[str], list[int]]:
+         **kw: object) -> tuple[ProducerCore, SimCluster, list[str], list[int]]:
     cuts = list(range(n_hops + 1))
     workers = ["w0"] * n_hops if same_worker else [f"w{k}" for k in range(n_hops)]
-    pc = ProducerCore(verify_route=False, max_attempts=50, **kw)  # type: ignore[arg-type]
+    core = ProducerCore(verify_route=False, max_attempts=50, **kw)  # type: ignore[arg-type]
     hops = [SimHop(worker=w, hop=k, last=k == n_hops - 1, inline_max=inline_max) for k, w in enumerate(workers)]
-    return RouteCore(pc), SimCluster(hops), workers, cuts
+    return core, SimCluster(hops), workers, cuts
+
+
+def opened(core: ProducerCore, cluster: SimCluster, spec: SessionSpec, prompt: list[int]) -> SessionHandle:
+    h = core.new_handle(spec, prompt)
+    b = Batch()
+    core.queue_prefill(b, h)
+    cluster.send(b)
+    return h
 
 
 @settings(max_examples=300 if SOAK else 25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -280,17 +328,12 @@ def test_routes_give_the_composed_model_tokens_whatever_the_order_and_crashes(
         n_hops: int, same_worker: bool, n_sessions: int, lens: list[int], chunk: int, max_tokens: int, seed: int,
         crashes: dict[int, int], inline_rows: int) -> None:
     rng = random.Random(seed)
-    rc, cluster, workers, cuts = make(n_hops, same_worker, inline_rows * HIDDEN * 4, prefill_chunk=chunk)
+    core, cluster, workers, cuts = make(n_hops, same_worker, inline_rows * HIDDEN * 4, prefill_chunk=chunk)
     stop = (5,)
     prompts = [[rng.randrange(VOCAB) for _ in range(lens[i])] for i in range(n_sessions)]
-    handles = []
-    batch = Batch()
-    for i, p in enumerate(prompts):
-        h = rc.new_handle(route_spec(f"s{i}", cuts, workers, max_tokens, stop), p)
-        rc.queue_open(batch, h)
-        handles.append(h)
-    cluster.send(batch)
-    drive(rc, cluster, handles, rng, crashes)
+    handles = [opened(core, cluster, route_spec(f"s{i}", cuts, workers, max_tokens, stop), p)
+               for i, p in enumerate(prompts)]
+    drive(core, cluster, handles, rng, crashes)
     for h, p in zip(handles, prompts, strict=True):
         assert h.status == "finished", (h.status, h.reason, h.detail)
         assert h.generated == oracle(p, n_hops, max_tokens, stop)
@@ -306,82 +349,96 @@ def test_routes_give_the_composed_model_tokens_whatever_the_order_and_crashes(
 
 def test_a_crash_of_the_middle_hop_replays_every_hop() -> None:
     rng = random.Random(1)
-    rc, cluster, workers, cuts = make(3, False, prefill_chunk=4)
+    core, cluster, workers, cuts = make(3, False, prefill_chunk=4)
     prompt = [rng.randrange(VOCAB) for _ in range(10)]
-    h = rc.new_handle(route_spec("s", cuts, workers, 6), prompt)
-    b = Batch()
-    rc.queue_open(b, h)
-    cluster.send(b)
-    drive(rc, cluster, [h], rng, {12: 1})  # mid-decode: 9 prefill jobs ran by then
+    h = opened(core, cluster, route_spec("s", cuts, workers, 6), prompt)
+    drive(core, cluster, [h], rng, {12: 1})  # mid-decode: 9 prefill jobs ran by then
     assert h.status == "finished" and h.attempt >= 1
     assert h.generated == oracle(prompt, 3, 6, ())
     assert all(leg.engine_seconds > 0 for leg in h.legs[:-1]) and h.legs[-1].engine_seconds > 0
 
 
 def test_cancel_ops_reach_every_worker_and_relayed_jobs_name_the_next_hops_blob() -> None:
-    rc, cluster, workers, cuts = make(3, False, prefill_chunk=64)
-    h = rc.new_handle(route_spec("s", cuts, workers, 4), list(range(1, 40)))
-    b = Batch()
-    rc.queue_open(b, h)
-    cluster.send(b)
+    core, cluster, workers, cuts = make(3, False, prefill_chunk=64)
+    h = opened(core, cluster, route_spec("s", cuts, workers, 4), list(range(1, 40)))
+    run = core.start([], resume=[h])
+    core.touched.clear()
     cluster.hops[0].run_one(random.Random(0), cluster.store, cluster.streams)
+    (stream,) = [s for s in cluster.streams if s.startswith("dgr:{w0}")]
+    assert core.ingest(stream, [("1-0", cluster.streams[stream][0].fields())])
+    (rl,) = h.relays
+    assert rl.blob == WorkerKeys("w0").activations_out(rl.job.job_id)
     b = Batch()
-    (r,) = [r for w in h.cursors for r in rc.apply_entries(h, w, cluster.entries(WorkerKeys(w).results("s")), b)]
-    assert r.hidden is not None and r.hidden.blob == WorkerKeys("w0").activations_out(r.job_id)
-    assert rc.fetches([h]) == {"w0": [r.hidden.blob]}
-    rc.relay(b, h, {r.hidden.blob: cluster.store[r.hidden.blob]})
-    names = [(op[0], op[1][0]) for op in b.ops]
-    (job,) = h.legs[1].sent.values()
-    assert job.job.hidden is not None and job.job.hidden.blob == WorkerKeys("w1").activations_in(job.job.job_id)
-    assert names[0] == ("set", job.job.hidden.blob) and names[-1] == ("delete", r.hidden.blob)
-    ops = rc.cancel_ops(h)
-    assert sorted(ops) == workers
-    for w, batch in ops.items():
-        assert {op[1][0] for op in batch.ops} == {WorkerKeys(w).cancel_marker("s"), WorkerKeys(w).cancellations}
+    relay(core, b, h, {rl.blob: cluster.store[rl.blob]})
+    (sent,) = [s for s in h.sent.values() if s.hop == 1]
+    assert sent.job.hidden is not None and sent.job.hidden.blob == WorkerKeys("w1").activations_in(sent.job.job_id)
+    assert [type(op) for op in b.ops] == [Set, XAdd, Delete]  # the input blob before its job, in one pipeline
+    assert b.ops[0][0] == sent.job.hidden.blob and b.ops[-1][0] == rl.blob
+    batches = core.cancel_batches([leg.worker_id for leg in h.legs], "s")
+    assert [batch.tag for batch in batches] == workers and all(batch.transaction for batch in batches)
+    for w, batch in zip(workers, batches, strict=True):
+        assert {op[0] for op in batch.ops} == {WorkerKeys(w).cancel_marker("s"), WorkerKeys(w).cancellations}
     # an outage: the unanswered relayed job goes again with the same bytes
     again = Batch()
-    assert rc.queue_unanswered(again, h) == 1
-    assert again.ops[0][1][1] == b.ops[0][1][1]
+    assert core.queue_unanswered(again, h) == 1
+    assert again.ops[:2] == b.ops[:2]
+    core.stop(run)
 
 
-def test_validate_refuses_routes_that_do_not_join() -> None:
-    pc = ProducerCore(verify_route=False)
-    rc = RouteCore(pc)
+def test_routes_that_do_not_join_are_refused() -> None:
+    core = ProducerCore(verify_route=False)
     spec = route_spec("s", [0, 1, 2], ["a", "b"], 4)
-    rc.validate(spec, [1, 2])
+    core.new_handle(spec, [1, 2])
     bad = SessionSpec.model_validate({**spec.model_dump(), "route": (spec.route[1], spec.route[0])})
-    try:
-        rc.validate(bad, [1, 2])
-    except ValueError as e:
-        assert "hop" in str(e)
-    else:
-        raise AssertionError("a route starting with a hidden-consuming hop was accepted")
-    pc2 = ProducerCore()
-    pc2.remember(WorkerInfo("a", [spec.route[0].key.for_phase(p) for p in ("prefill", "decode")], {}, True, 0.0))
-    pc2.remember(WorkerInfo("b", [spec.route[0].key.for_phase(p) for p in ("prefill", "decode")], {}, True, 0.0))
-    try:
-        RouteCore(pc2).validate(spec, [1, 2])
-    except ValueError as e:
-        assert "hop 1" in str(e)
-    else:
-        raise AssertionError("a worker that does not advertise its hop's key was accepted")
+    with pytest.raises(ValueError, match="hop"):
+        core.new_handle(bad, [1, 2])
+    checked = ProducerCore()
+    for w in ("a", "b"):  # both advertise hop 0's keys only
+        checked.remember(WorkerInfo(w, [spec.route[0].key.for_phase(p) for p in ("prefill", "decode")], {}, True, 0.0))
+    with pytest.raises(ValueError, match="hop 1"):
+        checked.new_handle(spec, [1, 2])
 
 
 def test_the_step_by_step_flow_refuses_a_route_of_several_hops() -> None:
+    """open() of a 2-hop route would push to hop 0 and wait for a token that never comes: run_many drives it."""
+    core = ProducerCore(verify_route=False)
     spec = route_spec("s", [0, 1, 2], ["a", "b"], 4)
-    try:
-        ProducerCore(verify_route=False).new_handle(spec, [1, 2], 0)
-    except ValueError as e:
-        assert "run_many" in str(e)
-    else:
-        raise AssertionError("open() of a 2-hop route would push to hop 0 and wait for a token that never comes")
-    rc = RouteCore(ProducerCore(verify_route=False))
-    h = rc.new_handle(spec, [1, 2])
-    for step in (lambda: rc.core.queue_decode(Batch(), h, 3), lambda: rc.core.queue_replay(Batch(), h,
-                                                                                         cancel_marked=False)):
-        try:
-            step()
-        except ValueError as e:
-            assert "run_many" in str(e)
-        else:
-            raise AssertionError("a one-hop step was queued for a route of several hops")
+    with pytest.raises(ValueError, match="run_many"):
+        next(core.open(spec, [1, 2]))
+    h = core.new_handle(spec, [1, 2])
+    with pytest.raises(ValueError, match="run_many"):
+        core.queue_decode(Batch(), h, 3)
+
+
+@settings(max_examples=300 if SOAK else 30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_hops=st.integers(1, 3), turns=st.integers(0, 80), chunk=st.integers(1, 8), inline_rows=st.integers(0, 6),
+       crashes=st.dictionaries(st.integers(1, 80), st.integers(0, 2), max_size=2), seed=st.integers(0, 2**32 - 1))
+def test_a_route_resumed_in_another_tracker_finishes_with_the_composed_models_tokens(
+        n_hops: int, turns: int, chunk: int, inline_rows: int, crashes: dict[int, int], seed: int) -> None:
+    """A Tracker drives routes part way (hops crashing meanwhile: replays) and goes away; another rebuilds every
+    session from its record and the answers on every hop's stream (one scan each), then drives them to the end:
+    the oracle's tokens, whatever point the first one stopped at."""
+    from producer.resume import resume
+
+    rng = random.Random(seed)
+    core, cluster, workers, cuts = make(n_hops, False, inline_rows * HIDDEN * 4, prefill_chunk=chunk)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 14)]
+    handles = [opened(core, cluster, route_spec(f"s{i}", cuts, workers, 6), p) for i, p in enumerate(prompts)]
+    run = core.start([], resume=handles)
+    for step in range(turns):  # part way: prefill relays (blobs and inline), decode steps, replays
+        for hop in cluster.hops:
+            if hop.queue:
+                hop.run_one(rng, cluster.store, cluster.streams)
+        if step in crashes:
+            cluster.hops[crashes[step] % n_hops].crash()
+        cluster.run(core.turn(0))
+    core.stop(run)  # the first Tracker is gone
+    other, _, _, _ = make(n_hops, False, prefill_chunk=chunk)
+    rebuilt = cluster.run(resume(other, "w0", [h.session_id for h in handles]))
+    for h in handles:
+        r = rebuilt[h.session_id]
+        assert (r.generated, r.attempt) == (h.generated, h.attempt), h.session_id
+    drive(other, cluster, list(rebuilt.values()), rng, {})
+    for i, p in enumerate(prompts):
+        assert rebuilt[f"s{i}"].status == "finished"
+        assert rebuilt[f"s{i}"].generated == oracle(p, n_hops, 6, ())

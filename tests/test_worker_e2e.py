@@ -23,10 +23,9 @@ from schemas import (
     SessionSpec,
     Status,
     WorkerKeys,
-    results_from_fields,
 )
 
-from .support import ConsumerProcess, prompts, solo_generate
+from .support import ConsumerProcess, prompts, session_results, solo_generate
 
 pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 10
@@ -73,8 +72,7 @@ def specs_for(producer: Producer, worker_id: str, prefix: str, ps: list[list[int
 
 
 def ok_results(client: redis.Redis, worker_id: str, session_id: str) -> list:  # type: ignore[type-arg]
-    entries = client.xrange(WorkerKeys(worker_id).results(session_id))
-    return [r for _, f in entries for r in results_from_fields(f)]
+    return session_results(client, worker_id, session_id)  # on the stream its jobs' reply_to names
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

@@ -1,0 +1,307 @@
+"""A session as the Tracker drives it, and the one state machine that moves it: every answer of every hop (a
+row of a result record, schemas/wire.py) goes through `apply`. A one-hop session is a route of one hop: hop 0
+takes tokens, each later hop the previous hop's activations, the last one samples (docs/routes.md).
+
+A `Run` is the sessions one run_many / generate / drive call drives. Nothing here does I/O or builds a job: what
+a session needs next is producer/steps.py's business.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import PHASES, Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
+from schemas.activations import Activations
+from schemas.step import end_job_id, result_job_id
+from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecord, RowExtra, row_result_id
+
+from . import credit
+
+__all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
+           "end", "lose", "row_result"]
+
+Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
+
+_OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
+
+
+@dataclass(eq=False, slots=True)
+class Sent:
+    """A job pushed to hop `hop` and not answered yet, kept so that a re-push (after an outage) is the same job:
+    `raw` the bytes of its input blob, or `src` the output blob they were relayed from (a handle rebuilt by
+    resume() does not know them). `left`: a continuation's offsets still awaited (bit k: its token k)."""
+
+    job: StepJob
+    hop: int
+    raw: bytes | None = None
+    src: str | None = None
+    left: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Relay:
+    """Hop `hop`'s answer to `job`, whose output rows (`acts`: inline, or in a blob of `worker_id`'s tag) are
+    the next hop's input: relayed by steps.relay, in position order."""
+
+    hop: int
+    worker_id: str
+    job: StepJob
+    acts: Activations
+
+    @property
+    def blob(self) -> str | None:
+        return self.acts.blob
+
+
+@dataclass(eq=False, slots=True)
+class HopLeg:
+    """One hop of a session's route: its compatibility key's digest per phase (its streams' names), what its
+    worker charged the session and what was relayed into it."""
+
+    hop: int
+    worker_id: str
+    digests: dict[str, str] = field(default_factory=dict)  # phase -> digest (computed once: sha256 of JSON)
+    closed: bool = False  # it answered finished / cancelled, or was released
+    engine_seconds: float = 0.0  # what this hop's worker charged the session (answers of every attempt)
+    rows: int = 0  # positions it computed for the session
+    bytes_in: int = 0  # activation bytes relayed into it (inline and blobs)
+    blobs_in: int = 0  # of its jobs, how many took their rows from a blob
+
+
+@dataclass(eq=False, repr=False)
+class SessionHandle:
+    """One session. `status`: "open" while it runs, "finished" when its last hop said finished, else what ended
+    it ("rejected", "failed", "cancelled"), or "state_lost" (not finished: `replay()` it). `generated`: the
+    tokens so far; `position`: the next position to push at hop 0; `reply`: the result stream its jobs name
+    (`reply_to`, a Tracker id; None: the session's own). `legs[k]`: hop k; `prompt_tokens` / `billed_generated`:
+    what the last hop charged it (the counters' charges)."""
+
+    spec: SessionSpec
+    prompt: tuple[int, ...]
+    worker_id: str  # hop 0's
+    reply: str | None = None
+    legs: list[HopLeg] = field(default_factory=list)
+    position: int = 0
+    generated: list[int] = field(default_factory=list)
+    attempt: int = 0
+    finished: bool = False
+    status: str = "open"
+    reason: str | None = None
+    detail: str = ""
+    pending_job: str | None = None  # hop 0's sampling job whose token is awaited
+    hop: int = 0
+    last_result_id: str = "0-0"  # the last result entry that moved it
+    opened_at: float = 0.0
+    replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill
+    credit: credit.Credit = field(default_factory=credit.Credit)
+    sent: dict[str, Sent] = field(default_factory=dict)  # every hop's unanswered jobs, by job id
+    relays: list[Relay] = field(default_factory=list)  # answers whose rows wait to be relayed
+    released: bool = False
+    prompt_tokens: int = 0
+    billed_generated: int = 0
+    feed: bool = False  # the last hop sampled a token hop 0 has not been given
+    run: Any = None  # the core.Run driving it; None: driven by hand, its answers kept in `inbox`
+    inbox: list[StepResult] = field(default_factory=list)
+    last_row: Any = None  # (record, charges, row) or a StepResult: `last_result`
+
+    def __post_init__(self) -> None:
+        if not self.legs:
+            self.legs = [HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES})
+                         for k, rh in enumerate(self.spec.route)]
+
+    def __repr__(self) -> str:  # short: a handle holds its spec, its jobs and its Run
+        return (f"SessionHandle({self.session_id!r}, {self.status}, {len(self.generated)} tokens, attempt "
+                f"{self.attempt}, {len(self.legs)} hop{'s' if len(self.legs) > 1 else ''})")
+
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
+    def input_stream(self, phase: Phase, hop: int = 0) -> str:
+        leg = self.legs[hop]
+        return WorkerKeys(leg.worker_id).input_stream(leg.digests[phase], phase)
+
+    @property
+    def awaits_replay(self) -> bool:
+        """Its state was lost and it is not finished: the next step is a replay (or a cancel)."""
+        return self.status == "state_lost" and not self.finished
+
+    @property
+    def jobs(self) -> set[str]:
+        """The result ids still awaited (a continuation's: one per token, and its ending answer)."""
+        out: set[str] = set()
+        for jid, s in self.sent.items():
+            if s.job.n > 1:
+                out.update(result_job_id(jid, k) for k in range(s.job.n) if s.left >> k & 1)
+                out.add(end_job_id(jid))
+            else:
+                out.add(jid)
+        return out
+
+    @property
+    def last_result(self) -> StepResult | None:
+        r = self.last_row
+        return row_result(*r) if isinstance(r, tuple) else r
+
+
+@dataclass(eq=False, repr=False)
+class Run:
+    """The sessions one run_many / generate / drive call drives: those still to open (by start time, seconds
+    from the call), the handles, the answers for its callbacks (`collect`). `waker`: the driver's."""
+
+    sessions: Sessions
+    times: list[float]
+    replay: bool = True
+    collect: bool = False
+    handles: dict[str, SessionHandle] = field(default_factory=dict)
+    results: list[tuple[SessionHandle, StepResult]] = field(default_factory=list)
+    live: int = 0
+    error: BaseException | None = None
+    waker: Any = None  # the driver's (AsyncProducer: an asyncio.Event)
+    pending: deque[int] = field(default_factory=deque)
+
+    def due(self, elapsed: float) -> list[int]:
+        out = []
+        while self.pending and self.times[self.pending[0]] <= elapsed:
+            out.append(self.pending.popleft())
+        return out
+
+    def until_next(self, elapsed: float) -> float | None:
+        return max(0.0, self.times[self.pending[0]] - elapsed) if self.pending else None
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.live
+
+    def take(self) -> list[tuple[SessionHandle, StepResult]]:
+        out, self.results = self.results, []
+        return out
+
+    def out(self) -> dict[str, SessionHandle]:
+        """The handles: resumed ones first, then in the order given."""
+        order = [s.session_id for s, _ in self.sessions]
+        given = set(order)
+        return {**{k: h for k, h in self.handles.items() if k not in given},
+                **{k: self.handles[k] for k in order if k in self.handles}}
+
+
+RouteHandle = SessionHandle  # a session on a route of one or more hops: one class
+
+
+def row_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
+    """Row i of a record as a StepResult (for callbacks and read_results; the hot path reads the columns)."""
+    extra = rec.x.get(str(i)) if rec.x else None
+    tok = rec.tok[i]
+    return StepResult(job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
+                      position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
+                      detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
+                      accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
+                                            recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
+                      batch_size=rec.batch, hidden=extra.hidden if extra else None)
+
+
+def lose(h: SessionHandle) -> None:
+    """Its state is gone on some hop: nothing of the current attempt is awaited any more (replay or end)."""
+    h.status = "state_lost"
+    _drop(h)
+
+
+def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
+    h.finished, h.status = True, status
+    if detail is not None:
+        h.detail = detail
+    _drop(h)
+
+
+def _drop(h: SessionHandle) -> None:
+    h.feed, h.pending_job = False, None
+    h.relays.clear()
+    h.sent.clear()
+    h.credit.clear()
+
+
+def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin: int, x: RowExtra | None,
+          es: float, charged_p: int, charged_g: int) -> bool:
+    """One answer to the session's job `s` (a row: offset, status code, position, token or -1, finished, extra,
+    engine seconds, what the counters charged). False when it changes nothing (a token already placed)."""
+    job = s.job
+    leg = h.legs[s.hop]
+    if job.n > 1:  # a continuation: one answer per token, then the job has ended
+        if st == _OK:
+            bit = 1 << off if off >= 0 else 0
+            if not s.left & bit:
+                return False
+            s.left &= ~bit
+            if s.left:
+                return _answer(h, s, leg, off, st, pos, tok, fin, x, es, charged_p, charged_g)
+        del h.sent[job.job_id]
+        h.credit.jobs.pop(job.job_id, None)
+    else:
+        del h.sent[job.job_id]
+    return _answer(h, s, leg, off, st, pos, tok, fin, x, es, charged_p, charged_g)
+
+
+def _answer(h: SessionHandle, s: Sent, leg: HopLeg, off: int, st: int, pos: int, tok: int, fin: int,
+            x: RowExtra | None, es: float, charged_p: int, charged_g: int) -> bool:
+    job = s.job
+    leg.engine_seconds += es
+    if st != _OK:
+        reason = x.reason if x is not None else None
+        h.reason = reason.value if reason is not None else None
+        detail = x.detail if x is not None else ""
+        h.detail = f"hop {s.hop}: {detail}" if len(h.legs) > 1 else detail
+        if st == _LOST or (st == _REJECTED and reason == Reason.UNKNOWN_SESSION):
+            lose(h)
+        else:
+            leg.closed = leg.closed or st == _CANCELLED
+            end(h, STATUSES[st].value)
+        return True
+    leg.rows += len(job.tokens) if job.n == 1 else 1
+    if s.hop != len(h.legs) - 1:  # rows for the next hop
+        hidden = x.hidden if x is not None else None
+        leg.closed = leg.closed or fin == 1  # this hop counts max_tokens itself
+        if hidden is None:
+            end(h, "failed", f"hop {s.hop} answered without activations")
+        elif hidden.rows != len(job.tokens):
+            end(h, "failed", f"hop {s.hop} answered {hidden.rows} rows for {len(job.tokens)} tokens")
+        else:
+            h.relays.append(Relay(s.hop, leg.worker_id, job, hidden))
+        return True
+    h.prompt_tokens += charged_p
+    h.billed_generated += charged_g
+    if job.n > 1:
+        finished = credit.place(h, pos, tok, fin == 1)
+    elif job.sample:
+        if tok < 0:
+            end(h, "failed", "the last hop's sampling answer carried no token")
+            return True
+        h.generated.append(tok)
+        h.pending_job, h.feed = None, True
+        finished = fin == 1
+    else:
+        finished = fin == 1
+    if finished:
+        leg.closed = True
+        end(h, "finished")
+    return True
+
+
+def apply_result(h: SessionHandle, r: StepResult) -> bool:
+    """Apply an answer built in memory (a test double of a worker, tests/test_continuation.py) as a row read from
+    a record would be. False (ignored) when it answers no current job of the session."""
+    base, _, suffix = r.job_id.rpartition(".")
+    off = END_OFFSET if base and suffix == "end" else int(suffix) if base and suffix.isdigit() else 0
+    s = h.sent.get(base if off else r.job_id)
+    if s is None or r.session_id != h.session_id:
+        return False
+    a, x = r.accounting, None
+    if r.reason is not None or r.detail or r.hidden is not None:
+        x = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
+    if not apply(h, s, off, STATUS_CODE[r.status], r.position, -1 if r.token is None else r.token, int(r.finished),
+                 x, a.engine_seconds, a.prompt_tokens, a.generated_tokens):
+        return False
+    h.last_row = r
+    return True

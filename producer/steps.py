@@ -1,0 +1,213 @@
+"""What a session needs next, as commands: the opening (prefill chunks and the session's record), the next
+decode job, a replay after a lost state, the release of the other hops, a cancel, the re-push of what is
+unanswered. The core (producer/core.py) is a `Steps`; nothing here does I/O.
+
+Per (session, hop, phase, position, attempt) there is exactly one job id (`job_id`), and a worker answers a
+job id once: pushing a job again (a retry, an `open()` called twice, a re-push after an outage) yields one
+answer. To run a step again after an answer, bump the attempt (a replay). A replay re-opens the session on
+every hop: prompt + generated as prefill, the SessionSpec's `prompt_len` the prompt's length (the worker then
+computes the generated positions one row per call, as when they were decoded: docs/invariance.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from schemas import Phase, Reason, SessionSpec, StepJob, WorkerKeys, cancel_to_fields, job_to_fields
+from schemas.activations import Activations
+from schemas.limits import CANCEL_MAXLEN
+
+from . import credit
+from .commands import Batch, Expire, HSet, Set, XAdd
+from .errors import SessionFailed
+from .session import Sent, SessionHandle, end
+from .validate import check_id
+
+if TYPE_CHECKING:
+    from .settings import ProducerSettings
+    from .validate import WorkerInfo
+
+__all__ = ["Steps", "job_id"]
+
+
+def job_id(session_id: str, hop: int, phase: Phase, position: int, attempt: int) -> str:
+    """Deterministic job id: 40 hex chars of sha1 over (session, hop, phase, position, attempt)."""
+    check_id(session_id, "session_id")
+    raw = f"{session_id}\x1f{hop}\x1f{phase}\x1f{position}\x1f{attempt}".encode()
+    return hashlib.sha1(raw, usedforsecurity=False).hexdigest()
+
+
+def one_hop(h: SessionHandle) -> None:
+    if len(h.spec.route) > 1:
+        raise ValueError("a route of several hops is driven by run_many / generate (docs/routes.md), not step by step")
+
+
+class Steps:
+    """The decisions that become commands. Methods named `queue_*` add to a Batch and move the handle as if it
+    were sent (a driver sends the Batch before anything else looks at the handle)."""
+
+    settings: ProducerSettings
+    discovered: dict[str, tuple[float, WorkerInfo]]
+
+    def cursor(self, stream: str) -> str:  # the core's: where its reading of a result stream stands
+        raise NotImplementedError
+
+    def entry(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
+        signer = self.settings.signer
+        return signer.signed(stream, fields) if signer is not None else fields
+
+    def job(self, h: SessionHandle, hop: int, phase: Phase, start: int, tokens: tuple[int, ...], *, sample: bool = True,
+            n: int = 1, session: SessionSpec | None = None, hidden: Activations | None = None,
+            created_at: float | None = None) -> StepJob:
+        return StepJob(job_id=job_id(h.session_id, hop, phase, start, h.attempt), session_id=h.session_id, hop=hop,
+                       phase=phase, compat=h.legs[hop].digests[phase], start_position=start,
+                       tokens=tokens, sample=sample, attempt=h.attempt, n=n, session=session, hidden=hidden,
+                       reply_to=h.reply, created_at=time.time() if created_at is None else created_at)
+
+    def prefill_jobs(self, h: SessionHandle) -> list[StepJob]:
+        """The current attempt's prefill chunks at hop 0: prompt + the generated tokens it re-feeds."""
+        tokens = h.prompt + tuple(h.generated[:h.replayed_generated])
+        spec = SessionSpec.model_validate({**h.spec.model_dump(), "prompt_len": len(h.prompt),
+                                           "max_tokens": h.spec.max_tokens - h.replayed_generated})
+        n, now = self.settings.prefill_chunk, time.time()
+        return [self.job(h, 0, "prefill", s, tokens[s:s + n], sample=s + n >= len(tokens),
+                         session=spec if s == 0 else None, created_at=now) for s in range(0, len(tokens), n)]
+
+    def decode_job(self, h: SessionHandle, start: int, token: int | None, n: int = 1) -> StepJob:
+        return self.job(h, 0, "decode", start, () if token is None else (token,), n=n)
+
+    def push(self, batch: Batch, h: SessionHandle, job: StepJob, *, hop: int = 0, raw: bytes | None = None,
+             src: str | None = None, left: int = 0) -> Sent:
+        s = h.sent[job.job_id] = Sent(job, hop, raw, src, left)
+        self.xadd(batch, h, s)
+        return s
+
+    def xadd(self, batch: Batch, h: SessionHandle, s: Sent) -> None:
+        """The job's XADD, after the SET of its input blob when its bytes are known (same tag, same pipeline)."""
+        job = s.job
+        if s.raw is not None and job.hidden is not None and job.hidden.blob is not None:
+            batch.add(Set(job.hidden.blob, s.raw, ex=self.settings.blob_ttl_s))
+        stream = WorkerKeys(h.legs[s.hop].worker_id).input_stream(job.compat, job.phase)
+        batch.add(XAdd(stream, self.entry(stream, job_to_fields(job))))
+
+    def queue_prefill(self, batch: Batch, h: SessionHandle) -> None:
+        """(Re)open the session: its attempt's prefill chunks to hop 0, and its record (what resume() rebuilds it
+        from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood)."""
+        h.replayed_generated = len(h.generated)
+        h.sent.clear()
+        h.relays.clear()
+        h.credit.clear()
+        for leg in h.legs:
+            leg.closed = False
+        h.released, h.feed, h.status, h.reason, h.detail = False, False, "open", None, ""
+        if not h.credit.n:
+            h.credit.n = credit.tokens_per_job(self, h)
+        jobs = self.prefill_jobs(h)
+        for job in jobs:
+            self.push(batch, h, job)
+        h.pending_job, h.position = jobs[-1].job_id, jobs[-1].end_position
+        record = WorkerKeys(h.worker_id).session_record(h.session_id)
+        reads = {leg.worker_id: self.cursor(WorkerKeys(leg.worker_id).results(h.reply or h.session_id))
+                 for leg in h.legs}
+        batch.add(HSet(record, {"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
+                                "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n),
+                                "reply": h.reply or "", "gen": ",".join(map(str, h.generated)),
+                                "from": json.dumps(reads)}))
+        batch.add(Expire(record, self.settings.record_ttl_s))
+
+    def queue_decode(self, batch: Batch, h: SessionHandle, token: int) -> str:
+        """The decode step at h.position feeding `token` (a handle driven by hand; one hop)."""
+        one_hop(h)
+        if h.finished:
+            raise ValueError(f"session {h.session_id} is {h.status}")
+        job = self.decode_job(h, h.position, token)
+        self.push(batch, h, job)
+        h.pending_job, h.feed = job.job_id, False
+        h.position += 1
+        return job.job_id
+
+    def queue_replay(self, batch: Batch, h: SessionHandle, *, cancel_marked: bool) -> None:
+        """After a lost state on any hop: attempt + 1 and prompt + generated through every hop again.
+        `cancel_marked`: the session's cancel marker is set: nothing is pushed, it ends cancelled.
+        SessionFailed when max_attempts is spent."""
+        if cancel_marked:
+            end(h, "cancelled", "cancelled before the replay")
+            h.reason = Reason.CANCELLED.value
+            return
+        if h.attempt + 1 > self.settings.max_attempts:
+            end(h, "state_lost")
+            raise SessionFailed(h)
+        if len(h.generated) >= h.spec.max_tokens:
+            end(h, "finished")
+            return
+        h.attempt += 1
+        h.finished = False
+        self.queue_prefill(batch, h)
+
+    def advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool, *, cancel_marked: bool = False) -> bool:
+        """Queue what the session needs next: the next decode job at hop 0 (under credit, or the token the last
+        hop sampled), the replay after a lost state (`cancel_marked`: what Redis said of its cancel marker), or
+        once it ended the release of its other hops. True when something was queued."""
+        if h.finished:
+            return self.queue_release(batch, h)
+        if h.status == "state_lost":
+            if not replay_state_lost:
+                h.finished = True
+                return self.queue_release(batch, h)
+            try:
+                self.queue_replay(batch, h, cancel_marked=cancel_marked)
+            except SessionFailed:
+                return self.queue_release(batch, h)
+            return bool(h.sent) or self.queue_release(batch, h)
+        if h.credit.n > 1:
+            h.feed = False
+            return credit.queue_next(self, batch, h)
+        if not h.feed:
+            return False
+        h.feed = False
+        job = self.decode_job(h, h.position, h.generated[-1])
+        self.push(batch, h, job)
+        h.pending_job = job.job_id
+        h.position += 1
+        return True
+
+    def queue_release(self, batch: Batch, h: SessionHandle) -> bool:
+        """An ended session: cancel it on every hop that did not close it (a hop that is not last never sees a
+        stop token; a failed hop leaves the others holding slots). One cancel per worker."""
+        if h.released or len(h.legs) == 1:
+            return False
+        h.released = True
+        workers = sorted({leg.worker_id for leg in h.legs if not leg.closed})
+        for w in workers:
+            self.cancel_ops(batch, w, h.session_id)
+        for leg in h.legs:
+            leg.closed = True
+        return bool(workers)
+
+    def queue_unanswered(self, batch: Batch, h: SessionHandle) -> int:
+        """Re-push every job the session has unanswered at any hop (idempotent: same ids, same bytes)."""
+        if h.finished or h.status == "state_lost":
+            return 0
+        for s in h.sent.values():
+            self.xadd(batch, h, s)
+        return len(h.sent)
+
+    def cancel_ops(self, batch: Batch, worker_id: str, session_id: str) -> None:
+        """The cancel on one worker: its marker (wins over a step not yet admitted) and its event. Both ids are
+        checked here, before a key is built from them."""
+        keys = WorkerKeys(check_id(worker_id, "worker_id"))
+        sid = check_id(session_id, "session_id")
+        batch.add(Set(keys.cancel_marker(sid), "1", ex=self.settings.cancel_ttl_s))
+        batch.add(XAdd(keys.cancellations, self.entry(keys.cancellations, cancel_to_fields(sid)), CANCEL_MAXLEN))
+
+    def cancel_batches(self, worker_ids: Any, session_id: str) -> list[Batch]:
+        """The cancel of a session on every worker given, one transaction each (one hash tag each)."""
+        out = []
+        for w in dict.fromkeys(worker_ids):
+            b = Batch(transaction=True, tag=w)
+            self.cancel_ops(b, w, session_id)
+            out.append(b)
+        return out

@@ -1,0 +1,114 @@
+"""The Tracker's operations, written once for both drivers (as redis-py's command mixins serve its sync and
+asyncio clients): each method hands one of the core's plans to the driver's `_call`, which runs it, blocking
+(`Producer`: the value) or as a coroutine (`AsyncProducer`: an awaitable of it).
+
+Driving sessions by hand: `open()` pushes the prompt as prefill chunks (the SessionSpec on the first, a token
+wanted back only from the last) and the session's record, in one MULTI/EXEC; every answer read by
+`read_results()` lets the caller push the next decode step (`push_decode`), or `replay()` after state_lost.
+`run_many()` / `generate()` / `drive()` do all of it themselves, for routes of any length.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from schemas import SessionSpec
+from schemas.retry import OutageRider, RetryPolicy
+
+from .commands import Plan
+from .core import ProducerCore
+from .resume import resume
+from .session import SessionHandle
+from .settings import ProducerSettings
+
+__all__ = ["TrackerOps"]
+
+log = logging.getLogger("dgr.producer")
+
+
+class TrackerOps:
+    """`client`: a redis-py client (sync or asyncio, as the driver); `settings`: one frozen ProducerSettings
+    (keyword options override its fields). Every call rides through a Redis outage (schemas/retry.py: backoff
+    with jitter for at most `outage_max_s`, one log line per outage and per recovery); after one the core
+    re-pushes what its sessions have unanswered and reads their streams again from a little earlier."""
+
+    def __init__(self, client: Any, settings: ProducerSettings | None = None, **options: Any) -> None:
+        self.client = client
+        self.settings = ProducerSettings.of(settings, options)
+        self.core = ProducerCore(self.settings)
+        self._rider = OutageRider(RetryPolicy(max_s=self.settings.outage_max_s), log, "producer")
+
+    def _call(self, plan: Plan[Any]) -> Any:
+        raise NotImplementedError
+
+    @property
+    def outages(self) -> int:
+        """Redis outages this producer rode through."""
+        return self._rider.outages
+
+    @property
+    def tracker_id(self) -> str:
+        """The id of this Tracker's result stream on every worker (`dgr:{W}:out:<tracker_id>`)."""
+        return self.settings.tracker_id
+
+    def discover(self, worker_id: str) -> Any:
+        """The worker's advertised keys and info (WorkerInfo), and its heartbeat. LookupError if it never
+        advertised; schemas.WireError (reason schema_version) if it speaks another wire version."""
+        return self._call(self.core.discover(worker_id))
+
+    def workers(self) -> Any:
+        """Every worker in `dgr:workers` that has an advertisement (WorkerInfo), by id."""
+        return self._call(self.core.workers())
+
+    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Any:
+        """Validate (hop, tokens, context, the worker advertises the key and speaks this wire), check
+        backpressure on the prefill stream, push the prompt; the SessionHandle. One hop only (a route of several
+        hops: run_many / generate)."""
+        return self._call(self.core.open(spec, prompt, hop))
+
+    def push_decode(self, h: SessionHandle, token: int) -> Any:
+        """Push the decode step at h.position feeding `token`; its job id."""
+        return self._call(self.core.push_decode(h, token))
+
+    def replay(self, h: SessionHandle) -> Any:
+        """After state_lost: attempt + 1, re-open with prompt + generated as the prompt (its max_tokens reduced by
+        the tokens generated, its prompt_len the prompt's: the replay is exact, docs/invariance.md). Answers of
+        the lost attempt are ignored. A session whose cancel marker is set ends `cancelled` instead; SessionFailed
+        when max_attempts is spent."""
+        return self._call(self.core.replay(h))
+
+    def cancel(self, worker_id: str, session_id: str) -> Any:
+        """Set the session's cancel marker (TTL cancel_ttl_s: it wins over a step not yet admitted, an opening not
+        read yet, a replay) and add the cancel event, in one transaction. Both ids are checked first."""
+        return self._call(self.core.cancel(worker_id, session_id))
+
+    def cancel_route(self, h: SessionHandle) -> Any:
+        """Cancel a session on every hop of its route (one transaction per worker)."""
+        return self._call(self.core.cancel_route(h))
+
+    def cancelled(self, worker_id: str, session_id: str) -> Any:
+        """Whether the session's cancel marker is set (by this or any other process)."""
+        return self._call(self.core.cancelled(worker_id, session_id))
+
+    def read_results(self, handles: Sequence[SessionHandle], block_ms: int = 1000) -> Any:
+        """Read the handles' result streams (one XREAD per worker, Redis Cluster safe), blocking up to block_ms
+        (<= 0: not at all), apply the answers (tokens, position, status) and return the handles' answers of
+        their current attempts, by session id. Answers of older attempts and strays are not applied."""
+        return self._call(self.core.read_results(handles, block_ms))
+
+    def resume(self, worker_id: str, session_id: str) -> Any:
+        """Rebuild a session's handle in any process from its record and its answers in Redis (producer/resume.py),
+        re-push what is unanswered; `drive([handle])` continues it. LookupError without a record, or when its
+        answers since its last opening are gone."""
+        return self._call(_one(resume(self.core, worker_id, [session_id])))
+
+    def resume_many(self, worker_id: str, session_ids: Sequence[str]) -> Any:
+        """`resume` for many sessions opened on one worker (hop 0), one scan per result stream; handles by id."""
+        return self._call(resume(self.core, worker_id, list(session_ids)))
+
+
+def _one(plan: Plan[dict[str, SessionHandle]]) -> Plan[SessionHandle]:
+    (h,) = (yield from plan).values()
+    return h
