@@ -170,12 +170,20 @@ def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: in
 
 @bench_app.command("producer")
 def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
-                   repeats: int = 2, engine: Annotated[str, typer.Option(help="reference or llama")] = "reference",
-                   model: str = "tiny") -> None:
-    """Producer CPU per step and inter-token latency: one AsyncProducer (a task per session) vs run_many."""
+                   repeats: int = 2,
+                   engine: Annotated[str, typer.Option(help="sleep:<t> (a GPU step's stand-in), reference or "
+                                                            "llama")] = "sleep:20ms",
+                   model: str = "tiny",
+                   scale: Annotated[int, typer.Option(help="The CPU runs at N and scale x N sessions.")] = 10,
+                   rate: Annotated[float, typer.Option(help="Tokens/s per session of the paced runs.")] = 50.0,
+                   paced: Annotated[str, typer.Option(help="Comma-separated sessions of the paced runs.")]
+                   = "250,1000,4000") -> None:
+    """The Tracker's CPU per token at N and scale x N sessions (sync and async drivers), sessions held at
+    `rate` tok/s each, and inter-token latency: AsyncProducer (a task per session) vs run_many."""
     from dgrtools.bench.producer import run
 
-    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model)
+    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, engine=engine, model=model,
+        scale=scale, rate=rate, paced=ints(paced))
 
 
 @bench_app.command("wire")

@@ -79,7 +79,8 @@ class ProducerCore(Steps, Admission):
     def push_decode(self, h: SessionHandle, token: int) -> Plan[str]:
         self.check_handles([h])
         batch = Batch()
-        jid = self.queue_decode(batch, h, check_token(token, self.vocab(h.worker_id)))
+        vocab = self.vocab(h.worker_id, h.spec.route[h.hop].key.for_phase("decode").digest)
+        jid = self.queue_decode(batch, h, check_token(token, vocab))
         yield batch
         return jid
 

@@ -54,9 +54,17 @@ def check_tokens(values: Iterable[object], vocab: int | None, what: str = "promp
     return tuple(check_token(v, vocab, f"{what} tokens[{i}]") for i, v in enumerate(values))
 
 
-def vocab_size(info: dict[str, Any] | None) -> int | None:
-    """The vocabulary a worker advertises (its spec's info), when it does."""
-    v = (info or {}).get("vocab_size")
+def vocab_size(info: dict[str, Any] | None, digest: str | None = None) -> int | None:
+    """The vocabulary a worker advertises (its spec's info), when it does: of the engine whose keys
+    include `digest` when the worker holds several (`engines`, docs/state-layouts.md), else its own."""
+    info = info or {}
+    engines = info.get("engines")
+    if digest is not None and isinstance(engines, list):
+        for e in engines:
+            if isinstance(e, dict) and digest in (e.get("digests") or {}).values():
+                info = e
+                break
+    v = info.get("vocab_size")
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
@@ -181,13 +189,13 @@ class Admission:
                         what = f"the route's {phase} key" if len(spec.route) == 1 else f"hop {k}'s {phase} key"
                         raise ValueError(f"worker {rh.worker_id!r} does not advertise {what} {d}")
         worker = spec.route[hop].worker_id
-        toks = check_tokens(toks, self.vocab(worker))
+        toks = check_tokens(toks, self.vocab(worker, spec.route[hop].key.for_phase("prefill").digest))
         return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id,
                              opened_at=time.time())
 
-    def vocab(self, worker_id: str) -> int | None:
+    def vocab(self, worker_id: str, digest: str | None = None) -> int | None:
         cached = self.discovered.get(worker_id)
-        return vocab_size(cached[1].info) if cached is not None else None
+        return vocab_size(cached[1].info, digest) if cached is not None else None
 
     @staticmethod
     def check_handles(handles: Iterable[object]) -> None:

@@ -100,3 +100,16 @@ def test_errors_have_one_root_and_come_from_the_package() -> None:
         assert issubclass(err, ProducerError) and issubclass(err, DgrError) and issubclass(err, RuntimeError), name
         assert err.__module__ == "producer.errors"
     assert issubclass(producer.ResultTimeout, TimeoutError) and producer.ProducerError is ProducerError
+
+
+def test_the_vocabulary_checked_is_the_engine_of_the_key() -> None:
+    """A worker of several engines advertises each engine's vocabulary (`engines`): a session's tokens are
+    checked against its own engine's, found by its key's digest; a one-engine worker's top-level one."""
+    from producer.validate import vocab_size
+
+    info = {"vocab_size": 512, "engines": [
+        {"engine": "small", "digests": {"prefill": "aa" * 8, "decode": "bb" * 8}, "vocab_size": 512},
+        {"engine": "big", "digests": {"prefill": "cc" * 8, "decode": "dd" * 8}, "vocab_size": 262_144}]}
+    assert vocab_size(info, "dd" * 8) == 262_144 and vocab_size(info, "aa" * 8) == 512
+    assert vocab_size(info, "ee" * 8) == 512 and vocab_size(info) == 512  # unknown key: the worker's own
+    assert vocab_size({"vocab_size": 300}, "aa" * 8) == 300 and vocab_size(None) is None

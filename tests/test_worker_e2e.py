@@ -290,6 +290,9 @@ def test_tracker_sim_drives_a_consumer_and_cancels_on_purpose(redis_server: Loca
         run = subprocess.run([sys.executable, "-m", "consumer", "tracker-sim", "--redis-url", redis_server.url,
                               "--worker-id", "e2e-sim", "--sessions", "6", "--prompt-len", "4:20", "--max-tokens", "8",
                               "--rate", "50", "--cancel-fraction", "0.34", "--temperature", "0.8", "--top-k", "20",
+                              # one job per token: with continuation credit the worker may finish a session
+                              # (8 tokens) before the Tracker's cancel on purpose reaches it
+                              "--decode-n", "1",
                               "--seed", "3", "--json-out", str(out)], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "tok/s" in run.stdout
