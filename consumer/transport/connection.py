@@ -3,7 +3,8 @@ scripts, and the one way to send a request through an outage (`RedisIO.io`).
 
 Riding through Redis faults: every Redis call goes through `io` (schemas/retry.py), which retries
 connection errors, timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with
-exponential backoff and jitter for at most `outage_max_s`, logging one line when an outage starts and
+exponential backoff and jitter for at most `outage_max_s` (and so is a completion too few replicas
+acknowledged, with `durable_replicas` set: durable.py), logging one line when an outage starts and
 one when it ends (past the bound it logs and re-raises). A stop request (SIGTERM) ends the wait at once
 (`Stopping`): a worker told to stop while Redis is down stops within a backoff step, leaving its
 entries pending for recovery. The caller's state is untouched by an outage: a read is simply late, a
@@ -24,9 +25,9 @@ from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
 from ..lua import script_source
-from .errors import LeaseHeld, LeaseLost, Stopping
+from .errors import LeaseHeld, LeaseLost, NotDurable, Stopping
 
-__all__ = ["LeaseHeld", "LeaseLost", "RedisIO", "Stopping"]
+__all__ = ["LeaseHeld", "LeaseLost", "NotDurable", "RedisIO", "Stopping"]
 
 T = TypeVar("T")
 log = logging.getLogger("dgr.transport")
@@ -48,6 +49,7 @@ class RedisIO:
         self.keys = WorkerKeys(worker_id)
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
         self.stop = threading.Event()  # set by the worker on SIGTERM: outage waits end at once
+        self.listener = listener
         self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
                                   log, f"worker {worker_id}", listener)
         self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
@@ -64,7 +66,7 @@ class RedisIO:
             try:
                 out = fn()
             except Exception as e:
-                if not transient(e):
+                if not (transient(e) or isinstance(e, NotDurable)):  # too few replicas: as Redis not serving
                     raise
                 delay = rider.backoff(e)  # re-raises e once the outage is older than outage_max_s
                 if self.stop.wait(delay):
