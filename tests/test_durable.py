@@ -174,6 +174,17 @@ def test_settings_refuse_a_wait_without_a_timeout(clients: tuple[redis.Redis, re
         transport(clients[0], "dur-6", durable_replicas=1, durable_timeout_ms=0)
 
 
+def test_the_benchmark_times_both_settings(tmp_path: Path) -> None:
+    """`dgr bench durable` (docs/benchmarks.md has its figures), in small."""
+    from dgrtools.bench.durable import run
+
+    need("redis-server")
+    runs = run(tmp_path, sessions=(2,), calls=20, block=10, warmup=2)
+    assert [(r.setting, r.calls) for r in runs] == [("off", 20), ("wait 1", 20)]
+    assert runs[0].added_us is None and runs[1].added_us is not None and runs[1].median_us > 0
+    assert (tmp_path / "durable.json").exists()
+
+
 @pytest.mark.skipif(not SOAK, reason="DGR_SOAK=1: a 3+3 Redis Cluster")
 def test_on_a_cluster_the_wait_goes_to_the_node_of_the_workers_slot(tmp_path: Path) -> None:
     need("redis-server", "redis-cli")
