@@ -163,8 +163,8 @@ class RedisTransport:
     def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
         return self.intake.cancellations()
 
-    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        return self.upkeep.checks(openings, session_ids)
+    def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        return self.upkeep.checks(steps, session_ids)
 
     def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
         return self.io.keys.activations_in(job_id) if direction == "in" else self.io.keys.activations_out(job_id)
