@@ -102,8 +102,9 @@ class RedisTransport:
         return sum(len(v) for v in self.intake.outstanding.values())
 
     def request_stop(self) -> None:
-        """End every wait at once (an outage's backoff, a standby's wait): they raise `Stopping`."""
-        self.io.stop.set()
+        """End every wait at once (an outage's backoff, a standby's wait): they raise `Stopping`; a request
+        hung on its socket is cut off after a grace (unblock.py)."""
+        self.io.request_stop()
 
     # ---- the lease
     def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str:
