@@ -144,4 +144,3 @@ def run(out: Path, sessions: tuple[int, ...] = (8, 64), calls: int = 2000, block
     console.print(f"written {path}")
     print(markdown(COLUMNS, [r.row() for r in runs]))  # for docs/benchmarks.md, unwrapped
     return runs
-
