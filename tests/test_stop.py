@@ -23,7 +23,6 @@ part in process); DGR_SOAK=1 also runs each state on its own, 4 stops each.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -40,22 +39,11 @@ from consumer.transport import RedisTransport, Stopping
 from producer import Producer
 from schemas import WorkerKeys
 
-from .chaos_support import (
-    SOAK,
-    Drive,
-    RestartableRedis,
-    bare_consumer,
-    bare_log,
-    check_exact,
-    consumer,
-    report,
-    specs_for,
-    wait_idle_heartbeat,
-)
+from . import chaos_support as chaos
+from .chaos_support import SEED, SOAK, RestartableRedis
 from .support import prompts
 
 pytestmark = pytest.mark.timeout(600 if SOAK else 180)
-SEED = int(os.environ.get("DGR_CHAOS_SEED", str(time.time_ns() % 2**31)))
 EXIT_S = 1.0 + 2.0  # the promise + the margin of a loaded 2-core machine (module docstring)
 ROUNDS = 4
 SOAK_ONLY = pytest.mark.skipif(not SOAK, reason="DGR_SOAK=1: each state, 4 stops (the default suite chains them once)")
@@ -94,19 +82,29 @@ def sigterm(proc: subprocess.Popen[bytes], what: str, log: Any) -> float:
     return took
 
 
+def standby(url: str, worker: str, model: Path, logs: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+    """A second consumer of the worker id, once it logged that it waits as a standby."""
+    proc = chaos.bare_consumer(url, worker, model, logs, extra=extra)
+    deadline = time.monotonic() + 60
+    while "waiting as standby" not in chaos.bare_log(logs):
+        assert proc.poll() is None and time.monotonic() < deadline, chaos.bare_log(logs)
+        time.sleep(0.02)
+    return proc
+
+
 def lease_of(client: redis.Redis, worker: str) -> bytes | None:
     return client.get(WorkerKeys(worker).lease)  # type: ignore[return-value]
 
 
-def _finish(client: redis.Redis, url: str, worker: str, model: Path, logs: Path, drive: Drive,
+def _finish(client: redis.Redis, url: str, worker: str, model: Path, logs: Path, drive: chaos.Drive,
             specs: list[Any], stops: list[dict[str, Any]]) -> None:
     """A fresh consumer takes over; every session ends exactly (check_exact); the exit times reported."""
-    c = consumer(url, worker, model, logs)
+    c = chaos.consumer(url, worker, model, logs)
     handles = drive.join(180)
-    summary = check_exact(client, worker, specs, handles, model)
+    summary = chaos.check_exact(client, worker, specs, handles, model)
     assert summary["finished"] == len(specs), (SEED, summary)
-    wait_idle_heartbeat(client, worker)
-    report({"stops": stops})
+    chaos.wait_idle_heartbeat(client, worker)
+    chaos.report({"stops": stops})
     assert c.stop() == 0, c.log(3000)
 
 
@@ -120,24 +118,23 @@ def test_a_stop_in_every_state_in_one_run(redis_srv: RestartableRedis, tiny_mode
     how = rng.choice(["shutdown", "kill9", "sigstop"])
     worker = "stop-all"
     client = redis.Redis.from_url(redis_srv.url)
-    long_read = ("--block-ms", "5000")
-    a = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
-    specs = specs_for(client, worker, "all", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=30), TOKENS)
-    drive = Drive(_producer(redis_srv.url), specs).start()
+    # a 5 s blocking read; a lease that cannot lapse in the run (a loaded machine stalls a holder past the
+    # 1 s lease of the chaos settings, and the standby would rightly take it over), so any lease handed on
+    # was released
+    long_read = ("--block-ms", "5000", "--lease-ms", "30000")
+    a = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
+    specs = chaos.specs_for(client, worker, "all", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=30), TOKENS)
+    drive = chaos.Drive(_producer(redis_srv.url), specs).start()
     stops = []
     logs = tmp_path / "standby"
-    s = bare_consumer(redis_srv.url, worker, tiny_model_path, logs)
-    deadline = time.monotonic() + 60
-    while "waiting as standby" not in bare_log(logs):
-        assert s.poll() is None and time.monotonic() < deadline, bare_log(logs)
-        time.sleep(0.02)
+    s = standby(redis_srv.url, worker, tiny_model_path, logs, long_read)
     held = lease_of(client, worker)
-    stops.append({"state": "standby", "exit_s": round(sigterm(s, "standby", lambda: bare_log(logs)), 3)})
+    stops.append({"state": "standby", "exit_s": round(sigterm(s, "standby", lambda: chaos.bare_log(logs)), 3)})
     assert lease_of(client, worker) == held, "the standby touched the holder's lease"
     drive.wait_results(rng.randint(drive.results + 2, drive.results + 10))
     stops.append({"state": "decoding", "exit_s": round(sigterm(a.proc, "decoding", lambda: a.log(3000)), 3)})
     assert lease_of(client, worker) is None, "the lease was not released"
-    b = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
+    b = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
     drive.wait_results(rng.randint(drive.results + 2, drive.results + 10))
     assert redis_srv.proc is not None
     if how == "sigstop":
@@ -150,15 +147,15 @@ def test_a_stop_in_every_state_in_one_run(redis_srv: RestartableRedis, tiny_mode
         redis_srv.proc.send_signal(signal.SIGCONT)
     else:
         redis_srv.start()
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
+    c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_read)
     handles = drive.join(180)
-    summary = check_exact(client, worker, specs, handles, tiny_model_path)
+    summary = chaos.check_exact(client, worker, specs, handles, tiny_model_path)
     assert summary["finished"] == N_SESSIONS, (SEED, how, summary)
-    wait_idle_heartbeat(client, worker)
+    chaos.wait_idle_heartbeat(client, worker)
     time.sleep(rng.uniform(0.3, 1.0))  # idle: in its 5 s blocking read
     stops.append({"state": "blocked read", "exit_s": round(sigterm(c.proc, "blocked read", lambda: c.log(3000)), 3)})
     assert lease_of(client, worker) is None, "the lease was not released"
-    report({"stops": stops})
+    chaos.report({"stops": stops})
 
 
 @SOAK_ONLY
@@ -168,9 +165,9 @@ def test_stop_while_decoding(redis_srv: RestartableRedis, tiny_model_path: Path,
     rng = random.Random(SEED)
     worker = "stop-dec"
     client = redis.Redis.from_url(redis_srv.url)
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
-    specs = specs_for(client, worker, "dec", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=30), TOKENS)
-    drive = Drive(_producer(redis_srv.url), specs).start()
+    c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    specs = chaos.specs_for(client, worker, "dec", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=30), TOKENS)
+    drive = chaos.Drive(_producer(redis_srv.url), specs).start()
     stops = []
     for _ in range(ROUNDS):
         drive.wait_results(rng.randint(drive.results + 2, drive.results + 12))
@@ -179,7 +176,7 @@ def test_stop_while_decoding(redis_srv: RestartableRedis, tiny_model_path: Path,
         assert lease_of(client, worker) is None, "the lease was not released"
         assert "worker stopped" in c.log(100_000)
         stops.append({"state": "decoding", "exit_s": round(took, 3)})
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+        c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     c.proc.send_signal(signal.SIGTERM)
     assert c.proc.wait(30) == 0
     _finish(client, redis_srv.url, worker, tiny_model_path, tmp_path, drive, specs, stops)
@@ -196,13 +193,13 @@ def test_stop_while_redis_is_down(redis_srv: RestartableRedis, tiny_model_path: 
     rng = random.Random(SEED)
     worker = f"stop-{how}"
     client = redis.Redis.from_url(redis_srv.url)
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
-    specs = specs_for(client, worker, how, prompts(N_SESSIONS, 300, seed=SEED % 1000 + 1, lo=3, hi=30), TOKENS)
-    drive = Drive(_producer(redis_srv.url), specs).start()
+    c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    specs = chaos.specs_for(client, worker, how, prompts(N_SESSIONS, 300, seed=SEED % 1000 + 1, lo=3, hi=30), TOKENS)
+    drive = chaos.Drive(_producer(redis_srv.url), specs).start()
     stops = []
     for i in range(ROUNDS):
         if i:
-            c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+            c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
         drive.wait_results(rng.randint(drive.results + 2, drive.results + 12))
         if how == "sigstop":
             assert redis_srv.proc is not None
@@ -229,17 +226,17 @@ def test_stop_while_blocked_in_a_long_read(redis_srv: RestartableRedis, tiny_mod
     client = redis.Redis.from_url(redis_srv.url)
     stops = []
     for _ in range(ROUNDS):
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=("--block-ms", "5000"))
+        c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=("--block-ms", "5000"))
         time.sleep(rng.uniform(0.3, 1.5))  # idle: in a blocking read
         took = sigterm(c.proc, "blocked read", lambda c=c: c.log(3000))
         assert lease_of(client, worker) is None, "the lease was not released"
         stops.append({"state": "blocked read", "exit_s": round(took, 3)})
     # and it still serves, exactly, with that long block
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=("--block-ms", "5000"))
-    specs = specs_for(client, worker, "read", prompts(2, 300, seed=SEED % 1000 + 2), TOKENS)
+    c = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=("--block-ms", "5000"))
+    specs = chaos.specs_for(client, worker, "read", prompts(2, 300, seed=SEED % 1000 + 2), TOKENS)
     handles = _producer(redis_srv.url).run_many(specs)
-    check_exact(client, worker, specs, handles, tiny_model_path)
-    report({"stops": stops})
+    chaos.check_exact(client, worker, specs, handles, tiny_model_path)
+    chaos.report({"stops": stops})
     assert c.stop() == 0, c.log(3000)
 
 
@@ -252,41 +249,33 @@ def test_stop_a_standby_and_the_holder_it_waits_for(redis_srv: RestartableRedis,
     worker = "stop-standby"
     client = redis.Redis.from_url(redis_srv.url)
     long_lease = ("--lease-ms", "30000")  # a takeover within seconds can only come from a release
-    a = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_lease)
+    a = chaos.consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=long_lease)
     held = lease_of(client, worker)
     stops = []
     for i in range(ROUNDS):
         logs = tmp_path / f"standby-{i}"
-        b = bare_consumer(redis_srv.url, worker, tiny_model_path, logs, extra=long_lease)
-        deadline = time.monotonic() + 60
-        while "waiting as standby" not in bare_log(logs):
-            assert b.poll() is None and time.monotonic() < deadline, bare_log(logs)
-            time.sleep(0.02)
+        b = standby(redis_srv.url, worker, tiny_model_path, logs, long_lease)
         time.sleep(random.Random(SEED + i).uniform(0, 0.5))
-        took = sigterm(b, "standby", lambda logs=logs: bare_log(logs))
+        took = sigterm(b, "standby", lambda logs=logs: chaos.bare_log(logs))
         assert lease_of(client, worker) == held, "the standby touched the holder's lease"
         stops.append({"state": "standby", "exit_s": round(took, 3)})
     logs = tmp_path / "successor"
-    b = bare_consumer(redis_srv.url, worker, tiny_model_path, logs, extra=long_lease)
+    b = standby(redis_srv.url, worker, tiny_model_path, logs, long_lease)
     try:
-        deadline = time.monotonic() + 60
-        while "waiting as standby" not in bare_log(logs):
-            assert b.poll() is None and time.monotonic() < deadline, bare_log(logs)
-            time.sleep(0.02)
         took = sigterm(a.proc, "holder with a standby", lambda: a.log(3000))
         stops.append({"state": "holder", "exit_s": round(took, 3)})
         t0 = time.monotonic()
-        while "lease acquired" not in bare_log(logs):
+        while "lease acquired" not in chaos.bare_log(logs):
             assert time.monotonic() - t0 < 10, "the standby did not take the released lease over"
             time.sleep(0.02)
-        specs = specs_for(client, worker, "sb", prompts(2, 300, seed=SEED % 1000 + 3), TOKENS)
+        specs = chaos.specs_for(client, worker, "sb", prompts(2, 300, seed=SEED % 1000 + 3), TOKENS)
         handles = _producer(redis_srv.url).run_many(specs)
-        check_exact(client, worker, specs, handles, tiny_model_path)
+        chaos.check_exact(client, worker, specs, handles, tiny_model_path)
     finally:
         if b.poll() is None:
             b.send_signal(signal.SIGTERM)
         assert b.wait(30) == 0
-    report({"stops": stops})
+    chaos.report({"stops": stops})
 
 
 # ------------------------------------------------------------------ the transport's part, in process
