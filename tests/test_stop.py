@@ -15,7 +15,7 @@ machine, not for the service: the stopping process finishes its fused call, file
 heartbeat and releases the lease (a few ms on an idle machine), then the interpreter tears down
 (NumPy, llama-cpp-python, threads: 0.1-0.3 s here), while the producer thread, redis-server and this
 test compete for the same two cores; a process descheduled for a few hundred ms is normal there. The
-exit times measured are reported (DGR_CHAOS_REPORT) and in docs/failover.md.
+exit times measured are reported (DGR_CHAOS_REPORT) and in docs/operations.md.
 
 The default suite chains the states once over one set of sessions (a few seconds, and the transport's
 part in process); DGR_SOAK=1 also runs each state on its own, 4 stops each.
