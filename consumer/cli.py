@@ -144,6 +144,14 @@ def consumer(
                             ] = _T.retry_base_s,
     retry_cap_s: Annotated[float, typer.Option(envvar="DGR_RETRY_CAP_S", help="Longest retry delay in an outage.")
                            ] = _T.retry_cap_s,
+    durable_replicas: Annotated[int, typer.Option(
+        envvar="DGR_DURABLE_REPLICAS", min=0,
+        help="A completion counts only once this many replicas have it (WAIT; re-sent until they do, as in an "
+             "outage). 0: off (docs/failover.md).")] = _T.durable_replicas,
+    durable_timeout_ms: Annotated[int, typer.Option(
+        envvar="DGR_DURABLE_TIMEOUT_MS", min=1,
+        help="How long one completion waits for the replicas before it is re-sent (WAIT's timeout).")
+    ] = _T.durable_timeout_ms,
     log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = _S.log_level,
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
 ) -> None:
@@ -180,7 +188,8 @@ def consumer(
                                     result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
                                     dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,
                                     claim_count=claim_count, cancel_count=cancel_count, lease_ms=lease_ms,
-                                    outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s),
+                                    outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s,
+                                    durable_replicas=durable_replicas, durable_timeout_ms=durable_timeout_ms),
     )
     svc, eng_s = config.service, config.engine
     redis_target = target(svc.redis_url, svc.redis_sentinel, svc.sentinel_master, svc.sentinel_username,

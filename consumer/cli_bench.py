@@ -208,3 +208,13 @@ def bench_completion(out: Out = Path("bench-out/completion"), rows: Batches = "1
     from dgrtools.bench.completion import run
 
     run(out, ints(rows), calls)
+
+
+@bench_app.command("durable")
+def bench_durable(out: Out = Path("bench-out/durable"), sessions: Batches = "8,64",
+                  calls: Annotated[int, typer.Option(help="Completion calls timed per setting and batch size.")] = 2000,
+                  ) -> None:
+    """What `--durable-replicas 1` (EVALSHA + WAIT 1) costs per completion call against a local replica."""
+    from dgrtools.bench.durable import run
+
+    run(out, ints(sessions), calls=calls)

@@ -39,6 +39,11 @@ class TransportSettings:
     outage_max_s: float = OUTAGE_MAX_S  # give up (re-raise) after Redis was unreachable this long
     retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
     retry_cap_s: float = 2.0
+    # WAIT-based durability (docs/failover.md): a completion counts only once this many replicas have it
+    # (0: off, Redis' asynchronous replication as is). Fewer within durable_timeout_ms: the completion is
+    # re-sent (a no-op where it was filed) under the outage policy until they have it.
+    durable_replicas: int = 0
+    durable_timeout_ms: int = 200
 
 
 @dataclass(frozen=True)

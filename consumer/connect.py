@@ -31,7 +31,8 @@ from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_ur
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-__all__ = ["DEFAULT_URL", "RedisTarget", "connect", "connect_async", "master_address", "master_url", "parse_sentinels"]
+__all__ = ["DEFAULT_URL", "RedisTarget", "connect", "connect_async", "master_address", "master_url", "parse_sentinels",
+           "sentinel_settings"]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 SENTINEL_TIMEOUT_S = 5.0  # a sentinel answers at once or is skipped for the next one
@@ -91,6 +92,16 @@ class RedisTarget:
                     "DGR_SENTINEL_USERNAME": self.sentinel_username, "DGR_SENTINEL_PASSWORD": self.sentinel_password}
         return out
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> RedisTarget:
+        """The target the DGR_* variables of `env()` (the `dgr` options' variables) describe: for a
+        process that takes no options, such as an RQ worker running the ops jobs."""
+        return cls(url=environ.get("DGR_REDIS_URL") or DEFAULT_URL, sentinel=environ.get("DGR_REDIS_SENTINEL", ""),
+                   sentinel_master=environ.get("DGR_SENTINEL_MASTER", ""),
+                   sentinel_username=environ.get("DGR_SENTINEL_USERNAME", ""),
+                   sentinel_password=environ.get("DGR_SENTINEL_PASSWORD", ""),
+                   cluster=environ.get("DGR_REDIS_CLUSTER", "").lower() in ("1", "true", "yes", "on"))
+
 
 def _redacted(url: str) -> str:
     from urllib.parse import urlsplit, urlunsplit
@@ -126,13 +137,22 @@ def _sentinel_kwargs(target: RedisTarget, master_kw: Mapping[str, Any], timeout_
     return kw
 
 
+def sentinel_settings(target: RedisTarget, client_kw: Mapping[str, Any] | None = None
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the master's connection settings, the sentinels' own) of a Sentinel target: what `connect`
+    gives redis-py's Sentinel, for a tool that builds its own (RQ's settings, consumer/ops/rq_settings.py)."""
+    client_kw = client_kw or {}
+    master_kw = _master_kwargs(target.url) | dict(client_kw)
+    timeout = float(client_kw.get("socket_connect_timeout") or SENTINEL_TIMEOUT_S)
+    return master_kw, _sentinel_kwargs(target, master_kw, timeout)
+
+
 def _sentinel(target: RedisTarget, client_kw: Mapping[str, Any], cls: Any = None) -> tuple[Any, dict[str, Any]]:
     """A Sentinel client (`cls`: redis-py's, or its asyncio twin) and the master's connection settings."""
     if cls is None:
         from redis.sentinel import Sentinel as cls
-    master_kw = _master_kwargs(target.url) | dict(client_kw)
-    timeout = float(client_kw.get("socket_connect_timeout") or SENTINEL_TIMEOUT_S)
-    return cls(target.sentinels, sentinel_kwargs=_sentinel_kwargs(target, master_kw, timeout)), master_kw
+    master_kw, sentinel_kw = sentinel_settings(target, client_kw)
+    return cls(target.sentinels, sentinel_kwargs=sentinel_kw), master_kw
 
 
 class _KeysFromALiveNode:

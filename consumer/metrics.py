@@ -10,6 +10,7 @@ metric needs between fused calls:
   re-sent for a duplicate delivery (its position not past the last seen) is no sample.
 * `outage_started` / `outage_ended`: the OutageListener of schemas/retry.py (the transport's rider
   calls them): a gauge while Redis is unreachable, a count and the seconds of outages ridden through.
+* `durable_shortfall`: a completion too few replicas acknowledged (`--durable-replicas`), re-sent.
 * `set_capacity`: slots and the most sessions a fused call may hold (the batch fill's denominator).
 """
 
@@ -96,8 +97,12 @@ class Metrics:
                                       "the outages ridden through", ["worker"], registry=r)
         self.redis_unreachable = Gauge("dgr_redis_unreachable", "1 while Redis is unreachable (an outage under "
                                        "way), else 0", ["worker"], registry=r)
+        self.durable_shortfalls = Counter("dgr_durable_shortfalls", "Completion sends fewer replicas than "
+                                          "--durable-replicas acknowledged in time (each re-sent)", ["worker"],
+                                          registry=r)
         # Series that exist from the start (at 0), so a dashboard shows "none yet", not "no data".
         self.redis_unreachable.labels(worker_id).set(0)
+        self.durable_shortfalls.labels(worker_id)
         self.engine_failures.labels(worker_id)
         self._last_token: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (position, time)
 
@@ -152,6 +157,10 @@ class Metrics:
 
     def outage_gave_up(self, down_s: float) -> None:
         self.outage_seconds.labels(self.worker_id).inc(down_s)
+
+    def durable_shortfall(self) -> None:
+        """The transport's durable completions (consumer/transport/durable.py): too few replicas in time."""
+        self.durable_shortfalls.labels(self.worker_id).inc()
 
 
 def observe_many(hist: Any, values: Sequence[float]) -> None:

@@ -35,6 +35,7 @@ from .support import ConsumerProcess, session_results, solo_generate
 # Short lease and sweep so that the default suite stays short; the soak runs the real durations.
 FAST = ("--lease-ms", "1000", "--recover-every-s", "0.3", "--heartbeat-s", "0.2", "--outage-max-s", "60")
 SOAK = os.environ.get("DGR_SOAK") == "1"
+SEED = int(os.environ.get("DGR_CHAOS_SEED", str(time.time_ns() % 2**31)))  # in every failure message
 
 
 class RestartableRedis(LocalRedis):

@@ -3,9 +3,10 @@
 Redis replication is asynchronous: a master killed with writes its replica never received loses them
 at the failover, acknowledged or not. Whatever was lost, the Producer API must still end every
 session with its solo tokens (the black-box part, `check_failover`). What the new master holds of each
-session (its result stream, its accounting) may then lack what was lost, but never hold a token twice:
-that part reads keys the wire rewrite (issue 21) moves, and reads them in ONE function,
-`read_service_record`, so that porting it is the only change those tests need.
+session (its result stream, its accounting) may then lack what was lost, but never hold a token twice;
+and what its tally says it lost (`owed`, docs/accounting.md) is reported next to what was lost. The
+service's keys (wire version 2: result records, the tally and session hashes) are read in ONE function,
+`read_service_record`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ class SessionRecord:
     ok_count: int = 0  # OK answers that carried a token (ok_tokens counts each index once)
     billed: dict[str, float] = field(default_factory=dict)  # its accounting counters
     closed: str | None = None  # how its accounting was closed, None while open
+    gaps: int = 0  # answer positions the tally found missing and no re-send filled (docs/accounting.md)
+    owed: int = 0  # positions no surviving answer charged: charges lost
+
+
+def positions(ranges: str) -> int:
+    """How many positions a tally's range list ('lo:hi,lo:hi', '-' for none) names."""
+    if ranges in ("", "-"):
+        return 0
+    return sum(int(hi) - int(lo) + 1 for lo, hi in (r.split(":") for r in ranges.split(",")))
 
 
 def read_service_record(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionSpec, list[int]]]
@@ -53,6 +63,7 @@ def read_service_record(client: redis.Redis, worker: str, specs: Sequence[tuple[
                 rec.ok_count += 1
         acct = session_accounting(client, worker, spec.session_id)
         rec.closed = acct.pop("closed", None)
+        rec.gaps, rec.owed = positions(acct.get("gaps", "-")), positions(acct.get("owed", "-"))
         rec.billed = {k: float(v) for k, v in acct.items() if k.encode() not in NOT_COUNTERS and k != "t"}
         records[spec.session_id] = rec
         if spec.account_id not in accounts:
@@ -69,7 +80,8 @@ def check_failover(client: redis.Redis, worker: str, specs: Sequence[tuple[Sessi
     DGR_CHAOS_REPORT, like the chaos suite's scenarios)."""
     records, accounts = read_service_record(client, worker, specs)
     lost = {"sessions": len(specs), "finished": 0, "tokens_lost": 0, "prompt_tokens_lost": 0,
-            "sessions_with_loss": 0, "unclosed": 0, "replays": sum(h.attempt for h in handles.values()), **extra}
+            "sessions_with_loss": 0, "unclosed": 0, "owed_positions": 0, "gap_positions": 0,
+            "replays": sum(h.attempt for h in handles.values()), **extra}
     by_account: dict[str, dict[str, float]] = {}
     for spec, prompt in specs:
         sid, h, rec = spec.session_id, handles[spec.session_id], records[spec.session_id]
@@ -87,8 +99,12 @@ def check_failover(client: redis.Redis, worker: str, specs: Sequence[tuple[Sessi
         assert generated <= len(h.generated) and prompt_billed <= len(prompt), (sid, rec.billed)
         lost["tokens_lost"] += len(h.generated) - generated
         lost["prompt_tokens_lost"] += len(prompt) - prompt_billed
+        # `owed` names charges the tally knows it lost: never more than were lost (docs/failover.md)
+        assert rec.owed <= len(h.generated) - generated + len(prompt) - prompt_billed, (sid, rec.owed, rec.billed)
         lost["sessions_with_loss"] += int(generated < len(h.generated) or prompt_billed < len(prompt))
         lost["unclosed"] += int(rec.closed is None)
+        lost["owed_positions"] += rec.owed  # what the tally itself says it lost (detection, not asserted)
+        lost["gap_positions"] += rec.gaps
         tally = by_account.setdefault(spec.account_id, {})
         for k, v in rec.billed.items():
             tally[k] = tally.get(k, 0.0) + v

@@ -18,6 +18,7 @@ from typing import Literal
 from consumer.sched.outputs import Answer
 from consumer.transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
 from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
+from schemas.step import end_job_id, result_job_id
 
 
 class MemoryTransport:
@@ -112,9 +113,13 @@ class MemoryTransport:
     def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
         return [], []
 
-    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+    def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         self.round_trips += 1
-        return ({j.job_id for j in openings if j.job_id in self.answered},
+        # answered: every answer the step can have (its last token's, or its ending one), as the Redis
+        # transport's checks find from the session's last published position
+        done = self.answered
+        return ({j.job_id for j in steps if (j.job_id if j.n == 1 else result_job_id(j.job_id, j.n - 1)) in done
+                 or (j.n > 1 and end_job_id(j.job_id) in done)},
                 {s for s in session_ids if s in self.cancel_markers})
 
     def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:

@@ -270,6 +270,36 @@ def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine:
         second.resume(WID, "never-opened")
 
 
+@pytest.mark.parametrize("decode_n", [1, 16])
+def test_steps_an_earlier_process_answered_are_not_answered_again(redis_client: redis.Redis,
+                                                                  engine: NumpyReferenceEngine,
+                                                                  tiny_model_path: Path, decode_n: int) -> None:
+    """A Tracker re-pushes what it has not read after an outage (same job ids), and the process that
+    answered those steps is gone (stopped or crashed while Redis was away): the next process acks each
+    re-push of a step answered already (a prompt chunk, a decode step, a continuation job) and answers
+    it nothing: no second answer (`state_lost`) under a job id answered before. Found by tests/test_stop.py
+    (SIGTERM while Redis is down, then a fresh consumer); every session then ends exactly."""
+    producer = Producer(redis_client, prefill_chunk=8, decode_n=decode_n)
+    worker = make_worker(redis_client, engine)
+    specs = specs_for(redis_client, WID, f"ea{decode_n}", prompts(3, 300, seed=11, lo=17, hi=30), 10)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    stepper.step(5)
+    pushed = [(name, fields) for name in worker.transport.streams
+              for _id, fields in redis_client.xrange(name)]  # type: ignore[union-attr]
+    stepper.worker = worker = _crash(redis_client, engine)
+    for name, fields in pushed:  # every step pushed so far, again: most of them answered by the first process
+        redis_client.xadd(name, fields)
+    for _ in range(5):
+        worker.run_once()
+    for spec, _ in specs:
+        results = stream_results(redis_client, WID, spec.session_id)
+        assert len({r.job_id for r in results}) == len(results), [(r.job_id, r.status) for r in results]
+    stepper.run()
+    check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+
+
 def test_generate_rides_through_an_outage(real_redis: redis.Redis, engine: NumpyReferenceEngine,
                                           tiny_model_path: Path) -> None:
     import threading

@@ -35,7 +35,7 @@ from .chaos_support import SOAK, Drive, consumer, specs_for, wait_idle_heartbeat
 from .failover_support import check_failover
 from .fixtures.cluster import LocalCluster, need
 from .fixtures.sentinel import SentinelGroup, sentinel_group, wait_until  # noqa: F401 (fixture)
-from .support import prompts
+from .support import prompts, session_results
 
 pytestmark = pytest.mark.timeout(900 if SOAK else 180)
 SEED = int(os.environ.get("DGR_CHAOS_SEED", str(time.time_ns() % 2**31)))
@@ -56,12 +56,13 @@ def _producer(t: RedisTarget, decode_n: int | None = None) -> Producer:
 
 
 def _run(t: RedisTarget, model: Path, logs: Path, worker: str, fault: Any, *, decode_n: int | None = None,
-         rounds: int = 1, url: str = "", prepare: Any = None) -> tuple[list[dict[str, Any]], Any]:
+         rounds: int = 1, url: str = "", prepare: Any = None, extra: tuple[str, ...] = ()
+         ) -> tuple[list[dict[str, Any]], Any]:
     """`rounds` runs of sessions through one consumer process on `t`; `fault(drive)` breaks Redis in
     the middle of each. Returns each round's failover report and the consumer (still running). `url`:
     the consumer's --redis-url, where it is seen starting (default: the master's now); `prepare(producer)`
-    runs before each round."""
-    c = consumer(url or master_url(t), worker, model, logs, extra=_args(t))
+    runs before each round; `extra`: more consumer options."""
+    c = consumer(url or master_url(t), worker, model, logs, extra=(*_args(t), *extra))
     client = connect(t)
     summaries = []
     for r in range(rounds):
@@ -138,6 +139,45 @@ def test_sentinel_failover_that_loses_writes(sentinel_group: SentinelGroup, tiny
     (summary,), c = _run(g.target(), tiny_model_path, tmp_path, f"fo-lossy{decode_n}", fault, decode_n=decode_n)
     assert c.stop() == 0, c.log(3000)
     assert summary["bytes_lost"] > 0
+
+
+def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group: SentinelGroup,  # noqa: F811
+                                                                   tiny_model_path: Path, tmp_path: Path) -> None:
+    """The lossy failover above (decode_n 1: each token a job of its own, where losses were seen), with
+    `--durable-replicas 1`: once the replica is cut off no completion counts, the worker re-sends the one
+    it holds until a replica has it, the master dies, the replica is promoted (and the dead master comes
+    back as its replica, so that completions can count again): the re-sent completion is filed on the new
+    master, and nothing the producer read is missing there: no token and no prompt token lost."""
+    g, rng = sentinel_group, random.Random(SEED)
+    worker = "fo-durable"
+
+    def fault(drive: Drive) -> dict[str, Any]:
+        drive.wait_results(rng.randint(drive.results + 3, drive.results + 20))
+        old = g.master_port()
+        (replica,) = g.replica_ports()
+        g.node(replica).execute_command("REPLICAOF", "NO", "ONE")
+
+        def answers_kept() -> int:  # what the cut-off replica holds of what the producer reads
+            return sum(len(session_results(g.node(replica), worker, s.session_id)) for s, _ in drive.specs)
+
+        def read_what_will_be_lost() -> bool:  # the case: answers the producer has and the new master lacks
+            resends = int(g.node(old).hget(WorkerKeys(worker).worker_account, "durable_resends") or 0)
+            return resends >= 2 and drive.results > answers_kept()
+
+        wait_until(read_what_will_be_lost, 30, "the producer to read an answer no replica acknowledged")
+        time.sleep(rng.uniform(0, 0.3))
+        ahead = drive.results - answers_kept()
+        g.kill9(old)
+        g.promote_by_hand(replica)
+        g.restart(old)  # a replica again, for the next completions to count
+        g.wait_synced(old, 60)
+        return {"answers_read_not_on_the_new_master": ahead}
+
+    (summary,), c = _run(g.target(), tiny_model_path, tmp_path, worker, fault, decode_n=1,
+                         extra=("--durable-replicas", "1", "--durable-timeout-ms", "100"))
+    assert (summary["tokens_lost"], summary["prompt_tokens_lost"]) == (0, 0), (SEED, summary)
+    assert summary["finished"] == N_SESSIONS
+    assert c.stop() == 0, c.log(3000)
 
 
 @pytest.mark.skipif(not SOAK, reason="DGR_SOAK=1: repeated Sentinel failovers")

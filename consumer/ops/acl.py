@@ -31,6 +31,8 @@ WORKER_COMMANDS = (
     "+hdel", "+sadd",
     # the lease (incr: its epoch), cancel markers and result records checked, closures (hsetnx)
     "+incr", "+pexpire", "+exists", "+hsetnx",
+    # durable completions (--durable-replicas): WAIT after the completion script
+    "+wait",
     # the completion / pending / recovery scripts (time: the tally's clock)
     "+evalsha", "+eval", "+script|load", "+script|exists", "+time",
 )

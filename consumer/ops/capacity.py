@@ -52,29 +52,24 @@ class CapacityResult:
         return asdict(self)
 
 
+def step_path_key(phase: str) -> Any:
+    """The compatibility key of the made-up model a step-path measurement registers (a CompatibilityKey)."""
+    from schemas import CompatibilityKey, EngineIdentity, Recipe, StateLayout, whole_model_boundary
+
+    return CompatibilityKey(
+        engine=EngineIdentity(architecture="llama", gguf_sha256="ef" * 32),
+        recipe=Recipe(quantization="Q8_0", kv_cache_type="f16", ctx_per_session=4096, flash_attention=False,
+                      batch_invariant=True, runtime="capacity-test/1"),
+        phase=phase, boundary=whole_model_boundary(2),  # type: ignore[arg-type]
+        state=StateLayout(kind="kv", dims={"n_layer": 2}))
+
+
 def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any) -> None:
     from consumer.sched import Answer, Outcome
     from consumer.transport import RedisTransport
-    from schemas import (
-        CompatibilityKey,
-        EngineIdentity,
-        Recipe,
-        StateLayout,
-        Status,
-        StepJob,
-        job_from_fields,
-        job_to_fields,
-        whole_model_boundary,
-    )
+    from schemas import Status, StepJob, job_from_fields, job_to_fields
 
-    def key(phase: str) -> CompatibilityKey:
-        return CompatibilityKey(
-            engine=EngineIdentity(architecture="llama", gguf_sha256="ef" * 32),
-            recipe=Recipe(quantization="Q8_0", kv_cache_type="f16", ctx_per_session=4096, flash_attention=False,
-                          batch_invariant=True, runtime="capacity-test/1"),
-            phase=phase, boundary=whole_model_boundary(2),  # type: ignore[arg-type]
-            state=StateLayout(kind="kv", dims={"n_layer": 2}))
-
+    key = step_path_key
     client = redis.Redis.from_url(url)
     t = RedisTransport(client, worker_id, consumer_name=worker_id)
     t.register([key("prefill"), key("decode")], {"slots": batch})

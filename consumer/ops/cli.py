@@ -6,7 +6,10 @@ Imports of the ops modules are lazy, so `dgr --help` stays instant.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -38,6 +41,21 @@ def _client(url: str, cluster: bool, sentinel: str, master: str, sentinel_userna
     from ..connect import connect
 
     return connect(target(url, sentinel, master, sentinel_username, sentinel_password, cluster))
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """These environment variables set for the block (the DGR_* variables a job reads), then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _print_json(obj: Any) -> None:
@@ -233,17 +251,35 @@ def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S"
 def enqueue_rollup_cmd(
         redis_url: RedisUrl = DEFAULT_URL,
         queue_url: Annotated[str, typer.Option(envvar="DGR_OPS_QUEUE_URL",
-                                               help="Redis of the RQ queue (default: --redis-url).")] = "",
+                                               help="A plain Redis for the RQ queue (default: the Redis the other "
+                                                    "options name; needed with --cluster).")] = "",
         target_url: Annotated[str, typer.Option(envvar="DGR_OPS_TARGET_URL",
                                                 help="Redis the job rolls up (default: the RQ worker's "
-                                                     "DGR_REDIS_URL; a URL given here is stored in the job).")] = "",
-        cluster: Cluster = False,
+                                                     "DGR_* variables; a URL given here is stored in the job).")] = "",
+        cluster: Cluster = False, redis_sentinel: RedisSentinel = "", sentinel_master: SentinelMaster = "",
+        sentinel_username: SentinelUsername = "", sentinel_password: SentinelPassword = "",
         sync: Annotated[bool, typer.Option("--sync", help="Run it here, now (RQ is_async=False).")] = False) -> None:
-    """Enqueue an accounting roll-up on the RQ queue `dgr-ops` (run by `rq worker dgr-ops`)."""
+    """Enqueue an accounting roll-up on the RQ queue `dgr-ops` (run by `rq worker dgr-ops`).
+
+    The queue is on the Redis the connection options name (a Sentinel group's master included), or on
+    --queue-url. With --sync the job rolls up that Redis, here; otherwise the RQ worker's own unless
+    --target-url names another (sentinels and their master's name travel in the job, passwords never)."""
     from .jobs import QUEUE, enqueue_rollup, queue
 
-    q = queue(queue_url or redis_url, is_async=not sync)
-    job = enqueue_rollup(q, target_url or (redis_url if sync else ""), cluster)
+    t = target(redis_url, redis_sentinel, sentinel_master, sentinel_username, sentinel_password, cluster)
+    if queue_url:
+        q = queue(queue_url, is_async=not sync)
+    elif cluster:
+        raise typer.BadParameter("RQ has no Redis Cluster support: give --queue-url (a plain Redis) with --cluster")
+    else:
+        from ..connect import connect
+
+        q = queue("", is_async=not sync, connection=connect(t))
+    if sync:  # runs here, as an RQ worker with these options as its DGR_* variables would: no URL in the job
+        with _environ(t.env()):
+            job = enqueue_rollup(q, target_url, cluster and bool(target_url))
+    else:
+        job = enqueue_rollup(q, target_url, cluster and bool(target_url))
     status = job.get_status()
     typer.echo(f"enqueued {job.id} on {QUEUE}: {getattr(status, 'value', status)}")
     if sync:

@@ -1,7 +1,7 @@
 """What every ops module shares: the Redis client, the ops key names, small decoding helpers.
 
-Every client here is built by `connect()`, which goes through `redis.Redis.from_url` (or
-`RedisCluster.from_url`), so AUTH/ACL users (`redis://user:pass@host`) and TLS (`rediss://`) come
+Every client here is built by `connect()`, through consumer/connect.py (`redis.Redis.from_url`, or
+its `FailoverCluster`), so AUTH/ACL users (`redis://user:pass@host`) and TLS (`rediss://`) come
 from the URL alone.
 
 Key names, the control plane's included, are built in `schemas/keys.py` (`OpsKeys` and `LEDGER_*`
@@ -53,14 +53,12 @@ class OpsKeys:
 
 
 def connect(url: str, *, cluster: bool = False, decode: bool = False) -> Client:
-    """A client from a URL only (AUTH, ACL user, TLS, db all come from it)."""
-    if cluster:
-        return RedisCluster.from_url(url, decode_responses=decode)
-    return redis.Redis.from_url(url, decode_responses=decode)
+    """A client from a URL only (AUTH, ACL user, TLS, db all come from it), built by consumer/connect.py
+    as every other (a Cluster's is its `FailoverCluster`)."""
+    from ..connect import RedisTarget
+    from ..connect import connect as connect_target
 
-
-def env_cluster() -> bool:
-    return os.environ.get("DGR_REDIS_CLUSTER", "").lower() in ("1", "true", "yes", "on")
+    return connect_target(RedisTarget(url=url, cluster=cluster), decode=decode)
 
 
 def operator() -> str:

@@ -9,7 +9,7 @@ which needs only the protocol and the errors, loads no Redis client (tests/test_
 from typing import TYPE_CHECKING, Any
 
 from ..config import TransportSettings
-from .errors import LeaseHeld, LeaseLost, Stopping
+from .errors import LeaseHeld, LeaseLost, NotDurable, Stopping
 from .protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal, Transport
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPLETE_ARGV", "FIXED_KEYS", "Closure", "DeadLetter", "Delivery", "FusedCallStats", "Inbound", "LeaseHeld",
-    "LeaseLost", "RedisTransport", "Refusal", "Stopping", "Transport", "TransportSettings",
+    "LeaseLost", "NotDurable", "RedisTransport", "Refusal", "Stopping", "Transport", "TransportSettings",
 ]
 
 

@@ -102,8 +102,9 @@ class RedisTransport:
         return sum(len(v) for v in self.intake.outstanding.values())
 
     def request_stop(self) -> None:
-        """End every wait at once (an outage's backoff, a standby's wait): they raise `Stopping`."""
-        self.io.stop.set()
+        """End every wait at once (an outage's backoff, a standby's wait): they raise `Stopping`; a request
+        hung on its socket is cut off after a grace (unblock.py)."""
+        self.io.request_stop()
 
     # ---- the lease
     def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str:
@@ -163,8 +164,8 @@ class RedisTransport:
     def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
         return self.intake.cancellations()
 
-    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        return self.upkeep.checks(openings, session_ids)
+    def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        return self.upkeep.checks(steps, session_ids)
 
     def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
         return self.io.keys.activations_in(job_id) if direction == "in" else self.io.keys.activations_out(job_id)

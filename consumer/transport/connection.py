@@ -3,10 +3,12 @@ scripts, and the one way to send a request through an outage (`RedisIO.io`).
 
 Riding through Redis faults: every Redis call goes through `io` (schemas/retry.py), which retries
 connection errors, timeouts, READONLY / LOADING / MASTERDOWN / TRYAGAIN / CLUSTERDOWN replies with
-exponential backoff and jitter for at most `outage_max_s`, logging one line when an outage starts and
+exponential backoff and jitter for at most `outage_max_s` (and so is a completion too few replicas
+acknowledged, with `durable_replicas` set: durable.py), logging one line when an outage starts and
 one when it ends (past the bound it logs and re-raises). A stop request (SIGTERM) ends the wait at once
-(`Stopping`): a worker told to stop while Redis is down stops within a backoff step, leaving its
-entries pending for recovery. The caller's state is untouched by an outage: a read is simply late, a
+(`Stopping`), and a request still blocked on its socket half a second after it is cut off (unblock.py):
+a worker told to stop while Redis is down or hung stops within about a second, leaving its entries
+pending for recovery. The caller's state is untouched by an outage: a read is simply late, a
 completion is re-sent as is (the completion script's call guard and ledger make it idempotent).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,9 +27,10 @@ from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
 from ..lua import script_source
-from .errors import LeaseHeld, LeaseLost, Stopping
+from .errors import LeaseHeld, LeaseLost, NotDurable, Stopping
+from .unblock import InFlight
 
-__all__ = ["LeaseHeld", "LeaseLost", "RedisIO", "Stopping"]
+__all__ = ["LeaseHeld", "LeaseLost", "NotDurable", "RedisIO", "Stopping"]
 
 T = TypeVar("T")
 log = logging.getLogger("dgr.transport")
@@ -47,7 +51,10 @@ class RedisIO:
         self.settings = settings
         self.keys = WorkerKeys(worker_id)
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
-        self.stop = threading.Event()  # set by the worker on SIGTERM: outage waits end at once
+        self.stop = threading.Event()  # set by the worker on SIGTERM (request_stop): outage waits end at once
+        self.listener = listener
+        self.in_flight = InFlight(lambda: self.client, f"worker {worker_id}")
+        self._stopped_unreachable = False
         self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
                                   log, f"worker {worker_id}", listener)
         self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
@@ -57,19 +64,35 @@ class RedisIO:
         """Redis outages ridden through (unavailable, then back)."""
         return self._rider.outages
 
+    def request_stop(self) -> None:
+        """End every wait at once (`Stopping`), and cut off a request that hangs past the grace (unblock.py)."""
+        self.stop.set()
+        self.in_flight.stop_requested()
+
     def io(self, fn: Callable[[], T]) -> T:
         """fn(), retried through a Redis outage (module docstring); fn must be idempotent."""
         rider = self._rider
+        started = self.in_flight.started
+        me = threading.get_ident()
+        if self._stopped_unreachable:  # a stop met Redis unreachable once: no request waits on it again
+            raise Stopping(f"worker {self.worker_id}: stop requested while Redis was unreachable")
         while True:
+            started[me] = time.monotonic()
             try:
                 out = fn()
             except Exception as e:
-                if not transient(e):
+                started.pop(me, None)
+                if not (transient(e) or isinstance(e, NotDurable)):  # too few replicas: as Redis not serving
                     raise
                 delay = rider.backoff(e)  # re-raises e once the outage is older than outage_max_s
                 if self.stop.wait(delay):
+                    self._stopped_unreachable = True
                     raise Stopping(f"worker {self.worker_id}: stop requested while Redis was unreachable") from e
                 continue
+            except BaseException:
+                started.pop(me, None)
+                raise
+            started.pop(me, None)
             rider.succeeded()
             return out
 

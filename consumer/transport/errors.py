@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from schemas import TransportError
 
-__all__ = ["LeaseHeld", "LeaseLost", "Stopping"]
+__all__ = ["LeaseHeld", "LeaseLost", "NotDurable", "Stopping"]
 
 
 class LeaseLost(TransportError):
@@ -22,3 +22,8 @@ class LeaseHeld(TransportError):
 
 class Stopping(TransportError):
     """A stop was requested while the transport waited (an outage's backoff, the lease as a standby)."""
+
+
+class NotDurable(TransportError):
+    """Fewer replicas than `durable_replicas` acknowledged a completion within `durable_timeout_ms`: it
+    has not counted yet (consumer/transport/durable.py). Ridden through as an outage: the call is re-sent."""

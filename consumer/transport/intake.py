@@ -31,6 +31,7 @@ from schemas.wire import cancel_from_fields, job_from_fields
 
 from .connection import RedisIO
 from .protocol import DeadLetter, Delivery, Inbound, Refusal
+from .unblock import READ_SLICE_MS
 
 __all__ = ["MAX_DEAD_LETTER_FIELDS", "Intake", "no_group"]
 
@@ -266,6 +267,20 @@ class Intake:
         return self._take(resp, remaining)
 
     def _xreadgroup(self, ids: dict[str, str], count: int, block: int | None) -> Any:
+        """One XREADGROUP; a BLOCK longer than READ_SLICE_MS is served in slices, so that a stop is seen
+        between them (the loop stops within a slice, however long block_ms is)."""
+        io = self.io
+        if block is None or block <= READ_SLICE_MS:
+            return self._xreadgroup_once(ids, count, block)
+        deadline = time.monotonic() + block / 1000.0
+        while True:
+            left_ms = int(1000 * (deadline - time.monotonic()))
+            resp = self._xreadgroup_once(ids, count, max(1, min(READ_SLICE_MS, left_ms)))
+            if resp or left_ms <= READ_SLICE_MS or io.stop.is_set():
+                return resp
+            io.round_trips += 1
+
+    def _xreadgroup_once(self, ids: dict[str, str], count: int, block: int | None) -> Any:
         client, name = self.io.client, self.io.consumer_name
         try:
             return self.io.io(lambda: client.xreadgroup(GROUP, name, ids, count=count, block=block))  # type: ignore[arg-type]

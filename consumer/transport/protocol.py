@@ -135,8 +135,9 @@ class Transport(Protocol):
         """The bytes of each input activations blob (None: missing), in one round trip."""
         ...
 
-    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        """(the job ids of the openings already answered, the session ids with a cancel marker)."""
+    def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(the job ids of the steps already answered, by this process or an earlier one; the session ids
+        with a cancel marker)."""
         ...
 
     def cancellations(self) -> tuple[list[str], list[DeadLetter]]:

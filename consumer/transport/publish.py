@@ -25,6 +25,7 @@ from schemas.wire import END_OFFSET, STATUS_CODE, ResultRecord, RowExtra, encode
 
 from ..sched.outputs import Answer
 from .connection import LeaseLost, RedisIO
+from .durable import DurableScripts
 from .intake import Intake
 from .lease import Lease
 from .protocol import Closure, DeadLetter, Delivery, FusedCallStats
@@ -101,6 +102,10 @@ class Publisher:
         self.intake = intake
         self.lease = lease
         self.seq = 0  # completion calls sent by this process (the script's call guard)
+        st = io.settings
+        # WAIT-based durability: a call counts once that many replicas have it (durable.py)
+        self.durable = DurableScripts(io, st.durable_replicas, st.durable_timeout_ms) if st.durable_replicas > 0 \
+            else None
 
     def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
                  call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
@@ -226,7 +231,9 @@ class Publisher:
                 self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, _ENC.encode(ctl),
                 *argv_tail]
         try:
-            reply_: Any = io.script("complete", keys.keys, args)  # re-sent as is after a reconnect: guarded
+            # re-sent as is after a reconnect (or too few replicas): the call guard makes it a no-op
+            reply_: Any = io.script("complete", keys.keys, args) if self.durable is None else \
+                self.durable.run("complete", keys.keys, args)
         except redis.ResponseError as e:
             if str(e).startswith("DGRFENCED"):
                 raise LeaseLost(f"worker {io.worker_id}: {e}") from None

@@ -70,24 +70,26 @@ class Upkeep:
         raw = json.dumps(body, default=str, separators=(",", ":"))
         io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
 
-    def checks(self, openings: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
-        """(the job ids of the openings already answered, the session ids with a cancel marker), in one
+    def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(the job ids of the steps already answered, the session ids with a cancel marker), in one
         round trip. The worker asks this for the steps of sessions it does not hold, before admitting
         them: a session's cancel recorded while the worker was down or before its first job was read
-        wins, and a re-pushed opening answered long ago (by an earlier process) does not open a ghost
-        session. Answered: its session's last ok answer published is at or past the opening's end
-        (the tally, or the session hash once closed: docs/accounting.md), or it was answered not ok
-        (its `res:` marker)."""
-        if not openings and not session_ids:
+        wins, and a step answered by an earlier process (re-pushed by a Tracker that had not read the
+        answer when Redis went away) is neither answered again (`state_lost` under the same job id)
+        nor, when it is an opening, opens a ghost session. Answered: its session's last ok answer
+        published is at or past the step's last result position (the tally, or the session hash once
+        closed: docs/accounting.md), or at or past its first one when the session is closed and not open
+        again (a continuation that finished early), or it was answered not ok (its `res:` marker)."""
+        if not steps and not session_ids:
             return set(), set()
         io, keys = self.io, self.io.keys
-        jobs, sids = list(openings), list(session_ids)
+        jobs, sids = list(steps), list(session_ids)
 
         def ask() -> list[Any]:
             pipe = io.client.pipeline(transaction=False)
             for j in jobs:
                 pipe.hget(keys.tally, j.session_id)
-                pipe.hmget(keys.session_account(j.session_id), "att", "pub")
+                pipe.hmget(keys.session_account(j.session_id), "att", "pub", "closed")
                 pipe.exists(keys.result_record(j.job_id))
             for sid in sids:
                 pipe.exists(keys.cancel_marker(sid))
@@ -97,9 +99,12 @@ class Upkeep:
         replies = io.io(ask)
         answered: set[str] = set()
         for i, j in enumerate(jobs):
-            led, closed, marker = replies[3 * i: 3 * i + 3]
-            last = _att_pub(led) or _att_pub(closed)
-            if int(marker) or (last is not None and last >= (j.attempt, j.end_position)):
+            led, hashed, marker = replies[3 * i: 3 * i + 3]
+            last = _att_pub(led) or _att_pub(hashed[:2])
+            first = j.start_position + 1 if j.phase == "decode" else j.end_position  # its first result's position
+            if int(marker) or (last is not None and (last >= (j.attempt, j.end_position)
+                                                     or (led is None and hashed[2] is not None
+                                                         and last >= (j.attempt, first)))):
                 answered.add(j.job_id)
         cancelled = {sid for sid, r in zip(sids, replies[3 * len(jobs):], strict=True) if int(r)}
         return answered, cancelled

@@ -159,17 +159,17 @@ class EntryAdmission:
         lanes = w.lanes
         single = len(lanes) == 1
         if single:
-            openings, sids = lanes[0].ledger.openings_to_check(got)
+            steps, sids = lanes[0].ledger.steps_to_check(got)
         else:
-            openings, sids = [], []
+            steps, sids = [], []
             by_lane: dict[int, list[Inbound]] = {}
             for inb in got:
                 by_lane.setdefault(lanes.for_entry(inb).index, []).append(inb)
             for i, entries in by_lane.items():
-                o, s = lanes[i].ledger.openings_to_check(entries)
-                openings += o
+                o, s = lanes[i].ledger.steps_to_check(entries)
+                steps += o
                 sids += s
-        precheck = w.transport.checks(openings, sids) if sids else (set(), set())
+        precheck = w.transport.checks(steps, sids) if sids else (set(), set())
         for lane in lanes:
             lane.hops.use_fetched(fetched)
             lane.ledger.precheck = precheck

@@ -54,11 +54,12 @@ class DeliveryLedger:
         # job id -> more deliveries of it while held (with their created_at, for the latency metric)
         self.twins: dict[str, list[tuple[Delivery, float]]] = {}
         self.answered: OrderedDict[str, Answer] = OrderedDict()  # result id -> its answer (LRU)
-        self.precheck: tuple[set[str], set[str]] = (set(), set())  # (answered openings, cancelled sessions)
+        self.precheck: tuple[set[str], set[str]] = (set(), set())  # (answered steps, cancelled sessions)
 
-    def openings_to_check(self, inbound: Sequence[Inbound]) -> tuple[list[StepJob], list[str]]:
-        """The steps of sessions this worker does not hold: (their openings, their session ids), to
-        ask the transport about in one round trip (`Transport.checks`)."""
+    def steps_to_check(self, inbound: Sequence[Inbound]) -> tuple[list[StepJob], list[str]]:
+        """The steps of sessions this worker does not hold: (those steps, their session ids), to ask the
+        transport about in one round trip (`Transport.checks`): an earlier process may have answered
+        them (a Tracker re-pushes what it has not read after an outage), and a session's cancel may wait."""
         jobs: list[StepJob] = []
         sids: list[str] = []
         table = self.scheduler.table
@@ -69,8 +70,7 @@ class DeliveryLedger:
             jid, sid = job.job_id, job.session_id
             if jid in self.held or jid in self.answered or table.get(sid) is not None:
                 continue
-            if inb.phase == "prefill" and job.start_position == 0:
-                jobs.append(job)
+            jobs.append(job)
             sids.append(sid)
         return jobs, sids
 
@@ -89,7 +89,8 @@ class DeliveryLedger:
             out.append(acking(done[-1], inb.ref))
             return True
         answered, cancelled = self.precheck
-        if jid in answered:  # answered by an earlier process: its published answers stand, ack this one
+        if jid in answered:  # answered by an earlier process (its published answers stand): ack this one, so
+            # neither a ghost session opens nor a second answer (state_lost) is published for the job
             acks.append(inb.ref)
             return True
         table = self.scheduler.table

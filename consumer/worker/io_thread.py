@@ -61,7 +61,9 @@ class IOThread:
         return f.result()
 
     def close(self) -> None:
+        """Wait for the call running; what was handed over and has not started is dropped (after an error:
+        a normal stop drains first)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._pending.clear()
