@@ -57,7 +57,7 @@ PROFILED: dict[str, tuple[str, ...]] = {
     "transport": ("complete", "cancellations", "checks", "inbound", "read_streams"),
     "scheduler": ("admit", "next_batch", "update_from_output", "want", "cancel"),
     "admission": ("read_and_admit", "admit_all", "admit"),
-    "ledger": ("completions", "duplicate", "openings_to_check"),
+    "ledger": ("completions", "duplicate", "steps_to_check"),
     "worker": ("_housekeeping", "_release_slots", "_uncarried", "_publish"),
 }
 
