@@ -256,3 +256,51 @@ def test_the_overlap_is_used_only_while_fused_calls_are_short(real_redis: redis.
         assert w._overlapping() is expect
     off = _worker(real_redis, f"ov{next(_runs)}", overlap=False, overlap_max_call_ms=0.0)
     assert not off._overlapping()
+
+
+def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: redis.Redis) -> None:
+    """Overlap on, fused calls on the engine thread: the engine is never entered twice at once (a call and
+    another call, or a call and a slot release: sessions cancelled and finished while calls compute),
+    calls start in the loop's order, and every session still ends as with the loop alone."""
+    class Guarded(SleepEngine):
+        def __init__(self) -> None:
+            super().__init__(0.002, n_slots=8, ctx_per_session=256)
+            self.inside = threading.Lock()
+            self.clashes = 0
+            self.threads: set[str] = set()
+
+        def step(self, batch):  # type: ignore[no-untyped-def]
+            if not self.inside.acquire(blocking=False):
+                self.clashes += 1
+                return super().step(batch)
+            try:
+                self.threads.add(threading.current_thread().name)
+                return super().step(batch)
+            finally:
+                self.inside.release()
+
+        def release(self, slot: int) -> None:
+            if not self.inside.acquire(blocking=False):
+                self.clashes += 1
+                return
+            self.inside.release()
+
+    wid = f"ov{next(_runs)}"
+    engine = Guarded()
+    w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
+               WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8, overlap=True))
+    w.start()
+    plans = [Plan(i % 3, (5 + i, 6, 7), 6, i % 2 == 0, 2 if i % 3 == 0 else None, i % 2 == 1) for i in range(8)]
+    d = Driver(real_redis, w, wid, plans)
+    for it in range(400):
+        d.tick(it)
+        w.run_once(flush=False)
+        if it > 6 and d.settled():
+            break
+    w.flush()
+    d.tick(10_000)
+    assert d.settled() and engine.clashes == 0
+    assert engine.threads and all(name.startswith("dgr-engine") for name in engine.threads)  # the calls ran there
+    seen_off, _ = _drive(real_redis, plans, overlap=False)
+    assert {i: [(r.status, r.reason, r.position, r.token, r.finished) for r in rs] for i, rs in d.seen.items()} == \
+           {i: [row[:5] for row in rs] for i, rs in seen_off.items()}

@@ -112,7 +112,7 @@ class EntryAdmission:
         # Wait only for the sessions the last fused call just answered with a token: their next step is
         # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
         expected = sum(min(len(lane.hot), lane.scheduler.awaiting_decode()) for lane in w.lanes)
-        busy = False
+        busy = w.in_flight.busy  # a call computing is work: never block for new entries while it runs
         for lane in w.lanes:
             lane.hot = set()
             busy = busy or lane.scheduler.has_work()

@@ -6,11 +6,16 @@ Nothing here speaks Redis. The delivery rules (exactly one real answer per step)
 the reading and admission of entries admission.py's, the I/O thread io_thread.py's.
 
 Steady state (sessions decoding under continuation credit, consumer/worker/io_thread.py): the loop
-never waits for Redis. Before fused call k it hands the next read to the I/O thread, which runs it
-while the engine computes (the engine releases the GIL); after the call it hands over call k's
-completion, filed while the loop admits the entries read and builds call k+1. The loop reads for itself
-(blocking up to `block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next
-steps of sessions that hold no credit (a Tracker that pushes one job per token).
+never waits for Redis, and the engine waits for the loop only as long as it takes to sample call k and
+build call k+1. With `overlap` on, fused calls run on an engine thread (calls.py `start_fused`; the
+engine releases the GIL): the loop finishes call k (samples it, the scheduler takes the tokens), starts
+call k+1 at once, and only then does the rest of call k's work while k+1 computes: its answers to the
+delivery ledger and the I/O thread (which files them), metrics, the next admission and cancellations.
+The I/O thread likewise reads ahead while a call computes. The loop reads for itself (blocking up to
+`block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next steps of sessions
+that hold no credit (a Tracker that pushes one job per token). With `overlap` off (or calls longer than
+`overlap_max_call_ms`: a CPU engine whose threads want both cores) everything runs in the loop's
+thread, in order.
 
 Several engines (an `EngineSet`: a small and a large model, one per state layout): one lane per engine
 (lane.py), each with its own streams, scheduler, sampler and slots. One read covers every lane's
@@ -40,7 +45,7 @@ from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
 from .admission import EntryAdmission, Prefetched
-from .calls import run_fused
+from .calls import InFlightCall, run_fused
 from .idle import IdleSessions
 from .io_thread import IOThread
 from .lane import Lane, Lanes, read_lanes
@@ -79,6 +84,7 @@ class Worker:
         self.io = IOThread(f"dgr-io-{self._m}")
         self._prefetched: Future[Prefetched] | None = None
         self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
+        self.in_flight = InFlightCall(self)  # overlap on: the fused call on the engine thread
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +135,7 @@ class Worker:
                         break
                 self.flush()  # the last call's results are out before the last heartbeat
             except BaseException:
+                self.in_flight.abandon()  # the engine finishes its call before anything is torn down
                 self._drain_quietly()  # what the I/O thread holds finishes (or fails) before the error goes on
                 raise
         except LeaseLost:
@@ -148,6 +155,7 @@ class Worker:
             log.warning("stopped while redis was unreachable: lease left to expire", extra={"worker": self._m})
         log.info("worker stopped", extra={"worker": self._m, "fused_calls": self.stats.fused_calls})
         self.io.close()
+        self.in_flight.close()
         for lane in self.lanes:
             lane.sampler.close()  # its grammars hold the engine's vocabulary: freed before the engine is
 
@@ -158,8 +166,10 @@ class Worker:
         return self.settings.overlap and (limit <= 0 or 1e3 * self._last_call_s <= limit)
 
     def flush(self) -> None:
-        """Wait for what the I/O thread holds (a prefetched read is kept for the next iteration); its
-        error (LeaseLost, a Redis outage given up on) is raised here, in the loop's thread."""
+        """Finish the call on the engine thread and file its answers, then wait for what the I/O thread
+        holds (a prefetched read is kept for the next iteration); an error there (LeaseLost, a Redis
+        outage given up on) is raised here, in the loop's thread."""
+        self._settle_in_flight(flush=False)
         self.io.drain()
 
     def _drain_quietly(self) -> None:
@@ -184,6 +194,19 @@ class Worker:
         else:
             self.io.submit(work)
 
+    # ---- the engine thread -------------------------------------------------------------------
+    def _settle_in_flight(self, *, flush: bool) -> None:
+        """Finish the call on the engine thread and file its answers (before a synchronous iteration, a
+        heartbeat or recovery sweep, and the stop)."""
+        if not self.in_flight.busy:
+            return
+        answers: list[list[Answer]] = [[] for _ in self.lanes]
+        call = self.in_flight.finish(answers)
+        latencies: list[tuple[Phase, float]] = []
+        done = self.lanes.completions(answers, latencies)
+        self._publish(done, (), call, self._uncarried(done, []), (), flush)
+        observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
+
     def _prefetch(self) -> None:
         """Hand the next read (entries, cancellations, activation blobs) to the I/O thread: it runs
         while the engine computes."""
@@ -204,6 +227,8 @@ class Worker:
         """One iteration. flush=False (the loop, with `overlap` on): the next read and this call's
         completion may still be on the I/O thread on return."""
         t0 = time.perf_counter()
+        if flush:
+            self._settle_in_flight(flush=True)
         self._housekeeping()
         answers: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: cancellations, the fused call's answers
         refusals: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: refused steps, superseded attempts
@@ -219,7 +244,8 @@ class Worker:
             cancelled, refused = got.cancels, got.refused
         else:
             cancelled, refused = [], []
-        if got is None or self.admission.should_read():
+        # A call computing was preceded by a read ahead (got): reading again would only cost round trips.
+        if got is None or (self.admission.should_read() and not self.in_flight.busy):
             n, s = self.admission.read_and_admit(refusals, dead, wire_rejects, acks)
             entries += n
             read_s += s
@@ -234,20 +260,25 @@ class Worker:
                 not_held.append(sid)
             else:
                 self._cancel(lane, sid, answers[lane.index])
+        t_wait = time.perf_counter()
+        call = self.in_flight.finish(answers)  # call k, started by the last iteration (overlap on)
+        waited = time.perf_counter() - t_wait if call is not None else 0.0
         picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
         batch = None
-        engine_s = 0.0
-        call: FusedCallStats | None = None
+        engine_s = call.engine_seconds if call is not None else 0.0
         if picked is not None:
             lane, batch = picked
             if not flush:
                 self._prefetch()
-            before = self.stats.engine_seconds
-            answers[lane.index].extend(run_fused(self, lane, batch))
-            engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-            self._last_call_s = engine_s
-            call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
-                                  engine_seconds=engine_s)
+                self.in_flight.start(lane, batch)  # call k + 1 computes from here on
+            else:
+                before = self.stats.engine_seconds
+                answers[lane.index].extend(run_fused(self, lane, batch))
+                engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+                waited = engine_s
+                self._last_call_s = engine_s
+                call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids),
+                                      tokens=len(batch.fused), engine_seconds=engine_s)
         latencies: list[tuple[Phase, float]] = []
         honest = self.lanes.completions(answers, latencies)
         refused_answers = wire_rejects + self.lanes.completions(refusals, latencies)
@@ -268,11 +299,12 @@ class Worker:
                 log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
                                                "engine_ms": round(1e3 * engine_s, 2), "read_ms": round(1e3 * read_s, 2),
                                                "loop_ms": round(1e3 * (time.perf_counter() - t0), 2)})
-            # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds
-            overhead = time.perf_counter() - t0 - engine_s - (read_s if got is None else 0.0)
+            # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds,
+            # and so is the wait for the engine (the whole call in the loop's thread, else what was left of it)
+            overhead = time.perf_counter() - t0 - waited - (read_s if got is None else 0.0)
             self.stats.overhead_seconds += overhead
             self.metrics.overhead.labels(self._m).observe(overhead)
-        return bool(entries or completions or dead or batch or acks)
+        return bool(entries or completions or dead or batch or acks or self.in_flight.busy)
 
     def _take_prefetched(self) -> Prefetched | None:
         f, self._prefetched = self._prefetched, None
@@ -317,6 +349,8 @@ class Worker:
         return todo
 
     def _release_slots(self) -> None:
+        if self.in_flight.busy:
+            return  # an engine is computing: its slots are cleared once the call is finished
         self.lanes.release_slots()
 
     # ---- periodic --------------------------------------------------------------------------
