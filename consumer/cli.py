@@ -80,6 +80,9 @@ def consumer(
     n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
                                            help="CPU threads (0: llama.cpp default).")] = _E.threads,
     n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = _E.n_gpu_layers,
+    cpu_wait: Annotated[str, typer.Option(
+        envvar="DGR_CPU_WAIT", help="llama.cpp's CPU threads at barriers: spin (alone), sleep (beside other busy "
+                                    "processes), auto (sleep if the machine is busy at start).")] = _E.cpu_wait,
     metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")
                             ] = _S.metrics_port,
     metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = _S.metrics_addr,
@@ -167,6 +170,10 @@ def consumer(
 
     if on_lease_held not in ("wait", "refuse"):
         raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
+    from .engines.cpu_wait import CPU_WAITS
+
+    if cpu_wait not in CPU_WAITS:
+        raise typer.BadParameter(f"--cpu-wait must be one of {', '.join(CPU_WAITS)}")
     w_decode, w_prefill = (int(x) for x in weights.split(":"))
     config = ConsumerConfig(
         service=ServiceSettings(redis_url=redis_url, redis_sentinel=redis_sentinel, sentinel_master=sentinel_master,
@@ -174,7 +181,8 @@ def consumer(
                                 redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
                                 max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
         engine=EngineSettings(model=tuple(model), kind=engine, recipe=recipe, slots=slots,
-                              ctx_per_session=ctx_per_session, threads=n_threads, n_gpu_layers=n_gpu_layers),
+                              ctx_per_session=ctx_per_session, threads=n_threads, n_gpu_layers=n_gpu_layers,
+                              cpu_wait=cpu_wait),
         worker=WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
                               w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
@@ -204,7 +212,8 @@ def consumer(
         # One engine per --model, each with its own slots; the worker serves them all (one lane each).
         eng = make_engines(choices, kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
                            n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session,
-                           n_threads=eng_s.threads or None, n_gpu_layers=eng_s.n_gpu_layers)
+                           n_threads=eng_s.threads or None, n_gpu_layers=eng_s.n_gpu_layers,
+                           cpu_wait=eng_s.cpu_wait)
     except ValueError as e:  # a bad --model, or two models with the same keys (EngineSet)
         raise typer.BadParameter(str(e), param_hint="--model") from None
     metrics = Metrics(worker_id)

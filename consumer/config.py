@@ -101,6 +101,9 @@ class EngineSettings:
     ctx_per_session: int = 1024
     threads: int = 0  # CPU threads (0: llama.cpp default)
     n_gpu_layers: int = 0
+    # How llama.cpp's CPU threads wait at barriers: 'spin' (fastest alone), 'sleep' (robust beside other
+    # busy processes), 'auto' (sleep when the machine is busy at start): consumer/engines/cpu_wait.py
+    cpu_wait: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def model_choices(values: Sequence[str]) -> list[ModelChoice]:
 
 def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", recipe: RecipeName = "invariant",
                  n_slots: int = 16, ctx_per_session: int = 1024, n_threads: int | None = None,
-                 n_gpu_layers: int = 0) -> EngineSet:
+                 n_gpu_layers: int = 0, cpu_wait: str = "auto") -> EngineSet:
     """One engine per choice, each with its own slots (`EngineSet` refuses two with the same keys). An
     engine already made is closed when a later one fails."""
     made: dict[str, Engine] = {}
@@ -118,7 +118,7 @@ def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", 
         for c in choices:
             made[c.name] = make_engine(resolve_model(c.model), kind=kind, recipe=c.recipe or recipe,
                                        n_slots=c.slots or n_slots, ctx_per_session=c.ctx_per_session or ctx_per_session,
-                                       n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+                                       n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait)
         return EngineSet(made, {c.name: c.weight for c in choices})
     except BaseException:
         for eng in made.values():
@@ -128,7 +128,7 @@ def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", 
 
 def make_engine(model_path: Path, *, kind: EngineKind = "llama", recipe: RecipeName = "invariant",
                 n_slots: int = 16, ctx_per_session: int = 1024, n_batch: int = 2048,
-                n_threads: int | None = None, n_gpu_layers: int = 0) -> Engine:
+                n_threads: int | None = None, n_gpu_layers: int = 0, cpu_wait: str = "auto") -> Engine:
     if kind.startswith("sleep:"):  # a stand-in for a GPU step (benchmarks): consumer/engines/sleep.py
         from .engines.sleep import SleepEngine, parse_sleep_spec
 
@@ -140,4 +140,4 @@ def make_engine(model_path: Path, *, kind: EngineKind = "llama", recipe: RecipeN
     from .engines.llama import LlamaCppEngine
 
     return LlamaCppEngine(model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=ctx_per_session,
-                          n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+                          n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait)

@@ -70,6 +70,7 @@ from schemas.compat import hop_boundary
 from ..batch import BatchRow, EngineOutput, FusedBatch
 from ..cpuinfo import cpu_flags
 from .base import Engine, EngineCapacity, EngineError, LogitsEngine, check_hidden
+from .cpu_wait import apply_cpu_wait
 from .loader import SplitInfo, ftype_name, gguf_sha256, read_split_info
 from .state import Checkpoint, SlotStates, SnapshotPolicy, layout_dims, state_kind
 
@@ -230,6 +231,7 @@ class LlamaCppEngine(LogitsEngine):
         flash_attention: bool | None = None,
         extra_bufts: bool = False,
         snapshots: SnapshotPolicy = "chunks",
+        cpu_wait: str = "auto",
     ) -> None:
         if recipe not in ("fast", "invariant"):
             raise ValueError(f"recipe must be 'fast' or 'invariant', not {recipe!r}")
@@ -252,6 +254,8 @@ class LlamaCppEngine(LogitsEngine):
                         self._tiled_mm, flash_attention)
         # Keep each session's prefill piece in one micro-batch (see the module docstring).
         self._whole_pieces = recipe == "invariant"
+        # How its CPU threads wait at barriers: chosen before llama.cpp's libraries load (cpu_wait.py).
+        self._cpu_wait = apply_cpu_wait(cpu_wait) if n_gpu_layers == 0 else f"not applied (n_gpu_layers={n_gpu_layers})"
         L = llama_cpp_module()
         self._L = L
         self._n_threads = n_threads or _default_threads()
@@ -557,6 +561,7 @@ class LlamaCppEngine(LogitsEngine):
             "n_ctx_seq": str(self._n_ctx_seq),
             "n_batch": str(self._n_batch),
             "n_threads": str(self._n_threads),
+            "cpu_wait": self._cpu_wait,
             "batch_invariant": str(self.recipe.batch_invariant),
             "state_bytes_per_session": str(self.capacity.state_bytes_per_session),
             **self._states.describe(),
