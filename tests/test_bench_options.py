@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,3 +131,14 @@ def test_report_puts_each_goal_next_to_its_measurement() -> None:
     assert got["worker us per call independent of the batch (line fit), overlap on"] == ("500", "yes")
     assert got["dgr / llama-server, Gemma, 8 sessions, greedy (wall)"] == ("1.1", "yes")
     assert got["dgr / llama-server, Gemma, 8 sessions, typical (wall)"] == ("not measured", "-")
+
+
+def test_report_keeps_what_was_written_by_hand(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text(f"# old generated part\n\n{report.HAND_MARKER}\n\n## Goals of issue 99\n\nmeasured by hand\n")
+    report.write(tmp_path / "no-runs", out, "dgr bench nothing")
+    text = out.read_text()
+    assert "old generated part" not in text and "## Headline" in text
+    assert text.index("## Headline") < text.index(report.HAND_MARKER) < text.index("## Goals of issue 99")
+    report.write(tmp_path / "no-runs", out, "dgr bench nothing")  # written again: kept once, not twice
+    assert out.read_text().count("## Goals of issue 99") == 1

@@ -40,7 +40,9 @@ print(json.dumps({"cpu_wait": e.describe()["cpu_wait"], "env": os.environ.get("O
 ])
 def test_the_engine_sets_and_says_its_wait_before_llama_cpp_loads(tiny_model_path: Path, setting: str,
                                                                   env: str | None, says: str) -> None:
-    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": env} if env else {})
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env:
+        environ["OMP_WAIT_POLICY"] = env
     out = subprocess.run([sys.executable, "-c", _PROBE, str(tiny_model_path), setting], capture_output=True,
                          text=True, env=environ, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -142,6 +142,9 @@ def goals(found: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
     return out
 
 
+HAND_MARKER = "<!-- written by hand: dgr bench report keeps everything from here on -->"
+
+
 def write(root: Path, out: Path, command: str) -> Path:
     found = _load(root)
     any_run = next((r for runs in found.values() for r in runs), {})
@@ -169,5 +172,12 @@ def write(root: Path, out: Path, command: str) -> Path:
                       run.get("markdown", "(no table)"), ""]
             if run.get("recipe_cost_markdown"):
                 lines += ["What the invariant recipe costs (same run):", "", run["recipe_cost_markdown"], ""]
+    # What follows HAND_MARKER in the file was written by hand (goals of later issues, one-off measurements,
+    # each with its command and commit): kept as it is.
+    if out.exists():
+        old = out.read_text()
+        at = old.find(HAND_MARKER)
+        if at >= 0:
+            lines += [old[at:].rstrip("\n"), ""]
     out.write_text("\n".join(lines))
     return out
