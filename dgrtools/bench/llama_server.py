@@ -212,7 +212,8 @@ class LlamaServer:
                 raise RuntimeError(f"{self.name} request failed: {o['error']!r}\n{self.log()}") from o["error"]
         stamps = [o["stamps"] for o in outs]
         n = sum(len(s) for s in stamps)
-        if n != tokens * len(prompts):
+        ends_early = sampling is not None and sampling.constrained  # the grammar's end of generation
+        if n != tokens * len(prompts) and not (ends_early and 0 < n <= tokens * len(prompts)):
             raise RuntimeError(f"{self.name}: {n} tokens streamed, {tokens * len(prompts)} asked")
         timings = [o.get("timings", {}) for o in outs]
         return SideResult(
