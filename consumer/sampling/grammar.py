@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 from schemas import Sampling
 
+from .pieces import PRUNE_MIN
 from .vocab import Vocabulary
 
 __all__ = ["Grammar", "GrammarInvalid", "GrammarRefused", "GrammarView", "gbnf_of"]
@@ -84,8 +85,17 @@ class Grammar:
             raise GrammarInvalid("llama.cpp refused the grammar (see the dgr.llama log)")
         self._ptr = ptr
         self.accepted = 0  # tokens accepted since compiled
+        vocab.piece_tree()  # starts building the vocabulary's piece tree, once, without waiting for it
 
     def admitted(self, ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        if ids.shape[0] >= PRUNE_MIN:  # many ids (the whole vocabulary, at worst): along the piece tree
+            tree = self._vocab.piece_tree()
+            if tree is not None:
+                return tree.admitted(ids, self.asked)
+        return self.asked(ids)
+
+    def asked(self, ids: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """llama.cpp's verdicts for ids, every one of them asked."""
         n = int(ids.shape[0])
         if n == 0:
             return np.zeros(0, dtype=np.bool_)

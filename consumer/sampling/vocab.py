@@ -9,6 +9,7 @@ sampler stage itself loads no engine (tests/test_layering.py).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -18,7 +19,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .pieces import PieceTree
+
 __all__ = ["Vocabulary"]
+
+_TREE_LOCK = threading.Lock()
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -75,6 +80,37 @@ class Vocabulary:
     @property
     def grammars(self) -> bool:
         return self.llama_vocab is not None
+
+    def piece_tree(self, wait: bool = False) -> PieceTree | None:
+        """The pieces as a tree (consumer/sampling/pieces.py), for grammars; built once per vocabulary on
+        a thread started by the first call (about a second for Gemma's 262,144 ids), None until it is
+        there (unless `wait`) or where there are no grammars."""
+        if self.llama_vocab is None:
+            return None
+        state: dict[str, Any] = self.__dict__.setdefault("_piece_tree", {})
+        with _TREE_LOCK:
+            if "thread" not in state:
+                state["thread"] = threading.Thread(target=self._build_piece_tree, args=(state,),
+                                                   name="dgr-piece-tree", daemon=True)
+                state["thread"].start()
+        if wait:
+            state["thread"].join()
+        return state.get("tree")
+
+    def _build_piece_tree(self, state: dict[str, Any]) -> None:
+        from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
+
+        L = llama_cpp_module()
+        buf = ctypes.create_string_buffer(256)
+        eog = set(self.eog.tolist())
+        pieces: list[bytes | None] = []
+        for i in range(self.n_vocab):
+            if i in eog:
+                pieces.append(None)
+                continue
+            n = int(L.llama_token_to_piece(self.llama_vocab, i, buf, len(buf), 0, True))
+            pieces.append(buf.raw[:n] if 0 <= n <= len(buf) else None)  # longer than 256 bytes: a root
+        state["tree"] = PieceTree.from_pieces(pieces)
 
     @classmethod
     def plain(cls, n_vocab: int) -> Vocabulary:
