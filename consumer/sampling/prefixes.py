@@ -10,10 +10,13 @@ import numpy.typing as npt
 from .arith import F32
 from .grammar import GrammarView
 
-__all__ = ["LANE_MAX", "WIDTHS", "Prefixes", "Verdicts", "at_least", "ranked", "threshold"]
+__all__ = ["GRAMMAR_WIDTHS", "LANE_MAX", "WIDTHS", "Prefixes", "Verdicts", "at_least", "ranked", "threshold"]
 
 NEG_INF = F32(-np.inf)
 WIDTHS = (64, 1024, 16384)  # candidate prefix sizes tried before the whole vocabulary
+# ... under a grammar, whose whole-vocabulary answer along the piece tree (pieces.py) costs about what
+# asking 16,384 ids does
+GRAMMAR_WIDTHS = (64, 1024)
 LANE_MAX = 1024  # lane maxima for a prefix threshold (a column max of a (V/1024, 1024) view: one fast pass)
 
 
@@ -65,7 +68,8 @@ class Prefixes:
         self.tau = F32(np.inf)
 
     def widths(self, first: int = 1) -> list[int]:
-        return [*[w for w in WIDTHS if w >= first][:3], self.v.shape[0]]
+        tried = WIDTHS if self.verdicts.grammar is None else GRAMMAR_WIDTHS
+        return [*[w for w in tried if w >= first][:3], self.v.shape[0]]
 
     def take(self, n: int) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], bool]:
         """(admitted ids of a prefix holding >= n ids, in rank order; the refused ones; whether the
