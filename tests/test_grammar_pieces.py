@@ -138,3 +138,26 @@ def test_tree_equals_llama_cpp_on_gemmas_vocabulary_and_asks_far_less() -> None:
     assert tree is not None
     asked = sum(_walk(vocab, tree, GRAMMARS[0], seed, steps=10) for seed in range(3))
     assert asked < 0.25 * 30 * vocab.n_vocab  # the JSON grammar's structure admits few first characters
+
+
+def test_a_sampler_closed_right_after_its_first_grammar_waits_for_the_tree(tiny_model_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tree is built on a thread from the engine's vocab: closing the sampler (before the worker frees
+    the engine) waits for it, so no build outlives the vocab it reads (a build made slow here)."""
+    import time
+
+    from consumer.sampling import BatchSampler
+
+    build = PieceTree.from_pieces.__func__  # type: ignore[attr-defined]
+
+    def slow(cls: type[PieceTree], pieces: list[bytes | None]) -> PieceTree:
+        time.sleep(0.3)
+        return build(cls, pieces)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(PieceTree, "from_pieces", classmethod(slow))
+    vocab = Vocabulary.load(tiny_model_path)
+    sampler = BatchSampler(vocab)
+    Grammar(vocab, GRAMMARS[1]).close()  # starts the build
+    sampler.close()
+    thread = vocab.__dict__["_piece_tree"]["thread"]
+    assert not thread.is_alive() and vocab.piece_tree() is not None

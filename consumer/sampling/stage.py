@@ -117,6 +117,7 @@ class BatchSampler:
             self.release(slot)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self.vocab.settle()  # the piece tree's build reads the engine's vocab: done before the engine closes
 
     def check(self, sampling: Sampling) -> RowStatus:
         """Whether this worker can serve a session's sampling (OK), or why not: a grammar it cannot

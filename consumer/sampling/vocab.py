@@ -97,6 +97,13 @@ class Vocabulary:
             state["thread"].join()
         return state.get("tree")
 
+    def settle(self) -> None:
+        """Wait for what runs on llama.cpp's vocab in the background (the piece tree's build): called
+        before whatever owns the vocab frees it."""
+        thread = self.__dict__.get("_piece_tree", {}).get("thread")
+        if thread is not None:
+            thread.join()
+
     def _build_piece_tree(self, state: dict[str, Any]) -> None:
         from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
 
