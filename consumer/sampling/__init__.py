@@ -4,6 +4,7 @@
 - `rows`: the serving path over a call's rows (`sample_rows` -> `SampledCall`), proven equal to it.
 - `stage`: `BatchSampler`, the worker's sampler stage, which keeps each session's context and grammar.
 - `vocab`, `grammar`: the vocabulary's special tokens, llama.cpp's grammar sampler.
+- `pieces`: the vocabulary's pieces as a tree, so a grammar is asked about the whole vocabulary cheaply.
 """
 
 from .arith import RowContext, RowStatus, uniform
