@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from consumer.sampling import BatchSampler, RowContext, RowInput, RowStatus, Vocabulary, sample_row, sample_rows
 from consumer.sampling.grammar import Grammar, GrammarInvalid, GrammarRefused, gbnf_of
+from consumer.sampling.pieces import PRUNE_MIN
 from dgrtools.tokenizer import Tokenizer
 from schemas import Sampling
 from tests.sampling_support import samplings
@@ -65,11 +67,24 @@ def test_admitted_accept_and_refusal(vocab: Vocabulary, tok: Tokenizer) -> None:
         gbnf_of(Sampling(json_schema='{"type": "no-such-type", "$ref": "#/nowhere"}'))
 
 
+class _AskedEveryId:
+    """The oracle's view of a grammar: llama.cpp asked about every id (never along the piece tree)."""
+
+    def __init__(self, g: Grammar) -> None:
+        self.g = g
+
+    def admitted(self, ids: np.ndarray) -> np.ndarray:
+        return self.g.asked(ids)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["asked", "piece-tree"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                  HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_serving_path_equals_the_oracle_with_llama_grammars(data: st.DataObject, vocab: Vocabulary,
+def test_serving_path_equals_the_oracle_with_llama_grammars(tree: bool, data: st.DataObject, vocab: Vocabulary,
                                                             tok: Tokenizer) -> None:
+    """The serving path (with the piece tree on every query: `tree`, whose walks Gemma's size would
+    take) against the oracle asking llama.cpp about every id."""
     text = data.draw(st.sampled_from(["", '{"a', '{"a":1', '{"a":12,"b":tr', '{"a":-3,"b":false}']))
     g = Grammar(vocab, gbnf_of(Sampling(json_schema=SCHEMA)) or "")
     for t in _chars(tok, text):
@@ -78,9 +93,11 @@ def test_serving_path_equals_the_oracle_with_llama_grammars(data: st.DataObject,
     logits = (rng.gumbel(size=(2, vocab.n_vocab)) * 3).astype(np.float32)
     ctx = RowContext(np.array([1, 60, 61, *_chars(tok, text)], np.int32), prompt_end=3, stop_tokens=(EOS,))
     rows = [RowInput(data.draw(samplings(vocab.n_vocab)), data.draw(st.integers(0, 1000)), ctx, g) for _ in range(2)]
-    got = sample_rows(logits, rows, vocab)
+    assert vocab.piece_tree(wait=True) is not None
+    with mock.patch("consumer.sampling.grammar.PRUNE_MIN", 1 if tree else PRUNE_MIN):
+        got = sample_rows(logits, rows, vocab)
     for r, inp in enumerate(rows):
-        want = sample_row(logits[r], inp.sampling, inp.position, context=ctx, vocab=vocab, grammar=g)
+        want = sample_row(logits[r], inp.sampling, inp.position, context=ctx, vocab=vocab, grammar=_AskedEveryId(g))
         assert (int(got.tokens[r]), int(got.status[r])) == (want[0], want[1])
 
 
