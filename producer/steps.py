@@ -23,7 +23,7 @@ from schemas.limits import CANCEL_MAXLEN
 from . import credit
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
-from .session import Sent, SessionHandle, end
+from .session import Sent, SessionHandle, drop, end
 from .validate import check_id
 
 if TYPE_CHECKING:
@@ -97,12 +97,10 @@ class Steps:
         """(Re)open the session: its attempt's prefill chunks to hop 0, and its record (what resume() rebuilds it
         from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood)."""
         h.replayed_generated = len(h.generated)
-        h.sent.clear()
-        h.relays.clear()
-        h.credit.clear()
+        drop(h)
         for leg in h.legs:
             leg.closed = False
-        h.released, h.feed, h.status, h.reason, h.detail = False, False, "open", None, ""
+        h.released, h.status, h.reason, h.detail = False, "open", None, ""
         if not h.credit.n:
             h.credit.n = credit.tokens_per_job(self, h)
         jobs = self.prefill_jobs(h)
@@ -123,6 +121,10 @@ class Steps:
         one_hop(h)
         if h.finished:
             raise ValueError(f"session {h.session_id} is {h.status}")
+        return self.push_token(batch, h, token)
+
+    def push_token(self, batch: Batch, h: SessionHandle, token: int) -> str:
+        """The decode job at h.position feeding `token` (the caller's, or the one the last hop sampled)."""
         job = self.decode_job(h, h.position, token)
         self.push(batch, h, job)
         h.pending_job, h.feed = job.job_id, False
@@ -167,11 +169,7 @@ class Steps:
             return credit.queue_next(self, batch, h)
         if not h.feed:
             return False
-        h.feed = False
-        job = self.decode_job(h, h.position, h.generated[-1])
-        self.push(batch, h, job)
-        h.pending_job = job.job_id
-        h.position += 1
+        self.push_token(batch, h, h.generated[-1])
         return True
 
     def queue_release(self, batch: Batch, h: SessionHandle) -> bool:

@@ -190,8 +190,7 @@ class Admission:
                         raise ValueError(f"worker {rh.worker_id!r} does not advertise {what} {d}")
         worker = spec.route[hop].worker_id
         toks = check_tokens(toks, self.vocab(worker, spec.route[hop].key.for_phase("prefill").digest))
-        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id,
-                             opened_at=time.time())
+        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id)
 
     def vocab(self, worker_id: str, digest: str | None = None) -> int | None:
         cached = self.discovered.get(worker_id)
