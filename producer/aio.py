@@ -28,10 +28,9 @@ from schemas import SessionSpec, StepResult
 from .commands import Batch, Get, Plan, Read, Sleep, XInfoGroups, XLen
 from .core import Run
 from .errors import SessionFailed
-from .redis_io import aexecute
 from .session import SessionHandle
 from .settings import ProducerSettings
-from .tracker import TrackerOps
+from .tracker import TrackerOps, aexecute
 
 __all__ = ["AsyncProducer"]
 

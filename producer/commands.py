@@ -1,7 +1,7 @@
 """The Redis commands the Tracker core asks for, as typed values (no client, no reply shape).
 
 A *plan* (a generator in producer/core.py) yields a request and receives its reply: a `Read` (commands
-sent as one pipeline; its reply is the list of their replies, parsed by producer/redis_io.py), a `Batch`
+sent as one pipeline; its reply is the list of their replies, parsed by producer/tracker.py), a `Batch`
 (writes, sent as one pipeline or MULTI/EXEC; reply None) or a `Sleep`. Replies a plan sees: `Get` bytes or
 None, `Exists` bool, `HGetAll` dict[str, str], `SMembers` list[str], `XRead` [(stream, [(id, fields)])],
 `XRange` [(id, fields)], `XLen` / `XInfoGroups` the value or the error (`Read(errors=True)`).

@@ -64,10 +64,7 @@ class ProducerCore(Steps, Admission):
     # ---------------------------------------------------------------- sessions driven by hand
 
     def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
-        self.check_shape(spec, prompt, hop)
-        for w in self.to_discover(spec):
-            yield from self.discover(w)
-        h = self.new_handle(spec, prompt, hop)
+        h = yield from self.opening(spec, prompt, hop)
         one_hop(h)
         yield from self.admit(h.input_stream("prefill"), wait=True)
         batch = Batch(transaction=True, tag=h.worker_id)
@@ -160,11 +157,7 @@ class ProducerCore(Steps, Admission):
         batches: dict[str, Batch] = {}
         left = deque(due)
         while left:
-            spec, prompt = run.sessions[left[0]]
-            self.check_shape(spec, prompt, 0)
-            for w in self.to_discover(spec):
-                yield from self.discover(w)
-            h = self.new_handle(spec, prompt)
+            h = yield from self.opening(*run.sessions[left[0]])
             if not (yield from self.admit(h.input_stream("prefill"), wait=wait)):
                 break
             self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h)
