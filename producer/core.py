@@ -200,14 +200,6 @@ class ProducerCore(Steps, Admission):
         for h in list(run.handles.values()):
             self.retire(h)
 
-    @staticmethod
-    def streams_of(h: SessionHandle) -> set[tuple[str, str]]:
-        reply = h.reply or h.session_id
-        return {(leg.worker_id, WorkerKeys(leg.worker_id).results(reply)) for leg in h.legs}
-
-    def cursor(self, stream: str) -> str:
-        return self.cursors.get(stream, "0-0")
-
     # ---------------------------------------------------------------- reading, applying, advancing
 
     def read(self, handles: Sequence[SessionHandle] = (), block_ms: int = 0) -> Plan[bool]:

@@ -43,10 +43,9 @@ class Sent:
 
 @dataclass(eq=False, slots=True)
 class Relay:
-    """Hop `hop`'s answer to `job`, whose output rows (`acts`: inline, or in a blob of that hop's tag) are the
-    next hop's input: relayed by route.relay, in position order."""
+    """Hop `job.hop`'s answer to `job`, whose output rows (`acts`: inline, or in a blob of that hop's tag) are
+    the next hop's input: relayed by route.relay, in position order."""
 
-    hop: int
     job: StepJob
     acts: Activations
 
@@ -257,7 +256,7 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         elif hidden.rows != len(job.tokens):
             end(h, "failed", f"hop {s.hop} answered {hidden.rows} rows for {len(job.tokens)} tokens")
         else:
-            h.relays.append(Relay(s.hop, job, hidden))
+            h.relays.append(Relay(job, hidden))
         return True
     h.prompt_tokens += charged_p
     h.billed_generated += charged_g

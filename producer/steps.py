@@ -51,9 +51,16 @@ class Steps:
 
     settings: ProducerSettings
     discovered: dict[str, tuple[float, WorkerInfo]]
+    cursors: dict[str, str]  # result stream -> the last entry id read
 
-    def cursor(self, stream: str) -> str:  # the core's: where its reading of a result stream stands
-        raise NotImplementedError
+    def cursor(self, stream: str) -> str:
+        return self.cursors.get(stream, "0-0")
+
+    @staticmethod
+    def streams_of(h: SessionHandle) -> set[tuple[str, str]]:
+        """(worker, result stream) of every hop of the session."""
+        reply = h.reply or h.session_id
+        return {(leg.worker_id, WorkerKeys(leg.worker_id).results(reply)) for leg in h.legs}
 
     def entry(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
         signer = self.settings.signer
@@ -108,8 +115,7 @@ class Steps:
             self.push(batch, h, job)
         h.pending_job, h.position = jobs[-1].job_id, jobs[-1].end_position
         record = WorkerKeys(h.worker_id).session_record(h.session_id)
-        reads = {leg.worker_id: self.cursor(WorkerKeys(leg.worker_id).results(h.reply or h.session_id))
-                 for leg in h.legs}
+        reads = {w: self.cursor(stream) for w, stream in sorted(self.streams_of(h))}
         batch.add(HSet(record, {"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
                                 "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n),
                                 "reply": h.reply or "", "gen": ",".join(map(str, h.generated)),
