@@ -145,15 +145,14 @@ class AsyncProducer(TrackerOps):
                 finally:
                     self._reading = None
                 touched = await self._call(core.advance_touched())
-                for run in {id(h.run): h.run for h in touched if h.run is not None}.values():
+                for run in {h.run for h in touched if h.run is not None}:
                     run.waker.set()
                 for run in core.expire():
                     run.waker.set()
                 if not got and block <= 0:
                     await asyncio.sleep(self.settings.poll_s)
         except BaseException as e:  # Redis down longer than outage_max_s, a bug: every waiting caller is told
-            runs = {id(h.run): h.run for h in core.driven.values()}
-            for run in runs.values():
+            for run in {h.run for h in core.driven.values()}:
                 run.error = run.error or (e if isinstance(e, Exception) else RuntimeError(f"the pump ended: {e!r}"))
                 core.stop(run)
                 run.waker.set()

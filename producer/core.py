@@ -337,16 +337,13 @@ class ProducerCore(Steps, Admission):
         silent = {w for w in self.reads if now - self.answered.get(w, now) > limit}
         if not silent:
             return []
-        runs: dict[int, Run] = {}
         waiting = [h for h in self.driven.values()
                    if not silent.isdisjoint({h.legs[s.hop].worker_id for s in h.sent.values()} or {h.worker_id})]
         for h in waiting:
-            run = h.run
-            runs[id(run)] = run
-            run.error = run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
-                                                   f"{h.legs[0].worker_id} for {limit} s")
+            h.run.error = h.run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
+                                                       f"{h.legs[0].worker_id} for {limit} s")
             self.retire(h)
-        return list(runs.values())
+        return list(dict.fromkeys(h.run for h in waiting))
 
     def block_ms(self, until_s: float | None = None) -> int:
         """How long a read may block: read_block_ms, no longer than the next timeout or the next start."""
