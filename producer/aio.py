@@ -28,10 +28,9 @@ from schemas import SessionSpec, StepResult
 from .commands import Batch, Get, Plan, Read, Sleep, XInfoGroups, XLen
 from .core import Run
 from .errors import SessionFailed
-from .redis_io import aexecute
 from .session import SessionHandle
 from .settings import ProducerSettings
-from .tracker import TrackerOps
+from .tracker import TrackerOps, aexecute
 
 __all__ = ["AsyncProducer"]
 
@@ -50,7 +49,7 @@ class AsyncProducer(TrackerOps):
         self._reading: asyncio.Future[Any] | None = None  # the pump's read in flight
         self._streams: set[str] = set()  # what that read reads
         self._asking: dict[Read, asyncio.Future[Any]] = {}
-        self._outbox: dict[str | None, list[tuple[Batch, asyncio.Future[None]]]] = {}
+        self._outbox: dict[str | None, tuple[Batch, asyncio.Task[None]]] = {}  # the pushes of this loop turn
         self._flushing: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> AsyncProducer:
@@ -68,10 +67,7 @@ class AsyncProducer(TrackerOps):
 
     # ---------------------------------------------------------------- running plans
 
-    def _call(self, plan: Plan[T]) -> Awaitable[T]:
-        return self._run(plan)
-
-    async def _run(self, plan: Plan[T]) -> T:
+    async def _call(self, plan: Plan[T]) -> T:
         reply: Any = None
         try:
             while True:
@@ -109,34 +105,17 @@ class AsyncProducer(TrackerOps):
         """With the other tasks' pushes of this loop turn: one pipeline (one MULTI/EXEC per worker for
         transactions, their keys in one hash tag)."""
         key = batch.tag if batch.transaction else None
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiting = self._outbox.setdefault(key, [])
-        if not waiting:
-            asyncio.get_running_loop().call_soon(self._flush, key)
-        waiting.append((batch, fut))
-        await fut
+        if key not in self._outbox:  # the send starts once the tasks ready in this loop turn have pushed
+            task = asyncio.ensure_future(self._flush(key))
+            self._flushing.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._flushing.discard)
+            self._outbox[key] = (Batch(transaction=key is not None, tag=key), task)
+        merged, sending = self._outbox[key]
+        merged.ops.extend(batch.ops)
+        await asyncio.shield(sending)  # a caller cancelled leaves the others' send alone
 
-    def _flush(self, key: str | None) -> None:
-        pending = self._outbox.pop(key, [])
-        merged = Batch(transaction=key is not None, tag=key)
-        for b, _ in pending:
-            merged.ops.extend(b.ops)
-
-        async def send() -> None:
-            try:
-                await self._io(merged)
-            except BaseException as e:
-                for _, fut in pending:
-                    if not fut.done():
-                        fut.set_exception(e)
-                return
-            for _, fut in pending:
-                if not fut.done():
-                    fut.set_result(None)
-
-        task = asyncio.ensure_future(send())
-        self._flushing.add(task)  # the loop keeps only a weak reference to a task
-        task.add_done_callback(self._flushing.discard)
+    async def _flush(self, key: str | None) -> None:
+        await self._io(self._outbox.pop(key)[0])
 
     # ---------------------------------------------------------------- the pump
 
@@ -156,7 +135,7 @@ class AsyncProducer(TrackerOps):
             while core.driven:
                 block = core.block_ms()
                 self._streams = {s for r in core.reads.values() for s in r}
-                self._reading = asyncio.ensure_future(self._run(core.read((), block)))
+                self._reading = asyncio.ensure_future(self._call(core.read((), block)))
                 try:
                     got = await self._reading
                 except asyncio.CancelledError:
@@ -165,16 +144,15 @@ class AsyncProducer(TrackerOps):
                     continue  # woken: read again, with the new streams
                 finally:
                     self._reading = None
-                touched = await self._run(core.advance_touched())
-                for run in {id(h.run): h.run for h in touched if h.run is not None}.values():
+                touched = await self._call(core.advance_touched())
+                for run in {h.run for h in touched if h.run is not None}:
                     run.waker.set()
                 for run in core.expire():
                     run.waker.set()
                 if not got and block <= 0:
                     await asyncio.sleep(self.settings.poll_s)
         except BaseException as e:  # Redis down longer than outage_max_s, a bug: every waiting caller is told
-            runs = {id(h.run): h.run for h in core.driven.values()}
-            for run in runs.values():
+            for run in {h.run for h in core.driven.values()}:
                 run.error = run.error or (e if isinstance(e, Exception) else RuntimeError(f"the pump ended: {e!r}"))
                 core.stop(run)
                 run.waker.set()
@@ -184,7 +162,7 @@ class AsyncProducer(TrackerOps):
 
     async def _start(self, run: Run, due: list[int]) -> None:
         if due:
-            await self._run(self.core.open_many(run, due, wait=self.settings.backpressure == "raise"))
+            await self._call(self.core.open_many(run, due, wait=self.settings.backpressure == "raise"))
         self._wake()
 
     async def run_many(self, sessions: Sequence[tuple[SessionSpec, Sequence[int]]], on_result: OnResult | None = None,
@@ -226,7 +204,7 @@ class AsyncProducer(TrackerOps):
         run = self.core.start([(spec, prompt)])
         run.waker = asyncio.Event()
         try:
-            await self._run(self.core.open_many(run, run.due(0.0), wait=True))
+            await self._call(self.core.open_many(run, run.due(0.0), wait=True))
             self._wake()
             h = run.handles[spec.session_id]
             sent = 0

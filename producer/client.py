@@ -13,10 +13,9 @@ from schemas import SessionSpec, StepResult
 
 from .commands import Batch, Plan, Read, Sleep
 from .errors import SessionFailed
-from .redis_io import execute
 from .session import SessionHandle
 from .settings import ProducerSettings
-from .tracker import TrackerOps
+from .tracker import TrackerOps, execute
 
 __all__ = ["Producer"]
 

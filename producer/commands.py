@@ -1,7 +1,7 @@
 """The Redis commands the Tracker core asks for, as typed values (no client, no reply shape).
 
 A *plan* (a generator in producer/core.py) yields a request and receives its reply: a `Read` (commands
-sent as one pipeline; its reply is the list of their replies, parsed by producer/redis_io.py), a `Batch`
+sent as one pipeline; its reply is the list of their replies, parsed by producer/tracker.py), a `Batch`
 (writes, sent as one pipeline or MULTI/EXEC; reply None) or a `Sleep`. Replies a plan sees: `Get` bytes or
 None, `Exists` bool, `HGetAll` dict[str, str], `SMembers` list[str], `XRead` [(stream, [(id, fields)])],
 `XRange` [(id, fields)], `XLen` / `XInfoGroups` the value or the error (`Read(errors=True)`).
@@ -10,6 +10,7 @@ None, `Exists` bool, `HGetAll` dict[str, str], `SMembers` list[str], `XRead` [(s
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 __all__ = ["Batch", "Command", "Delete", "Exists", "Expire", "Get", "HGetAll", "HSet", "Plan", "Read", "Request",
@@ -95,17 +96,15 @@ class Sleep(NamedTuple):
     seconds: float
 
 
+@dataclass(eq=False, slots=True, kw_only=True)
 class Batch:
     """Writes queued by the core, sent as one pipeline (`transaction`: MULTI/EXEC, every key in the hash tag
     of worker `tag`), and again as a whole after an outage: each is idempotent (pushes carry job ids a worker
     answers once; the record, markers and blobs are plain overwrites)."""
 
-    __slots__ = ("ops", "tag", "transaction")
-
-    def __init__(self, *, transaction: bool = False, tag: str | None = None) -> None:
-        self.ops: list[Command] = []
-        self.transaction = transaction
-        self.tag = tag
+    transaction: bool = False
+    tag: str | None = None
+    ops: list[Command] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.ops)

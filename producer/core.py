@@ -64,10 +64,7 @@ class ProducerCore(Steps, Admission):
     # ---------------------------------------------------------------- sessions driven by hand
 
     def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
-        self.check_shape(spec, prompt, hop)
-        for w in self.to_discover(spec):
-            yield from self.discover(w)
-        h = self.new_handle(spec, prompt, hop)
+        h = yield from self.opening(spec, prompt, hop)
         one_hop(h)
         yield from self.admit(h.input_stream("prefill"), wait=True)
         batch = Batch(transaction=True, tag=h.worker_id)
@@ -160,11 +157,7 @@ class ProducerCore(Steps, Admission):
         batches: dict[str, Batch] = {}
         left = deque(due)
         while left:
-            spec, prompt = run.sessions[left[0]]
-            self.check_shape(spec, prompt, 0)
-            for w in self.to_discover(spec):
-                yield from self.discover(w)
-            h = self.new_handle(spec, prompt)
+            h = yield from self.opening(*run.sessions[left[0]])
             if not (yield from self.admit(h.input_stream("prefill"), wait=wait)):
                 break
             self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h)
@@ -206,14 +199,6 @@ class ProducerCore(Steps, Admission):
     def stop(self, run: Run) -> None:
         for h in list(run.handles.values()):
             self.retire(h)
-
-    @staticmethod
-    def streams_of(h: SessionHandle) -> set[tuple[str, str]]:
-        reply = h.reply or h.session_id
-        return {(leg.worker_id, WorkerKeys(leg.worker_id).results(reply)) for leg in h.legs}
-
-    def cursor(self, stream: str) -> str:
-        return self.cursors.get(stream, "0-0")
 
     # ---------------------------------------------------------------- reading, applying, advancing
 
@@ -352,16 +337,13 @@ class ProducerCore(Steps, Admission):
         silent = {w for w in self.reads if now - self.answered.get(w, now) > limit}
         if not silent:
             return []
-        runs: dict[int, Run] = {}
         waiting = [h for h in self.driven.values()
                    if not silent.isdisjoint({h.legs[s.hop].worker_id for s in h.sent.values()} or {h.worker_id})]
         for h in waiting:
-            run = h.run
-            runs[id(run)] = run
-            run.error = run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
-                                                   f"{h.legs[0].worker_id} for {limit} s")
+            h.run.error = h.run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
+                                                       f"{h.legs[0].worker_id} for {limit} s")
             self.retire(h)
-        return list(runs.values())
+        return list(dict.fromkeys(h.run for h in waiting))
 
     def block_ms(self, until_s: float | None = None) -> int:
         """How long a read may block: read_block_ms, no longer than the next timeout or the next start."""

@@ -13,7 +13,6 @@ stream (MAXLEN: ~10,000 completion calls) or expired cannot be rebuilt (LookupEr
 from __future__ import annotations
 
 import json
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -81,9 +80,8 @@ def resume(core: ProducerCore, worker_id: str, session_ids: Sequence[str]) -> Pl
 def _from_record(core: ProducerCore, worker_id: str, sid: str, rec: dict[str, str], sink: Batch) -> SessionHandle:
     if "spec" not in rec:
         raise LookupError(f"no record of session {sid!r} on worker {worker_id!r}")
-    spec = SessionSpec.model_validate_json(rec["spec"])
-    h = SessionHandle(spec=spec, prompt=tuple(_ints(rec["prompt"])), worker_id=worker_id, opened_at=time.time(),
-                      reply=rec.get("reply") or None, hop=int(rec.get("hop", "0")),
+    h = SessionHandle(spec=SessionSpec.model_validate_json(rec["spec"]), prompt=tuple(_ints(rec["prompt"])),
+                      worker_id=worker_id, reply=rec.get("reply") or None, hop=int(rec.get("hop", "0")),
                       attempt=int(rec.get("attempt", "0")), generated=_ints(rec.get("gen")))
     h.credit.n = max(1, int(rec.get("decode_n", "1")))  # what the original Tracker used
     core.queue_prefill(sink, h)  # the opening of its current attempt, as the original pushed it
@@ -146,7 +144,6 @@ def _finish(core: ProducerCore, handles: list[SessionHandle]) -> Plan[None]:
             if s.raw is None and s.src is not None and got.get(s.src) is not None:
                 s.raw = got[s.src]  # never relayed: relay it now
                 batch.add(Delete(s.src))
-    for h in handles:
         if h.finished:
             h.released = False
             core.queue_release(batch, h)

@@ -32,17 +32,17 @@ def relay(core: ProducerCore, batch: Batch, h: SessionHandle, blobs: dict[str, b
     relays, h.relays = h.relays, []
     blocked: set[int] = set()
     for rl in relays:
-        blob = rl.blob
-        if rl.hop in blocked or (blob is not None and blob not in blobs and not assume_sent):
-            blocked.add(rl.hop)
+        blob, prev = rl.blob, rl.job
+        if prev.hop in blocked or (blob is not None and blob not in blobs and not assume_sent):
+            blocked.add(prev.hop)
             h.relays.append(rl)
             continue
         raw = blobs.get(blob) if blob is not None else None
         if blob is not None and raw is None and not assume_sent:
-            h.reason, h.detail = Reason.BAD_ACTIVATIONS.value, f"hop {rl.hop}: output blob {blob} is gone"
+            h.reason, h.detail = Reason.BAD_ACTIVATIONS.value, f"hop {prev.hop}: output blob {blob} is gone"
             lose(h)
             return
-        hop, prev = rl.hop + 1, rl.job
+        hop = prev.hop + 1
         into = WorkerKeys(h.legs[hop].worker_id).activations_in(job_id(h.session_id, hop, prev.phase,
                                                                        prev.start_position, h.attempt))
         nxt = core.job(h, hop, prev.phase, prev.start_position, prev.tokens, sample=prev.sample, session=prev.session,

@@ -21,7 +21,7 @@ from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecor
 from . import credit
 
 __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
-           "end", "lose", "row_result"]
+           "drop", "end", "lose", "row_result"]
 
 Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
 
@@ -43,11 +43,9 @@ class Sent:
 
 @dataclass(eq=False, slots=True)
 class Relay:
-    """Hop `hop`'s answer to `job`, whose output rows (`acts`: inline, or in a blob of `worker_id`'s tag) are
-    the next hop's input: relayed by steps.relay, in position order."""
+    """Hop `job.hop`'s answer to `job`, whose output rows (`acts`: inline, or in a blob of that hop's tag) are
+    the next hop's input: relayed by route.relay, in position order."""
 
-    hop: int
-    worker_id: str
     job: StepJob
     acts: Activations
 
@@ -94,7 +92,6 @@ class SessionHandle:
     pending_job: str | None = None  # hop 0's sampling job whose token is awaited
     hop: int = 0
     last_result_id: str = "0-0"  # the last result entry that moved it
-    opened_at: float = 0.0
     replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill
     credit: credit.Credit = field(default_factory=credit.Credit)
     sent: dict[str, Sent] = field(default_factory=dict)  # every hop's unanswered jobs, by job id
@@ -206,17 +203,18 @@ def row_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
 def lose(h: SessionHandle) -> None:
     """Its state is gone on some hop: nothing of the current attempt is awaited any more (replay or end)."""
     h.status = "state_lost"
-    _drop(h)
+    drop(h)
 
 
 def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
     h.finished, h.status = True, status
     if detail is not None:
         h.detail = detail
-    _drop(h)
+    drop(h)
 
 
-def _drop(h: SessionHandle) -> None:
+def drop(h: SessionHandle) -> None:
+    """Nothing of the current attempt is awaited any more."""
     h.feed, h.pending_job = False, None
     h.relays.clear()
     h.sent.clear()
@@ -228,25 +226,15 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
     """One answer to the session's job `s` (a row: offset, status code, position, token or -1, finished, extra,
     engine seconds, what the counters charged). False when it changes nothing (a token already placed)."""
     job = s.job
-    leg = h.legs[s.hop]
-    if job.n > 1:  # a continuation: one answer per token, then the job has ended
-        if st == _OK:
-            bit = 1 << off if off >= 0 else 0
-            if not s.left & bit:
-                return False
-            s.left &= ~bit
-            if s.left:
-                return _answer(h, s, leg, off, st, pos, tok, fin, x, es, charged_p, charged_g)
+    if job.n > 1 and st == _OK:  # a continuation: one answer per token, then the job has ended
+        bit = 1 << off if off >= 0 else 0
+        if not s.left & bit:
+            return False
+        s.left &= ~bit
+    if job.n == 1 or st != _OK or not s.left:
         del h.sent[job.job_id]
         h.credit.jobs.pop(job.job_id, None)
-    else:
-        del h.sent[job.job_id]
-    return _answer(h, s, leg, off, st, pos, tok, fin, x, es, charged_p, charged_g)
-
-
-def _answer(h: SessionHandle, s: Sent, leg: HopLeg, off: int, st: int, pos: int, tok: int, fin: int,
-            x: RowExtra | None, es: float, charged_p: int, charged_g: int) -> bool:
-    job = s.job
+    leg = h.legs[s.hop]
     leg.engine_seconds += es
     if st != _OK:
         reason = x.reason if x is not None else None
@@ -268,7 +256,7 @@ def _answer(h: SessionHandle, s: Sent, leg: HopLeg, off: int, st: int, pos: int,
         elif hidden.rows != len(job.tokens):
             end(h, "failed", f"hop {s.hop} answered {hidden.rows} rows for {len(job.tokens)} tokens")
         else:
-            h.relays.append(Relay(s.hop, leg.worker_id, job, hidden))
+            h.relays.append(Relay(job, hidden))
         return True
     h.prompt_tokens += charged_p
     h.billed_generated += charged_g

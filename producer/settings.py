@@ -17,17 +17,13 @@ from schemas.limits import (
     is_id,
 )
 
-__all__ = ["DECODE_N", "READ_COUNT", "ProducerSettings", "new_tracker_id"]
+__all__ = ["DECODE_N", "READ_COUNT", "ProducerSettings"]
 
 READ_COUNT = 1_000  # result records per stream per XREAD, and per XRANGE page of resume
 # Tokens per decode job by default (a continuation job: producer/credit.py), so a session never waits on the
 # Tracker between tokens. 1: one job per token. n > 1 only from a worker advertising max_continuation, and
 # never on a route of several hops.
 DECODE_N = 16
-
-
-def new_tracker_id() -> str:
-    return f"t-{secrets.token_hex(6)}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +51,7 @@ class ProducerSettings:
     read_block_ms: int = 1000
     poll_s: float = 0.002
     rewind_ms: int = 10_000
-    tracker_id: str = field(default_factory=new_tracker_id)
+    tracker_id: str = field(default_factory=lambda: f"t-{secrets.token_hex(6)}")
 
     @classmethod
     def of(cls, settings: ProducerSettings | None, options: dict[str, Any]) -> ProducerSettings:

@@ -23,7 +23,7 @@ from schemas.limits import CANCEL_MAXLEN
 from . import credit
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
-from .session import Sent, SessionHandle, end
+from .session import Sent, SessionHandle, drop, end
 from .validate import check_id
 
 if TYPE_CHECKING:
@@ -51,9 +51,16 @@ class Steps:
 
     settings: ProducerSettings
     discovered: dict[str, tuple[float, WorkerInfo]]
+    cursors: dict[str, str]  # result stream -> the last entry id read
 
-    def cursor(self, stream: str) -> str:  # the core's: where its reading of a result stream stands
-        raise NotImplementedError
+    def cursor(self, stream: str) -> str:
+        return self.cursors.get(stream, "0-0")
+
+    @staticmethod
+    def streams_of(h: SessionHandle) -> set[tuple[str, str]]:
+        """(worker, result stream) of every hop of the session."""
+        reply = h.reply or h.session_id
+        return {(leg.worker_id, WorkerKeys(leg.worker_id).results(reply)) for leg in h.legs}
 
     def entry(self, stream: str, fields: dict[str, str]) -> dict[str, str]:
         signer = self.settings.signer
@@ -97,12 +104,10 @@ class Steps:
         """(Re)open the session: its attempt's prefill chunks to hop 0, and its record (what resume() rebuilds it
         from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood)."""
         h.replayed_generated = len(h.generated)
-        h.sent.clear()
-        h.relays.clear()
-        h.credit.clear()
+        drop(h)
         for leg in h.legs:
             leg.closed = False
-        h.released, h.feed, h.status, h.reason, h.detail = False, False, "open", None, ""
+        h.released, h.status, h.reason, h.detail = False, "open", None, ""
         if not h.credit.n:
             h.credit.n = credit.tokens_per_job(self, h)
         jobs = self.prefill_jobs(h)
@@ -110,8 +115,7 @@ class Steps:
             self.push(batch, h, job)
         h.pending_job, h.position = jobs[-1].job_id, jobs[-1].end_position
         record = WorkerKeys(h.worker_id).session_record(h.session_id)
-        reads = {leg.worker_id: self.cursor(WorkerKeys(leg.worker_id).results(h.reply or h.session_id))
-                 for leg in h.legs}
+        reads = {w: self.cursor(stream) for w, stream in sorted(self.streams_of(h))}
         batch.add(HSet(record, {"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
                                 "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n),
                                 "reply": h.reply or "", "gen": ",".join(map(str, h.generated)),
@@ -123,6 +127,10 @@ class Steps:
         one_hop(h)
         if h.finished:
             raise ValueError(f"session {h.session_id} is {h.status}")
+        return self.push_token(batch, h, token)
+
+    def push_token(self, batch: Batch, h: SessionHandle, token: int) -> str:
+        """The decode job at h.position feeding `token` (the caller's, or the one the last hop sampled)."""
         job = self.decode_job(h, h.position, token)
         self.push(batch, h, job)
         h.pending_job, h.feed = job.job_id, False
@@ -167,11 +175,7 @@ class Steps:
             return credit.queue_next(self, batch, h)
         if not h.feed:
             return False
-        h.feed = False
-        job = self.decode_job(h, h.position, h.generated[-1])
-        self.push(batch, h, job)
-        h.pending_job = job.job_id
-        h.position += 1
+        self.push_token(batch, h, h.generated[-1])
         return True
 
     def queue_release(self, batch: Batch, h: SessionHandle) -> bool:

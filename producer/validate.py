@@ -60,10 +60,7 @@ def vocab_size(info: dict[str, Any] | None, digest: str | None = None) -> int | 
     info = info or {}
     engines = info.get("engines")
     if digest is not None and isinstance(engines, list):
-        for e in engines:
-            if isinstance(e, dict) and digest in (e.get("digests") or {}).values():
-                info = e
-                break
+        info = next((e for e in engines if isinstance(e, dict) and digest in (e.get("digests") or {}).values()), info)
     v = info.get("vocab_size")
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
@@ -156,6 +153,13 @@ class Admission:
                  or now - self.discovered[rh.worker_id][0] > self.settings.discover_cache_s)
         return list(dict.fromkeys(stale))
 
+    def opening(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
+        """`new_handle`, the shape checked first, then the workers `to_discover` discovered."""
+        self.check_shape(spec, prompt, hop)
+        for w in self.to_discover(spec):
+            yield from self.discover(w)
+        return self.new_handle(spec, prompt, hop)
+
     def check_shape(self, spec: SessionSpec, prompt: Sequence[int], hop: int) -> tuple[int, ...]:
         """What can be checked without the workers' advertisements: types, hop, prompt, context, joins."""
         if not isinstance(spec, SessionSpec):
@@ -190,8 +194,7 @@ class Admission:
                         raise ValueError(f"worker {rh.worker_id!r} does not advertise {what} {d}")
         worker = spec.route[hop].worker_id
         toks = check_tokens(toks, self.vocab(worker, spec.route[hop].key.for_phase("prefill").digest))
-        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id,
-                             opened_at=time.time())
+        return SessionHandle(spec=spec, prompt=toks, worker_id=worker, hop=hop, reply=self.settings.tracker_id)
 
     def vocab(self, worker_id: str, digest: str | None = None) -> int | None:
         cached = self.discovered.get(worker_id)
