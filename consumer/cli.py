@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,7 @@ import typer
 from .cli_bench import bench_app
 from .cli_options import EngineOpt, HmacKeyFile, Model, RecipeOpt, WorkerId
 from .config import DEFAULTS
+from .engines.compute import on_compute_thread
 from .redis_options import (
     RedisClusterFlag,
     RedisSentinel,
@@ -210,10 +212,12 @@ def consumer(
         if "invariant" in {c.recipe or eng_s.recipe for c in choices}:
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")  # ggml reads it once, at the first K-quant matmul
         # One engine per --model, each with its own slots; the worker serves them all (one lane each).
-        eng = make_engines(choices, kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
-                           n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session,
-                           n_threads=eng_s.threads or None, n_gpu_layers=eng_s.n_gpu_layers,
-                           cpu_wait=eng_s.cpu_wait)
+        # Built on the thread that runs the fused calls (overlap on): llama.cpp's threads then form one
+        # OpenMP team, not two (consumer/engines/compute.py).
+        build = partial(make_engines, choices, kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
+                        n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
+                        n_gpu_layers=eng_s.n_gpu_layers, cpu_wait=eng_s.cpu_wait)
+        eng = on_compute_thread(build) if config.worker.overlap else build()
     except ValueError as e:  # a bad --model, or two models with the same keys (EngineSet)
         raise typer.BadParameter(str(e), param_hint="--model") from None
     metrics = Metrics(worker_id)

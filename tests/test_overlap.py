@@ -304,3 +304,58 @@ def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: re
     seen_off, _ = _drive(real_redis, plans, overlap=False)
     assert {i: [(r.status, r.reason, r.position, r.token, r.finished) for r in rs] for i, rs in d.seen.items()} == \
            {i: [row[:5] for row in rs] for i, rs in seen_off.items()}
+
+
+def test_every_fused_call_runs_on_one_thread_whether_it_overlaps_or_not(real_redis: redis.Redis) -> None:
+    """llama.cpp's OpenMP keeps a team of threads per thread that calls it, and a second team makes libgomp
+    stop spinning (calls slower for the rest of the process): with overlap on, every call runs on the
+    engine thread, those that overlap and those that do not (calls longer than overlap_max_call_ms turn
+    the overlap off until a short one turns it back on), retries after a failed call included; every
+    session still ends as with the loop alone."""
+    class Recording(SleepEngine):
+        def __init__(self) -> None:
+            super().__init__(0.001, n_slots=8, ctx_per_session=256)
+            self.threads: set[str] = set()
+            self.n = 0
+
+        def step(self, batch):  # type: ignore[no-untyped-def]
+            self.threads.add(threading.current_thread().name)
+            self.n += 1
+            self.step_s = 0.025 if self.n % 3 == 0 else 0.001  # past overlap_max_call_ms every third call
+            if self.n == 4 and batch.n_logit_rows > 1:
+                raise RuntimeError("one failed call: retried by halves")
+            return super().step(batch)
+
+    wid = f"ov{next(_runs)}"
+    engine = Recording()
+    w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
+               WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8, overlap=True,
+                              overlap_max_call_ms=20.0))
+    w.start()
+    plans = [Plan(i % 3, (5 + i, 6, 7), 6, i % 2 == 0, None, False) for i in range(6)]
+    d = Driver(real_redis, w, wid, plans)
+    flushed = overlapped = 0
+    for it in range(600):
+        d.tick(it)
+        flush = not w._overlapping()
+        flushed, overlapped = flushed + flush, overlapped + (not flush)
+        w.run_once(flush=flush)
+        if it > 6 and d.settled():
+            break
+    w.flush()
+    d.tick(10_000)
+    assert d.settled() and flushed and overlapped  # both kinds of iteration ran
+    assert engine.n > 4 and len(engine.threads) == 1 and next(iter(engine.threads)).startswith("dgr-engine")
+    seen_off, _ = _drive(real_redis, plans, overlap=False)
+    assert {i: [(r.status, r.reason, r.position, r.token, r.finished) for r in rs] for i, rs in d.seen.items()} == \
+           {i: [row[:5] for row in rs] for i, rs in seen_off.items()}
+
+
+def test_the_compute_thread_is_one_thread_for_the_process() -> None:
+    """Engines built and called through it meet one thread (and one OpenMP team); a call from it runs inline."""
+    from consumer.engines.compute import compute_thread, on_compute_thread
+
+    names = {on_compute_thread(lambda: threading.current_thread().name) for _ in range(5)}
+    names |= {compute_thread().submit(lambda: threading.current_thread().name).result()}
+    assert len(names) == 1 and next(iter(names)).startswith("dgr-engine")
+    assert on_compute_thread(lambda: on_compute_thread(lambda: 7)) == 7  # no deadlock from the thread itself

@@ -18,6 +18,7 @@ from schemas import Reason, Status
 
 from ..batch import EngineOutput
 from ..engines.base import EngineError
+from ..engines.compute import compute_thread, on_compute_thread
 from ..sched import Answer, ScheduledBatch
 from ..transport.protocol import FusedCallStats
 from .lane import Lane
@@ -35,8 +36,11 @@ def run_fused(w: Worker, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
     """One fused call, in the loop's thread. On failure, answer the offending sessions `failed` and keep
     serving the rest: retry without the slots the engine named, else bisect."""
     t = time.perf_counter()
+    fused = lane.hops.fused(batch)
     try:
-        output = lane.engine.forward(lane.hops.fused(batch))
+        # With overlap on, every call runs on the compute thread, the one the engine was built on and the
+        # overlapped calls run on (consumer/engines/compute.py: a second OpenMP team slows every call).
+        output = on_compute_thread(lane.engine.forward, fused) if w.settings.overlap else lane.engine.forward(fused)
     except Exception as e:  # any engine fault must not take the worker down
         return _failed(w, lane, batch, e, time.perf_counter() - t)
     return _answered(w, lane, batch, output, time.perf_counter() - t)
@@ -141,11 +145,11 @@ def _fail_named(w: Worker, lane: Lane, batch: ScheduledBatch, e: Exception, bad:
 class InFlightCall:
     """The fused call on the engine thread (overlap on: the loop builds the next call's input and files
     the last one's answers while it computes). One thread runs every call, one at a time, so an engine is
-    never entered by two threads; slots are released only while no call is in flight."""
+    never entered by two threads; slots are released only while no call is in flight. The thread is the
+    process's compute thread (consumer/engines/compute.py), shared by the workers of a process."""
 
     def __init__(self, w: Worker) -> None:
         self.w = w
-        self._pool: ThreadPoolExecutor | None = None
         self._call: tuple[Lane, ScheduledBatch, InFlight] | None = None
 
     @property
@@ -153,9 +157,7 @@ class InFlightCall:
         return self._call is not None
 
     def thread(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dgr-engine-{self.w.settings.worker_id}")
-        return self._pool
+        return compute_thread()  # the process's one compute thread (consumer/engines/compute.py)
 
     def start(self, lane: Lane, batch: ScheduledBatch) -> None:
         assert self._call is None, "one fused call in flight at a time"
@@ -184,6 +186,4 @@ class InFlightCall:
             c[2].exception()
 
     def close(self) -> None:
-        self.abandon()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self.abandon()  # the compute thread is the process's: it stays
