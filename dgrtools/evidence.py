@@ -114,10 +114,10 @@ LIMITATIONS = (
     "Sampling runs on the worker's CPU (numpy, llama.cpp's grammar sampler), between engine calls: with a GPU "
     "engine the logits rows come back to the host; a grammar-constrained row costs about a millisecond on a "
     "262,144-token vocabulary even asked along the piece tree (docs/benchmarks.md: a JSON schema / greedy "
-    "0.79-0.83 on Gemma, under issue 23's 0.8 in two runs of three).",
-    "Gemma e2e / raw greedy is 0.82-0.83 on this 2-core machine (issue 21 asks 0.97): llama.cpp's spinning "
-    "threads share the cores with Redis, the Tracker and the worker's Python, and its call takes 51-55 ms in the "
-    "service against 41-43 ms alone.",
+    "0.79-0.83 on Gemma, under issue 23's 0.8 in two runs of five).",
+    "Gemma e2e / raw greedy is 0.89-0.96 on this 2-core machine (issue 21 asks 0.97 in three runs of three): "
+    "llama.cpp's threads share the cores with Redis, the Tracker and the worker's Python (about 3 ms a call "
+    "outside the engine).",
     "producer/ is 2,252 lines (issue 22 asks under 1,800).",
     "Between two fused calls the worker spends about 5 us of Python per session (sampling call k, building call "
     "k+1; the rest overlaps the call): e2e / engine-bound 0.78-0.81 at 256 sessions x 10 ms, under issue 21's 0.9.",
