@@ -161,3 +161,20 @@ def test_a_sampler_closed_right_after_its_first_grammar_waits_for_the_tree(tiny_
     sampler.close()
     thread = vocab.__dict__["_piece_tree"]["thread"]
     assert not thread.is_alive() and vocab.piece_tree() is not None
+
+
+def test_a_tree_that_cannot_be_built_is_logged_and_grammars_ask_every_id(tiny_model_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    def broken(cls: type[PieceTree], pieces: list[bytes | None]) -> PieceTree:
+        raise RuntimeError("no tree")
+
+    monkeypatch.setattr(PieceTree, "from_pieces", classmethod(broken))
+    vocab = Vocabulary.load(tiny_model_path)
+    with caplog.at_level("ERROR", logger="dgr.sampler"):
+        assert vocab.piece_tree(wait=True) is None
+    assert "piece tree could not be built" in caplog.text
+    g = Grammar(vocab, GRAMMARS[1])
+    every = np.arange(vocab.n_vocab, dtype=np.intp)
+    assert g.admitted(every).tolist() == g.asked(every).tolist()
+    g.close()

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -359,3 +360,25 @@ def test_the_compute_thread_is_one_thread_for_the_process() -> None:
     names |= {compute_thread().submit(lambda: threading.current_thread().name).result()}
     assert len(names) == 1 and next(iter(names)).startswith("dgr-engine")
     assert on_compute_thread(lambda: on_compute_thread(lambda: 7)) == 7  # no deadlock from the thread itself
+
+
+def test_the_consumer_builds_its_engines_on_the_compute_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dgr consumer` builds its engines on the thread its fused calls run on (overlap on: one OpenMP team
+    for llama.cpp), and on its own thread with overlap off (where it calls them)."""
+    from typer.testing import CliRunner
+
+    import consumer.cli as cli
+    import consumer.runtime as runtime
+
+    built_on: list[str] = []
+
+    def record(*a: object, **kw: object) -> None:
+        built_on.append(threading.current_thread().name)
+        raise ValueError("engines recorded, stop here")  # a bad --model: the CLI exits 2 before Redis
+
+    monkeypatch.setattr(runtime, "make_engines", record)  # the CLI imports it when it runs
+    for flag, on_compute in (("--overlap", True), ("--no-overlap", False)):
+        res = CliRunner().invoke(cli.app, ["consumer", "--redis-url", "redis://127.0.0.1:1/0", "--worker-id", "w",
+                                           "--model", "tiny", flag])
+        assert res.exit_code == 2, res.output
+        assert built_on[-1].startswith("dgr-engine") is on_compute, built_on

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,12 @@ class Vocabulary:
             thread.join()
 
     def _build_piece_tree(self, state: dict[str, Any]) -> None:
+        try:
+            self._read_piece_tree(state)
+        except Exception:  # grammars still work, asking llama.cpp about every id: say why they are slow
+            logging.getLogger("dgr.sampler").exception("the vocabulary's piece tree could not be built")
+
+    def _read_piece_tree(self, state: dict[str, Any]) -> None:
         from consumer.engines.llama import llama_cpp_module  # deferred: loads llama.cpp
 
         L = llama_cpp_module()
