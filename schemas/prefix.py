@@ -1,0 +1,108 @@
+"""Content-addressed prompt blocks: the one definition the worker's prefix cache and the Tracker's placement
+share (docs/prefix-cache.md, docs/placement.md).
+
+A prompt is cut into blocks of `block_tokens` token ids; only full blocks have ids. Block i's id hashes block
+i-1's id, block i's token ids, and (for block 0, through the root) everything that changes its KV: the
+compatibility key's prefill digest (engine, recipe, boundary schema with the hop's block range, state layout)
+and the sharing scope's salt. So two prompts share exactly the leading blocks whose ids match, and never a
+block of another model, recipe, hop or salt. SHA-256 as vLLM (Python's `hash()` is salted per process and
+collides), truncated to 16 bytes: a collision needs ~2^64 blocks.
+
+A worker advertises a bounded summary of the ids it holds (`PrefixSummary`, in its heartbeat under
+`prefix`, one per engine lane or for its first engine); the Tracker computes a prompt's ids with the same
+function (`prefix_root(key digest, salt_for(scope, spec.cache_salt, account))`) and counts the leading ones a
+worker holds (`cached_blocks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import msgspec
+
+BLOCK_TOKENS = 16  # vLLM's default block size; a worker advertises its own in its summary
+SUMMARY_MAX_IDS = 4096  # ids in one heartbeat summary at most (16 bytes each as hex: ~135 kB)
+ID_HEX = 32  # an id's length as hex
+
+Scope = Literal["account", "salt", "global"]
+SCOPES: tuple[Scope, ...] = ("account", "salt", "global")
+
+
+def salt_for(scope: Scope, cache_salt: str | None, account_id: str) -> str | None:
+    """The salt a session's blocks are rooted in: its own `cache_salt` when set; otherwise its account under
+    scope `account`, "" (shared by every session without a salt) under scope `global`, and None (not cached
+    at all) under scope `salt`, which shares only between sessions that name the same salt."""
+    if cache_salt:
+        return "s:" + cache_salt
+    if scope == "account":
+        return "a:" + account_id
+    if scope == "global":
+        return ""
+    return None
+
+
+def prefix_root(key_digest: str, salt: str = "") -> bytes:
+    """The parent of block 0: the compatibility key's prefill-phase digest and the scope's salt (the
+    session's `cache_salt`, its account under scope `account`, "" under scope `global`)."""
+    return hashlib.sha256(b"dgr-prefix-v1\0" + key_digest.encode() + b"\0" + salt.encode()).digest()[:16]
+
+
+def block_ids(tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[str]:
+    """The ids (hex) of the prompt's full blocks, in order; block i's id covers tokens[: (i + 1) * block_tokens]."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    out: list[str] = []
+    parent = root
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        chunk = tokens[start:start + block_tokens]
+        parent = hashlib.sha256(parent + struct.pack(f"<{block_tokens}q", *chunk)).digest()[:16]
+        out.append(parent.hex())
+    return out
+
+
+def cached_blocks(ids: Sequence[str], held: set[str] | frozenset[str]) -> int:
+    """How many of the prompt's leading blocks are in `held` (a prefix match: the first miss ends it)."""
+    n = 0
+    for i in ids:
+        if i not in held:
+            break
+        n += 1
+    return n
+
+
+class PrefixSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a worker advertises of its prefix cache: its block size and the ids of the blocks it holds,
+    most recently used first, at most SUMMARY_MAX_IDS (a bounded input for placement, not an exact view)."""
+
+    block_tokens: int
+    scope: Scope
+    ids: list[str]
+
+    @staticmethod
+    def of(block_tokens: int, scope: Scope, ids: Iterable[str], limit: int = SUMMARY_MAX_IDS) -> PrefixSummary:
+        out: list[str] = []
+        for i in ids:
+            if len(out) >= limit:
+                break
+            out.append(i)
+        return PrefixSummary(block_tokens=block_tokens, scope=scope, ids=out)
+
+    def as_json(self) -> dict[str, object]:
+        return {"block_tokens": self.block_tokens, "scope": self.scope, "ids": list(self.ids)}
+
+    @staticmethod
+    def parse(raw: object) -> PrefixSummary | None:
+        """From a heartbeat's `prefix` value; None when absent or malformed (a worker's summary is advisory:
+        placement without it falls back to load alone)."""
+        if not isinstance(raw, dict):
+            return None
+        bt, scope, ids = raw.get("block_tokens"), raw.get("scope"), raw.get("ids")
+        if not isinstance(bt, int) or isinstance(bt, bool) or bt < 1 or not isinstance(ids, list):
+            return None
+        if scope not in SCOPES:
+            return None
+        good = [i for i in ids[:SUMMARY_MAX_IDS] if isinstance(i, str) and len(i) == ID_HEX]
+        return PrefixSummary(block_tokens=bt, scope=scope, ids=good)

@@ -1,0 +1,55 @@
+"""schemas/prefix.py: block ids shared exactly by the leading full blocks two prompts have in common, never
+across roots (model, recipe, hop, salt); the heartbeat summary bounded and parsed defensively."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.prefix import ID_HEX, SUMMARY_MAX_IDS, PrefixSummary, block_ids, cached_blocks, prefix_root, salt_for
+
+tokens = st.lists(st.integers(0, 2**31 - 1), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=tokens, b=tokens, bt=st.integers(1, 8))
+def test_ids_match_exactly_the_common_full_blocks(a, b, bt):
+    root = prefix_root("0123456789abcdef")
+    ia, ib = block_ids(a, root, bt), block_ids(b, root, bt)
+    assert len(ia) == len(a) // bt and len(ib) == len(b) // bt
+    common = 0
+    while common < min(len(a), len(b)) and a[common] == b[common]:
+        common += 1
+    shared = cached_blocks(ib, set(ia))
+    assert shared == min(common // bt, len(ib))
+    assert all(len(i) == ID_HEX for i in ia)
+
+
+@given(t=st.lists(st.integers(0, 1000), min_size=4, max_size=40))
+def test_other_roots_share_nothing(t):
+    ids = {prefix_root("k1"), prefix_root("k2"), prefix_root("k1", "salt"), prefix_root("k1", "salt2")}
+    assert len(ids) == 4
+    sets = [set(block_ids(t, r, 4)) for r in ids]
+    for i, s in enumerate(sets):
+        for other in sets[i + 1:]:
+            assert not s & other
+
+
+def test_summary_bounded_and_parsed_defensively():
+    s = PrefixSummary.of(16, "global", (f"{i:032x}" for i in range(SUMMARY_MAX_IDS + 10)))
+    assert len(s.ids) == SUMMARY_MAX_IDS
+    back = PrefixSummary.parse(s.as_json())
+    assert back == s
+    assert PrefixSummary.parse(None) is None
+    assert PrefixSummary.parse({"block_tokens": True, "ids": []}) is None
+    assert PrefixSummary.parse({"block_tokens": 16, "ids": "x"}) is None
+    assert PrefixSummary.parse({"block_tokens": 16, "scope": "nope", "ids": []}) is None
+    assert PrefixSummary.parse({"block_tokens": 16, "scope": "salt", "ids": ["short", 5, "f" * 32]}).ids == ["f" * 32]
+
+
+def test_salt_for_scopes():
+    assert salt_for("global", None, "acct") == ""
+    assert salt_for("account", None, "acct") == "a:acct"
+    assert salt_for("salt", None, "acct") is None
+    for scope in ("global", "account", "salt"):
+        assert salt_for(scope, "x", "acct") == "s:x"
+    # a salt can never pose as an account (or the reverse)
+    assert salt_for("account", None, "x") != salt_for("global", "x", "y")
