@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -35,6 +36,7 @@ from .tracker import TrackerOps, aexecute
 __all__ = ["AsyncProducer"]
 
 T = TypeVar("T")
+log = logging.getLogger("dgr.producer")
 OnResult = Callable[[SessionHandle, StepResult], "Awaitable[None] | None"]
 _ASKED_ONCE = (Get, XLen, XInfoGroups)  # reads many tasks ask at once: one question in flight per equal Read
 
@@ -160,6 +162,13 @@ class AsyncProducer(TrackerOps):
 
     # ---------------------------------------------------------------- driving sessions
 
+    async def _release(self) -> None:
+        """Producer._release on asyncio: cancel the sessions a loop left before they ended."""
+        try:
+            await self._call(self.core.release_abandoned())
+        except Exception:
+            log.warning("cancels of abandoned sessions not sent yet", exc_info=True)
+
     async def _start(self, run: Run, due: list[int]) -> None:
         if due:
             await self._call(self.core.open_many(run, due, wait=self.settings.backpressure == "raise"))
@@ -193,6 +202,7 @@ class AsyncProducer(TrackerOps):
                 run.waker.clear()
         finally:
             self.core.stop(run)
+            await self._release()
 
     async def drive(self, handles: Sequence[SessionHandle], on_result: OnResult | None = None,
                     replay_state_lost: bool = True) -> dict[str, SessionHandle]:
@@ -220,5 +230,6 @@ class AsyncProducer(TrackerOps):
                 run.waker.clear()
         finally:
             self.core.stop(run)
+            await self._release()
         if h.status not in ("finished", "cancelled"):
             raise SessionFailed(h)

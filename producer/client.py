@@ -3,6 +3,7 @@ every decision is the core's. Not thread-safe: drive it from one thread."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from .tracker import TrackerOps, execute
 __all__ = ["Producer"]
 
 T = TypeVar("T")
+log = logging.getLogger("dgr.producer")
 OnResult = Callable[[SessionHandle, StepResult], None]
 
 
@@ -90,6 +92,7 @@ class Producer(TrackerOps):
                 self._raise(run)
         finally:
             self.core.stop(run)
+            self._release()
 
     def drive(self, handles: Sequence[SessionHandle], on_result: OnResult | None = None,
               replay_state_lost: bool = True) -> dict[str, SessionHandle]:
@@ -115,6 +118,7 @@ class Producer(TrackerOps):
                 self._raise(run)
         finally:
             self.core.stop(run)
+            self._release()
         if h.status not in ("finished", "cancelled"):
             raise SessionFailed(h)
 
@@ -125,9 +129,17 @@ class Producer(TrackerOps):
         try:
             self._call(self.core.turn(block_ms))
         finally:
-            self.core.stop(run)
+            self.core.stop(run, abandon=False)
             for h in run.handles.values():
                 h.run = None
+
+    def _release(self) -> None:
+        """Cancel the sessions a loop left before they ended (a timeout, an exception, the caller stopped): an
+        error here does not hide the one that ended the loop; what was not sent goes with the next turn."""
+        try:
+            self._call(self.core.release_abandoned())
+        except Exception:
+            log.warning("cancels of abandoned sessions not sent yet", exc_info=True)
 
     def _turn(self, until: float | None) -> None:
         block = self.core.block_ms(until)

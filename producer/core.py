@@ -60,6 +60,7 @@ class ProducerCore(Steps, Admission):
         self.refused = 0  # result entries that could not be decoded (another wire version: logged)
         self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
         self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
+        self.abandoned: deque[tuple[str, str]] = deque()  # (worker, session): to cancel, the driver stopped early
 
     # ---------------------------------------------------------------- sessions driven by hand
 
@@ -181,10 +182,14 @@ class ProducerCore(Steps, Admission):
                 self.answered[w] = now  # the timeout's clock starts with the worker's first session
             reading[stream] = reading.get(stream, 0) + 1
 
-    def retire(self, h: SessionHandle) -> None:
-        """Stop driving a session (it ended, timed out, or its driver went away)."""
+    def retire(self, h: SessionHandle, abandon: bool = False) -> None:
+        """Stop driving a session (it ended, timed out, or its driver went away). `abandon`: one that has not ended
+        (a timeout, its caller's cancellation, a callback's exception) is cancelled on every worker of its route
+        (`release_abandoned`), so no worker holds its slot until the reaper."""
         if self.driven.get(h.session_id) is not h:
             return
+        if abandon and not h.finished:
+            self.abandoned.extend((w, h.session_id) for w in self.release_workers(h))
         del self.driven[h.session_id]
         self.touched.pop(h.session_id, None)
         h.run.live -= 1
@@ -196,9 +201,19 @@ class ProducerCore(Steps, Admission):
                 if not reading:
                     del self.reads[w]
 
-    def stop(self, run: Run) -> None:
+    def stop(self, run: Run, abandon: bool = True) -> None:
+        """Stop driving a run's sessions; those that have not ended are abandoned (`retire`), unless the caller
+        drives them on by hand (`abandon` False: a `poll`)."""
         for h in list(run.handles.values()):
-            self.retire(h)
+            self.retire(h, abandon)
+
+    def release_abandoned(self) -> Plan[None]:
+        """Send the cancels of the sessions abandoned (`retire`): the durable cancel path (`_cancel`: one transaction
+        per worker, sent again after an outage). One left unsent (Redis away) goes with the next turn."""
+        while self.abandoned:
+            worker_id, session_id = self.abandoned[0]
+            yield from self._cancel([worker_id], session_id)
+            self.abandoned.popleft()
 
     # ---------------------------------------------------------------- reading, applying, advancing
 
@@ -277,6 +292,7 @@ class ProducerCore(Steps, Admission):
         """Every driven session moved since its last advance: relay its rows (the blobs fetched in one
         pipeline), ask whether a session about to be replayed was cancelled, and push every next job in ONE
         pipeline, before any callback runs. The sessions, for the driver to call back and wake."""
+        yield from self.release_abandoned()
         hs = list(self.touched.values())
         self.touched = {}
         if not hs:
@@ -342,7 +358,7 @@ class ProducerCore(Steps, Admission):
         for h in waiting:
             h.run.error = h.run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
                                                        f"{h.legs[0].worker_id} for {limit} s")
-            self.retire(h)
+            self.retire(h, abandon=True)
         return list(dict.fromkeys(h.run for h in waiting))
 
     def block_ms(self, until_s: float | None = None) -> int:

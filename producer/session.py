@@ -26,6 +26,12 @@ __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Se
 Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
 
 _OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
+# A rejection the session survives by a replay (attempt + 1, new job ids): the hop lost it, or another job was
+# received under one of its job ids (a writer without the key: docs/security.md).
+_REPLAYED = frozenset({Reason.UNKNOWN_SESSION, Reason.JOB_ID_CONFLICT})
+# An opening refused for these never opened the session on its hop: nothing there to cancel.
+_NOT_OPENED = frozenset({Reason.CAPACITY, Reason.ACCOUNT_LIMIT, Reason.INCOMPATIBLE, Reason.WRONG_HOP, Reason.BAD_TOKEN,
+                         Reason.TOO_LONG, Reason.GRAMMAR_INVALID, Reason.GRAMMAR_UNSUPPORTED, Reason.CANCELLED})
 
 
 @dataclass(eq=False, slots=True)
@@ -241,10 +247,11 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         h.reason = reason.value if reason is not None else None
         detail = x.detail if x is not None else ""
         h.detail = f"hop {s.hop}: {detail}" if len(h.legs) > 1 else detail
-        if st == _LOST or (st == _REJECTED and reason == Reason.UNKNOWN_SESSION):
+        if st == _LOST or (st == _REJECTED and reason in _REPLAYED):
             lose(h)
         else:
-            leg.closed = leg.closed or st == _CANCELLED
+            leg.closed = leg.closed or st == _CANCELLED or (
+                st == _REJECTED and reason in _NOT_OPENED and job.phase == "prefill" and job.start_position == 0)
             end(h, STATUSES[st].value)
         return True
     leg.rows += len(job.tokens) if job.n == 1 else 1

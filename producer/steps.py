@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from schemas import Phase, Reason, SessionSpec, StepJob, WorkerKeys, cancel_to_fields, job_to_fields
@@ -52,6 +53,7 @@ class Steps:
     settings: ProducerSettings
     discovered: dict[str, tuple[float, WorkerInfo]]
     cursors: dict[str, str]  # result stream -> the last entry id read
+    cancels: deque[tuple[float, str, str]]  # (monotonic time, worker, session): cancels sent, to send again
 
     def cursor(self, stream: str) -> str:
         return self.cursors.get(stream, "0-0")
@@ -179,17 +181,25 @@ class Steps:
         return True
 
     def queue_release(self, batch: Batch, h: SessionHandle) -> bool:
-        """An ended session: cancel it on every hop that did not close it (a hop that is not last never sees a
-        stop token; a failed hop leaves the others holding slots). One cancel per worker."""
-        if h.released or len(h.legs) == 1:
-            return False
-        h.released = True
-        workers = sorted({leg.worker_id for leg in h.legs if not leg.closed})
+        """An ended session: cancel it on every hop that did not close it, one hop or several (a rejected or failed
+        step leaves the worker holding the session; a hop that is not last never sees a stop token). One cancel per
+        worker, kept like every cancel to be sent again after an outage."""
+        workers = self.release_workers(h)
         for w in workers:
             self.cancel_ops(batch, w, h.session_id)
+            self.cancels.append((time.monotonic(), w, h.session_id))
+        return bool(workers)
+
+    @staticmethod
+    def release_workers(h: SessionHandle) -> list[str]:
+        """The workers still holding an ended (or abandoned) session, once: the handle is released by this."""
+        if h.released:
+            return []
+        h.released = True
+        workers = sorted({leg.worker_id for leg in h.legs if not leg.closed})
         for leg in h.legs:
             leg.closed = True
-        return bool(workers)
+        return workers
 
     def queue_unanswered(self, batch: Batch, h: SessionHandle) -> int:
         """Re-push every job the session has unanswered at any hop (idempotent: same ids, same bytes)."""

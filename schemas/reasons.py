@@ -28,6 +28,7 @@ class Reason(StrEnum):
     CAPACITY = "capacity"  # no free sequence slot for a new session
     UNKNOWN_SESSION = "unknown_session"  # a step for a session this worker does not hold
     ALREADY_OPEN = "already_open"  # an opening prefill for a session that is open
+    JOB_ID_CONFLICT = "job_id_conflict"  # another job than the one held or answered under this job id
     FINISHED = "finished"  # a step after the session reached max_tokens or a stop token
     ENGINE_ERROR = "engine_error"
     MALFORMED = "malformed"  # not a valid StepJob (dead-lettered when no session can be told)

@@ -16,6 +16,7 @@ every value checked once (`StepJob.__post_init__`). Another version is refused b
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -43,6 +44,10 @@ _JOB_FIELDS: Final = frozenset({b"v", b"j", SIGNATURE_FIELD.encode()})
 _RESULT_FIELDS: Final = frozenset({b"v", b"r", b"c"})
 _CANCEL_FIELDS: Final = frozenset({"session_id", SIGNATURE_FIELD})
 MAX_FIELDS: Final = 32  # more fields than any entry has: refused before anything is decoded
+# Deeper JSON than any job has (a job body nests 4 levels: body, spec, route, hop key): refused before parsing,
+# so a parser's recursion limit is never what stops an entry.
+MAX_JSON_DEPTH: Final = 32
+_JSON_SYNTAX: Final = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)  # an escape (skipped whole), a quote, a bracket
 # A row's status travels as its index in this tuple.
 STATUSES: Final[tuple[Status, ...]] = (Status.OK, Status.CANCELLED, Status.REJECTED, Status.STATE_LOST,
                                        Status.FAILED)
@@ -59,26 +64,57 @@ def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str, limit: int
     """The entry as bytes -> bytes, its version checked first (another version: schema_version, naming
     the v1 ids when they are there), then the field names and sizes."""
     if len(fields) > MAX_FIELDS:
-        raise WireError(Reason.MALFORMED, f"{len(fields)} fields, more than {MAX_FIELDS}")
+        body = fields.get(b"j", fields.get("j")) if what == "job" else None  # type: ignore[call-overload]
+        ids = _body_ids(_b(body)) if isinstance(body, bytes | str) and len(body) <= 4 * limit else {}
+        raise WireError(Reason.MALFORMED, f"{len(fields)} fields, more than {MAX_FIELDS}", **ids)
     f = {_b(k): _b(v) for k, v in fields.items()}
     v = f.get(b"v")
     if v is None:
-        raise WireError(Reason.MALFORMED, f"{what} entry has no version field 'v'", **_v1_ids(f))
+        raise WireError(Reason.MALFORMED, f"{what} entry has no version field 'v'", **_entry_ids(f, limit))
     if v != _VERSION:
-        body = f.get(b"j")
-        ids = _v1_ids(f) if body is None else _body_ids(body)
         raise WireError(Reason.SCHEMA_VERSION,
                         f"{what} wire version {v[:16]!r} is not supported (this side speaks {WIRE_VERSION})",
-                        **ids)
+                        **_entry_ids(f, limit))
     extra = sorted(set(f) - known)
     if extra:
-        raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}")
+        # Whatever else is wrong, an entry whose session can be read is answered (docs/wire-format.md).
+        raise WireError(Reason.MALFORMED, f"unknown {what} fields {[x[:32] for x in extra[:4]]}",
+                        **_entry_ids(f, limit))
     for k, val in f.items():
         if len(val) > limit:
             # A job body over the limit still names its session when it is small enough to read for that.
             ids = _body_ids(val) if k == b"j" and len(val) <= 4 * limit else {}
             raise WireError(Reason.MALFORMED, f"field {k[:32]!r} is {len(val)} bytes, over {limit}", **ids)
     return f
+
+
+def _entry_ids(f: Mapping[bytes, bytes], limit: int) -> dict[str, str | None]:
+    """The ids of an entry refused before its body is decoded: its job body's (when small enough to read for
+    them), else those of a version-1 entry's own fields."""
+    body = f.get(b"j")
+    return _body_ids(body) if body is not None and len(body) <= 4 * limit else _v1_ids(f)
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text nests arrays and objects deeper than `limit` (brackets inside strings do not
+    count). A text with at most `limit` opening brackets cannot be: two C-speed counts on the hot path; only
+    an entry with more (an opening with a long spec, a hostile one) is scanned, over its syntax characters."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, in_string = 0, False
+    for m in _JSON_SYNTAX.finditer(raw):
+        c = m.group()
+        if c == b'"':
+            in_string = not in_string
+        elif in_string or len(c) > 1:
+            continue
+        elif c in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
 
 
 def _v1_ids(f: Mapping[bytes, bytes]) -> dict[str, str | None]:
@@ -126,6 +162,15 @@ class _Ids(msgspec.Struct):
     reply_to: Any = None
 
 
+def _shallow_ids(raw: bytes) -> _Ids:
+    """The ids of a body nested too deep to parse: its top-level fields before the first nested value, when
+    they are there (a producer writes job_id and session_id first), so its session can still be told."""
+    cut = min((i for i in (raw.find(b"[", 1), raw.find(b"{", 1)) if i > 0), default=-1)
+    head = raw[:cut] if cut > 0 else raw
+    head = head[:head.rfind(b",")] + b"}" if b"," in head else head
+    return _IDS.decode(head)
+
+
 _BODY: Final = msgspec.json.Decoder(_JobBody)
 _IDS: Final = msgspec.json.Decoder(_Ids)
 _ENCODER: Final = msgspec.json.Encoder()
@@ -133,8 +178,8 @@ _ENCODER: Final = msgspec.json.Encoder()
 
 def _body_ids(raw: bytes) -> dict[str, str | None]:
     try:
-        ids = _IDS.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+        ids = _IDS.decode(raw) if not json_too_deep(raw) else _shallow_ids(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return {}
     return {name: value if is_id(value) else None
             for name, value in (("session_id", ids.session_id), ("job_id", ids.job_id), ("reply_to", ids.reply_to))}
@@ -171,9 +216,11 @@ def job_from_fields(fields: Fields) -> StepJob:
     raw = f.get(b"j")
     if raw is None:
         raise WireError(Reason.MALFORMED, "job entry has no field 'j'")
+    if json_too_deep(raw):
+        raise WireError(Reason.MALFORMED, f"job JSON nests deeper than {MAX_JSON_DEPTH}", **_body_ids(raw))
     try:
         body = _BODY.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_body_ids(raw)) from None
     reply_to = None if body.reply_to is msgspec.UNSET else body.reply_to
     ids = {"session_id": body.session_id if is_id(body.session_id) else None,

@@ -83,8 +83,8 @@ class Admission(SchedulerState):
                 if job.job_id == known.opening_job_id:
                     return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
                                         "the opening prefill was already received")
-                if entry is not None:
-                    return self._reject(job, ref, Reason.ALREADY_OPEN, next_pos, account,
+                if entry is not None:  # another opening naming an open session: charged to nobody
+                    return self._reject(job, ref, Reason.ALREADY_OPEN, next_pos, None,
                                         "session is already open")
             elif job.start_position < next_pos:
                 return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,

@@ -1,11 +1,17 @@
 """Exactly one real answer per step: the worker's memory of the jobs it holds and answered.
 
-A job id delivered again while the worker still holds it (queued or in a call: a producer retry,
+A job delivered again while the worker still holds it (queued or in a call: a producer retry,
 `open()` twice, a re-push after an outage) is held as a *twin* and completed with the original's answer;
 one delivered again after it was answered gets the same answers re-sent (the completion script publishes
-each answer once, so a re-send shows only when Redis lost the first). A step of a session this worker
-does not hold is checked first against Redis (one round trip per read that has any: `Transport.checks`):
-an opening already answered by an earlier process is acked, no ghost session; a cancel marker is
+each answer once, so a re-send shows only when Redis lost the first). A twin is the same job, not only
+the same id (`same_job`: session, hop, phase, position, attempt, n, tokens, sampling, reply stream,
+spec, activations): job ids are deterministic, so anyone who may write the input streams can write
+another job under a session's next id. Such a delivery is refused `job_id_conflict`, answered to the
+stream it named and charged to nobody, and changes nothing of the job that holds the id. The check
+costs nothing per delivery: the held job is kept by reference and compared only when an id repeats.
+
+A step of a session this worker does not hold is checked first against Redis (one round trip per read
+that has any: `Transport.checks`): an opening already answered by an earlier process is acked, no ghost session; a cancel marker is
 answered CANCELLED without taking a slot (not state_lost: a cancelled session is not replayed).
 
 Continuation jobs (StepJob.n > 1): a token that is not the job's last is published without acking the
@@ -49,8 +55,8 @@ class DeliveryLedger:
         self.scheduler = scheduler
         self.hops = hops
         self.answered_memory = answered_memory
-        # job id -> (session id, position) of the job admitted under it, while queued or in a call
-        self.held: dict[str, tuple[str, int]] = {}
+        # job id -> the job admitted under it, while queued or in a call
+        self.held: dict[str, StepJob] = {}
         # job id -> more deliveries of it while held (with their created_at, for the latency metric)
         self.twins: dict[str, list[tuple[Delivery, float]]] = {}
         self.answered: OrderedDict[str, Answer] = OrderedDict()  # result id -> its answer (LRU)
@@ -78,12 +84,19 @@ class DeliveryLedger:
         """Handle a delivery of a job id seen before (or answered by an earlier process, or of a
         session cancelled before it opened). True when the job must not reach the scheduler."""
         jid = job.job_id
-        if self.held.get(jid) == (job.session_id, job.start_position):
+        held = self.held.get(jid)
+        if held is not None:
+            if not same_job(held, job):
+                out.append(self.conflict(job, inb.ref))
+                return True
             self.twins.setdefault(jid, []).append((inb.ref, job.created_at))
             if job.n > 1:
                 out.extend(without_ack(replace(a, ref=inb.ref)) for a in self.remembered(job))
             return True
         done = self.remembered(job)
+        if done and done[0].job is not None and not same_job(done[0].job, job):
+            out.append(self.conflict(job, inb.ref))
+            return True
         if done:  # answered: re-send the same answers (no-op unless Redis lost them), the last one acks
             out.extend(without_ack(replace(a, ref=inb.ref)) for a in done[:-1])
             out.append(acking(done[-1], inb.ref))
@@ -98,6 +111,15 @@ class DeliveryLedger:
             out.append(self.remember(self.scheduler.refuse_cancelled(job, inb.ref)))
             return True
         return False
+
+    def conflict(self, job: StepJob, ref: object) -> Answer:
+        """A delivery under the id of another job held or answered: REJECTED job_id_conflict to the stream
+        it names, under its own result id, with no billing account (it charges no session nor account)
+        and no close (the session holding the id goes on). Not remembered: the id's answers stay the
+        other job's."""
+        a = self.scheduler.refuse(job, ref, Reason.JOB_ID_CONFLICT,
+                                  "another job was received under this job id (docs/security.md)")
+        return replace(a, account_id=None, close=None)
 
     def remembered(self, job: StepJob) -> list[Answer]:
         """The answers this worker remembers for the job, in offset order. A continuation job (n > 1) has
@@ -114,7 +136,7 @@ class DeliveryLedger:
         return out
 
     def admitted(self, job: StepJob) -> None:
-        self.held[job.job_id] = (job.session_id, job.start_position)
+        self.held[job.job_id] = job
 
     def completions(self, answers: Sequence[Answer], latencies: list[tuple[Phase, float]]) -> list[Answer]:
         """Every answer (through the hop's output rows), plus one per twin delivery of its job (same
@@ -150,6 +172,16 @@ class DeliveryLedger:
         while len(answered) > self.answered_memory:
             answered.popitem(last=False)
         return a
+
+
+def same_job(a: StepJob, b: StepJob) -> bool:
+    """Whether two deliveries under one job id are the same job (a twin), whatever their `created_at`
+    (a producer's `open()` twice builds its jobs again). Fields compared cheapest first; the spec and
+    the activations header only when the rest agree (an opening's twin)."""
+    return (a.session_id == b.session_id and a.start_position == b.start_position and a.attempt == b.attempt
+            and a.n == b.n and a.phase == b.phase and a.hop == b.hop and a.tokens == b.tokens
+            and a.reply_to == b.reply_to and a.sample == b.sample and a.compat == b.compat
+            and a.session == b.session and a.hidden == b.hidden)
 
 
 def wire_reject_outcome(inb: Inbound, position: int) -> Outcome:
