@@ -11,8 +11,9 @@ stream it named and charged to nobody, and changes nothing of the job that holds
 costs nothing per delivery: the held job is kept by reference and compared only when an id repeats.
 
 A step of a session this worker does not hold is checked first against Redis (one round trip per read
-that has any: `Transport.checks`): an opening already answered by an earlier process is acked, no ghost session; a cancel marker is
-answered CANCELLED without taking a slot (not state_lost: a cancelled session is not replayed).
+that has any: `Transport.checks`): an opening already answered by an earlier process is acked, no ghost
+session; a cancel marker is answered CANCELLED without taking a slot (not state_lost: a cancelled session
+is not replayed).
 
 Continuation jobs (StepJob.n > 1): a token that is not the job's last is published without acking the
 job's entry (`Answer.final` False): the entry stays pending until the job ends, so a worker that dies
