@@ -44,8 +44,10 @@ class Honest:
     """The Tracker's part by hand, for sessions it owns: it reads only the answers to its own job ids
     (a hostile entry naming its session may be answered into the same stream)."""
 
-    def __init__(self, client: redis.Redis, worker: Worker, signer: Signer | None = None) -> None:
-        self.client, self.worker, self.signer = client, worker, signer
+    def __init__(self, client: redis.Redis, worker: Worker, signer: Signer | None = None,
+                 reply: str | None = None) -> None:
+        """`reply`: the result stream its jobs name (`reply_to`, as a Tracker's do); None: each session's own."""
+        self.client, self.worker, self.signer, self.reply = client, worker, signer, reply
         self.key = worker.keys["prefill"]
         self.keys = WorkerKeys(WID)
         self.ids = itertools.count()
@@ -71,6 +73,8 @@ class Honest:
         return jid
 
     def push(self, job: StepJob) -> None:
+        if self.reply is not None:
+            job = job.replace(reply_to=self.reply)
         key = self.key.for_phase(job.phase)
         stream = self.keys.input_stream(key.digest, job.phase)
         fields = job_to_fields(job)
@@ -82,10 +86,10 @@ class Honest:
     def poll(self, *, push_next: bool = True) -> None:
         """Read new answers to own jobs; push the next decode step of every session that got a token."""
         for sid in list(self.last):
-            for entry_id, fields in self.client.xrange(self.keys.results(sid), min=b"(" + self.last[sid]):
+            for entry_id, fields in self.client.xrange(self.keys.results(self.reply or sid), min=b"(" + self.last[sid]):
                 self.last[sid] = entry_id
                 for r in results_from_fields(fields):
-                    if r.job_id not in self.jobs:
+                    if r.job_id not in self.jobs or r.session_id != sid:
                         continue
                     self.results[sid].append(r)
                     if r.token is not None:

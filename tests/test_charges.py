@@ -25,19 +25,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from consumer.engines.reference import NumpyReferenceEngine
 from consumer.ops.sessions import session_accounting
 from consumer.sched import Answer, Outcome
 from consumer.transport import RedisTransport
-from schemas import RouteHop, SessionSpec, Status, StepJob
+from schemas import RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields
 from schemas.step import result_job_id
 from schemas.wire import decode_record
+from tests.hostile_support import WID, Honest, make_worker
 from tests.support import compat_key
 
 WORKER = "wc"
@@ -259,3 +264,74 @@ def test_charges_equal_counters_and_nothing_doubled_or_lost(redis_client: redis.
         again = interleave([last for _a, _p, last in sessions.values()], data.draw)
         file_all(t, redis_client, again, Filing(sizes=[4], resend=[], events=[], dups=[]))
     check(redis_client, t, sessions, lost)
+
+
+# ------------------------------------------------------------------------------- hostile openings (issue 29)
+# A live worker serving honest sessions while a writer without the key XADDs openings that name them: an
+# honest session's id under another job id (a re-opening: `already_open`), its opening's own job id with
+# other content (`job_id_conflict`), another account or the same one. Every honest counter stays exact:
+# prompt L, generated M, steps M per session (its opening's answer and M - 1 decode answers), and each
+# account's hash the sum of its honest sessions'.
+
+HONEST_PROMPTS = ([5, 6, 7, 8], [9, 10, 11])
+HONEST_M = 3
+
+
+@st.composite
+def hostile_openings(draw: st.DrawFn) -> list[tuple[int, str, str, int, bool]]:
+    """(honest session index, account, job id kind, prompt length, before the first decode)."""
+    return draw(st.lists(st.tuples(st.integers(0, len(HONEST_PROMPTS) - 1),
+                                   st.sampled_from(["acct-a", "acct-b", "mallory"]),
+                                   st.sampled_from(["copied", "fresh"]), st.integers(1, 6), st.booleans()),
+                         min_size=1, max_size=4))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
+    eng = NumpyReferenceEngine(tiny_model_path, n_slots=8, ctx_per_session=128)
+    yield eng
+    eng.close()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(hostile=hostile_openings())
+def test_hostile_openings_land_on_no_honest_counter(redis_client: redis.Redis, engine: NumpyReferenceEngine,
+                                                    hostile: list[tuple[int, str, str, int, bool]]) -> None:
+    client = redis_client
+    client.flushall()
+    worker = make_worker(client, engine)
+    h = Honest(client, worker, reply="honest-tracker")
+    opened = {f"honest-{i}": h.open(f"honest-{i}", p, HONEST_M, account=ACCOUNTS[i % 2])
+              for i, p in enumerate(HONEST_PROMPTS)}
+    worker.run_once()  # the honest openings are admitted first
+
+    def push(later: bool) -> None:
+        for k, (i, account, kind, n, early) in enumerate(hostile):
+            if early == later:
+                continue
+            sid = f"honest-{i}"
+            jid = opened[sid] if kind == "copied" else f"forged-{k}"
+            job = StepJob(job_id=jid, session_id=sid, phase="prefill", compat=h.key.digest, start_position=0,
+                          tokens=tuple(range(1, n + 1)), created_at=time.time(), session=h.spec(sid, HONEST_M, account))
+            client.xadd(h.keys.input_stream(h.key.digest, "prefill"), job_to_fields(job))  # type: ignore[arg-type]
+
+    push(later=False)
+    h.poll()
+    push(later=True)
+    h.run(list(opened))
+    for _ in range(3):
+        worker.run_once()
+    sums: dict[str, Counter[str]] = defaultdict(Counter)
+    for i, p in enumerate(HONEST_PROMPTS):
+        sid = f"honest-{i}"
+        assert h.results[sid][-1].finished, h.results[sid]
+        acct = session_accounting(client, WID, sid)
+        got = {c: int(acct.get(c, 0)) for c in COUNTERS}
+        assert got == {"prompt_tokens": len(p), "generated_tokens": HONEST_M, "recomputed_tokens": 0,
+                       "steps": HONEST_M}, (sid, got, hostile)
+        sums[ACCOUNTS[i % 2]].update(got)
+    for account, want in sums.items():
+        have = {k.decode(): int(float(v)) for k, v in client.hgetall(WorkerKeys(WID).billing_account(account)).items()}
+        assert {c: have.get(c, 0) for c in COUNTERS} == {c: want[c] for c in COUNTERS}, (account, have)
+    assert not client.exists(WorkerKeys(WID).billing_account("mallory"))
+    assert worker.scheduler.table.busy_slots == 0
