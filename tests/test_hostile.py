@@ -203,6 +203,46 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis
         yield server
 
 
+MUTATED = ("job_id", "session_id", "phase", "compat", "pos", "tokens", "created_at", "hop", "sample", "attempt", "n",
+           "session", "drop")
+
+
+def derived_entries(client: redis.Redis, streams: dict[str, str], data: st.DataObject) -> list[tuple[str, dict]]:
+    """Entries built from the honest traffic seen so far (issue 29: hunt the class): a copy of an honest job entry
+    (its ids copied) with one field of its body changed or dropped, answered to the session's own stream (the
+    Tracker's `reply_to` left out: a forger naming it makes the Tracker replay, tests/test_forged_job_ids.py)."""
+    seen = [(where, json.loads(f[b"j"])) for where in ("prefill", "decode")
+            for _id, f in client.xrange(streams[where]) if b"j" in f and b"honest-j" in f[b"j"]]
+    if not seen:
+        return []
+    out: list[tuple[str, dict]] = []
+    for _ in range(data.draw(st.integers(1, 6), label="derived")):
+        where, body = data.draw(st.sampled_from(seen), label="copied")
+        body = dict(body)
+        body.pop("reply_to", None)
+        name = data.draw(st.sampled_from(MUTATED), label="field")
+        old = body.get(name)
+        if name == "drop":
+            body.pop(data.draw(st.sampled_from(sorted(body)), label="dropped"), None)
+        elif isinstance(old, bool) or name == "sample":
+            body[name] = not old if isinstance(old, bool) else False
+        elif isinstance(old, int | float) or name in ("hop", "attempt", "n"):
+            body[name] = data.draw(st.sampled_from([0, 1, 2, 5, -1]).map(lambda d, o=old or 0: o + d if d else 0),
+                                   label="number")
+        elif name == "tokens":
+            body[name] = data.draw(st.sampled_from([[], [0], [VOCAB - 1], [7, 7], old[:1] if old else [1]]),
+                                   label="tokens")
+        elif name == "session":
+            if old is None:
+                continue
+            body[name] = {**old, "account_id": data.draw(st.sampled_from(["mallory", "honest-acct"]), label="acct")}
+        else:
+            body[name] = data.draw(st.sampled_from(["honest-0", "honest-1", "x-1", "honest-j0", "prefill", "decode"]),
+                                   label="text")
+        out.append((where, {b"v": b"2", b"j": json.dumps(body).encode()}))
+    return out
+
+
 @pytest.mark.parametrize("backend", ["fake", "real"])
 def test_random_entries_on_every_stream_leave_honest_sessions_unchanged(
         backend: str, engine: NumpyReferenceEngine, solo: dict[int, list[int]],
@@ -210,14 +250,15 @@ def test_random_entries_on_every_stream_leave_honest_sessions_unchanged(
     server: LocalRedis | None = request.getfixturevalue("live_server") if backend == "real" else None
 
     @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(hostile=entries, before=st.booleans())
-    def check(hostile: list[tuple[str, dict[bytes, bytes]]], before: bool) -> None:
+    @given(hostile=entries, before=st.booleans(), data=st.data())
+    def check(hostile: list[tuple[str, dict[bytes, bytes]]], before: bool, data: st.DataObject) -> None:
         client = (redis.Redis.from_url(server.url) if server is not None
                   else fakeredis.FakeRedis(server=fakeredis.FakeServer()))
         client.flushall()
         worker = make_worker(client, engine)
         _KEYS.update({p: worker.keys[p] for p in ("prefill", "decode")})  # type: ignore[index]
-        h = Honest(client, worker)
+        # a forged job is answered to its session's own stream, which a Tracker naming its own does not read
+        h = Honest(client, worker, reply="honest-tracker")
         keys = WorkerKeys(WID)
         streams = {p: keys.input_stream(worker.keys[p].digest, p) for p in ("prefill", "decode")}  # type: ignore[index]
         streams["cancel"] = keys.cancellations
@@ -235,10 +276,18 @@ def test_random_entries_on_every_stream_leave_honest_sessions_unchanged(
         worker.run_once()
         if not before:
             push_hostile()
+        for _ in range(data.draw(st.integers(0, 4), label="steps before the copies")):
+            worker.run_once()
+            h.poll()
+        for where, fields in derived_entries(client, streams, data):
+            eid = client.xadd(streams[where], fields).decode()  # type: ignore[arg-type]
+            pushed.append((streams[where], eid, fields))
         h.run(["honest-0", "honest-1"])
         for _ in range(3):  # hostile sessions that opened may still have a step to answer
             worker.run_once()
         assert h.tokens["honest-0"] == solo[0] and h.tokens["honest-1"] == solo[1]
+        # the honest sessions ended: none holds a slot (no reaper), whatever was forged under their ids
+        assert "honest-0" not in worker.scheduler.table and "honest-1" not in worker.scheduler.table
         dlq = dead_letters(client)
         missing = [(s, e, f) for s, e, f in pushed if not accounted(client, s, e, f, dlq)]
         assert not missing, missing
