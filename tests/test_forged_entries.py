@@ -172,3 +172,35 @@ def test_every_refusal_reason_is_one_a_named_entry_is_answered_with(redis_client
     h.open("honest-0", [1, 2, 3], 3)
     h.run(["honest-0"])
     assert len(h.tokens["honest-0"]) == 3
+
+
+# ------------------------------------------------------------------------------------ what it still can do
+
+
+def test_without_signing_a_writer_can_cancel_and_steer_a_session(redis_client: redis.Redis,
+                                                                 engine: NumpyReferenceEngine) -> None:
+    """docs/security.md, what a writer without the key can do: a cancel entry naming a session cancels it; a
+    decode step at a session's next position under a job id of its own, before the Tracker's, is computed with
+    the writer's token (the worker cannot tell the two apart)."""
+    worker = make_worker(redis_client, engine)
+    h = Honest(redis_client, worker)
+    h.open("cancelled", [1, 2, 3], 5)
+    h.open("steered", [1, 2, 3], 5)
+    worker.run_once()
+    h.poll(push_next=False)
+    redis_client.xadd(WorkerKeys(WID).cancellations, {"session_id": "cancelled"})
+    decode = worker.keys["decode"]  # type: ignore[index]
+    token = (h.tokens["steered"][-1] + 1) % 300
+    redis_client.xadd(WorkerKeys(WID).input_stream(decode.digest, "decode"), job_to_fields(StepJob(  # type: ignore[arg-type]
+        job_id="steer-1", session_id="steered", phase="decode", compat=decode.digest, start_position=3,
+        tokens=(token,), created_at=1.0)))
+    h.decode("cancelled", h.tokens["cancelled"][-1])
+    h.decode("steered", h.tokens["steered"][-1])
+    for _ in range(3):
+        worker.run_once()
+    h.poll(push_next=False)
+    assert h.results["cancelled"][-1].status.value == "cancelled"
+    assert "cancelled" not in worker.scheduler.table
+    assert h.results["steered"][-1].reason == Reason.DUPLICATE  # the forger's step took position 3
+    rows = [r for _id, f in redis_client.xrange(WorkerKeys(WID).results("steered")) for r in results_from_fields(f)]
+    assert any(r.job_id == "steer-1" and r.token is not None for r in rows)
