@@ -248,6 +248,9 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         detail = x.detail if x is not None else ""
         h.detail = f"hop {s.hop}: {detail}" if len(h.legs) > 1 else detail
         if st == _LOST or (st == _REJECTED and reason in _REPLAYED):
+            # The hop that lost the session holds nothing to cancel; one that refused another job under
+            # this session's id (job_id_conflict) still holds it (the replay supersedes it there).
+            leg.closed = leg.closed or st == _LOST or reason == Reason.UNKNOWN_SESSION
             lose(h)
         else:
             leg.closed = leg.closed or st == _CANCELLED or (
