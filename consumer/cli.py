@@ -1,9 +1,16 @@
-"""`dgr`: one console script, one subcommand per job. Imports are lazy so `dgr --help` is instant."""
+"""`dgr`: one console script, one subcommand per job. Imports are lazy so `dgr --help` is instant.
+
+`main` is the console script: a user's mistake (a bad option value, a model file missing, unreadable or not a
+GGUF, a malformed Redis URL) is one line on stderr and exit status 2, without a traceback; `--debug`, anywhere
+on the line, shows it."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import traceback
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Annotated
@@ -24,7 +31,8 @@ from .redis_options import (
     target,
 )
 
-app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
+app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams. "
+                       "Add --debug anywhere to see the traceback of an error.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 model_app = typer.Typer(help="Make the model files dgr runs.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -34,10 +42,31 @@ _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.tr
 
 
 
-def _logging(level: str, fmt: str) -> None:
+def _logging(level: str, fmt: str, llama_log: str = "debug") -> None:
     from .logs import setup_logging
 
     setup_logging(level, fmt)
+    if llama_log.lower() != "info":
+        logging.getLogger("dgr.llama").addFilter(_llama_info_at_debug)
+
+
+def _llama_info_at_debug(record: logging.LogRecord) -> bool:
+    """llama.cpp's INFO lines (~60 loader lines at every start) logged at DEBUG: shown with --log-level DEBUG
+    (or --llama-log info); its warnings and errors as they are."""
+    if record.levelno == logging.INFO:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+    return True
+
+
+def _redis_url(url: str) -> None:
+    """A malformed --redis-url is a usage error here, not a traceback at the first connection."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--redis-url") from None
 
 
 # Every default below is read from consumer/config.py (DEFAULTS); none is written here.
@@ -159,9 +188,12 @@ def consumer(
     ] = _T.durable_timeout_ms,
     log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = _S.log_level,
     log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
+    llama_log: Annotated[str, typer.Option(envvar="DGR_LLAMA_LOG",
+                                           help="The level llama.cpp's INFO lines (the loader's) are logged at: "
+                                                "'debug' (seen with --log-level DEBUG) or 'info'.")] = _S.llama_log,
 ) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
-    from schemas import Signer
+    from schemas import EngineError, Signer
 
     from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
     from .connect import connect
@@ -176,12 +208,17 @@ def consumer(
 
     if cpu_wait not in CPU_WAITS:
         raise typer.BadParameter(f"--cpu-wait must be one of {', '.join(CPU_WAITS)}")
-    w_decode, w_prefill = (int(x) for x in weights.split(":"))
+    try:
+        w_decode, w_prefill = (int(x) for x in weights.split(":"))
+    except ValueError:
+        raise typer.BadParameter("must be DECODE:PREFILL, two integers", param_hint="--weights") from None
+    _redis_url(redis_url)
     config = ConsumerConfig(
         service=ServiceSettings(redis_url=redis_url, redis_sentinel=redis_sentinel, sentinel_master=sentinel_master,
                                 sentinel_username=sentinel_username, sentinel_password=sentinel_password,
                                 redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
-                                max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
+                                max_idle_s=max_idle_s, log_level=log_level, log_format=log_format,
+                                llama_log=llama_log),
         engine=EngineSettings(model=tuple(model), kind=engine, recipe=recipe, slots=slots,
                               ctx_per_session=ctx_per_session, threads=n_threads, n_gpu_layers=n_gpu_layers,
                               cpu_wait=cpu_wait),
@@ -205,8 +242,13 @@ def consumer(
     redis_target = target(svc.redis_url, svc.redis_sentinel, svc.sentinel_master, svc.sentinel_username,
                           svc.sentinel_password, svc.redis_cluster)
 
-    _logging(svc.log_level, svc.log_format)
-    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    if llama_log.lower() not in ("debug", "info"):
+        raise typer.BadParameter("must be 'debug' or 'info'", param_hint="--llama-log")
+    _logging(svc.log_level, svc.log_format, svc.llama_log)
+    try:
+        signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--hmac-key-file") from None
     try:
         choices = model_choices(eng_s.model)
         if "invariant" in {c.recipe or eng_s.recipe for c in choices}:
@@ -218,7 +260,8 @@ def consumer(
                         n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
                         n_gpu_layers=eng_s.n_gpu_layers, cpu_wait=eng_s.cpu_wait)
         eng = on_compute_thread(build) if config.worker.overlap else build()
-    except ValueError as e:  # a bad --model, or two models with the same keys (EngineSet)
+    except (ValueError, OSError, EngineError) as e:
+        # a bad --model (missing, unreadable, not a GGUF llama.cpp loads), two models with the same keys (EngineSet)
         raise typer.BadParameter(str(e), param_hint="--model") from None
     metrics = Metrics(worker_id)
     if svc.metrics_port:
@@ -383,10 +426,33 @@ def _register_ops() -> None:
 _register_ops()
 
 
-def main() -> None:  # pragma: no cover
-    logging.basicConfig(level=logging.INFO)
-    app()
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script `dgr`: a usage error is one line on stderr and exit status 2 (`--debug`: with its
+    traceback); the command's own exit status otherwise."""
+    try:  # typer >= 0.24 carries its own click
+        from typer._click import exceptions as cx
+    except ImportError:  # pragma: no cover
+        from click import exceptions as cx  # type: ignore[no-redef]
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        rc = app(args=args, prog_name="dgr", standalone_mode=False)
+    except cx.NoArgsIsHelpError as e:
+        e.show()
+        return 2
+    except cx.UsageError as e:
+        if debug:
+            traceback.print_exc()
+        where = e.ctx.command_path if e.ctx is not None else "dgr"
+        print(f"{where}: error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    sys.exit(main())

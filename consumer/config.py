@@ -132,6 +132,7 @@ class ServiceSettings:
     max_idle_s: float = 0.0  # exit after this long idle (0: never)
     log_level: str = "INFO"
     log_format: str = "json"  # 'json' or 'text'
+    llama_log: str = "debug"  # the level llama.cpp's INFO lines (its loader's ~60) are logged at: 'debug' or 'info'
 
 
 @dataclass(frozen=True)
