@@ -1,3 +1,5 @@
-from .cli import app
+import sys
 
-app()
+from .cli import main
+
+sys.exit(main())

@@ -1,9 +1,16 @@
-"""`dgr`: one console script, one subcommand per job. Imports are lazy so `dgr --help` is instant."""
+"""`dgr`: one console script, one subcommand per job. Imports are lazy so `dgr --help` is instant.
+
+`main` is the console script: a user's mistake (a bad option value, a model file missing, unreadable or not a
+GGUF, a malformed Redis URL) is one line on stderr and exit status 2, without a traceback; `--debug`, anywhere
+on the line, shows it."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import traceback
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Annotated
@@ -11,8 +18,9 @@ from typing import Annotated
 import typer
 
 from .cli_bench import bench_app
-from .cli_options import EngineOpt, HmacKeyFile, Model, RecipeOpt, WorkerId
-from .config import DEFAULTS
+from .cli_config import with_consumer_options
+from .cli_options import HmacKeyFile, RecipeOpt, WorkerId
+from .config import DEFAULTS, ConsumerConfig
 from .engines.compute import on_compute_thread
 from .redis_options import (
     RedisClusterFlag,
@@ -24,7 +32,8 @@ from .redis_options import (
     target,
 )
 
-app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams.",
+app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Redis Streams. "
+                       "Add --debug anywhere to see the traceback of an error.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 model_app = typer.Typer(help="Make the model files dgr runs.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -34,179 +43,57 @@ _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.tr
 
 
 
-def _logging(level: str, fmt: str) -> None:
+def _logging(level: str, fmt: str, llama_log: str = "debug") -> None:
     from .logs import setup_logging
 
     setup_logging(level, fmt)
+    if llama_log.lower() != "info":
+        logging.getLogger("dgr.llama").addFilter(_llama_info_at_debug)
 
 
-# Every default below is read from consumer/config.py (DEFAULTS); none is written here.
-@app.command()
-def consumer(
-    redis_url: RedisUrl = _S.redis_url,
-    redis_sentinel: RedisSentinel = _S.redis_sentinel,
-    sentinel_master: SentinelMaster = _S.sentinel_master,
-    sentinel_username: SentinelUsername = _S.sentinel_username,
-    sentinel_password: SentinelPassword = _S.sentinel_password,
-    redis_cluster: RedisClusterFlag = _S.redis_cluster,
-    worker_id: WorkerId = _W.worker_id,
-    model: Model = list(_E.model),  # noqa: B006 (click reads the default, nothing mutates it)
-    engine: EngineOpt = _E.kind,
-    recipe: RecipeOpt = _E.recipe,
-    slots: Annotated[int, typer.Option(envvar="DGR_SLOTS", help="Sequence slots (concurrent sessions).")] = _E.slots,
-    ctx_per_session: Annotated[int, typer.Option(envvar="DGR_CTX_PER_SESSION")] = _E.ctx_per_session,
-    max_batch: Annotated[int, typer.Option(envvar="DGR_MAX_BATCH", help="Decode sessions per fused call.")
-                         ] = _W.max_batch,
-    prefill_budget: Annotated[int, typer.Option(envvar="DGR_PREFILL_BUDGET",
-                                                help="Most tokens per prefill call.")] = _W.prefill_budget,
-    prefill_ratio: Annotated[float, typer.Option(envvar="DGR_PREFILL_RATIO",
-                                                 help="While sessions decode, size a prefill call to this "
-                                                      "fraction of a decode call's time (0: always the full budget).")
-                             ] = _W.prefill_ratio,
-    prefill_floor: Annotated[int, typer.Option(envvar="DGR_PREFILL_FLOOR",
-                                               help="The pacer never sizes a prefill call below this many "
-                                                    "tokens, so a prompt's first token comes within a bounded "
-                                                    "number of fused calls (docs/operations.md).")] = _W.prefill_floor,
-    weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")
-                       ] = f"{_W.w_decode}:{_W.w_prefill}",
-    block_ms: Annotated[int, typer.Option(envvar="DGR_BLOCK_MS", help="Idle blocking read (0: never block).")
-                        ] = _W.block_ms,
-    gather_ms: Annotated[float, typer.Option(envvar="DGR_GATHER_MS")] = _W.gather_ms,
-    await_ms: Annotated[int, typer.Option(envvar="DGR_AWAIT_MS",
-                                          help="Wait this long for the next steps of the sessions just answered.")
-                        ] = _W.await_ms,
-    heartbeat_s: Annotated[float, typer.Option(envvar="DGR_HEARTBEAT_S", help="Heartbeat + stats period.")
-                           ] = _W.heartbeat_s,
-    heartbeat_ttl_s: Annotated[int, typer.Option(envvar="DGR_HEARTBEAT_TTL_S",
-                                                 help="TTL of the heartbeat key.")] = _T.heartbeat_ttl_s,
-    n_threads: Annotated[int, typer.Option("--threads", envvar="DGR_THREADS",
-                                           help="CPU threads (0: llama.cpp default).")] = _E.threads,
-    n_gpu_layers: Annotated[int, typer.Option(envvar="DGR_N_GPU_LAYERS")] = _E.n_gpu_layers,
-    cpu_wait: Annotated[str, typer.Option(
-        envvar="DGR_CPU_WAIT", help="llama.cpp's CPU threads at barriers: spin (alone), sleep (beside other busy "
-                                    "processes), auto (sleep if the machine is busy at start).")] = _E.cpu_wait,
-    metrics_port: Annotated[int, typer.Option(envvar="DGR_METRICS_PORT", help="Prometheus port (0: off).")
-                            ] = _S.metrics_port,
-    metrics_addr: Annotated[str, typer.Option(envvar="DGR_METRICS_ADDR")] = _S.metrics_addr,
-    max_idle_s: Annotated[float, typer.Option(envvar="DGR_MAX_IDLE_S",
-                                              help="Exit after this long idle (0: never).")] = _S.max_idle_s,
-    max_slots_per_account: Annotated[int, typer.Option(
-        envvar="DGR_MAX_SLOTS_PER_ACCOUNT", help="Most open sessions one billing account may hold (0: no limit).")
-    ] = _W.max_slots_per_account,
-    idle_session_s: Annotated[float, typer.Option(
-        envvar="DGR_IDLE_SESSION_S", help="Cancel an open session with no step for this long (0: never).")
-    ] = _W.idle_session_s,
-    overlap: Annotated[bool, typer.Option(envvar="DGR_OVERLAP",
-                                          help="Publish a fused call's results while the next call runs.")
-                       ] = _W.overlap,
-    overlap_max_call_ms: Annotated[float, typer.Option(
-        envvar="DGR_OVERLAP_MAX_CALL_MS", help="Overlap only while fused calls take less than this (ms; 0: always).")
-    ] = _W.overlap_max_call_ms,
-    max_read_entries: Annotated[int, typer.Option(
-        envvar="DGR_MAX_READ_ENTRIES", help="Most entries one loop iteration reads past refused ones.")
-    ] = _W.max_read_entries,
-    answered_memory: Annotated[int, typer.Option(
-        envvar="DGR_ANSWERED_MEMORY", help="Answers remembered by job id, re-sent for a late duplicate.")
-    ] = _W.answered_memory,
-    sampler_threads: Annotated[int, typer.Option(
-        envvar="DGR_SAMPLER_THREADS", help="Threads sampling rows with controls (1: in the loop's thread).")
-    ] = _W.sampler_threads,
-    max_deliveries: Annotated[int, typer.Option(
-        envvar="DGR_MAX_DELIVERIES", help="Dead-letter an entry delivered more than this many times.")
-    ] = _T.max_deliveries,
-    result_ttl_s: Annotated[int, typer.Option(
-        envvar="DGR_RESULT_TTL_S", help="TTL of stored results and of the result streams.")] = _T.result_ttl_s,
-    reject_ttl_s: Annotated[int, typer.Option(
-        envvar="DGR_REJECT_TTL_S", help="How long answers to sessions this worker does not hold are kept.")
-    ] = _T.reject_ttl_s,
-    result_maxlen: Annotated[int, typer.Option(envvar="DGR_RESULT_MAXLEN", help="MAXLEN ~ of each result stream.")
-                             ] = _T.result_maxlen,
-    dlq_maxlen: Annotated[int, typer.Option(envvar="DGR_DLQ_MAXLEN", help="MAXLEN ~ of the dead-letter stream.")
-                          ] = _T.dlq_maxlen,
-    cancel_maxlen: Annotated[int, typer.Option(envvar="DGR_CANCEL_MAXLEN",
-                                               help="MAXLEN ~ the cancellation stream is trimmed to.")
-                             ] = _T.cancel_maxlen,
-    claim_count: Annotated[int, typer.Option(envvar="DGR_CLAIM_COUNT",
-                                             help="Entries claimed per stream per ownership sweep.")
-                           ] = _T.claim_count,
-    cancel_count: Annotated[int, typer.Option(envvar="DGR_CANCEL_COUNT", help="Cancellations read per check.")
-                            ] = _T.cancel_count,
-    hmac_key_file: HmacKeyFile = None,
-    on_lease_held: Annotated[str, typer.Option(envvar="DGR_ON_LEASE_HELD",
-                                               help="Another live consumer has this worker id: 'wait' as a "
-                                                    "standby and take over when its lease lapses, or 'refuse' "
-                                                    "(exit 3).")] = "wait" if _W.standby else "refuse",
-    lease_ms: Annotated[int, typer.Option(envvar="DGR_LEASE_MS",
-                                          help="Worker-id lease; a standby takes over this long after the "
-                                               "holder stops renewing.")] = _T.lease_ms,
-    recover_every_s: Annotated[float, typer.Option(envvar="DGR_RECOVER_EVERY_S",
-                                                   help="Ownership sweep period.")] = _W.recover_every_s,
-    outage_max_s: Annotated[float, typer.Option(envvar="DGR_OUTAGE_MAX_S",
-                                                help="Ride through a Redis outage (and wait for Redis at "
-                                                     "start) this long, then exit 1.")] = _T.outage_max_s,
-    retry_base_s: Annotated[float, typer.Option(envvar="DGR_RETRY_BASE_S",
-                                                help="First retry delay in an outage (doubles, with jitter).")
-                            ] = _T.retry_base_s,
-    retry_cap_s: Annotated[float, typer.Option(envvar="DGR_RETRY_CAP_S", help="Longest retry delay in an outage.")
-                           ] = _T.retry_cap_s,
-    durable_replicas: Annotated[int, typer.Option(
-        envvar="DGR_DURABLE_REPLICAS", min=0,
-        help="A completion counts only once this many replicas have it (WAIT; re-sent until they do, as in an "
-             "outage). 0: off (docs/failover.md).")] = _T.durable_replicas,
-    durable_timeout_ms: Annotated[int, typer.Option(
-        envvar="DGR_DURABLE_TIMEOUT_MS", min=1,
-        help="How long one completion waits for the replicas before it is re-sent (WAIT's timeout).")
-    ] = _T.durable_timeout_ms,
-    log_level: Annotated[str, typer.Option(envvar="DGR_LOG_LEVEL")] = _S.log_level,
-    log_format: Annotated[str, typer.Option(envvar="DGR_LOG_FORMAT", help="'json' or 'text'.")] = _S.log_format,
-) -> None:
+def _llama_info_at_debug(record: logging.LogRecord) -> bool:
+    """llama.cpp's INFO lines (~60 loader lines at every start) logged at DEBUG: shown with --log-level DEBUG
+    (or --llama-log info); its warnings and errors as they are."""
+    if record.levelno == logging.INFO:
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+    return True
+
+
+def _redis_url(url: str) -> None:
+    """A malformed --redis-url is a usage error here, not a traceback at the first connection."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--redis-url") from None
+
+
+def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
     """Run one batching consumer (one per GPU): read step jobs, run fused calls, publish results."""
-    from schemas import Signer
+    from schemas import EngineError, Signer
 
-    from .config import ConsumerConfig, EngineSettings, ServiceSettings, TransportSettings, WorkerSettings
     from .connect import connect
+    from .engines.cpu_wait import CPU_WAITS
     from .metrics import Metrics
     from .runtime import make_engines, model_choices
     from .transport import LeaseHeld, LeaseLost, RedisTransport
     from .worker import Worker
 
-    if on_lease_held not in ("wait", "refuse"):
-        raise typer.BadParameter("--on-lease-held must be 'wait' or 'refuse'")
-    from .engines.cpu_wait import CPU_WAITS
-
-    if cpu_wait not in CPU_WAITS:
-        raise typer.BadParameter(f"--cpu-wait must be one of {', '.join(CPU_WAITS)}")
-    w_decode, w_prefill = (int(x) for x in weights.split(":"))
-    config = ConsumerConfig(
-        service=ServiceSettings(redis_url=redis_url, redis_sentinel=redis_sentinel, sentinel_master=sentinel_master,
-                                sentinel_username=sentinel_username, sentinel_password=sentinel_password,
-                                redis_cluster=redis_cluster, metrics_port=metrics_port, metrics_addr=metrics_addr,
-                                max_idle_s=max_idle_s, log_level=log_level, log_format=log_format),
-        engine=EngineSettings(model=tuple(model), kind=engine, recipe=recipe, slots=slots,
-                              ctx_per_session=ctx_per_session, threads=n_threads, n_gpu_layers=n_gpu_layers,
-                              cpu_wait=cpu_wait),
-        worker=WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
-                              prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
-                              w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
-                              await_ms=await_ms, heartbeat_s=min(heartbeat_s, lease_ms / 4000),
-                              recover_every_s=recover_every_s, standby=on_lease_held == "wait",
-                              answered_memory=answered_memory, max_read_entries=max_read_entries,
-                              max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s,
-                              overlap=overlap, overlap_max_call_ms=overlap_max_call_ms,
-                              sampler_threads=sampler_threads),
-        transport=TransportSettings(block_ms=block_ms, gather_ms=gather_ms, max_deliveries=max_deliveries,
-                                    result_ttl_s=result_ttl_s, reject_ttl_s=reject_ttl_s, result_maxlen=result_maxlen,
-                                    dlq_maxlen=dlq_maxlen, cancel_maxlen=cancel_maxlen, heartbeat_ttl_s=heartbeat_ttl_s,
-                                    claim_count=claim_count, cancel_count=cancel_count, lease_ms=lease_ms,
-                                    outage_max_s=outage_max_s, retry_base_s=retry_base_s, retry_cap_s=retry_cap_s,
-                                    durable_replicas=durable_replicas, durable_timeout_ms=durable_timeout_ms),
-    )
+    if config.engine.cpu_wait not in CPU_WAITS:
+        raise typer.BadParameter(f"must be one of {', '.join(CPU_WAITS)}", param_hint="--cpu-wait")
     svc, eng_s = config.service, config.engine
+    if svc.llama_log.lower() not in ("debug", "info"):
+        raise typer.BadParameter("must be 'debug' or 'info'", param_hint="--llama-log")
+    _redis_url(svc.redis_url)
     redis_target = target(svc.redis_url, svc.redis_sentinel, svc.sentinel_master, svc.sentinel_username,
                           svc.sentinel_password, svc.redis_cluster)
-
-    _logging(svc.log_level, svc.log_format)
-    signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    _logging(svc.log_level, svc.log_format, svc.llama_log)
+    try:
+        signer = Signer.from_file(hmac_key_file) if hmac_key_file else None
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--hmac-key-file") from None
     try:
         choices = model_choices(eng_s.model)
         if "invariant" in {c.recipe or eng_s.recipe for c in choices}:
@@ -218,15 +105,17 @@ def consumer(
                         n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
                         n_gpu_layers=eng_s.n_gpu_layers, cpu_wait=eng_s.cpu_wait)
         eng = on_compute_thread(build) if config.worker.overlap else build()
-    except ValueError as e:  # a bad --model, or two models with the same keys (EngineSet)
+    except (ValueError, OSError, EngineError) as e:
+        # a bad --model (missing, unreadable, not a GGUF llama.cpp loads), two models with the same keys (EngineSet)
         raise typer.BadParameter(str(e), param_hint="--model") from None
-    metrics = Metrics(worker_id)
+    metrics = Metrics(config.worker.worker_id)
     if svc.metrics_port:
         metrics.serve(svc.metrics_port, svc.metrics_addr)
     # Timeouts so that a dead or unreachable Redis is noticed (and ridden through) instead of hanging
     # a socket; the read timeout stays far above the blocking read's BLOCK.
     client = connect(redis_target, socket_connect_timeout=5, socket_timeout=30)
     # A RedisCluster client too (every key of a worker is in one slot: tests/test_cluster.py)
+    worker_id = config.worker.worker_id
     transport = RedisTransport(client, worker_id, consumer_name=worker_id,  # type: ignore[arg-type]
                                settings=config.transport, signer=signer, listener=metrics)
     worker = Worker(eng, transport, config.worker, metrics)
@@ -234,13 +123,16 @@ def consumer(
     try:
         worker.run(max_idle_s=svc.max_idle_s or None)
     except LeaseHeld as e:
-        logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": worker_id})
+        logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": config.worker.worker_id})
         raise typer.Exit(3) from None
     except LeaseLost as e:
-        logging.getLogger("dgr.worker").error("stopped: %s", e, extra={"worker": worker_id})
+        logging.getLogger("dgr.worker").error("stopped: %s", e, extra={"worker": config.worker.worker_id})
         raise typer.Exit(3) from None
     finally:
         eng.close()
+
+
+app.command("consumer")(with_consumer_options(consumer))
 
 
 @app.command()
@@ -383,10 +275,33 @@ def _register_ops() -> None:
 _register_ops()
 
 
-def main() -> None:  # pragma: no cover
-    logging.basicConfig(level=logging.INFO)
-    app()
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console script `dgr`: a usage error is one line on stderr and exit status 2 (`--debug`: with its
+    traceback); the command's own exit status otherwise."""
+    try:  # typer >= 0.24 carries its own click
+        from typer._click import exceptions as cx
+    except ImportError:  # pragma: no cover
+        from click import exceptions as cx  # type: ignore[no-redef]
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        rc = app(args=args, prog_name="dgr", standalone_mode=False)
+    except cx.NoArgsIsHelpError as e:
+        e.show()
+        return 2
+    except cx.UsageError as e:
+        if debug:
+            traceback.print_exc()
+        where = e.ctx.command_path if e.ctx is not None else "dgr"
+        print(f"{where}: error: {' '.join(e.format_message().split())}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    app()
+    sys.exit(main())

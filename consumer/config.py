@@ -1,9 +1,9 @@
 """Every operational setting of a consumer, in one nested object, `ConsumerConfig`.
 
-The defaults written here are the only ones: `dgr consumer` reads each option's default (and so the
-default of its DGR_* environment variable) from `DEFAULTS`, the worker and the transport take their
-part of the object as it is. A new setting is a field here plus one option in consumer/cli.py that
-names it.
+The defaults written here are the only ones, and so are the settings: `dgr consumer`'s options are
+generated from these fields (consumer/cli_config.py: `--field-name`, environment variable
+`DGR_FIELD_NAME`, the field's type and default, the help given to `setting`), the worker and the
+transport take their part of the object as it is. A new setting is one field here, nothing else.
 
 Stream lengths and TTLs several writers share come from schemas/limits.py.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from schemas.limits import CANCEL_MAXLEN, DLQ_MAXLEN, OUTAGE_MAX_S, RESULT_MAXLEN
 
@@ -22,47 +23,63 @@ def _usable_cores() -> int:
 
 SAMPLER_THREADS = max(1, min(4, _usable_cores()))  # the sampler's default (WorkerSettings.sampler_threads)
 
-__all__ = ["DEFAULTS", "ConsumerConfig", "EngineSettings", "ServiceSettings", "TransportSettings", "WorkerSettings"]
+__all__ = ["DEFAULTS", "ConsumerConfig", "EngineSettings", "ServiceSettings", "TransportSettings", "WorkerSettings",
+           "setting"]
+
+
+def setting(default: Any, help: str, **option: Any) -> Any:
+    """A setting's default and its one-line help (the `dgr consumer --help` text of its option); `option`: more
+    of typer.Option's arguments (min, max)."""
+    return field(default=default, metadata={"help": help, "option": option})
+
 
 @dataclass(frozen=True)
 class TransportSettings:
     """The client's socket_timeout (if set) must exceed block_ms, or a blocked read times out."""
 
-    block_ms: int = 50  # idle blocking read (<= 0: never block)
-    gather_ms: float = 2.0  # bounded gather window after a wake-up (<= 0: no gather)
-    max_deliveries: int = 5  # past this, dead-letter
-    result_ttl_s: int = 86_400  # TTL of stored results (SET NX EX) and of the result streams
+    block_ms: int = setting(50, 'Idle blocking read (0: never block).')
+    gather_ms: float = setting(2.0, 'After a wake-up, wait this long (ms) for the decode steps expected.')
+    max_deliveries: int = setting(5, 'Dead-letter an entry delivered more than this many times.')
+    result_ttl_s: int = setting(86_400, 'TTL of stored results and of the result streams.')
     # TTL of what an answer to a session this worker does not hold leaves behind (its result record;
     # its result stream, unless that lives longer): long enough for a caller to read it.
-    reject_ttl_s: int = 300
-    result_maxlen: int = RESULT_MAXLEN  # MAXLEN ~ of each result stream
-    dlq_maxlen: int = DLQ_MAXLEN
-    cancel_maxlen: int = CANCEL_MAXLEN
-    heartbeat_ttl_s: int = 10
-    claim_count: int = 1_000  # entries claimed per stream per recover()
-    cancel_count: int = 10_000  # cancellations read per check
+    reject_ttl_s: int = setting(300, 'How long answers to sessions this worker does not hold are kept.')
+    result_maxlen: int = setting(RESULT_MAXLEN, 'MAXLEN ~ of each result stream.')
+    dlq_maxlen: int = setting(DLQ_MAXLEN, 'MAXLEN ~ of the dead-letter stream.')
+    cancel_maxlen: int = setting(CANCEL_MAXLEN, 'MAXLEN ~ the cancellation stream is trimmed to.')
+    heartbeat_ttl_s: int = setting(10, 'TTL of the heartbeat key.')
+    claim_count: int = setting(1_000, 'Entries claimed per stream per ownership sweep.')
+    cancel_count: int = setting(10_000, 'Cancellations read per check.')
     # The lease: keep it well above the longest fused call plus the heartbeat period (it is renewed
     # with the heartbeat); a standby takes over this long after the holder stopped renewing.
-    lease_ms: int = 10_000
-    outage_max_s: float = OUTAGE_MAX_S  # give up (re-raise) after Redis was unreachable this long
-    retry_base_s: float = 0.05  # first retry delay; doubles up to retry_cap_s, with jitter
-    retry_cap_s: float = 2.0
+    lease_ms: int = setting(10_000,
+                            'Worker-id lease; a standby takes over this long after the holder stops renewing.')
+    outage_max_s: float = setting(OUTAGE_MAX_S,
+        "Ride through a Redis outage (and wait for Redis at start) this long, then exit 1.")
+    retry_base_s: float = setting(0.05, 'First retry delay in an outage (doubles, with jitter).')
+    retry_cap_s: float = setting(2.0, 'Longest retry delay in an outage.')
     # WAIT-based durability (docs/failover.md): a completion counts only once this many replicas have it
     # (0: off, Redis' asynchronous replication as is). Fewer within durable_timeout_ms: the completion is
     # re-sent (a no-op where it was filed) under the outage policy until they have it.
-    durable_replicas: int = 0
-    durable_timeout_ms: int = 200
+    durable_replicas: int = setting(0, min=0, help=
+        "A completion counts only once this many replicas have it (WAIT; re-sent until they do, as in an outage). 0: "
+        "off (docs/failover.md).")
+    durable_timeout_ms: int = setting(200, min=1, help=
+        "How long one completion waits for the replicas before it is re-sent (WAIT's timeout).")
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
     worker_id: str = "worker-0"
-    max_batch: int = 16
-    prefill_budget: int = 512  # the most tokens one prefill call may carry
-    prefill_ratio: float = 0.8  # size prefill calls to this fraction of a decode call's time; 0: fixed budget
-    # ... but never below this many tokens: with it a prompt's first token comes within a bounded number
-    # of fused calls however long decode calls get (consumer/pacing.py states the bound)
-    prefill_floor: int = 32
+    max_batch: int = setting(16, 'Decode sessions per fused call.')
+    prefill_budget: int = setting(512, 'Most tokens per prefill call.')
+    prefill_ratio: float = setting(0.8,
+        "While sessions decode, size a prefill call to this fraction of a decode call's time (0: always the full "
+        "budget).")
+    # consumer/pacing.py states the bound
+    prefill_floor: int = setting(32,
+        "The pacer never sizes a prefill call below this many tokens, so a prompt's first token comes within a "
+        "bounded number of fused calls (docs/operations.md).")
     w_decode: int = 4
     w_prefill: int = 1
     block_ms: int = TransportSettings.block_ms  # idle wait for the first entry
@@ -70,33 +87,37 @@ class WorkerSettings:
     # How long to wait for the next steps of the sessions the last call answered, even with prefill
     # work queued: without it a prefill chunk slips into every gap while the Tracker turns a result
     # into its next step (a few ms), and decode gets one call in two instead of its weighted share.
-    await_ms: int = 5
-    heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
-    recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
+    await_ms: int = setting(5, 'Wait this long for the next steps of the sessions just answered.')
+    # also the lease's renewal period (kept under a quarter of the lease)
+    heartbeat_s: float = setting(2.0, 'Heartbeat + stats period.')
+    # the sweep: entries of dead consumer names, own entries not held
+    recover_every_s: float = setting(5.0, 'Ownership sweep period.')
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
     # Answers remembered by result id (one per token), re-sent for a late duplicate of their job (a Tracker's
     # re-push after an outage): ~250 bytes each, so the default holds 1,024 tokens of 256 sessions (~64 MB).
-    answered_memory: int = 262_144
+    answered_memory: int = setting(262_144, 'Answers remembered by job id, re-sent for a late duplicate.')
     # Entries one iteration may read in all. When entries read are refused at admission (malformed,
     # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,
     # until the steps it wanted are admitted, the streams are empty or this many were read: a burst
     # of junk in front of honest steps costs one iteration, not one per `want` entries.
-    max_read_entries: int = 1024
-    max_slots_per_account: int = 0  # most open sessions per billing account (0: no limit)
-    idle_session_s: float = 0.0  # cancel an open session with no step for this long (0: never)
+    max_read_entries: int = setting(1024, 'Most entries one loop iteration reads past refused ones.')
+    max_slots_per_account: int = setting(0, 'Most open sessions one billing account may hold (0: no limit).')
+    idle_session_s: float = setting(0.0, 'Cancel an open session with no step for this long (0: never).')
     # Publish fused call k's results (one Lua call, on a helper thread) while the loop reads, admits and
     # runs call k+1 (the engine releases the GIL); one publish in flight at a time, so a session's
     # results stay in order. docs/benchmarks.md has what it buys on 2 cores.
-    overlap: bool = True
+    overlap: bool = setting(True, "Publish a fused call's results while the next call runs.")
     # ... but only while fused calls are shorter than this (ms; 0: whatever their length): a long CPU call
     # has little to gain (the publish is a small share of it) and its spinning threads lose a core to the
     # publish (Gemma on 2 cores measured slower with it, the tiny model and the sleep engines faster).
-    overlap_max_call_ms: float = 20.0
+    overlap_max_call_ms: float = setting(20.0,
+                                         'Overlap only while fused calls take less than this (ms; 0: always).')
     # Threads sampling the rows of a call that need more than an argmax (numpy and llama.cpp's grammar
     # calls release the GIL). The engine waits for the sampled tokens (one call in flight), so its cores
     # are free while the loop samples, on a CPU worker too: up to 4, no more than this process may use.
     # Gemma, 8 JSON-schema sessions on 2 cores: json / greedy 0.73 with 1, 0.89 with 2 (docs/benchmarks.md).
-    sampler_threads: int = SAMPLER_THREADS
+    sampler_threads: int = setting(SAMPLER_THREADS,
+                                   "Threads sampling rows with controls (1: in the loop's thread).")
 
 
 @dataclass(frozen=True)
@@ -106,13 +127,14 @@ class EngineSettings:
     model: tuple[str, ...] = ("tiny",)
     kind: str = "llama"  # 'llama' (llama.cpp) or 'reference' (NumPy)
     recipe: str = "invariant"  # 'invariant' (bit-identical in any batch) or 'fast'
-    slots: int = 16  # sequence slots (concurrent sessions)
-    ctx_per_session: int = 1024
-    threads: int = 0  # CPU threads (0: llama.cpp default)
-    n_gpu_layers: int = 0
-    # How llama.cpp's CPU threads wait at barriers: 'spin' (fastest alone), 'sleep' (robust beside other
-    # busy processes), 'auto' (sleep when the machine is busy at start): consumer/engines/cpu_wait.py
-    cpu_wait: str = "auto"
+    slots: int = setting(16, 'Sequence slots (concurrent sessions).')
+    ctx_per_session: int = setting(1024, 'Context positions per session.')
+    threads: int = setting(0, 'CPU threads (0: llama.cpp default).')
+    n_gpu_layers: int = setting(0, 'Layers offloaded to the GPU.')
+    # consumer/engines/cpu_wait.py
+    cpu_wait: str = setting("auto",
+        "llama.cpp's CPU threads at barriers: spin (alone), sleep (beside other busy processes), auto (sleep if the "
+        "machine is busy at start).")
 
 
 @dataclass(frozen=True)
@@ -127,11 +149,14 @@ class ServiceSettings:
     sentinel_username: str = ""
     sentinel_password: str = ""
     redis_cluster: bool = False  # the URL names a Redis Cluster node
-    metrics_port: int = 0  # Prometheus port (0: off)
-    metrics_addr: str = "127.0.0.1"
-    max_idle_s: float = 0.0  # exit after this long idle (0: never)
-    log_level: str = "INFO"
-    log_format: str = "json"  # 'json' or 'text'
+    metrics_port: int = setting(0, 'Prometheus port (0: off).')
+    metrics_addr: str = setting("127.0.0.1", 'Address the Prometheus endpoint listens on.')
+    max_idle_s: float = setting(0.0, 'Exit after this long idle (0: never).')
+    log_level: str = setting("INFO", 'DEBUG, INFO, WARNING or ERROR.')
+    log_format: str = setting("json", "'json' or 'text'.")
+    llama_log: str = setting("debug",
+        "The level llama.cpp's INFO lines (the loader's) are logged at: 'debug' (seen with --log-level DEBUG) or "
+        "'info'.")
 
 
 @dataclass(frozen=True)

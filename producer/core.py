@@ -26,12 +26,12 @@ from typing import Any
 from schemas import SessionSpec, StepResult, WireError, WorkerKeys
 from schemas.keys import PREFIX
 from schemas.replies import id_tuple
-from schemas.wire import decode_record
+from schemas.wire import decode_record, row_to_result
 
 from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
 from .errors import ResultTimeout
 from .route import relay
-from .session import Run, SessionHandle, Sessions, apply, apply_result, row_result
+from .session import Run, SessionHandle, Sessions, apply, apply_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
 from .validate import Admission, WorkerInfo, check_id, check_token
@@ -277,11 +277,11 @@ class ProducerCore(Steps, Admission):
                 h.last_result_id, h.last_row = eid, (rec, chg, i)
                 run = h.run
                 if run is None:
-                    h.inbox.append(row_result(rec, chg, i))
+                    h.inbox.append(row_to_result(rec, chg, i))
                 else:
                     touched[sid] = h
                     if run.collect:
-                        run.results.append((h, row_result(rec, chg, i)))
+                        run.results.append((h, row_to_result(rec, chg, i)))
         last = entries[-1][0]
         if id_tuple(last) > id_tuple(self.cursor(stream)):
             self.cursors[stream] = last

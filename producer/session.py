@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import PHASES, Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
+from schemas import PHASES, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
 from schemas.activations import Activations
 from schemas.step import end_job_id, result_job_id
-from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecord, RowExtra, row_result_id
+from schemas.wire import STATUS_CODE, STATUSES, RowExtra, row_extra, row_to_result, split_result_id
 
 from . import credit
 
 __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
-           "drop", "end", "lose", "row_result"]
+           "drop", "end", "lose"]
 
 Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
 
@@ -147,7 +147,7 @@ class SessionHandle:
     @property
     def last_result(self) -> StepResult | None:
         r = self.last_row
-        return row_result(*r) if isinstance(r, tuple) else r
+        return row_to_result(*r) if isinstance(r, tuple) else r
 
 
 @dataclass(eq=False, repr=False)
@@ -192,18 +192,6 @@ class Run:
 
 
 RouteHandle = SessionHandle  # a session on a route of one or more hops: one class
-
-
-def row_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
-    """Row i of a record as a StepResult (for callbacks and read_results; the hot path reads the columns)."""
-    extra = rec.x.get(str(i)) if rec.x else None
-    tok = rec.tok[i]
-    return StepResult(job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
-                      position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
-                      detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
-                      accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
-                                            recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
-                      batch_size=rec.batch, hidden=extra.hidden if extra else None)
 
 
 def lose(h: SessionHandle) -> None:
@@ -290,14 +278,11 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
 def apply_result(h: SessionHandle, r: StepResult) -> bool:
     """Apply an answer built in memory (a test double of a worker, tests/test_continuation.py) as a row read from
     a record would be. False (ignored) when it answers no current job of the session."""
-    base, _, suffix = r.job_id.rpartition(".")
-    off = END_OFFSET if base and suffix == "end" else int(suffix) if base and suffix.isdigit() else 0
-    s = h.sent.get(base if off else r.job_id)
+    job, off = split_result_id(r.job_id)
+    s = h.sent.get(job)
     if s is None or r.session_id != h.session_id:
         return False
-    a, x = r.accounting, None
-    if r.reason is not None or r.detail or r.hidden is not None:
-        x = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden)
+    a, x = r.accounting, row_extra(r)
     if not apply(h, s, off, STATUS_CODE[r.status], r.position, -1 if r.token is None else r.token, int(r.finished),
                  x, a.engine_seconds, a.prompt_tokens, a.generated_tokens):
         return False

@@ -29,13 +29,14 @@ from .reasons import Reason, Status
 from .session import SessionSpec
 
 __all__ = [
-    "MAX_CONTINUATION_JOB_ID", "Accounting", "Reason", "Status", "StepJob", "StepResult", "end_job_id",
-    "result_job_id",
+    "END_OFFSET", "MAX_CONTINUATION_JOB_ID", "Accounting", "Reason", "Status", "StepJob", "StepResult", "end_job_id",
+    "result_job_id", "row_result_id", "split_result_id",
 ]
 
 # A continuation job's result ids append a suffix to its job id: ".<offset>" (offset >= 1) for its
 # tokens, ".end" for the one answer that ends it without a token. The job id must leave room for it.
 _END_SUFFIX: Final = ".end"
+END_OFFSET: Final = -1  # a result row's `off` for a continuation's ending answer (result id `<job>.end`)
 MAX_CONTINUATION_JOB_ID: Final = MAX_ID_LEN - len(_END_SUFFIX)
 _COMPAT: Final = re.compile(r"[0-9a-f]{16}")
 _PHASES: Final = ("prefill", "decode")
@@ -56,6 +57,33 @@ def end_job_id(job_id: str) -> str:
     after some tokens were published (a crash mid-job, then state_lost on redelivery) is never
     swallowed by the record of the job's first token."""
     return job_id + _END_SUFFIX
+
+
+def row_result_id(job_id: str, off: int) -> str:
+    """A row's result id from its `job` and `off` columns: the one formatting of a result id (the
+    reverse of `split_result_id`)."""
+    return end_job_id(job_id) if off == END_OFFSET else result_job_id(job_id, off)
+
+
+def split_result_id(result_id: str, job_id: str | None = None) -> tuple[str, int]:
+    """A result id's job id and row offset (`job`, `off` columns): `<job>` -> 0, `<job>.<k>` -> k,
+    `<job>.end` -> END_OFFSET. With `job_id` known (the worker, which answers its own job) the suffix is
+    read after it exactly; without, after the last `.` (a job id may hold dots: the answer of an id
+    `a.3` built in memory is read as token 3 of job `a`, as it always was). ValueError when `result_id`
+    is not `job_id`'s."""
+    if job_id is not None:
+        if result_id == job_id:
+            return job_id, 0
+        if not result_id.startswith(job_id + "."):
+            raise ValueError(f"result id {result_id[:80]!r} is not job {job_id[:80]!r}'s")
+        suffix = result_id[len(job_id) + 1:]
+        return job_id, END_OFFSET if suffix == _END_SUFFIX[1:] else int(suffix)
+    base, _, suffix = result_id.rpartition(".")
+    if base and suffix == _END_SUFFIX[1:]:
+        return base, END_OFFSET
+    if base and suffix.isdigit():
+        return base, int(suffix)
+    return result_id, 0
 
 
 def _int_in(value: object, lo: int, hi: int) -> bool:

@@ -30,12 +30,12 @@ from .limits import MAX_FIELD_BYTES, MAX_RECORD_BYTES, MAX_TOKENS_PER_JOB, WIRE_
 from .reasons import Reason, Status
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
-from .step import Accounting, StepJob, StepResult, TokenLogprobs, end_job_id, result_job_id
+from .step import END_OFFSET, Accounting, StepJob, StepResult, TokenLogprobs, row_result_id, split_result_id
 
 __all__ = [
-    "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields", "cancel_to_fields",
-    "decode_record", "encode_record", "job_from_fields", "job_to_fields", "record_fields", "results_from_fields",
-    "results_to_fields", "row_result_id",
+    "END_OFFSET", "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields",
+    "cancel_to_fields", "decode_record", "encode_record", "job_from_fields", "job_to_fields", "record_fields",
+    "results_from_fields", "results_to_fields", "row_extra", "row_result_id", "row_to_result", "split_result_id",
 ]
 
 Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
@@ -52,7 +52,6 @@ _JSON_SYNTAX: Final = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)  # an escape (ski
 STATUSES: Final[tuple[Status, ...]] = (Status.OK, Status.CANCELLED, Status.REJECTED, Status.STATE_LOST,
                                        Status.FAILED)
 STATUS_CODE: Final[dict[Status, int]] = {s: i for i, s in enumerate(STATUSES)}
-END_OFFSET: Final = -1  # a row's `off` for a continuation's ending answer (result id `<job>.end`)
 
 
 def _b(x: bytes | str) -> bytes:
@@ -350,10 +349,9 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
                                                   "es")}
     x: dict[str, RowExtra] = {}
     for i, r in enumerate(results):
-        base, _, suffix = r.job_id.rpartition(".")
-        off = END_OFFSET if suffix == "end" and base else int(suffix) if base and suffix.isdigit() else 0
+        job, off = split_result_id(r.job_id)
         cols["sid"].append(r.session_id)
-        cols["job"].append(base if off else r.job_id)
+        cols["job"].append(job)
         cols["off"].append(off)
         cols["att"].append(0)
         cols["st"].append(STATUS_CODE[r.status])
@@ -363,16 +361,35 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
         cols["fin"].append(int(r.finished))
         cols["fed"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)
         cols["es"].append(r.accounting.engine_seconds)
-        if r.status != Status.OK or r.detail or r.hidden is not None or r.logprobs is not None:
-            x[str(i)] = RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden, logprobs=r.logprobs)
+        extra = row_extra(r)
+        if extra is not None:
+            x[str(i)] = extra
     rec = ResultRecord(worker=results[0].worker_id, call=call, batch=results[0].batch_size, x=x, **cols)
     chg = Charges(p=[r.accounting.prompt_tokens for r in results], g=[r.accounting.generated_tokens for r in results],
                   r=[r.accounting.recomputed_tokens for r in results], d=[])
     return {b"v": _VERSION, b"r": encode_record(rec), b"c": _ENCODER.encode(chg)}
 
 
-def row_result_id(job_id: str, off: int) -> str:
-    return end_job_id(job_id) if off == END_OFFSET else result_job_id(job_id, off)
+def row_to_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
+    """Row i of a record as a StepResult: the one conversion, used by every reader (`results_from_fields`,
+    the producer's callbacks and `read_results`). Every column and extra reaches the result (tested:
+    tests/test_result_rows.py). ValueError for a row StepResult refuses."""
+    extra = rec.x.get(str(i)) if rec.x else None
+    tok = rec.tok[i]
+    return StepResult(
+        job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
+        position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
+        detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
+        accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i], recomputed_tokens=chg.r[i],
+                              engine_seconds=rec.es[i]),
+        batch_size=rec.batch, hidden=extra.hidden if extra else None, logprobs=extra.logprobs if extra else None)
+
+
+def row_extra(r: StepResult) -> RowExtra | None:
+    """What of `r` travels in a row's extra (None: nothing but its columns)."""
+    if r.status == Status.OK and not r.detail and r.hidden is None and r.logprobs is None:
+        return None
+    return RowExtra(reason=r.reason, detail=r.detail, hidden=r.hidden, logprobs=r.logprobs)
 
 
 def results_from_fields(fields: Fields) -> list[StepResult]:
@@ -380,24 +397,10 @@ def results_from_fields(fields: Fields) -> list[StepResult]:
     are left out). For tools, tests and callbacks: a Tracker's hot path reads the columns."""
     rec, chg = decode_record(fields)
     skip = set(chg.d)
-    out: list[StepResult] = []
     try:
-        for i in range(len(rec)):
-            if i in skip:
-                continue
-            extra = rec.x.get(str(i))
-            tok = rec.tok[i]
-            out.append(StepResult(
-                job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
-                position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
-                detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
-                accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
-                                      recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
-                batch_size=rec.batch, hidden=extra.hidden if extra else None,
-                logprobs=extra.logprobs if extra else None))
+        return [row_to_result(rec, chg, i) for i in range(len(rec)) if i not in skip]
     except ValueError as e:
         raise WireError(Reason.MALFORMED, f"invalid result row: {e}"[:200]) from None
-    return out
 
 
 # ------------------------------------------------------------------------------------- cancellations

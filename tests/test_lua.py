@@ -59,7 +59,7 @@ def test_completion_keys_and_dead_letters_match_the_header() -> None:
 
 
 def test_the_body_reads_what_the_layout_names() -> None:
-    body = "\n".join(ln for ln in load_lua("complete").splitlines() if not ln.startswith("--"))
+    body = "\n".join(ln for ln in script_source("complete").splitlines() if not ln.startswith("--"))
     head = {int(i) for i in re.findall(r"ARGV\[(\d+)\]", body)}
     assert head == set(range(1, len(COMPLETE_ARGV) + 1))
     # A dead letter's fields are read at offsets 0..len-1 of its place.

@@ -13,7 +13,11 @@ __all__ = ["SCRIPTS", "load_lua", "script_source"]
 
 # script -> the files it is made of, in order (shared blocks first).
 SCRIPTS: dict[str, tuple[str, ...]] = {
-    "complete": ("lease", "complete"),
+    # complete.lua by concern, joined into ONE script (one EVALSHA per call, atomic as one): its header,
+    # ARGV and call guard; the tally entries; the charges; publishing the rows; acks, closures and sums;
+    # dead letters; the fused call's counters (docs/accounting.md: the control).
+    "complete": ("lease", "complete", "complete_tally", "complete_charge", "complete_publish", "complete_close",
+                 "complete_dead", "complete_call"),
     "pending": ("deadletter", "pending"),
     "recover": ("deadletter", "recover"),
     "acquire": ("acquire",),

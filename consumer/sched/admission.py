@@ -10,7 +10,7 @@ from schemas.limits import MAX_TOKENS_PER_JOB
 
 from .outputs import Answer
 from .session_table import ClosedSession
-from .state import SchedulerState, _Lane, _Queued
+from .state import SchedulerState, SessionQueue, _Queued
 
 __all__ = ["Admission"]
 
@@ -128,7 +128,7 @@ class Admission(SchedulerState):
                 return self._reject(job, ref, Reason.CAPACITY, next_pos, account,
                                     f"all {cap.n_slots} slots are taken")
             self.stats.sessions_opened += 1
-            self._lanes[sid] = _Lane(entry=entry)
+            self._lanes[sid] = SessionQueue(entry=entry)
             self._attempts[sid] = job.attempt
             self._attempts.move_to_end(sid)
             while len(self._attempts) > self.config.closed_capacity + cap.n_slots:

@@ -8,7 +8,7 @@ from schemas import Phase
 
 from .outputs import BatchItem, ScheduledBatch
 from .prefill_shape import MIN_BUDGET, piece_rows
-from .state import SchedulerState, _Lane
+from .state import SchedulerState, SessionQueue
 
 __all__ = ["Batching"]
 
@@ -105,7 +105,7 @@ class Batching(SchedulerState):
             budget -= n
         return items
 
-    def _prefill_extent(self, lane: _Lane) -> tuple[int, int, int | None]:
+    def _prefill_extent(self, lane: SessionQueue) -> tuple[int, int, int | None]:
         """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
         head = lane.jobs[0]
         start = head.job.start_position + head.consumed
@@ -126,7 +126,7 @@ class Batching(SchedulerState):
             prompt_end = sampled_end if prompt_end is None else min(prompt_end, sampled_end)
         return start, queued_end, prompt_end
 
-    def _take_piece(self, lane: _Lane, n: int, rows: int, items: list[BatchItem]) -> int:
+    def _take_piece(self, lane: SessionQueue, n: int, rows: int, items: list[BatchItem]) -> int:
         """Hand the lane's next n prefill tokens to the call, across its jobs; returns the rows so far."""
         while n > 0:
             q = lane.jobs[0]

@@ -11,7 +11,7 @@ from schemas import Reason, Status, TokenLogprobs
 
 from .outputs import Answer, BatchItem, ScheduledBatch
 from .session_table import SessionState
-from .state import SchedulerState, _Lane, _Queued
+from .state import SchedulerState, SessionQueue, _Queued
 
 __all__ = ["OutputProcessor"]
 
@@ -45,7 +45,7 @@ class OutputProcessor(SchedulerState):
         total_rows = max(1, len(batch.fused))
         batch_size = len(batch.session_ids)
         out: list[Answer] = []
-        touched: dict[int, _Lane] = {}
+        touched: dict[int, SessionQueue] = {}
         sampled = -1
         for it in batch.items:
             if it.samples:
@@ -126,9 +126,9 @@ class OutputProcessor(SchedulerState):
         when the cause is known: STATE_LOST (the engine emptied the session's state: the Tracker
         replays it), or a reason the engine or the sampler gave (BAD_TOKEN, NO_TOKEN, ...)."""
         out: list[Answer] = []
-        touched: dict[int, _Lane] = {}
+        touched: dict[int, SessionQueue] = {}
         batch_size = len(batch.session_ids)
-        failing: dict[int, _Lane] = {}
+        failing: dict[int, SessionQueue] = {}
         per_lane: dict[int, list[Answer]] = {}
         for it in batch.items:
             lane, q = self._claim(it)
@@ -152,12 +152,12 @@ class OutputProcessor(SchedulerState):
         self._settle(touched)
         return out
 
-    def _finish(self, lane: _Lane, batch_size: int) -> list[Answer]:
+    def _finish(self, lane: SessionQueue, batch_size: int) -> list[Answer]:
         answers = self._reject_queued(lane, Reason.FINISHED, "session finished before this step")
         self._close(lane, "finished")
         return answers
 
-    def _claim(self, it: BatchItem) -> tuple[_Lane | None, _Queued | None]:
+    def _claim(self, it: BatchItem) -> tuple[SessionQueue | None, _Queued | None]:
         """The in-flight job an item reports on, taken out of flight; (None, None) if it is not one."""
         lane = self._inflight.get(it.slot)
         if lane is not None:
@@ -171,7 +171,7 @@ class OutputProcessor(SchedulerState):
         self.stats.stale_items += 1
         return None, None
 
-    def _settle(self, touched: Mapping[int, _Lane]) -> None:
+    def _settle(self, touched: Mapping[int, SessionQueue]) -> None:
         for slot, lane in touched.items():
             if lane.inflight:
                 continue
@@ -184,7 +184,7 @@ class OutputProcessor(SchedulerState):
             else:
                 self._refresh(lane)
 
-    def _closed_answer(self, lane: _Lane, q: _Queued, position: int, batch_size: int) -> Answer:
+    def _closed_answer(self, lane: SessionQueue, q: _Queued, position: int, batch_size: int) -> Answer:
         """The answer for a job of a session that was closed while its call ran."""
         q.answered = True
         entry = lane.entry
@@ -203,7 +203,7 @@ class OutputProcessor(SchedulerState):
                                   detail="session closed: an engine call failed on it", batch_size=batch_size)
         return Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id, close=None)
 
-    def _failed(self, lane: _Lane, q: _Queued, detail: str, batch_size: int, status: Status = Status.FAILED,
+    def _failed(self, lane: SessionQueue, q: _Queued, detail: str, batch_size: int, status: Status = Status.FAILED,
                 reason: Reason = Reason.ENGINE_ERROR) -> Answer:
         q.answered = True
         self.stats.jobs_failed += 1

@@ -33,7 +33,7 @@ class _Queued:
 
 
 @dataclass(slots=True, eq=False)
-class _Lane:
+class SessionQueue:
     """A session's queue. Jobs are in position order (admission enforces contiguity)."""
 
     entry: SessionEntry
@@ -65,8 +65,8 @@ class SchedulerState:
             raise ValueError(f"engine digests must differ between phases: {self.engine_digests}")
         self.table = SessionTable(config.capacity.n_slots, config.closed_capacity)
         self.stats = SchedulerStats()
-        self._lanes: dict[str, _Lane] = {}  # open sessions
-        self._inflight: dict[int, _Lane] = {}  # slot -> lane with items in flight (open or closed)
+        self._lanes: dict[str, SessionQueue] = {}  # open sessions
+        self._inflight: dict[int, SessionQueue] = {}  # slot -> lane with items in flight (open or closed)
         self._ready: dict[Phase, list[tuple[int, str]]] = {"decode": [], "prefill": []}
         self._n_ready: dict[Phase, int] = {"decode": 0, "prefill": 0}
         self._n_stale: dict[Phase, int] = {"decode": 0, "prefill": 0}
@@ -103,7 +103,7 @@ class SchedulerState:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 
-    def _push_ready(self, lane: _Lane) -> None:
+    def _push_ready(self, lane: SessionQueue) -> None:
         head = lane.jobs[0]
         phase = head.job.phase
         heapq.heappush(self._ready[phase], (head.seq, lane.session_id))
@@ -111,7 +111,7 @@ class SchedulerState:
         lane.ready_phase = phase
         self._n_ready[phase] += 1
 
-    def _unready(self, lane: _Lane) -> None:
+    def _unready(self, lane: SessionQueue) -> None:
         """Take the lane out of its ready heap (lazily: the heap entry goes stale)."""
         phase = lane.ready_phase
         if phase is None:
@@ -130,7 +130,7 @@ class SchedulerState:
         lane = self._lanes.get(entry[1])
         return lane is not None and lane.ready_seq == entry[0]
 
-    def _pop_ready(self, phase: Phase) -> _Lane | None:
+    def _pop_ready(self, phase: Phase) -> SessionQueue | None:
         heap = self._ready[phase]
         while heap:
             seq, sid = heapq.heappop(heap)
@@ -144,7 +144,7 @@ class SchedulerState:
             return lane
         return None
 
-    def _refresh(self, lane: _Lane) -> None:
+    def _refresh(self, lane: SessionQueue) -> None:
         """Re-derive the lane's place: in a ready heap, among the sessions awaiting decode, or neither."""
         sid = lane.session_id
         if lane.closed is not None or self._lanes.get(sid) is not lane:
@@ -162,7 +162,7 @@ class SchedulerState:
         else:
             self._awaiting.discard(sid)
 
-    def _drop_queued(self, lane: _Lane) -> list[_Queued]:
+    def _drop_queued(self, lane: SessionQueue) -> list[_Queued]:
         """Empty the lane's queue; the jobs not answered yet, to be answered by the caller."""
         self._unready(lane)
         self._continuing.discard(lane.session_id)
@@ -177,7 +177,7 @@ class SchedulerState:
         lane.jobs.clear()
         return dropped
 
-    def _close(self, lane: _Lane, kind: CloseKind) -> None:
+    def _close(self, lane: SessionQueue, kind: CloseKind) -> None:
         sid = lane.session_id
         self._unready(lane)
         self._awaiting.discard(sid)
@@ -196,7 +196,7 @@ class SchedulerState:
             self.stats.closed_dropped += 1
         self._closed_log.append(closed)
 
-    def _reject_queued(self, lane: _Lane, reason: Reason, detail: str) -> list[Answer]:
+    def _reject_queued(self, lane: SessionQueue, reason: Reason, detail: str) -> list[Answer]:
         """Answer every step still queued for the lane REJECTED with `reason` (they never run)."""
         entry = lane.entry
         answers = []

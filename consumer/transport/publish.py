@@ -21,7 +21,7 @@ import redis
 from schemas import GROUP
 from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
 from schemas.replies import as_bytes
-from schemas.wire import END_OFFSET, STATUS_CODE, ResultRecord, RowExtra, encode_record
+from schemas.wire import STATUS_CODE, ResultRecord, RowExtra, encode_record, split_result_id
 
 from ..sched.outputs import Answer
 from .connection import LeaseLost, RedisIO
@@ -86,14 +86,6 @@ class _Rows:
     blob: dict[str, list[int]] = field(default_factory=dict)  # row -> [KEYS index, ARGV index] of output rows
 
 
-def _offset(base: str, rid: str) -> int:
-    """The row's offset: 0 for the job's own id, k for `<job>.<k>`, END_OFFSET for `<job>.end`."""
-    if rid == base:
-        return 0
-    suffix = rid[len(base) + 1:]
-    return END_OFFSET if suffix == "end" else int(suffix)
-
-
 class Publisher:
     """Builds and sends completion calls. One thread at a time (the worker's I/O thread, or its loop)."""
 
@@ -141,7 +133,7 @@ class Publisher:
             rid = o.job_id
             r.sid.append(sid)
             if job is not None:
-                off = _offset(job.job_id, rid)
+                off = split_result_id(rid, job.job_id)[1]
                 r.job.append(job.job_id)
                 r.off.append(off)
                 r.att.append(job.attempt)

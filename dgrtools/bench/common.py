@@ -32,19 +32,51 @@ def machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    t = Table(title=title)
-    for c in columns:
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r])
+def _cell(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _width(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> int:
+    """The width rich draws a table of these cells in, with no column squashed (borders and padding: 3 a column)."""
+    return 1 + sum(3 + max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns))
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], width: int | None = None) -> Table:
+    """The rows under their columns when that fits the terminal (`width`: the console's); else turned on their
+    side, one column per row, headers down the left; else one section per row of `column  value` lines. Never a
+    header squashed to "e2e…" (80 columns, issue 30)."""
+    width = console.width if width is None else width
+    cells = [[_cell(v) for v in r] for r in rows]
+    if _width(columns, cells) <= width:
+        t = Table(title=title)
+        for c in columns:
+            t.add_column(c, justify="right")
+        for r in cells:
+            t.add_row(*r)
+        return t
+    sideways = [list(x) for x in zip(*cells, strict=True)] if cells else [[] for _ in columns]
+    head = [""] + [f"#{i + 1}" for i in range(len(cells))]
+    if _width(head, [[c, *v] for c, v in zip(columns, sideways, strict=True)]) <= width:
+        t = Table(title=title)
+        t.add_column("", justify="left")
+        for h in head[1:]:
+            t.add_column(h, justify="right")
+        for c, values in zip(columns, sideways, strict=True):
+            t.add_row(c, *values)
+        return t
+    t = Table(title=title, show_header=False)
+    t.add_column("", justify="left", overflow="fold")
+    t.add_column("", justify="right", overflow="fold")
+    for i, r in enumerate(cells):
+        if i:
+            t.add_section()
+        for c, v in zip(columns, r, strict=True):
+            t.add_row(c, v)
     return t
 
 
 def markdown(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(v: Any) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
-
+    cell = _cell
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)

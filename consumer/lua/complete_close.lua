@@ -1,0 +1,86 @@
+-- ---------------------------------------------------------------- acks, input blobs
+for _, a in ipairs(ctl.acks or {}) do
+  redis.call('XACK', KEYS[a[1]], group, unpack(a[2]))
+end
+for _, k in ipairs(ctl.del or {}) do
+  redis.call('DEL', KEYS[k])
+end
+
+-- ---------------------------------------------------------------- closures, the tally
+local acct_ids = ctl.accounts or {}
+local closing = {}
+for _, c in ipairs(ctl.close or {}) do
+  local sid = c[1]
+  if L[sid] ~= nil then
+    closing[sid] = c[3]
+    sk[sid] = c[2]
+    if c[4] > 0 then ac[sid] = c[4] end
+  elseif redis.call('EXISTS', KEYS[c[2]]) == 1 then
+    redis.call('HSETNX', KEYS[c[2]], 'closed', c[3])  -- nothing charged since it closed: mark it, create nothing
+  end
+end
+do
+  local pairs_ = {}
+  for sid, e in pairs(L) do
+    local a = ac[sid]
+    local account = a ~= nil and acct_ids[a][2] or e[ACCOUNT]
+    if closing[sid] or late[sid] then
+      -- Folded into the session hash: a closing session's entry, or a late one (see entry()).
+      if dirty[sid] or closing[sid] then
+        local hk = KEYS[sk[sid]]
+        redis.call('HINCRBY', hk, 'prompt_tokens', int(e[PROMPT]))
+        redis.call('HINCRBY', hk, 'generated_tokens', int(e[GEN]))
+        redis.call('HINCRBY', hk, 'recomputed_tokens', int(e[RECOMP]))
+        redis.call('HINCRBY', hk, 'steps', int(e[STEPS]))
+        redis.call('HINCRBYFLOAT', hk, 'engine_seconds', fmt(e[ES]))
+        redis.call('HSET', hk, 'att', int(e[ATT]), 'pub', int(e[PUB]), 'hw', int(e[HW]), 'gaps', gaps_text(sid, e),
+          'owed', owed_text(sid, e))
+        if account ~= '' then
+          redis.call('HSET', hk, 'account', account)
+        end
+        if closing[sid] then
+          redis.call('HSETNX', hk, 'closed', closing[sid])
+        end
+        redis.call('EXPIRE', hk, ttl)
+      end
+      if stored[sid] then
+        redis.call('HDEL', tally, sid)
+      end
+    elseif dirty[sid] then
+      pairs_[#pairs_ + 1] = sid
+      local g, o = gaps_text(sid, e), owed_text(sid, e)
+      pairs_[#pairs_ + 1] = struct.pack(TALLY, e[ATT], e[PUB], e[HW], e[PROMPT], e[GEN], e[RECOMP], e[STEPS],
+        e[ES], now, #g, g, #account, account, #o, o)
+      if #pairs_ >= 2000 then
+        redis.call('HSET', tally, unpack(pairs_))
+        pairs_ = {}
+      end
+    end
+  end
+  if #pairs_ > 0 then
+    redis.call('HSET', tally, unpack(pairs_))
+  end
+end
+for n, s in pairs(accounts) do
+  local key = KEYS[acct_ids[n][1]]
+  redis.call('HINCRBY', key, 'prompt_tokens', int(s[1]))
+  redis.call('HINCRBY', key, 'generated_tokens', int(s[2]))
+  redis.call('HINCRBY', key, 'steps', int(s[4]))
+  if s[3] > 0 then
+    redis.call('HINCRBY', key, 'recomputed_tokens', int(s[3]))
+  end
+  redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(s[5]))
+  redis.call('SADD', index, acct_ids[n][2])
+end
+if w_steps > 0 then
+  redis.call('HINCRBY', worker, 'steps', int(w_steps))
+  redis.call('HINCRBY', worker, 'prompt_tokens', int(w_prompt))
+  redis.call('HINCRBY', worker, 'generated_tokens', int(w_gen))
+  if w_recomp > 0 then
+    redis.call('HINCRBY', worker, 'recomputed_tokens', int(w_recomp))
+  end
+  redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
+  for status, k in pairs(by_status) do
+    redis.call('HINCRBY', worker, 'results:' .. status, int(k))
+  end
+end

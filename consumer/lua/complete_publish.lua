@@ -1,0 +1,97 @@
+-- ---------------------------------------------------------------- rows: publish
+-- Each row once only (its tally entry or its `res` marker), charged by charge() (complete_charge.lua)
+-- when its session has a billing account; each record XADDed with its charges unless no row is fresh.
+-- (The hot loop of the worker's hot path: columns held in locals, no string built per row unless the
+-- row needs one, sums in locals. Lua 5.1 runs each operation in tens of nanoseconds.)
+local w_prompt, w_gen, w_recomp, w_steps, w_share, w_ok = 0, 0, 0, 0, 0.0, 0
+local by_status = {}
+local STATUS = {'cancelled', 'rejected', 'state_lost', 'failed'}
+local out = {}
+local n_rows, n_fresh = 0, 0
+
+for ri, rec in ipairs(ctl.records) do
+  local R = rec.R
+  local Rsid, Rst, Rpos, Ratt, Rfrm, Rfed, Rtok, Res = R.sid, R.st, R.pos, R.att, R.frm, R.fed, R.tok, R.es
+  local acct, skey, res, blob = rec.acct, rec.skey, rec.res, rec.blob
+  local has_blob = next(blob) ~= nil
+  local n = #Rsid
+  local P, G, RC, D = {}, {}, {}, {}
+  local any_acct, published = false, 0
+  for i = 1, n do
+    local st, pos, a = Rst[i], Rpos[i], acct[i]
+    local sid = Rsid[i]
+    local e = nil
+    if a > 0 then
+      e = L[sid]
+      if e == nil then
+        e = entry(sid, skey[i])
+      end
+      sk[sid], ac[sid] = skey[i], a
+    end
+    local fresh
+    if st == 0 and e ~= nil then
+      local att, eatt = Ratt[i], e[ATT]
+      if att > eatt or (att == eatt and pos > e[PUB]) then
+        fresh = true
+        local frm = Rfrm[i]
+        if att > eatt then  -- a newer attempt starts afresh (a replay's first answer starts at position 0)
+          gl[sid] = {}
+          add_gap(sid, e, 1, frm)
+        elseif fresh_e[sid] then
+          add_gap(sid, e, 1, frm)  -- a result's position is at least 1: every answer computed a position
+        elseif frm > e[PUB] then
+          add_gap(sid, e, e[PUB] + 1, frm)
+        end
+        e[ATT], e[PUB] = att, pos
+        if fresh_e[sid] then fresh_e[sid] = nil end
+      else
+        fresh = att == eatt and take_gap(sid, e, pos)
+      end
+    elseif st == 0 then
+      fresh = true
+    else
+      fresh = redis.call('SET', KEYS[res[tostring(i - 1)]], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
+    end
+    local p, g, rc = 0, 0, 0
+    if fresh then
+      published = published + 1
+      local es = Res[i]
+      if e ~= nil then
+        p, g, rc = charge(sid, e, a, pos, Rfed[i], Rtok[i] >= 0, es)
+        any_acct = true
+      end
+      w_prompt, w_gen, w_recomp, w_steps, w_share = w_prompt + p, w_gen + g, w_recomp + rc, w_steps + 1, w_share + es
+      if st == 0 then
+        w_ok = w_ok + 1
+      else
+        local name = STATUS[st]
+        by_status[name] = (by_status[name] or 0) + 1
+      end
+      if has_blob then
+        local b = blob[tostring(i - 1)]
+        if b ~= nil then
+          redis.call('SET', KEYS[b[1]], ARGV[b[2]], 'EX', act_ttl)
+        end
+      end
+    else
+      D[#D + 1] = i - 1
+    end
+    P[i], G[i], RC[i] = p, g, rc
+  end
+  n_rows, n_fresh = n_rows + n, n_fresh + published
+  local charges = '{"p":[' .. table.concat(P, ',') .. '],"g":[' .. table.concat(G, ',') .. '],"r":[' ..
+    table.concat(RC, ',') .. '],"d":[' .. table.concat(D, ',') .. ']}'
+  out[ri] = charges
+  if published > 0 then
+    local stream = KEYS[rec.out]
+    redis.call('XADD', stream, 'MAXLEN', '~', rmax, '*', 'v', '2', 'r', ARGV[rec.r], 'c', charges)
+    if any_acct then
+      redis.call('EXPIRE', stream, ttl)
+    else
+      expire_at_least(stream, rttl)
+    end
+  end
+end
+if w_ok > 0 then
+  by_status['ok'] = w_ok
+end
