@@ -197,7 +197,8 @@ def row_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
                       detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
                       accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i],
                                             recomputed_tokens=chg.r[i], engine_seconds=rec.es[i]),
-                      batch_size=rec.batch, hidden=extra.hidden if extra else None)
+                      batch_size=rec.batch, hidden=extra.hidden if extra else None,
+                      logprobs=extra.logprobs if extra else None)
 
 
 def lose(h: SessionHandle) -> None:
