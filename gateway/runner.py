@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer import AsyncProducer, Backpressure, SessionHandle
+from producer import AsyncProducer, Backpressure, ProducerError, SessionHandle
 from producer.validate import WorkerInfo
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult
 from schemas.limits import MAX_GENERATE
@@ -159,6 +159,9 @@ class Runner:
                     raise item
                 if isinstance(item, (ValueError, TypeError)):  # the producer's checks (a token outside the vocab)
                     raise bad_request(str(item)) from None
+                if isinstance(item, ProducerError):  # a worker lost or silent past the timeout: an error event
+                    raise ApiError(502, f"the session failed on the worker: {item}", type="server_error",
+                                   code="worker_failed") from None
                 if isinstance(item, LookupError):
                     raise unavailable(str(item)) from None
                 if isinstance(item, BaseException):

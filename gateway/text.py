@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +169,6 @@ class StopStrings:
     stops: tuple[str, ...]
     held: str = ""
     stopped: bool = False
-    sent: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -177,10 +176,12 @@ class StopStrings:
         buf = self.held + text
         if not self.stops:
             return buf, False
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # The stop string completed first ends the text (as if fed a character at a time); of two ending at once,
+        # the longer one.
+        hits = [(i + len(s), i) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return buf[:min(hits)], True
+            return buf[:min(hits)[1]], True
         keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
                     if buf.endswith(s[:k])), default=0)
         out, self.held = buf[:len(buf) - keep], buf[len(buf) - keep:]
