@@ -62,6 +62,7 @@ class Generation(_Edge):
     top_k: int = Field(default=0, ge=0, le=1 << 20)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    ignore_eos: bool = False  # generate max_tokens whatever the model's end-of-generation tokens say
 
     @field_validator("stop")
     @classmethod

@@ -113,7 +113,7 @@ class Gateway:
         specs = self.runner.specs(req, model, prompt, where, account)
         shape = Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", model,
                       req.logprobs_n() is not None)
-        choices = [Choice.new(i, model, req.stops) for i in range(req.n)]
+        choices = [Choice.new(i, model, req.stops, specs[0].stop_tokens) for i in range(req.n)]
         events = self.runner.events(specs, prompt).__aiter__()
         t0 = time.monotonic()
         first = await anext(events)  # a 429 (backpressure) is still an HTTP status here

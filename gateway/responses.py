@@ -27,10 +27,11 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_tokens: tuple[int, ...] = ()
 
     @classmethod
-    def new(cls, index: int, model: TextModel, stops: tuple[str, ...]) -> Choice:
-        return cls(index, model, Detokenizer(model.tokenizer), StopStrings(stops))
+    def new(cls, index: int, model: TextModel, stops: tuple[str, ...], stop_tokens: tuple[int, ...]) -> Choice:
+        return cls(index, model, Detokenizer(model.tokenizer), StopStrings(stops), stop_tokens=stop_tokens)
 
     def take(self, r: StepResult) -> tuple[str, list[tuple[int, float, tuple[tuple[int, float], ...]]], bool]:
         """A worker's answer: (text to send, its tokens' log-probabilities, whether a stop string ended it now)."""
@@ -41,7 +42,7 @@ class Choice:
             self.tokens.append(r.token)
             if r.logprobs is not None:
                 lps.append((r.token, r.logprobs.lp, r.logprobs.top))
-            if r.token in self.model.tokenizer.stop_tokens:
+            if r.token in self.stop_tokens:
                 self.finish_reason = "stop"
             else:
                 out, hit = self.stops.feed(self.detok.push(r.token))

@@ -125,7 +125,8 @@ class Runner:
             return [SessionSpec(session_id=f"srv-{rid}-{i}", account_id=account,
                                 route=(RouteHop(worker_id=where.worker_id, key=where.key),),
                                 sampling=Sampling(**sampling, seed=seed + i),  # type: ignore[arg-type]
-                                max_tokens=asked or room, stop_tokens=model.tokenizer.stop_tokens)
+                                max_tokens=asked or room,
+                                stop_tokens=() if req.ignore_eos else model.tokenizer.stop_tokens)
                     for i in range(req.n)]
         except ValueError as e:
             raise bad_request(str(e).splitlines()[-1] if str(e) else "invalid sampling", param="response_format"

@@ -183,7 +183,8 @@ def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     keys = WorkerKeys(WORKER)
     before = set(client.scan_iter(match=keys.cancel_marker("*")))
-    stream = stack.client().completions.create(model="tiny", prompt="hello", max_tokens=900, stream=True)
+    stream = stack.client().completions.create(model="tiny", prompt="hello", max_tokens=900, stream=True, seed=1,
+                                               extra_body={"ignore_eos": True})  # it cannot end on its own
     for _ in zip(range(3), stream, strict=False):
         pass
     stream.close()  # the client goes away mid-answer
