@@ -47,8 +47,10 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any], t0: float) ->
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):  # what the server says it generated (a held-back token sends no chunk)
+                n = max(n, int(chunk["usage"].get("completion_tokens") or 0))
             if chunk.get("choices"):
-                n += 1  # one chunk per token (a token whose text is held back sends no chunk: counted short)
+                n += 1  # one chunk per token, unless its text is held back (then the usage above counts it)
                 if first is None:
                     first = time.perf_counter() - t0
     return first, n
@@ -62,7 +64,8 @@ async def http_side(url: str, model: str, prompts: Sequence[Sequence[int]], toke
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(_stream_one(client, url + "/v1/completions", {
             "model": model, "prompt": list(p), "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "cache_prompt": False}, t0) for p in prompts))
+            "ignore_eos": True, "cache_prompt": False,
+            "stream_options": {"include_usage": True}}, t0) for p in prompts))
         wall = time.perf_counter() - t0
     ttfts = [f for f, _ in outs if f is not None]
     n = sum(k for _, k in outs)
