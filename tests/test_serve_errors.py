@@ -198,4 +198,3 @@ def test_worker_packages_never_import_the_gateway() -> None:
                 assert all(ln.startswith("    ") for ln in bad), bad
             else:
                 assert not bad, f"{f} imports the gateway"
-
