@@ -172,6 +172,27 @@ def demo(
                               rounds=rounds))
 
 
+@app.command()
+def serve(
+    model: Annotated[list[str], typer.Option(envvar="DGR_MODEL", help="[NAME=]MODEL served by that name: 'tiny', "
+                                             "'gemma' or a GGUF path (the workers' file). Repeat for several.")],
+    redis_url: RedisUrl = _S.redis_url,
+    host: Annotated[str, typer.Option(envvar="DGR_SERVE_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="DGR_SERVE_PORT")] = 8000,
+    chat_template: Annotated[str, typer.Option(help="A built-in template (gemma, chatml, tiny) or a jinja file, "
+                                                    "instead of the GGUF's.")] = "",
+    api_keys: Annotated[Path | None, typer.Option(envvar="DGR_API_KEYS_FILE", help="Lines `KEY ACCOUNT`: "
+                                                  "bearer keys required, each billing its account.")] = None,
+    max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies are refused (413).")] = 1 << 20,
+    max_lag: Annotated[int, typer.Option(help="A worker's prefill lag past this answers 429.")] = 10_000,
+) -> None:
+    """An OpenAI-compatible HTTP API over the fleet (docs/serve.md; the `serve` extra)."""
+    from gateway.main import serve as run_serve
+
+    run_serve(redis_url, model, host=host, port=port, chat_template=chat_template or None, api_keys_file=api_keys,
+              max_body_bytes=max_body_bytes, max_lag=max_lag)
+
+
 @app.command("tracker-sim")
 def tracker_sim(
     redis_url: RedisUrl = _S.redis_url,

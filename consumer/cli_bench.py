@@ -132,6 +132,19 @@ def bench_peer(out: Out = Path("bench-out/peer"), sessions: int = 8, tokens: int
         threads=threads, sampling=sampling, no_repack=no_repack)
 
 
+@bench_app.command("serve")
+def bench_serve(out: Out = Path("bench-out/serve"), model: str = "gemma", streams: Batches = "8,64", tokens: int = 64,
+                repeats: int = 3, threads: Annotated[int, typer.Option("--threads")] = 0,
+                llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server")] = True,
+                quick: Annotated[bool, typer.Option(help="Tiny model, 2 and 4 streams, no llama-server.")] = False,
+                ) -> None:
+    """dgr serve's CPU per streamed token and added time to first token against AsyncProducer, and llama-server."""
+    from dgrtools.bench.serve import run
+
+    run(out, model=model, streams=ints(streams), tokens=tokens, repeats=repeats, threads=threads,
+        llama_server=llama_server, quick=quick)
+
+
 @bench_app.command("report")
 def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JSON is.")] = Path("bench-out"),
                  out: Annotated[Path, typer.Option(help="The Markdown to write.")] = Path("docs/benchmarks.md"),

@@ -28,7 +28,9 @@ class _Backend(Protocol):
     backend: str
     stop_tokens: tuple[int, ...]
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]: ...
+
+    def piece_bytes(self, token: int) -> bytes: ...
 
     def decode(self, tokens: list[int]) -> str: ...
 
@@ -56,8 +58,15 @@ class Tokenizer:
         self.vocab_size = impl.vocab_size
         self.stop_tokens: tuple[int, ...] = impl.stop_tokens  # end-of-generation tokens (eos, eot)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return self._impl.encode(text, add_bos)
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """`special`: text naming a control token (`<start_of_turn>`) becomes that token, as a chat template's
+        output needs (llama.cpp's backend only; the pure-Python one reads every text as text)."""
+        return self._impl.encode(text, add_bos, special)
+
+    def piece_bytes(self, token: int) -> bytes:
+        """One token's bytes (a byte token: its one byte; control tokens: none): what an incremental
+        detokenizer joins, so that a character split over tokens is never cut."""
+        return self._impl.piece_bytes(token)
 
     def decode(self, tokens: list[int]) -> str:
         """As llama_detokenize(remove_special=True): a leading BOS is dropped, control tokens print nothing."""
@@ -96,15 +105,15 @@ class LlamaTokenizer:
         eot = int(L.llama_vocab_eot(self._vocab))
         self.stop_tokens: tuple[int, ...] = tuple(sorted({t for t in (self.eos_id, eot) if t >= 0}))
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         raw = text.encode("utf-8")
         n_max = len(raw) + 8
         buf = (ctypes.c_int32 * n_max)()
-        n = self._L.llama_tokenize(self._vocab, raw, len(raw), buf, n_max, add_bos, False)
+        n = self._L.llama_tokenize(self._vocab, raw, len(raw), buf, n_max, add_bos, special)
         if n < 0:  # buffer too small: -n is the size needed
             n_max = -n
             buf = (ctypes.c_int32 * n_max)()
-            n = self._L.llama_tokenize(self._vocab, raw, len(raw), buf, n_max, add_bos, False)
+            n = self._L.llama_tokenize(self._vocab, raw, len(raw), buf, n_max, add_bos, special)
         return list(buf[:n])
 
     def decode(self, tokens: list[int]) -> str:
@@ -177,7 +186,7 @@ class SpmTokenizer:
                    add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),
                    add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)))
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         out: list[int] = [self.bos_id] if (add_bos and self._add_bos) else []
         if not text:
             return out

@@ -1,0 +1,174 @@
+"""`dgr bench serve`: what the HTTP front door costs. The same sessions (same prompts as token ids, same tokens,
+greedy, end-of-generation ignored) three ways, alternated per repeat:
+
+- `producer`: AsyncProducer in this process (`generate()`, one task per session): the floor;
+- `gateway`: `dgr serve` (a subprocess), S streamed `/v1/completions` requests at once over raw HTTP;
+- `llama-server` (not in --quick): llama.cpp's own HTTP server, the same `/v1/completions` requests.
+
+Per side: time to first token (median over sessions), streamed tokens/s (wall), and for the gateway the CPU its
+process spent per streamed token (from /proc: utime + stime) next to what this process spent driving the same
+sessions through AsyncProducer directly. `--quick`: the tiny model, small sizes, no llama-server (a smoke run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from dgrtools.localredis import LocalRedis, free_port
+from dgrtools.process import ConsumerProcess
+from producer import AsyncProducer
+from schemas import RouteHop, Sampling, SessionSpec
+
+WORKER = "bench-serve"
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _stream_one(client: Any, url: str, body: dict[str, Any], t0: float) -> tuple[float | None, int]:
+    """One streamed /v1/completions request: (seconds to its first token, tokens streamed)."""
+    first, n = None, 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):  # what the server says it generated (a held-back token sends no chunk)
+                n = max(n, int(chunk["usage"].get("completion_tokens") or 0))
+            if chunk.get("choices"):
+                n += 1  # one chunk per token, unless its text is held back (then the usage above counts it)
+                if first is None:
+                    first = time.perf_counter() - t0
+    return first, n
+
+
+async def http_side(url: str, model: str, prompts: Sequence[Sequence[int]], tokens: int) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(_stream_one(client, url + "/v1/completions", {
+            "model": model, "prompt": list(p), "max_tokens": tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "cache_prompt": False,
+            "stream_options": {"include_usage": True}}, t0) for p in prompts))
+        wall = time.perf_counter() - t0
+    ttfts = [f for f, _ in outs if f is not None]
+    n = sum(k for _, k in outs)
+    return {"wall_s": wall, "tokens": n, "tok_s": n / wall, "ttft_ms": 1000 * statistics.median(ttfts) if ttfts
+            else None}
+
+
+async def producer_side(redis_url: str, prompts: Sequence[Sequence[int]], tokens: int) -> dict[str, Any]:
+    client = aioredis.Redis.from_url(redis_url)
+    producer = AsyncProducer(client)
+    try:
+        key = (await producer.discover(WORKER)).keys[0]
+
+        async def one(i: int, p: Sequence[int], t0: float) -> tuple[float | None, int]:
+            spec = SessionSpec(session_id=f"bench-{time.monotonic_ns()}-{i}", account_id="bench", max_tokens=tokens,
+                               route=(RouteHop(worker_id=WORKER, key=key),), sampling=Sampling())
+            first, n = None, 0
+            async for _ in producer.generate(spec, p):
+                n += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+            return first, n
+
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        outs = await asyncio.gather(*(one(i, p, t0) for i, p in enumerate(prompts)))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        await producer.aclose()
+        await client.aclose()
+    n = sum(k for _, k in outs)
+    ttfts = [f for f, _ in outs if f is not None]
+    return {"wall_s": wall, "tokens": n, "tok_s": n / wall, "ttft_ms": 1000 * statistics.median(ttfts),
+            "cpu_s": cpu, "cpu_us_per_token": 1e6 * cpu / max(1, n)}
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64), tokens: int = 64,
+        repeats: int = 3, slots: int = 64, threads: int = 0, quick: bool = False,
+        llama_server: bool = True, cache_dir: Path | None = None) -> dict[str, Any]:
+    from consumer.runtime import resolve_model
+    from dgrtools.tokenizer import Tokenizer
+    from gateway.stack import ServeProcess
+
+    from .common import markdown, save
+    from .llama_server import prompts_for
+
+    if quick:
+        model, streams, tokens, repeats, slots, llama_server = "tiny", (2, 4), 8, 1, 4, False
+    path = resolve_model(model)
+    tok = Tokenizer(path)
+    logs = Path(tempfile.mkdtemp(prefix="dgr-bench-serve-"))
+    results: dict[str, Any] = {}
+    with LocalRedis(appendonly=False) as server, \
+            ConsumerProcess(server.url, WORKER, path, logs, slots=max(slots, max(streams)), threads=threads):
+        peer = None
+        if llama_server:
+            from .llama_server import LlamaServer
+            from .llamacpp_build import build_server
+
+            binary = Path(build_server(cache_dir)["binary"])
+            peer = LlamaServer(binary, path, logs, threads=threads or 2, sessions=max(streams), ctx_per_session=1024)
+        try:
+            with ServeProcess(server.url, [f"m={path}"], free_port(), logs) as serve:
+                pid = serve.proc.pid
+                for s in streams:
+                    prompts = [tok.encode(p, add_bos=True) for p in prompts_for(s)]
+                    runs: dict[str, list[dict[str, Any]]] = {"producer": [], "gateway": [], "llama-server": []}
+                    asyncio.run(producer_side(server.url, prompts, tokens))  # warm-up of every side, not recorded
+                    asyncio.run(http_side(serve.url, "m", prompts, tokens))
+                    for _ in range(repeats):
+                        runs["producer"].append(asyncio.run(producer_side(server.url, prompts, tokens)))
+                        c0 = proc_cpu_s(pid)
+                        g = asyncio.run(http_side(serve.url, "m", prompts, tokens))
+                        g["cpu_s"] = proc_cpu_s(pid) - c0
+                        g["cpu_us_per_token"] = 1e6 * g["cpu_s"] / max(1, g["tokens"])
+                        runs["gateway"].append(g)
+                        if peer is not None:
+                            runs["llama-server"].append(asyncio.run(
+                                http_side(f"http://127.0.0.1:{peer.port}", "m", prompts, tokens)))
+                    results[str(s)] = {side: {k: _median(rs, k) for k in ("tok_s", "ttft_ms", "cpu_us_per_token")}
+                                       | {"runs": rs} for side, rs in runs.items() if rs}
+        finally:
+            if peer is not None:
+                peer.stop()
+    cols = ["streams", "side", "tok/s", "TTFT ms", "CPU us/token", "added TTFT ms", "added CPU us/token"]
+    rows: list[list[Any]] = []
+    for n_streams, sides in results.items():
+        base = sides["producer"]
+        for side, m in sides.items():
+            added_ttft = (m["ttft_ms"] - base["ttft_ms"]) if side == "gateway" and m["ttft_ms"] is not None else "-"
+            added_cpu = (m["cpu_us_per_token"] - base["cpu_us_per_token"]) if side == "gateway" else "-"
+            rows.append([n_streams, side, m["tok_s"], m["ttft_ms"] or "-", m["cpu_us_per_token"] or "-", added_ttft,
+                         added_cpu])
+    table = markdown(cols, rows)
+    title = f"dgr serve vs AsyncProducer{' vs llama-server' if llama_server else ''}: {model}, {tokens} tokens, " \
+            f"median of {repeats}" + (" (quick)" if quick else "")
+    print(title)
+    print(table)
+    payload = {"bench": "serve", "model": str(path), "tokens": tokens, "repeats": repeats, "quick": quick,
+               "streams": list(streams), "results": results, "markdown": table, "logs": str(logs)}
+    save(out_dir, "serve-quick" if quick else "serve", payload)
+    return payload

@@ -1,0 +1,274 @@
+"""The HTTP side of `dgr serve`: routes, the request's path to its sessions, server-sent events, body limits, API
+keys, /health and /metrics. Every refusal is decided before a session opens (nothing starts on a worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from producer import AsyncProducer, ProducerSettings, SessionHandle
+from schemas import StepResult
+
+from .api import ChatRequest, CompletionRequest, Generation
+from .errors import ApiError, bad_request, from_validation, not_found_model, unauthorized
+from .responses import Choice, Kind, Shape
+from .runner import Placement, Runner, usage_of
+from .text import TextModel
+
+log = logging.getLogger("dgr.serve")
+PLAYGROUND = Path(__file__).with_name("static") / "index.html"
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class ServeConfig:
+    redis_url: str
+    models: list[TextModel]
+    api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> account id
+    max_body_bytes: int = MAX_BODY_BYTES
+    account: str = "serve"  # the account billed when no keys are configured
+    producer: ProducerSettings = field(default_factory=ProducerSettings)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("dgr_serve_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.tokens = Counter("dgr_serve_completion_tokens", "Completion tokens answered", registry=self.registry)
+        self.ttft = Histogram("dgr_serve_time_to_first_token_seconds", "Request to its first token",
+                              registry=self.registry)
+
+
+class Gateway:
+    def __init__(self, config: ServeConfig, producer: AsyncProducer) -> None:
+        self.config, self.runner, self.metrics = config, Runner(producer), Metrics()
+        self.models = {m.name: m for m in config.models}
+        self._cancelling: set[asyncio.Future[Any]] = set()
+
+    def account(self, request: Request) -> str:
+        if not self.config.api_keys:
+            return self.config.account
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        account = self.config.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if account is None:
+            raise unauthorized()
+        return account
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The JSON object sent, read at most max_body_bytes (413 past it, before any of it is parsed)."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise bad_request(f"the body is not UTF-8 (byte {e.start})", code="invalid_encoding") from None
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise bad_request("the body must be a JSON object", code="invalid_json")
+        return obj
+
+    def model(self, name: str) -> TextModel:
+        m = self.models.get(name)
+        if m is None:
+            raise not_found_model(name, sorted(self.models))
+        return m
+
+    async def generate(self, request: Request, kind: Kind) -> Response:
+        account = self.account(request)
+        obj = await self.body(request)
+        try:
+            req: Generation = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(obj)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        model = self.model(req.model)
+        prompt = self.prompt(req, model)
+        where = await self.runner.place(model)
+        specs = self.runner.specs(req, model, prompt, where, account)
+        shape = Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", model,
+                      req.logprobs_n() is not None)
+        choices = [Choice.new(i, model, req.stops, specs[0].stop_tokens) for i in range(req.n)]
+        events = self.runner.events(specs, prompt).__aiter__()
+        t0 = time.monotonic()
+        first = await anext(events)  # a 429 (backpressure) is still an HTTP status here
+        self.metrics.ttft.observe(time.monotonic() - t0)
+        if req.stream:
+            return StreamingResponse(self.sse(shape, choices, first, events, where, specs, req.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        handles: dict[str, SessionHandle] = {}
+        item: Any = first
+        while True:
+            if isinstance(item, dict):
+                handles = item
+                break
+            self.take(choices, item, where, specs)
+            item = await anext(events)
+        failed = self.failure(handles, choices)
+        if failed is not None:
+            raise ApiError(502, failed, type="server_error", code="worker_failed")
+        return JSONResponse(shape.body(choices, usage_of(list(handles.values())).body()))
+
+    def prompt(self, req: Generation, model: TextModel) -> list[int]:
+        if isinstance(req, ChatRequest):
+            try:
+                return model.encode_chat([{"role": m.role, "content": m.text} for m in req.messages])
+            except LookupError as e:
+                raise bad_request(str(e), param="model", code="no_chat_template") from None
+            except Exception as e:  # a template's raise_exception, or a template that fails to render
+                raise bad_request(f"the chat template refused the messages: {e}", param="messages") from None
+        assert isinstance(req, CompletionRequest)
+        prompt = model.encode_prompt(req.prompt)
+        vocab = model.tokenizer.vocab_size
+        if not prompt or any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"the prompt must be text or token ids in [0, {vocab})", param="prompt")
+        return prompt
+
+    def take(self, choices: list[Choice], item: tuple[int, StepResult], where: Placement,
+             specs: list[Any]) -> tuple[Choice, str, list[Any]]:
+        i, r = item
+        c = choices[i]
+        text, lps, hit = c.take(r)
+        if r.token is not None:
+            self.metrics.tokens.inc()
+        if hit:  # a stop string: the worker's session is not needed any more
+            task = asyncio.ensure_future(self.runner.producer.cancel(where.worker_id, specs[i].session_id))
+            self._cancelling.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._cancelling.discard)
+        return c, text, lps
+
+    @staticmethod
+    def failure(handles: dict[str, SessionHandle], choices: list[Choice]) -> str | None:
+        for c, h in zip(choices, handles.values(), strict=False):
+            if c.finish_reason is None and h.status not in ("finished", "cancelled"):
+                return f"the worker ended the session: {h.status} ({h.reason or ''} {h.detail})".strip()
+        return None
+
+    async def sse(self, shape: Shape, choices: list[Choice], first: Any, events: AsyncIterator[Any],
+                  where: Placement, specs: list[Any], include_usage: bool) -> AsyncIterator[bytes]:
+        def data(obj: dict[str, Any]) -> bytes:
+            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+        if shape.kind == "chat":
+            for c in choices:
+                yield data(shape.chunk(c.index, "", usage=include_usage))
+        item = first
+        try:
+            while not isinstance(item, dict):
+                c, text, lps = self.take(choices, item, where, specs)
+                offset = sum(len(t) for t in c.text[:-1])
+                if text or lps or c.finish_reason is not None:
+                    yield data(shape.chunk(c.index, text, c.finish_reason, lps, offset, usage=include_usage))
+                item = await anext(events)
+            failed = self.failure(item, choices)
+            if failed is not None:
+                yield data(ApiError(502, failed, type="server_error", code="worker_failed").body())
+            elif include_usage:
+                yield data(shape.usage_chunk(usage_of(list(item.values())).body()))
+            yield b"data: [DONE]\n\n"
+        except ApiError as e:  # after the headers: the stream ends with an error event
+            yield data(e.body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def models_body(self) -> dict[str, Any]:
+        fleet = await self.runner.fleet()
+        from .runner import serving
+
+        data = []
+        for m in self.models.values():
+            workers = [w.worker_id for w in fleet if w.alive and serving(w, m) is not None]
+            data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "dgr",
+                         "workers": workers, "chat_template": m.template.source if m.template else None})
+        return {"object": "list", "data": data}
+
+
+def _endpoint(name: str, fn: Callable[[Gateway, Request], Awaitable[Response]]
+              ) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        try:
+            resp = await fn(gw, request)
+        except ApiError as e:
+            resp = e.response()
+        except ClientDisconnect:
+            resp = Response(status_code=499)
+        gw.metrics.requests.labels(name, str(resp.status_code)).inc()
+        return resp
+
+    return handler
+
+
+async def _models(gw: Gateway, request: Request) -> Response:
+    gw.account(request)
+    return JSONResponse(await gw.models_body())
+
+
+async def _health(gw: Gateway, request: Request) -> Response:
+    fleet = await gw.runner.fleet()
+    return JSONResponse({"status": "ok", "workers_up": sum(w.alive for w in fleet),
+                         "models": sorted(gw.models)})
+
+
+async def _metrics(gw: Gateway, request: Request) -> Response:
+    return Response(generate_latest(gw.metrics.registry), media_type="text/plain; version=0.0.4")
+
+
+async def _playground(gw: Gateway, request: Request) -> Response:
+    return HTMLResponse(PLAYGROUND.read_text())
+
+
+async def _completions(gw: Gateway, request: Request) -> Response:
+    return await gw.generate(request, "completion")
+
+
+async def _chat(gw: Gateway, request: Request) -> Response:
+    return await gw.generate(request, "chat")
+
+
+def make_app(config: ServeConfig, client: aioredis.Redis | None = None) -> Starlette:
+    """The ASGI app: one AsyncProducer (on `client`, or one made from config.redis_url) for every request."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        redis_client = client or aioredis.Redis.from_url(config.redis_url)
+        producer = AsyncProducer(redis_client, config.producer)
+        app.state.gateway = Gateway(config, producer)
+        try:
+            yield
+        finally:
+            await producer.aclose()
+            if client is None:
+                await redis_client.aclose()
+
+    routes = [Route("/", _endpoint("playground", _playground)), Route("/health", _endpoint("health", _health)),
+              Route("/metrics", _endpoint("metrics", _metrics)), Route("/v1/models", _endpoint("models", _models)),
+              Route("/v1/completions", _endpoint("completions", _completions), methods=["POST"]),
+              Route("/v1/chat/completions", _endpoint("chat", _chat), methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan)

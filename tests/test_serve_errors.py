@@ -1,0 +1,200 @@
+"""Every refusal of `dgr serve` in OpenAI's error shape, by raw HTTP (httpx on the app in process), against a
+real redis-server and a tiny-model consumer; after each, nothing started on a worker (no session record, no
+prefill job)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from dgrtools.localredis import LocalRedis  # noqa: E402
+from dgrtools.process import ConsumerProcess  # noqa: E402
+from dgrtools.tiny_model import write_tiny_model  # noqa: E402
+from gateway.app import ServeConfig, make_app  # noqa: E402
+from gateway.text import TextModel  # noqa: E402
+from producer import ProducerSettings  # noqa: E402
+from schemas import WorkerKeys  # noqa: E402
+from schemas.keys import WORKERS_INDEX  # noqa: E402
+
+WORKER, STUCK = "w-err", "w-stuck"
+KEY = "sk-good"
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", tmp_path_factory.mktemp("err-logs"),
+                         slots=2, threads=1, env={"GGML_CPU_TILED_MM": "0"}):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[TextModel]:
+    other = tmp_path_factory.mktemp("other") / "tiny-s1.gguf"
+    write_tiny_model(other, seed=1)  # advertised by nobody
+    return [TextModel.load("tiny", tiny_model_path), TextModel.load("other", other)]
+
+
+def started(client: redis.Redis, worker_id: str = WORKER) -> tuple[int, int]:
+    """Session records and prefill jobs on the worker: what any session opened would have written."""
+    k = WorkerKeys(worker_id)
+    records = sum(1 for _ in client.scan_iter(match=k.session_record("*")))
+    jobs = sum(client.xlen(s) for s in client.scan_iter(match=k.input_pattern) if s.endswith(b":prefill"))
+    return records, jobs
+
+
+def call(config: ServeConfig, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        app = make_app(config)
+        async with app.router.lifespan_context(app), \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def config(redis_server: LocalRedis, models: list[TextModel], **kw: Any) -> ServeConfig:
+    return ServeConfig(redis_url=redis_server.url, models=models, api_keys={KEY: "acct-a"}, max_body_bytes=8192, **kw)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("wrong type max_tokens", {**CHAT, "max_tokens": 1.5}, 400, "max_tokens"),
+    ("negative max_tokens", {**CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ("temperature -1", {**CHAT, "temperature": -1}, 400, "temperature"),
+    ("temperature text", {**CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("top_p 2", {**CHAT, "top_p": 2}, 400, "top_p"),
+    ("n 0", {**CHAT, "n": 0}, 400, "n"),
+    ("empty messages", {**CHAT, "messages": []}, 400, "messages"),
+    ("bad role", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("stream not bool", {**CHAT, "stream": "yes"}, 400, "stream"),
+    ("logit_bias key", {**CHAT, "logit_bias": {"cat": 1}}, 400, "logit_bias"),
+    ("logit_bias value", {**CHAT, "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 2}, 400, None),
+    ("unknown model", {**CHAT, "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
+def test_refusals_in_openai_shape(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel],
+                                  name: str, body: dict[str, Any], status: int, param: str | None) -> None:
+    before = started(worker)
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert started(worker) == before
+
+
+RAW: list[tuple[str, bytes, int, str]] = [
+    ("malformed JSON", b'{"model": "tiny", "messages": [', 400, "invalid_json"),
+    ("invalid UTF-8", b'{"model": "tiny\xff\xfe", "messages": []}', 400, "invalid_encoding"),
+    ("not an object", b'[1, 2]', 400, "invalid_json"),
+    ("too big", b'{"model": "tiny", "pad": "' + b"x" * 20000 + b'"}', 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "status", "code"), RAW, ids=[c[0] for c in RAW])
+def test_hostile_bodies(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel],
+                        name: str, raw: bytes, status: int, code: str) -> None:
+    before = started(worker)
+    r = call(config(redis_server, models), "POST", "/v1/completions", content=raw,
+             headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    assert started(worker) == before
+
+
+def test_keys_bill_their_account_and_a_bad_key_gets_401(worker: redis.Redis, redis_server: LocalRedis,
+                                                        models: list[TextModel]) -> None:
+    cfg = config(redis_server, models)
+    before = started(worker)
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        r = call(cfg, "POST", "/v1/chat/completions", json=CHAT, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert call(cfg, "GET", "/v1/models").status_code == 401
+    assert started(worker) == before
+    r = call(cfg, "POST", "/v1/chat/completions", json=CHAT, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert started(worker) != before  # the probe sees a session that did start
+    billed = worker.hgetall(WorkerKeys(WORKER).billing_account("acct-a"))
+    assert billed, "the key's account was not charged"
+
+
+def test_prompt_over_the_context_names_the_limit(worker: redis.Redis, redis_server: LocalRedis,
+                                                 models: list[TextModel]) -> None:
+    before = started(worker)
+    r = call(config(redis_server, models), "POST", "/v1/completions", headers=AUTH,
+             json={"model": "tiny", "prompt": [5] * 1100, "max_tokens": 4})
+    assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = call(config(redis_server, models), "POST", "/v1/completions", headers=AUTH,
+             json={"model": "tiny", "prompt": [5] * 1000, "max_tokens": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert started(worker) == before
+
+
+def test_no_worker_up_is_503(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel]) -> None:
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH,
+             json={**CHAT, "model": "other"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_backpressure_is_429_with_retry_after(worker: redis.Redis, redis_server: LocalRedis,
+                                              models: list[TextModel]) -> None:
+    """A worker (advertising the real worker's keys, in another database) whose prefill stream holds one job no
+    one reads, and max_lag 0: the gateway answers 429 and pushes nothing."""
+    stuck = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
+    stuck.flushdb()
+    spec = worker.get(WorkerKeys(WORKER).spec)
+    stuck.set(WorkerKeys(STUCK).spec, spec)
+    stuck.set(WorkerKeys(STUCK).heartbeat, json.dumps({"ts": 1e12}))
+    stuck.sadd(WORKERS_INDEX, STUCK)
+    key_json = json.loads(spec)["keys"]
+    from schemas import CompatibilityKey
+
+    prefill = next(CompatibilityKey.model_validate_json(json.dumps(k)) for k in key_json if k["phase"] == "prefill")
+    stuck.xadd(WorkerKeys(STUCK).input_stream(prefill.digest, "prefill"), {"x": "1"})
+    before = started(stuck, STUCK)
+    cfg = ServeConfig(redis_url=redis_server.url.rsplit("/", 1)[0] + "/1", models=models,
+                      producer=ProducerSettings(max_lag=0))
+    r = call(cfg, "POST", "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "backpressure"
+    assert started(stuck, STUCK) == before
+    stuck.flushdb()
+
+
+def test_health_metrics_playground(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel]) -> None:
+    cfg = ServeConfig(redis_url=redis_server.url, models=models)
+    assert call(cfg, "GET", "/health").json()["workers_up"] >= 1
+    assert "dgr_serve_requests" in call(cfg, "GET", "/metrics").text
+    page = call(cfg, "GET", "/")
+    assert page.status_code == 200 and "/v1/chat/completions" in page.text
+
+
+def test_worker_packages_never_import_the_gateway() -> None:
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("consumer", "producer", "schemas"):
+        for f in (root / pkg).rglob("*.py"):
+            text = f.read_text()
+            bad = [ln for ln in text.splitlines() if ln.strip().startswith(("import gateway", "from gateway"))]
+            # consumer/cli.py's `dgr serve` imports it inside the command only (run time, not import time)
+            if f.name == "cli.py" and pkg == "consumer":
+                assert all(ln.startswith("    ") for ln in bad), bad
+            else:
+                assert not bad, f"{f} imports the gateway"
