@@ -30,18 +30,19 @@ from schemas.wire import decode_record
 
 from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
 from .errors import ResultTimeout
+from .placement import FleetView, Placer, SessionTemplate
 from .route import relay
 from .session import Run, SessionHandle, Sessions, apply, apply_result, row_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
-from .validate import Admission, WorkerInfo, check_id, check_token
+from .validate import Admission, WorkerInfo, check_id, check_token, check_tokens
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
 log = logging.getLogger("dgr.producer")
 
 
-class ProducerCore(Steps, Admission):
+class ProducerCore(Steps, Admission, Placer):
     """Settings, caches and every plan of the Tracker side (see the module docstring)."""
 
     apply = staticmethod(apply_result)
@@ -60,10 +61,23 @@ class ProducerCore(Steps, Admission):
         self.refused = 0  # result entries that could not be decoded (another wire version: logged)
         self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
         self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
+        self.fleet = FleetView()  # placement's view of the workers (producer/placement.py)
+        self.policy = self.settings.placement
+
+    def opening(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int],
+                hop: int = 0) -> Plan[SessionHandle]:
+        """Admission.opening, a template placed first (its workers then count as discovered: placement read
+        their advertisements within discover_cache_s)."""
+        if isinstance(spec, SessionTemplate):
+            spec = yield from self.place(spec, check_tokens(prompt, None))
+            for w in self.fleet.workers:
+                if any(rh.worker_id == w.worker_id for rh in spec.route):
+                    self.discovered[w.worker_id] = (self.fleet.read_at, w)
+        return (yield from Admission.opening(self, spec, prompt, hop))
 
     # ---------------------------------------------------------------- sessions driven by hand
 
-    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
+    def open(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
         h = yield from self.opening(spec, prompt, hop)
         one_hop(h)
         yield from self.admit(h.input_stream("prefill"), wait=True)

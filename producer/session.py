@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import PHASES, Accounting, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
 from schemas.activations import Activations
@@ -20,10 +20,13 @@ from schemas.wire import END_OFFSET, STATUS_CODE, STATUSES, Charges, ResultRecor
 
 from . import credit
 
+if TYPE_CHECKING:
+    from .placement import SessionTemplate
+
 __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
            "drop", "end", "lose", "row_result"]
 
-Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
+Sessions = Sequence[tuple["SessionSpec | SessionTemplate", Sequence[int]]]  # a template: placed first
 
 _OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
 
