@@ -141,6 +141,10 @@ def consumer(
                                                "holder stops renewing.")] = _T.lease_ms,
     recover_every_s: Annotated[float, typer.Option(envvar="DGR_RECOVER_EVERY_S",
                                                    help="Ownership sweep period.")] = _W.recover_every_s,
+    exit_when_drained: Annotated[bool, typer.Option(envvar="DGR_EXIT_WHEN_DRAINED",
+                                                    help="Once drained (dgr ops drain) and holding no session, "
+                                                         "stop and exit 0 (rolling upgrades).")
+                                 ] = _W.exit_when_drained,
     outage_max_s: Annotated[float, typer.Option(envvar="DGR_OUTAGE_MAX_S",
                                                 help="Ride through a Redis outage (and wait for Redis at "
                                                      "start) this long, then exit 1.")] = _T.outage_max_s,
@@ -190,6 +194,7 @@ def consumer(
                               w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
                               await_ms=await_ms, heartbeat_s=min(heartbeat_s, lease_ms / 4000),
                               recover_every_s=recover_every_s, standby=on_lease_held == "wait",
+                              exit_when_drained=exit_when_drained,
                               answered_memory=answered_memory, max_read_entries=max_read_entries,
                               max_slots_per_account=max_slots_per_account, idle_session_s=idle_session_s,
                               overlap=overlap, overlap_max_call_ms=overlap_max_call_ms,

@@ -74,6 +74,7 @@ class WorkerSettings:
     heartbeat_s: float = 2.0  # heartbeat and lease renewal period (keep it well under the lease)
     recover_every_s: float = 5.0  # ownership sweep: entries of dead consumer names, own entries not held
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
+    exit_when_drained: bool = False  # drained (`dgr ops drain`) and holding nothing: stop, exit 0
     # Answers remembered by result id (one per token), re-sent for a late duplicate of their job (a Tracker's
     # re-push after an outage): ~250 bytes each, so the default holds 1,024 tokens of 256 sessions (~64 MB).
     answered_memory: int = 262_144

@@ -160,7 +160,7 @@ def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None
     ids = set(held) | (set(summary.ids) if summary is not None else set())
     return Candidate(worker_id=w.worker_id, digests=frozenset(w.digests), slots=slots,
                      load=_int(hb.get("busy_slots"), 0) + placed, queued=_int(hb.get("queued"), 0),
-                     heartbeat_age_s=age, draining=bool(hb.get("draining")),
+                     heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
                      block_tokens=summary.block_tokens if summary is not None else None,
                      scope=summary.scope if summary is not None else None, held=ids)
 
