@@ -30,6 +30,7 @@ from schemas.wire import decode_record
 
 from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
 from .errors import ResultTimeout
+from .moves import Mover
 from .placement import FleetView, Placer, SessionTemplate
 from .route import relay
 from .session import Run, SessionHandle, Sessions, apply, apply_result, row_result
@@ -42,7 +43,7 @@ __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 log = logging.getLogger("dgr.producer")
 
 
-class ProducerCore(Steps, Admission, Placer):
+class ProducerCore(Steps, Admission, Placer, Mover):
     """Settings, caches and every plan of the Tracker side (see the module docstring)."""
 
     apply = staticmethod(apply_result)
@@ -63,17 +64,21 @@ class ProducerCore(Steps, Admission, Placer):
         self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
         self.fleet = FleetView()  # placement's view of the workers (producer/placement.py)
         self.policy = self.settings.placement
+        self.checked_at = time.monotonic()  # the last look for lost workers (producer/moves.py)
 
     def opening(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int],
                 hop: int = 0) -> Plan[SessionHandle]:
         """Admission.opening, a template placed first (its workers then count as discovered: placement read
         their advertisements within discover_cache_s)."""
+        template = spec if isinstance(spec, SessionTemplate) else None
         if isinstance(spec, SessionTemplate):
             spec = yield from self.place(spec, check_tokens(prompt, None))
             for w in self.fleet.workers:
                 if any(rh.worker_id == w.worker_id for rh in spec.route):
                     self.discovered[w.worker_id] = (self.fleet.read_at, w)
-        return (yield from Admission.opening(self, spec, prompt, hop))
+        h = yield from Admission.opening(self, spec, prompt, hop)
+        h.template = template
+        return h
 
     # ---------------------------------------------------------------- sessions driven by hand
 
@@ -291,6 +296,7 @@ class ProducerCore(Steps, Admission, Placer):
         """Every driven session moved since its last advance: relay its rows (the blobs fetched in one
         pipeline), ask whether a session about to be replayed was cancelled, and push every next job in ONE
         pipeline, before any callback runs. The sessions, for the driver to call back and wake."""
+        yield from self.move_lost()  # sessions of a lost worker: placed again, replayed below
         hs = list(self.touched.values())
         self.touched = {}
         if not hs:

@@ -69,6 +69,10 @@ class PlacementPolicy:
     than `balance_abs` sessions and by more than `balance_rel` times, the least loaded is chosen."""
 
     stale_s: float = 6.0
+    # Worker loss (producer/moves.py): a worker whose heartbeat is older than lost_s is out and its placed
+    # sessions move; the Tracker looks every lost_check_s (one pipeline of GETs).
+    lost_s: float = 6.0
+    lost_check_s: float = 0.25
     overlap_weight: float = 1.0
     queue_weight: float = 1.0
     balance_abs: int = 8
@@ -198,11 +202,27 @@ class FleetView:
     placed: dict[str, int] = field(default_factory=dict)  # sessions placed, per worker
     refused_full: dict[str, int] = field(default_factory=dict)  # eligible, but passed over: full
     last: dict[str, Choice] = field(default_factory=dict)  # per worker: the last choice of it
+    lost: dict[str, float] = field(default_factory=dict)  # worker -> wall time it was found out (producer/moves.py)
+    moved_in: dict[str, int] = field(default_factory=dict)
+    moved_out: dict[str, int] = field(default_factory=dict)
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools = workers, read_at, {}
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self.sent_ids.get(w.worker_id, ()), now)
                            for w in workers}
+        for w in workers:
+            ts = w.heartbeat.get("ts")
+            if w.worker_id in self.lost and not (isinstance(ts, int | float) and ts > self.lost[w.worker_id]):
+                self.lose(w.worker_id, self.lost[w.worker_id])  # out until it beats again
+            elif w.worker_id in self.lost:
+                del self.lost[w.worker_id]
+
+    def lose(self, worker_id: str, at: float) -> None:
+        """The worker is out (no placement on it) until a heartbeat newer than `at`."""
+        self.lost[worker_id] = at
+        c = self.candidates.get(worker_id)
+        if c is not None:
+            self.candidates[worker_id] = replace(c, heartbeat_age_s=None)
 
     def pool(self, digests: tuple[str, str]) -> list[Candidate]:
         ids = self.pools.get(digests)
@@ -238,11 +258,13 @@ class FleetView:
             self.refused_full[o] = self.refused_full.get(o, 0) + 1
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per worker: sessions placed, refused for capacity, the last choice's score inputs."""
+        """Per worker: sessions placed, refused for capacity, moved in and out, the last choice's score inputs."""
         out: dict[str, dict[str, Any]] = {}
-        for w in sorted(set(self.placed) | set(self.refused_full)):
+        for w in sorted(set(self.placed) | set(self.refused_full) | set(self.moved_in) | set(self.moved_out)):
             last = self.last.get(w)
             out[w] = {"placed": self.placed.get(w, 0), "refused_full": self.refused_full.get(w, 0),
+                      "moved_in": self.moved_in.get(w, 0), "moved_out": self.moved_out.get(w, 0),
+                      "lost": w in self.lost,
                       "last": None if last is None else {
                           "cost": round(last.cost, 4), "cached_blocks": last.cached_blocks,
                           "prompt_blocks": last.prompt_blocks, "load": last.load, "room": last.room,

@@ -106,6 +106,7 @@ class SessionHandle:
     run: Any = None  # the core.Run driving it; None: driven by hand, its answers kept in `inbox`
     inbox: list[StepResult] = field(default_factory=list)
     last_row: Any = None  # (record, charges, row) or a StepResult: `last_result`
+    template: Any = None  # the SessionTemplate it was placed from (it may move: producer/moves.py); None: named
 
     def __post_init__(self) -> None:
         if not self.legs:
