@@ -56,7 +56,8 @@ class Mover:
     def fleet_now(self) -> Plan[Any]:
         raise NotImplementedError
 
-    def place_loaded(self, template: SessionTemplate, prompt: Any) -> Any:
+    def place_hops(self, template: SessionTemplate, prompt: Any, *, need_room: bool = False,
+                   hops: Any = None) -> list[str | None]:
         raise NotImplementedError
 
     def retire(self, h: SessionHandle) -> None:
@@ -103,15 +104,17 @@ class Mover:
 
     def move(self, h: SessionHandle, out: set[str], fence: Batch) -> bool:
         """Place the session's hops on lost workers again and mark it lost (the next advance replays it); a cancel
-        for each lost worker goes in `fence`. False when no worker can take a hop (it stays, and times out)."""
+        for each lost worker goes in `fence`. False when no worker with room can take a hop: it waits for the next
+        look (and ends with ResultTimeout if none comes within timeout_s)."""
         template: SessionTemplate = h.template
-        try:
-            spec = self.place_loaded(template, h.prompt)
+        hops = [leg.hop for leg in h.legs if leg.worker_id in out]
+        try:  # a worker with room only (a full one would refuse the replay): else it waits for the next look
+            placed = self.place_hops(template, h.prompt, need_room=True, hops=hops)
         except LookupError as e:
-            log.error("no worker to move a session to", extra={"session": h.session_id, "detail": str(e)[:200]})
+            log.info("a session of a lost worker waits for room", extra={"session": h.session_id,
+                                                                         "detail": str(e)[:200]})
             return False
-        keep = [leg.worker_id if leg.worker_id not in out else rh.worker_id for leg, rh in zip(h.legs, spec.route,
-                                                                                               strict=True)]
+        keep = [w if w is not None else leg.worker_id for leg, w in zip(h.legs, placed, strict=True)]
         spec = template.spec(keep)
         keep_workers = {leg.worker_id for leg in h.legs if leg.worker_id not in out}
         run = h.run

@@ -300,9 +300,20 @@ class Placer:
 
     def place_loaded(self, template: SessionTemplate, prompt: Sequence[int]) -> SessionSpec:
         """`place` on the fleet as last read (no I/O; the micro-benchmark times this)."""
-        chosen: list[str] = []
+        return template.spec([w for w in self.place_hops(template, prompt) if w is not None])
+
+    def place_hops(self, template: SessionTemplate, prompt: Sequence[int], *, need_room: bool = False,
+                   hops: Iterable[int] | None = None) -> list[str | None]:
+        """The worker of each hop (`hops`: only these; None for the others). LookupError when a hop has no
+        eligible worker, or (`need_room`) none with room. Counted as placed only once every hop has one."""
+        chosen: list[str | None] = []
         cache_salt = template.options.get("cache_salt")
+        only = None if hops is None else set(hops)
+        choices: list[tuple[Choice, list[str], list[str]]] = []
         for k, key in enumerate(template.keys):
+            if only is not None and k not in only:
+                chosen.append(None)
+                continue
             digests = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
             cands = self.fleet.pool(digests)
             ids_for: dict[tuple[int, str | None], list[str]] = {}
@@ -325,8 +336,12 @@ class Placer:
             if ids is None:
                 salt = _salt(scope, cache_salt, template.account_id)
                 ids = [] if salt is None else block_ids(prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
+            if need_room and choice.room <= 0:
+                raise LookupError(f"no worker with room for session {template.session_id!r}")
             full = [c.worker_id for c in cands if c.room <= 0 and c.worker_id != choice.worker_id
                     and eligible(c, digests, self.policy)]
-            self.fleet.note(choice, ids, full)
+            choices.append((choice, ids, full))
             chosen.append(choice.worker_id)
-        return template.spec(chosen)
+        for choice, ids, full in choices:  # counted once every hop found its worker
+            self.fleet.note(choice, ids, full)
+        return chosen
