@@ -93,6 +93,8 @@ class WorkerSettings:
     # the sweep: entries of dead consumer names, own entries not held
     recover_every_s: float = setting(5.0, 'Ownership sweep period.')
     standby: bool = True  # lease held by another live process: wait for it (False: refuse to start)
+    exit_when_drained: bool = setting(
+        False, "Drained (`dgr ops drain`) and holding nothing: stop, exit 0 (rolling upgrades).")
     # Answers remembered by result id (one per token), re-sent for a late duplicate of their job (a Tracker's
     # re-push after an outage): ~250 bytes each, so the default holds 1,024 tokens of 256 sessions (~64 MB).
     answered_memory: int = setting(262_144, 'Answers remembered by job id, re-sent for a late duplicate.')

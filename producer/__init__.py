@@ -8,11 +8,12 @@ from .aio import AsyncProducer
 from .client import Producer
 from .core import ProducerCore, Run
 from .errors import Backpressure, ProducerError, ResultTimeout, SessionFailed
+from .placement import Choice, PlacementPolicy, SessionTemplate
 from .session import HopLeg, RouteHandle, SessionHandle
 from .settings import DECODE_N, ProducerSettings
 from .steps import job_id
 from .validate import WorkerInfo
 
-__all__ = ["DECODE_N", "AsyncProducer", "Backpressure", "HopLeg", "Producer", "ProducerCore", "ProducerError",
-           "ProducerSettings", "ResultTimeout", "RouteHandle", "Run", "SessionFailed", "SessionHandle", "WorkerInfo",
-           "job_id"]
+__all__ = ["DECODE_N", "AsyncProducer", "Backpressure", "Choice", "HopLeg", "PlacementPolicy", "Producer",
+           "ProducerCore", "ProducerError", "ProducerSettings", "ResultTimeout", "RouteHandle", "Run", "SessionFailed",
+           "SessionHandle", "SessionTemplate", "WorkerInfo", "job_id"]

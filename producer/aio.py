@@ -29,7 +29,8 @@ from schemas import SessionSpec, StepResult
 from .commands import Batch, Get, Plan, Read, Sleep, XInfoGroups, XLen
 from .core import Run
 from .errors import SessionFailed
-from .session import SessionHandle
+from .placement import SessionTemplate
+from .session import SessionHandle, Sessions
 from .settings import ProducerSettings
 from .tracker import TrackerOps, aexecute
 
@@ -174,7 +175,7 @@ class AsyncProducer(TrackerOps):
             await self._call(self.core.open_many(run, due, wait=self.settings.backpressure == "raise"))
         self._wake()
 
-    async def run_many(self, sessions: Sequence[tuple[SessionSpec, Sequence[int]]], on_result: OnResult | None = None,
+    async def run_many(self, sessions: Sessions, on_result: OnResult | None = None,
                        replay_state_lost: bool = True, start_times: Sequence[float] | None = None,
                        resume: Sequence[SessionHandle] = ()) -> dict[str, SessionHandle]:
         """Producer.run_many on asyncio: every session opens at its start time and the pump drives it; the
@@ -209,7 +210,7 @@ class AsyncProducer(TrackerOps):
         """Drive handles already open (e.g. rebuilt by `resume()`) until all have ended."""
         return await self.run_many([], on_result=on_result, replay_state_lost=replay_state_lost, resume=handles)
 
-    async def generate(self, spec: SessionSpec, prompt: Sequence[int]) -> AsyncIterator[int]:
+    async def generate(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int]) -> AsyncIterator[int]:
         """`async for token in producer.generate(spec, prompt)`: Producer.generate on asyncio."""
         run = self.core.start([(spec, prompt)])
         run.waker = asyncio.Event()

@@ -14,7 +14,8 @@ from schemas import SessionSpec, StepResult
 
 from .commands import Batch, Plan, Read, Sleep
 from .errors import SessionFailed
-from .session import SessionHandle
+from .placement import SessionTemplate
+from .session import SessionHandle, Sessions
 from .settings import ProducerSettings
 from .tracker import TrackerOps, execute
 
@@ -62,7 +63,7 @@ class Producer(TrackerOps):
         if batch.ops:
             self._io(batch, transaction or batch.transaction)
 
-    def run_many(self, sessions: Sequence[tuple[SessionSpec, Sequence[int]]], on_result: OnResult | None = None,
+    def run_many(self, sessions: Sessions, on_result: OnResult | None = None,
                  replay_state_lost: bool = True, start_times: Sequence[float] | None = None,
                  resume: Sequence[SessionHandle] = ()) -> dict[str, SessionHandle]:
         """Drive sessions (routes of any length) from this thread until every one has ended; the handles by id.
@@ -99,7 +100,7 @@ class Producer(TrackerOps):
         """Drive handles already open (e.g. rebuilt by `resume()`) until all have ended."""
         return self.run_many([], on_result=on_result, replay_state_lost=replay_state_lost, resume=handles)
 
-    def generate(self, spec: SessionSpec, prompt: Sequence[int]) -> Iterator[int]:
+    def generate(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int]) -> Iterator[int]:
         """Drive one session (a route of any length) and yield its tokens as they arrive (a stop token that ended
         it included). Replays after state_lost (up to max_attempts); SessionFailed when it ends rejected or
         failed, ResultTimeout when its worker answers nothing for timeout_s."""

@@ -30,18 +30,20 @@ from schemas.wire import decode_record, row_to_result
 
 from .commands import Batch, Exists, Get, Plan, Read, XAdd, XRead
 from .errors import ResultTimeout
+from .moves import Mover
+from .placement import FleetView, Placer, SessionTemplate
 from .route import relay
 from .session import Run, SessionHandle, Sessions, apply, apply_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
-from .validate import Admission, WorkerInfo, check_id, check_token
+from .validate import Admission, WorkerInfo, check_id, check_token, check_tokens
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
 log = logging.getLogger("dgr.producer")
 
 
-class ProducerCore(Steps, Admission):
+class ProducerCore(Steps, Admission, Placer, Mover):
     """Settings, caches and every plan of the Tracker side (see the module docstring)."""
 
     apply = staticmethod(apply_result)
@@ -61,10 +63,27 @@ class ProducerCore(Steps, Admission):
         self.expect: str | None = None  # the worker the last pushes went to (producer reads block on it)
         self.cancels: deque[tuple[float, str, str]] = deque()  # (monotonic time, worker, session): sent again
         self.abandoned: deque[tuple[str, str]] = deque()  # (worker, session): to cancel, the driver stopped early
+        self.fleet = FleetView()  # placement's view of the workers (producer/placement.py)
+        self.policy = self.settings.placement
+        self.checked_at = time.monotonic()  # the last look for lost workers (producer/moves.py)
+
+    def opening(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int],
+                hop: int = 0) -> Plan[SessionHandle]:
+        """Admission.opening, a template placed first (its workers then count as discovered: placement read
+        their advertisements within discover_cache_s)."""
+        template = spec if isinstance(spec, SessionTemplate) else None
+        if isinstance(spec, SessionTemplate):
+            spec = yield from self.place(spec, check_tokens(prompt, None))
+            for w in self.fleet.workers:
+                if any(rh.worker_id == w.worker_id for rh in spec.route):
+                    self.discovered[w.worker_id] = (self.fleet.read_at, w)
+        h = yield from Admission.opening(self, spec, prompt, hop)
+        h.template = template
+        return h
 
     # ---------------------------------------------------------------- sessions driven by hand
 
-    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
+    def open(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int], hop: int = 0) -> Plan[SessionHandle]:
         h = yield from self.opening(spec, prompt, hop)
         one_hop(h)
         yield from self.admit(h.input_stream("prefill"), wait=True)
@@ -293,6 +312,7 @@ class ProducerCore(Steps, Admission):
         pipeline), ask whether a session about to be replayed was cancelled, and push every next job in ONE
         pipeline, before any callback runs. The sessions, for the driver to call back and wake."""
         yield from self.release_abandoned()
+        yield from self.move_lost()  # sessions of a lost worker: placed again, replayed below
         hs = list(self.touched.values())
         self.touched = {}
         if not hs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from schemas import PHASES, Phase, Reason, SessionSpec, StepJob, StepResult, WorkerKeys
 from schemas.activations import Activations
@@ -20,10 +20,13 @@ from schemas.wire import STATUS_CODE, STATUSES, RowExtra, row_extra, row_to_resu
 
 from . import credit
 
+if TYPE_CHECKING:
+    from .placement import SessionTemplate
+
 __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
            "drop", "end", "lose"]
 
-Sessions = Sequence[tuple[SessionSpec, Sequence[int]]]
+Sessions = Sequence[tuple["SessionSpec | SessionTemplate", Sequence[int]]]  # a template: placed first
 
 _OK, _CANCELLED, _REJECTED, _LOST = 0, 1, 2, 3  # indexes into schemas.wire.STATUSES
 # A rejection the session survives by a replay (attempt + 1, new job ids): the hop lost it, or another job was
@@ -109,6 +112,7 @@ class SessionHandle:
     run: Any = None  # the core.Run driving it; None: driven by hand, its answers kept in `inbox`
     inbox: list[StepResult] = field(default_factory=list)
     last_row: Any = None  # (record, charges, row) or a StepResult: `last_result`
+    template: Any = None  # the SessionTemplate it was placed from (it may move: producer/moves.py); None: named
 
     def __post_init__(self) -> None:
         if not self.legs:

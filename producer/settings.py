@@ -17,6 +17,8 @@ from schemas.limits import (
     is_id,
 )
 
+from .placement import PlacementPolicy
+
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerSettings"]
 
 READ_COUNT = 1_000  # result records per stream per XREAD, and per XRANGE page of resume
@@ -52,6 +54,7 @@ class ProducerSettings:
     poll_s: float = 0.002
     rewind_ms: int = 10_000
     tracker_id: str = field(default_factory=lambda: f"t-{secrets.token_hex(6)}")
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)  # SessionTemplates: docs/placement.md
 
     @classmethod
     def of(cls, settings: ProducerSettings | None, options: dict[str, Any]) -> ProducerSettings:

@@ -25,6 +25,7 @@ from schemas.retry import OutageRider, RetryPolicy
 from . import commands as c
 from .commands import Plan
 from .core import ProducerCore
+from .placement import SessionTemplate
 from .resume import resume
 from .session import SessionHandle
 from .settings import ProducerSettings
@@ -68,10 +69,19 @@ class TrackerOps:
         """Every worker in `dgr:workers` that has an advertisement (WorkerInfo), by id."""
         return self._call(self.core.workers())
 
-    def open(self, spec: SessionSpec, prompt: Sequence[int], hop: int = 0) -> Any:
-        """Validate (hop, tokens, context, the worker advertises the key and speaks this wire), check
-        backpressure on the prefill stream, push the prompt; the SessionHandle. One hop only (a route of several
-        hops: run_many / generate)."""
+    def place(self, template: SessionTemplate, prompt: Sequence[int]) -> Any:
+        """The SessionSpec the template would be opened with: each hop on the worker placement chooses now
+        (docs/placement.md), counted as placed there. LookupError when a hop has no eligible worker."""
+        return self._call(self.core.place(template, prompt))
+
+    def fleet(self) -> dict[str, dict[str, Any]]:
+        """Placement's counters per worker: sessions placed, passed over for capacity, the last score's inputs."""
+        return self.core.fleet.stats()
+
+    def open(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int], hop: int = 0) -> Any:
+        """A SessionTemplate is placed first (`place`). Validate (hop, tokens, context, the worker advertises the
+        key and speaks this wire), check backpressure on the prefill stream, push the prompt; the SessionHandle.
+        One hop only (a route of several hops: run_many / generate)."""
         return self._call(self.core.open(spec, prompt, hop))
 
     def push_decode(self, h: SessionHandle, token: int) -> Any:

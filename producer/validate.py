@@ -17,7 +17,7 @@ from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
 from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, WIRE_VERSION, is_id
 
-from .commands import Get, Plan, Read, Sleep, SMembers, XInfoGroups, XLen
+from .commands import Exists, Get, Plan, Read, Sleep, SMembers, XInfoGroups, XLen
 from .errors import Backpressure
 from .session import SessionHandle
 
@@ -90,6 +90,7 @@ class WorkerInfo:
     alive: bool  # the heartbeat key exists (it expires ~10 s after the last beat)
     heartbeat_age_s: float | None
     heartbeat: dict[str, Any] = field(default_factory=dict)
+    draining: bool = False  # `dgr ops drain` set its drain key (read by workers(): placement skips it)
 
     @property
     def digests(self) -> set[str]:
@@ -137,9 +138,15 @@ class Admission:
         (ids,) = yield Read((SMembers(WORKERS_INDEX),))
         if not ids:
             return []
-        replies = yield Read(tuple(c for w in ids for c in (Get(WorkerKeys(w).spec), Get(WorkerKeys(w).heartbeat))))
-        infos = (WorkerInfo.parse(w, replies[2 * i], replies[2 * i + 1]) for i, w in enumerate(ids))
-        return [info for info in infos if info is not None]
+        replies = yield Read(tuple(c for w in ids for c in (Get(WorkerKeys(w).spec), Get(WorkerKeys(w).heartbeat),
+                                                            Exists(WorkerKeys(w).drain))))
+        infos = []
+        for i, w in enumerate(ids):
+            info = WorkerInfo.parse(w, replies[3 * i], replies[3 * i + 1])
+            if info is not None:
+                info.draining = bool(replies[3 * i + 2])
+                infos.append(info)
+        return infos
 
     def remember(self, info: WorkerInfo) -> None:
         self.discovered[info.worker_id] = (time.monotonic(), info)

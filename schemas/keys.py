@@ -157,6 +157,11 @@ class WorkerKeys:
         """String, SET NX: the id the dead letter `dlq_id` was replayed as (never twice)."""
         return f"{self.base}:dlq:replayed:{dlq_id}"
 
+    @property
+    def drain(self) -> str:
+        """String (JSON {at, by}), set by `dgr ops drain`: place no new session here (docs/placement.md)."""
+        return f"{self.base}:drain"
+
 
 # Every worker's keys as glob patterns (`dgr:{*}:...`): what ACL rules over all workers name.
 ANY_WORKER: Final = WorkerKeys("*")

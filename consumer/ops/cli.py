@@ -247,6 +247,52 @@ def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S"
     typer.echo(f"{len(rows)} open sessions looked at, {len(hit)} {'idle' if dry_run else 'cancelled'}")
 
 
+WorkerArg = Annotated[str, typer.Argument(help="The worker id.")]
+
+
+@ops_app.command("drain")
+def drain_cmd(worker_id: WorkerArg, redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False,
+              redis_sentinel: RedisSentinel = "", sentinel_master: SentinelMaster = "",
+              sentinel_username: SentinelUsername = "", sentinel_password: SentinelPassword = "", who: Who = "",
+              as_json: Json = False) -> None:
+    """Place no new session on WORKER; it finishes those it holds (with --exit-when-drained it then exits 0)."""
+    from schemas.limits import is_id
+
+    from .common import operator
+    from .drain import drain
+
+    if not is_id(worker_id):
+        raise typer.BadParameter(f"{worker_id!r} is not a worker id")
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
+    _drain_out(drain(client, worker_id, who or operator()), as_json)
+
+
+@ops_app.command("undrain")
+def undrain_cmd(worker_id: WorkerArg, redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False,
+                redis_sentinel: RedisSentinel = "", sentinel_master: SentinelMaster = "",
+                sentinel_username: SentinelUsername = "", sentinel_password: SentinelPassword = "",
+                as_json: Json = False) -> None:
+    """Place sessions on WORKER again."""
+    from schemas.limits import is_id
+
+    from .drain import undrain
+
+    if not is_id(worker_id):
+        raise typer.BadParameter(f"{worker_id!r} is not a worker id")
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
+    _drain_out(undrain(client, worker_id), as_json)
+
+
+def _drain_out(state: Any, as_json: bool) -> None:
+    if as_json:
+        _print_json(state.as_dict())
+        return
+    said = ("no heartbeat" if state.advertised is None else "its heartbeat agrees"
+            if state.advertised == state.draining else "its next heartbeat will say so")
+    typer.echo(f"{state.worker_id}: {'draining' if state.draining else 'not draining'} ({said}, "
+               f"busy slots {state.busy_slots if state.busy_slots is not None else '?'})")
+
+
 @ops_app.command("enqueue-rollup")
 def enqueue_rollup_cmd(
         redis_url: RedisUrl = DEFAULT_URL,

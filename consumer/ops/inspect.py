@@ -63,6 +63,8 @@ class WorkerReport:
     active_source: str = ""
     accounting: dict[str, float] = field(default_factory=dict)
     engines: list[dict[str, Any]] = field(default_factory=list)  # one per engine: see _engine_summary
+    draining: bool = False  # `dgr ops drain` set its drain key (consumer/ops/drain.py)
+    placement: dict[str, Any] = field(default_factory=dict)  # the placement score's inputs (docs/placement.md)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +124,8 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
     pipe.get(k.heartbeat)
     pipe.xlen(k.dead_letters)
     pipe.hgetall(k.worker_account)
-    spec_raw, hb_raw, dlq_len, acct = pipe.execute()
+    pipe.exists(k.drain)
+    spec_raw, hb_raw, dlq_len, acct, drain = pipe.execute()
     spec, hb = _json(spec_raw), _json(hb_raw)
     now = time.time() if now is None else now
     age = max(0.0, now - float(hb["ts"])) if isinstance(hb.get("ts"), int | float) else None
@@ -130,7 +133,9 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
     rep = WorkerReport(worker_id=worker_id, advertised=spec_raw is not None, alive=hb_raw is not None,
                        heartbeat_age_s=age, keys=[_key_summary(x) for x in spec.get("keys", [])], info=info,
                        dead_letters=int(dlq_len),
-                       accounting={f: _num(v) for f, v in sdict(cast(dict[Any, Any], acct)).items()})
+                       accounting={f: _num(v) for f, v in sdict(cast(dict[Any, Any], acct)).items()},
+                       draining=bool(drain))
+    rep.placement = _placement_inputs(hb, info, rep.draining)
     engines = hb.get("engines") if hb_raw is not None else None
     if not isinstance(engines, list):
         engines = info.get("engines")
@@ -145,6 +150,21 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
     else:
         rep.active_sessions, rep.active_source = len(open_sessions(client, worker_id)), "open_sessions"
     return rep
+
+
+def _placement_inputs(hb: dict[str, Any], info: dict[str, Any], draining: bool) -> dict[str, Any]:
+    """What a Tracker's placement reads of this worker (producer/placement.py `candidate`; its heartbeat age
+    is the report's `heartbeat_age_s`)."""
+    prefix = hb.get("prefix")
+    summary = None
+    if isinstance(prefix, dict):
+        ids = prefix.get("ids")
+        summary = {"block_tokens": prefix.get("block_tokens"), "scope": prefix.get("scope"),
+                   "ids": len(ids) if isinstance(ids, list) else None}
+    return {"slots": _int(hb.get("slots", info.get("slots"))), "busy_slots": _int(hb.get("busy_slots")),
+            "queued": _int(hb.get("queued")), "stopped": bool(hb.get("stopped")),
+            "draining": draining or bool(hb.get("draining")), "advertises_draining": bool(hb.get("draining")),
+            "prefix": summary}
 
 
 def _streams(client: Client, names: list[str]) -> list[StreamReport]:
@@ -205,7 +225,8 @@ def _worker_row(w: WorkerReport) -> dict[str, str]:
     if w.active_source == "open_sessions":
         active += "*"
     keys = ", ".join(f"{k['phase']}:{k['digest']}" for k in w.keys) or ("-" if w.advertised else "[red]none[/red]")
-    return {"worker": w.worker_id, "heartbeat": _fmt_age(w.heartbeat_age_s, w.alive), "keys": keys,
+    name = f"{w.worker_id} [yellow](draining)[/yellow]" if w.draining else w.worker_id
+    return {"worker": name, "heartbeat": _fmt_age(w.heartbeat_age_s, w.alive), "keys": keys,
             "slots": str(w.info.get("slots", "?")), "active": active,
             "input lag": str(sum(x.lag if x.lag is not None else x.length for x in w.streams)),
             "pending": str(sum(x.pending for x in w.streams)),

@@ -134,6 +134,11 @@ class RedisTransport:
     def input_lag(self) -> dict[str, dict[str, int]]:
         return self.upkeep.input_lag()
 
+    @property
+    def draining(self) -> bool:
+        """`dgr ops drain` set this worker's drain key (as of the last input_lag())."""
+        return self.upkeep.draining
+
     def trim(self) -> None:
         self.upkeep.trim()
 

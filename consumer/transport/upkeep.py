@@ -38,6 +38,10 @@ class Upkeep:
     def __init__(self, io: RedisIO, intake: Intake) -> None:
         self.io = io
         self.intake = intake
+        # What the last input_lag() read (its round trip asks for the drain key too): the next heartbeat
+        # advertises both, for placement (docs/placement.md) and `dgr inspect`.
+        self.draining = False
+        self.queued = 0
 
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
         """Create the consumer group on every key's input stream (id 0, MKSTREAM; BUSYGROUP ignored),
@@ -66,7 +70,8 @@ class Upkeep:
     def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
         """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s."""
         io = self.io
-        body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name, **(info or {})}
+        body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name,
+                "draining": self.draining, "queued": self.queued, **(info or {})}
         raw = json.dumps(body, default=str, separators=(",", ":"))
         io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
 
@@ -123,24 +128,27 @@ class Upkeep:
 
     def input_lag(self) -> dict[str, dict[str, int]]:
         """Per registered stream: length, lag (XINFO GROUPS 'lag'; the length where Redis cannot
-        tell), pending. One round trip."""
+        tell), pending. One round trip, which also reads the drain key (`draining`, `queued`)."""
         io, streams = self.io, list(self.intake.streams)
-        if not streams:
-            return {}
 
         def ask() -> list[Any]:
             pipe = io.client.pipeline(transaction=False)
             for s in streams:
                 pipe.xlen(s)
                 pipe.xinfo_groups(s)
+            pipe.exists(io.keys.drain)
             return pipe.execute(raise_on_error=False)
 
         replies = io.io(ask)
+        drain = replies[-1]
+        if not isinstance(drain, Exception):
+            self.draining = bool(drain)
         out: dict[str, dict[str, int]] = {}
         for i, s in enumerate(streams):
             sl = stream_lag(replies[2 * i], replies[2 * i + 1])
             pending = int(sl.group.get("pending") or 0) if sl.group is not None else 0
             out[s] = {"length": sl.length, "lag": sl.behind, "pending": pending}
+        self.queued = sum(v["lag"] for v in out.values())
         return out
 
     def trim(self) -> None:

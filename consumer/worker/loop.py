@@ -369,9 +369,14 @@ class Worker:
             self._last_heartbeat = now
             tr.renew_lease()  # LeaseLost when another process took over (a long pause)
             tr.heartbeat(self._info())
-            for stream, lag in tr.input_lag().items():
+            lags = tr.input_lag()
+            for stream, lag in lags.items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
                 self.metrics.input_pending.labels(self._m, stream).set(lag.get("pending", 0))
+            if self.settings.exit_when_drained and getattr(tr, "draining", False) and not self.lanes.busy_slots() \
+                    and not any(v.get("lag", 0) or v.get("pending", 0) for v in lags.values()):
+                log.info("drained and empty: stopping", extra={"worker": self._m})
+                self._stop.set()
             tr.trim()
         if now - self._last_recover >= self.settings.recover_every_s:
             self._last_recover = now

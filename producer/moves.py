@@ -1,0 +1,144 @@
+"""Sessions outlive their worker (docs/placement.md, "Worker loss"): a worker whose heartbeat is older than
+`PlacementPolicy.lost_s` (or gone: the key expires) is out; every placed session (opened from a
+SessionTemplate) with a hop on it is placed again, hop by hop, on a worker that advertises the same key, and
+replayed there as after `state_lost`: a new attempt, prompt + generated as prefill, the generated part charged
+as `recomputed_tokens` by the new worker (docs/accounting.md). What the lost worker charged stays charged; its
+answers to the old attempt are ignored (job ids carry the attempt), and a cancel is left on it, so a worker
+that was only paused and comes back frees the session instead of decoding it on.
+
+Only sessions the Tracker placed move: a SessionSpec naming its workers is the caller's choice, and still ends
+with ResultTimeout when its worker goes silent. Sessions move away from a worker that is out, never back, so a
+flapping worker cannot make them bounce; a worker declared out is not placed on again until it beats anew.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from schemas import PHASES, WorkerKeys
+
+from .commands import Batch, Get, HSet, Plan, Read
+from .placement import FleetView, PlacementPolicy, SessionTemplate
+from .session import HopLeg, SessionHandle, lose
+
+if TYPE_CHECKING:
+    from .settings import ProducerSettings
+
+__all__ = ["Mover", "worker_out"]
+
+log = logging.getLogger("dgr.producer")
+
+
+def worker_out(hb_raw: bytes | str | None, now: float, lost_s: float) -> bool:
+    """A heartbeat that is gone, unreadable, or older than lost_s."""
+    if hb_raw is None:
+        return True
+    try:
+        ts = json.loads(hb_raw).get("ts")
+    except (ValueError, AttributeError):
+        return True
+    return not isinstance(ts, int | float) or now - float(ts) > lost_s
+
+
+class Mover:
+    """The worker-loss plan of the core (a mixin of ProducerCore)."""
+
+    settings: ProducerSettings
+    fleet: FleetView
+    policy: PlacementPolicy
+    driven: dict[str, SessionHandle]
+    touched: dict[str, SessionHandle]
+    checked_at: float
+
+    def fleet_now(self) -> Plan[Any]:
+        raise NotImplementedError
+
+    def place_hops(self, template: SessionTemplate, prompt: Any, *, need_room: bool = False,
+                   hops: Any = None) -> list[str | None]:
+        raise NotImplementedError
+
+    def retire(self, h: SessionHandle) -> None:
+        raise NotImplementedError
+
+    def drive(self, h: SessionHandle, run: Any) -> None:
+        raise NotImplementedError
+
+    def cancel_ops(self, batch: Batch, worker_id: str, session_id: str) -> None:
+        raise NotImplementedError
+
+    def move_lost(self) -> Plan[list[SessionHandle]]:
+        """Every `lost_check_s`: read the heartbeats of the workers placed sessions run on; move the sessions of
+        those that are out (queued as touched: the advance that follows replays them). The sessions moved."""
+        now = time.monotonic()
+        if now - self.checked_at < self.policy.lost_check_s:
+            return []
+        self.checked_at = now
+        placed = [h for h in self.driven.values() if h.template is not None and not h.finished]
+        watched = sorted({leg.worker_id for h in placed for leg in h.legs})
+        if not watched:
+            return []
+        beats = yield Read(tuple(Get(WorkerKeys(w).heartbeat) for w in watched))
+        wall = time.time()
+        out = {w for w, raw in zip(watched, beats, strict=True) if worker_out(raw, wall, self.policy.lost_s)}
+        if not out:
+            return []
+        for w in out:
+            self.fleet.lose(w, wall)
+        self.fleet.read_at = float("-inf")  # read the fleet again before placing anywhere
+        yield from self.fleet_now()
+        for w in out:
+            self.fleet.lose(w, wall)
+        moved: list[SessionHandle] = []
+        fence = Batch()
+        for h in placed:
+            if any(leg.worker_id in out for leg in h.legs) and self.move(h, out, fence):
+                moved.append(h)
+        if fence:
+            yield fence
+        if moved:
+            log.warning("sessions moved off lost workers", extra={"workers": sorted(out), "sessions": len(moved)})
+        return moved
+
+    def move(self, h: SessionHandle, out: set[str], fence: Batch) -> bool:
+        """Place the session's hops on lost workers again and mark it lost (the next advance replays it); a cancel
+        for each lost worker goes in `fence`. False when no worker with room can take a hop: it waits for the next
+        look (and ends with ResultTimeout if none comes within timeout_s)."""
+        template: SessionTemplate = h.template
+        hops = [leg.hop for leg in h.legs if leg.worker_id in out]
+        try:  # a worker with room only (a full one would refuse the replay): else it waits for the next look
+            placed = self.place_hops(template, h.prompt, need_room=True, hops=hops)
+        except LookupError as e:
+            log.info("a session of a lost worker waits for room", extra={"session": h.session_id,
+                                                                         "detail": str(e)[:200]})
+            return False
+        keep = [w if w is not None else leg.worker_id for leg, w in zip(h.legs, placed, strict=True)]
+        spec = template.spec(keep)
+        keep_workers = {leg.worker_id for leg in h.legs if leg.worker_id not in out}
+        run = h.run
+        self.retire(h)
+        for leg in h.legs:
+            if leg.worker_id in out:
+                self.fleet.moved_out[leg.worker_id] = self.fleet.moved_out.get(leg.worker_id, 0) + 1
+                self.cancel_ops(fence, leg.worker_id, h.session_id)
+        legs = []
+        for k, (leg, rh) in enumerate(zip(h.legs, spec.route, strict=True)):
+            if leg.worker_id == rh.worker_id:
+                legs.append(leg)
+            else:
+                self.fleet.moved_in[rh.worker_id] = self.fleet.moved_in.get(rh.worker_id, 0) + 1
+                legs.append(HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES}))
+        h.spec, h.legs, h.worker_id = spec, legs, spec.route[0].worker_id
+        # The new hops charge nothing the lost one charged: their high-water mark starts where its ended (every
+        # token the Tracker holds was charged when sampled; with none, the prompt positions charged so far).
+        hw = len(h.prompt) + len(h.generated) if h.generated else h.prompt_tokens
+        for leg in legs:
+            if leg.worker_id not in keep_workers:
+                fence.add(HSet(WorkerKeys(leg.worker_id).session_account(h.session_id), {"hw": str(hw)}))
+        h.reason, h.detail = "worker_lost", f"moved off {', '.join(sorted(out))}"
+        lose(h)
+        self.drive(h, run)
+        self.touched[h.session_id] = h
+        return True

@@ -1,0 +1,347 @@
+"""Placement: which worker a session opened from a route *template* goes to (docs/placement.md).
+
+Decided once, in the sans-I/O core: `choose()` is a pure function of what the candidates advertise (their keys,
+slots and busy slots, the steps queued on their input streams, heartbeat age, draining, the prefix summary) and
+of what this Tracker placed on them since their last heartbeat; `Placer.place()` is the plan that reads the
+fleet (`workers()`, cached `discover_cache_s`) and turns a `SessionTemplate` into a `SessionSpec`, hop by hop.
+
+The score is Dynamo's KV router's cost (overlap weight x prefill blocks still to compute + decode load) with
+SGLang's imbalance guard (when loads are far apart, the least loaded wins whatever it holds): routing by cache
+alone piles sessions on the hot worker (sglang #14305).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from schemas import CompatibilityKey, RouteHop, SessionSpec
+from schemas.limits import WIRE_VERSION
+from schemas.prefix import (
+    BLOCK_TOKENS,
+    SCOPES,
+    SUMMARY_MAX_IDS,
+    PrefixSummary,
+    Scope,
+    block_ids,
+    cached_blocks,
+    prefix_root,
+    salt_for,
+)
+
+from .commands import Plan
+
+if TYPE_CHECKING:
+    from .settings import ProducerSettings
+    from .validate import WorkerInfo
+
+__all__ = ["Candidate", "Choice", "FleetView", "PlacementPolicy", "Placer", "SessionTemplate", "candidate", "choose"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionTemplate:
+    """A session whose route names keys, not workers: hop k runs `keys[k]` (its block range is the key's
+    boundary) on a worker the producer places it on. `options`: every other SessionSpec field (sampling,
+    max_tokens, stop_tokens, ...), passed through as is."""
+
+    session_id: str
+    account_id: str
+    keys: tuple[CompatibilityKey, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def spec(self, workers: Sequence[str]) -> SessionSpec:
+        """The SessionSpec with hop k on workers[k]."""
+        if len(workers) != len(self.keys):
+            raise ValueError(f"{len(self.keys)} hops, {len(workers)} workers")
+        route = tuple(RouteHop(worker_id=w, key=k) for w, k in zip(workers, self.keys, strict=True))
+        return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **dict(self.options))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementPolicy:
+    """The score's weights (docs/placement.md). `stale_s`: a heartbeat older than this is out (3 beats of the
+    consumer's default heartbeat_s = 2 s). `overlap_weight`: what a whole prompt's prefill weighs against a
+    full worker's decode load. The imbalance guard: when the most and least loaded candidates differ by more
+    than `balance_abs` sessions and by more than `balance_rel` times, the least loaded is chosen."""
+
+    stale_s: float = 6.0
+    # Worker loss (producer/moves.py): a worker whose heartbeat is older than lost_s is out and its placed
+    # sessions move; the Tracker looks every lost_check_s (one pipeline of GETs).
+    lost_s: float = 6.0
+    lost_check_s: float = 0.25
+    overlap_weight: float = 1.0
+    queue_weight: float = 1.0
+    balance_abs: int = 8
+    balance_rel: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker's advertised inputs, as placement sees them. `load`: sessions it holds (its heartbeat's
+    busy_slots) plus those this Tracker placed on it since that beat; `queued`: steps waiting on its input
+    streams (its heartbeat's `queued`, when it says); `held`: prefix block ids it holds (its summary, plus the
+    ids of the prompts this Tracker placed on it)."""
+
+    worker_id: str
+    digests: frozenset[str]
+    slots: int
+    load: int
+    queued: int = 0
+    heartbeat_age_s: float | None = 0.0
+    draining: bool = False
+    block_tokens: int | None = None
+    scope: str | None = None
+    held: Set[str] = frozenset()
+
+    @property
+    def room(self) -> int:
+        return self.slots - self.load
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The worker chosen and why (its score's inputs: what `dgr inspect --json` and the bench show)."""
+
+    worker_id: str
+    cost: float
+    cached_blocks: int
+    prompt_blocks: int
+    load: int
+    room: int
+    guarded: bool  # the imbalance guard chose (least loaded), not the cost
+    eligible: int  # candidates that could take it
+
+
+def eligible(c: Candidate, digests: Iterable[str], policy: PlacementPolicy) -> bool:
+    """Advertises every digest, beats recently, is not draining, has slots at all."""
+    age = c.heartbeat_age_s
+    return (age is not None and age <= policy.stale_s and not c.draining and c.slots > 0
+            and all(d in c.digests for d in digests))
+
+
+def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: PlacementPolicy,
+           ids_for: Mapping[tuple[int, str | None], Sequence[str]] | None = None) -> Choice | None:
+    """The worker to place on, or None when none is eligible. `digests`: the hop's prefill and decode keys;
+    `ids_for[(block_tokens, scope)]`: the prompt's block ids as a worker of that block size and scope roots
+    them (absent: nothing is cached there). Pure: the same inputs give the same worker (ties: fewest load,
+    then worker id)."""
+    ok = [c for c in candidates if eligible(c, digests, policy)]
+    if not ok:
+        return None
+    roomy = [c for c in ok if c.room > 0]
+    pool = roomy or ok  # never a full worker while another has room
+    loads = [c.load for c in pool]
+    lo, hi = min(loads), max(loads)
+    guarded = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
+    best: tuple[tuple[float, int, str], Choice] | None = None
+    for c in pool:
+        ids = (ids_for or {}).get((c.block_tokens or 0, c.scope), ())
+        hit = _leading(ids, c.held) if ids and c.held else 0
+        miss = (len(ids) - hit) / len(ids) if ids else 1.0
+        cost = (policy.overlap_weight * miss + c.load / max(1, c.slots)
+                + policy.queue_weight * c.queued / max(1, c.slots))
+        rank = (float(c.load) if guarded else cost, c.load, c.worker_id)
+        if best is None or rank < best[0]:
+            best = rank, Choice(c.worker_id, cost, hit, len(ids), c.load, c.room, guarded, len(ok))
+    return best[1] if best is not None else None
+
+
+def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None = None) -> Candidate:
+    """A Candidate from a worker's advertisement and heartbeat (absent fields: no slots, no summary), `placed`
+    sessions this Tracker put on it since its beat and the prompt ids it sent there (`held`)."""
+    hb = w.heartbeat
+    now = time.time() if now is None else now
+    ts = hb.get("ts")
+    age = max(0.0, now - float(ts)) if isinstance(ts, int | float) and w.alive else None
+    if hb.get("stopped") or w.info.get("wire_version") != WIRE_VERSION:
+        age = None  # a worker that said it stopped, or speaks another wire, is out
+    slots = _int(hb.get("slots"), _int(w.info.get("slots"), 0))
+    summary = PrefixSummary.parse(hb.get("prefix"))
+    ids = set(held) | (set(summary.ids) if summary is not None else set())
+    return Candidate(worker_id=w.worker_id, digests=frozenset(w.digests), slots=slots,
+                     load=_int(hb.get("busy_slots"), 0) + placed, queued=_int(hb.get("queued"), 0),
+                     heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
+                     block_tokens=summary.block_tokens if summary is not None else None,
+                     scope=summary.scope if summary is not None else None, held=ids)
+
+
+def _leading(ids: Sequence[str], held: Set[str]) -> int:
+    """cached_blocks over any set (the Tracker's own copy is a plain set it extends)."""
+    return cached_blocks(ids, held) if isinstance(held, set | frozenset) else cached_blocks(ids, frozenset(held))
+
+
+def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
+    """salt_for, a worker without a summary taken as scope `account` (the prefix cache's default)."""
+    sc: Scope = next((x for x in SCOPES if x == scope), "account")
+    return salt_for(sc, cache_salt if isinstance(cache_salt, str) else None, account_id)
+
+
+def _int(v: object, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+
+@dataclass
+class FleetView:
+    """What this Tracker knows of the fleet between two reads of it (`read_at`, monotonic): the workers, their
+    Candidates (built once per read: heartbeat ages as of the read, so a worker goes stale at most
+    discover_cache_s late), and per worker the wall times of the sessions placed there (load until a heartbeat
+    newer than them: the next read counts them again), the prompt block ids sent there (an LRU of
+    SUMMARY_MAX_IDS: the next session with the same system prompt follows it before the worker's summary says
+    so) and the counters `dgr inspect` and the bench show."""
+
+    workers: list[WorkerInfo] = field(default_factory=list)
+    read_at: float = -math.inf
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+    pools: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # digests -> worker ids advertising
+    placed_at: dict[str, list[float]] = field(default_factory=dict)
+    sent_ids: dict[str, OrderedDict[str, None]] = field(default_factory=dict)
+    placed: dict[str, int] = field(default_factory=dict)  # sessions placed, per worker
+    refused_full: dict[str, int] = field(default_factory=dict)  # eligible, but passed over: full
+    last: dict[str, Choice] = field(default_factory=dict)  # per worker: the last choice of it
+    lost: dict[str, float] = field(default_factory=dict)  # worker -> wall time it was found out (producer/moves.py)
+    moved_in: dict[str, int] = field(default_factory=dict)
+    moved_out: dict[str, int] = field(default_factory=dict)
+
+    def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
+        self.workers, self.read_at, self.pools = workers, read_at, {}
+        self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self.sent_ids.get(w.worker_id, ()), now)
+                           for w in workers}
+        for w in workers:
+            ts = w.heartbeat.get("ts")
+            if w.worker_id in self.lost and not (isinstance(ts, int | float) and ts > self.lost[w.worker_id]):
+                self.lose(w.worker_id, self.lost[w.worker_id])  # out until it beats again
+            elif w.worker_id in self.lost:
+                del self.lost[w.worker_id]
+
+    def lose(self, worker_id: str, at: float) -> None:
+        """The worker is out (no placement on it) until a heartbeat newer than `at`."""
+        self.lost[worker_id] = at
+        c = self.candidates.get(worker_id)
+        if c is not None:
+            self.candidates[worker_id] = replace(c, heartbeat_age_s=None)
+
+    def pool(self, digests: tuple[str, str]) -> list[Candidate]:
+        ids = self.pools.get(digests)
+        if ids is None:
+            ids = self.pools[digests] = [w for w, c in self.candidates.items()
+                                         if digests[0] in c.digests and digests[1] in c.digests]
+        return [self.candidates[w] for w in ids]
+
+    def since_beat(self, w: WorkerInfo) -> int:
+        ts = w.heartbeat.get("ts")
+        beat = float(ts) if isinstance(ts, int | float) else -math.inf
+        times = [t for t in self.placed_at.get(w.worker_id, ()) if t > beat]
+        self.placed_at[w.worker_id] = times
+        return len(times)
+
+    def note(self, choice: Choice, ids: Sequence[str], passed_full: Iterable[str]) -> None:
+        w = choice.worker_id
+        self.placed_at.setdefault(w, []).append(time.time())
+        self.placed[w] = self.placed.get(w, 0) + 1
+        self.last[w] = choice
+        lru = self.sent_ids.setdefault(w, OrderedDict())
+        for i in ids:
+            lru[i] = None
+            lru.move_to_end(i)
+        while len(lru) > SUMMARY_MAX_IDS:
+            lru.popitem(last=False)
+        c = self.candidates.get(w)
+        if c is not None:
+            if isinstance(c.held, set):
+                c.held.update(ids)  # the Tracker's own copy (candidate() builds it): no copy per session
+            self.candidates[w] = replace(c, load=c.load + 1)
+        for o in passed_full:
+            self.refused_full[o] = self.refused_full.get(o, 0) + 1
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per worker: sessions placed, refused for capacity, moved in and out, the last choice's score inputs."""
+        out: dict[str, dict[str, Any]] = {}
+        for w in sorted(set(self.placed) | set(self.refused_full) | set(self.moved_in) | set(self.moved_out)):
+            last = self.last.get(w)
+            out[w] = {"placed": self.placed.get(w, 0), "refused_full": self.refused_full.get(w, 0),
+                      "moved_in": self.moved_in.get(w, 0), "moved_out": self.moved_out.get(w, 0),
+                      "lost": w in self.lost,
+                      "last": None if last is None else {
+                          "cost": round(last.cost, 4), "cached_blocks": last.cached_blocks,
+                          "prompt_blocks": last.prompt_blocks, "load": last.load, "room": last.room,
+                          "guarded": last.guarded}}
+        return out
+
+
+class Placer:
+    """The placement plans of the core (a mixin of ProducerCore, which owns `workers()`)."""
+
+    settings: ProducerSettings
+    fleet: FleetView
+    policy: PlacementPolicy
+
+    def workers(self) -> Plan[list[WorkerInfo]]:
+        raise NotImplementedError
+
+    def fleet_now(self) -> Plan[list[WorkerInfo]]:
+        """The fleet, read again when older than discover_cache_s."""
+        if time.monotonic() - self.fleet.read_at > self.settings.discover_cache_s:
+            workers = yield from self.workers()
+            self.fleet.load(workers, time.monotonic())
+        return self.fleet.workers
+
+    def place(self, template: SessionTemplate, prompt: Sequence[int]) -> Plan[SessionSpec]:
+        """The template's SessionSpec, each hop on the worker `choose()` picks among those advertising its
+        keys. LookupError when a hop has no eligible worker (none advertises the key, or every one that does is
+        stale or draining)."""
+        if not isinstance(template, SessionTemplate):
+            raise TypeError(f"template must be a SessionTemplate, not {type(template).__name__}")
+        yield from self.fleet_now()
+        return self.place_loaded(template, prompt)
+
+    def place_loaded(self, template: SessionTemplate, prompt: Sequence[int]) -> SessionSpec:
+        """`place` on the fleet as last read (no I/O; the micro-benchmark times this)."""
+        return template.spec([w for w in self.place_hops(template, prompt) if w is not None])
+
+    def place_hops(self, template: SessionTemplate, prompt: Sequence[int], *, need_room: bool = False,
+                   hops: Iterable[int] | None = None) -> list[str | None]:
+        """The worker of each hop (`hops`: only these; None for the others). LookupError when a hop has no
+        eligible worker, or (`need_room`) none with room. Counted as placed only once every hop has one."""
+        chosen: list[str | None] = []
+        cache_salt = template.options.get("cache_salt")
+        only = None if hops is None else set(hops)
+        choices: list[tuple[Choice, list[str], list[str]]] = []
+        for k, key in enumerate(template.keys):
+            if only is not None and k not in only:
+                chosen.append(None)
+                continue
+            digests = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
+            cands = self.fleet.pool(digests)
+            ids_for: dict[tuple[int, str | None], list[str]] = {}
+            for c in cands:
+                # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
+                bt, scope = (c.block_tokens, c.scope) if c.block_tokens is not None else (0, None)
+                if (bt, scope) in ids_for or (bt == 0 and not c.held):
+                    continue
+                salt = _salt(scope, cache_salt, template.account_id)
+                ids_for[(bt, scope)] = [] if salt is None else block_ids(
+                    prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
+            choice = choose(cands, digests, self.policy, ids_for)
+            if choice is None:
+                hop = "" if len(template.keys) == 1 else f" for hop {k}"
+                raise LookupError(f"no worker to place session {template.session_id!r} on{hop}: none that beats "
+                                  f"within {self.policy.stale_s} s, is not draining and advertises {digests[0]}")
+            picked = self.fleet.candidates[choice.worker_id]
+            bt, scope = (picked.block_tokens, picked.scope) if picked.block_tokens is not None else (0, None)
+            ids = ids_for.get((bt, scope))
+            if ids is None:
+                salt = _salt(scope, cache_salt, template.account_id)
+                ids = [] if salt is None else block_ids(prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
+            if need_room and choice.room <= 0:
+                raise LookupError(f"no worker with room for session {template.session_id!r}")
+            full = [c.worker_id for c in cands if c.room <= 0 and c.worker_id != choice.worker_id
+                    and eligible(c, digests, self.policy)]
+            choices.append((choice, ids, full))
+            chosen.append(choice.worker_id)
+        for choice, ids, full in choices:  # counted once every hop found its worker
+            self.fleet.note(choice, ids, full)
+        return chosen

@@ -1,0 +1,96 @@
+"""Sessions outlive their worker (producer/moves.py): a placed session whose worker stops beating is placed
+again on another worker with the same key and replayed there; its tokens are its own, and across the fleet
+every prompt position and every generated token is charged exactly once (the lost worker's charges stay, the
+new worker counts the replay as recomputed)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from producer import PlacementPolicy, SessionHandle, SessionTemplate
+from schemas import StepResult, WorkerKeys
+from tests.producer_drivers import MakeProducer, make_producer
+from tests.test_producer import FakeWorker, expected_tokens
+from tests.test_transport import make_key
+
+__all__ = ["make_producer"]
+
+
+def charged(client: redis.Redis, workers: list[str], account: str) -> dict[str, float]:
+    """The account's counters summed over the workers' account hashes (every charge, closed or open)."""
+    out: dict[str, float] = {}
+    for w in workers:
+        for k, v in client.hgetall(WorkerKeys(w).billing_account(account)).items():
+            out[k.decode()] = out.get(k.decode(), 0.0) + float(v)
+    return out
+
+
+def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Redis,
+                                                         make_producer: MakeProducer) -> None:
+    ws = [FakeWorker(redis_client, worker_id=f"f{i}") for i in range(3)]
+    for w in ws:
+        w.t.heartbeat({"slots": 4, "busy_slots": 0})
+    prompts = {f"m{i}": [1 + i, 2, 3, 4, 5] for i in range(6)}
+    sessions = [(SessionTemplate(session_id=sid, account_id="acct-m", keys=(make_key("prefill"),),
+                                 options={"max_tokens": 12}), p) for sid, p in prompts.items()]
+    dead: list[str] = []
+
+    def on_result(h: SessionHandle, r: StepResult) -> None:
+        if not dead and len(h.generated) >= 3:  # mid-decode: its worker dies for good
+            victim = next(w for w in ws if w.worker_id == h.worker_id)
+            victim._stop.set()
+            assert victim._thread is not None
+            victim._thread.join(5)
+            redis_client.delete(WorkerKeys(victim.worker_id).heartbeat)  # as its key expiring
+            dead.append(victim.worker_id)
+
+    p = make_producer(redis_client, decode_n=1,
+                      placement=PlacementPolicy(lost_s=5.0, lost_check_s=0.05))
+    for w in ws:
+        w.__enter__()
+    try:
+        out = p.run_many(sessions, on_result=on_result)
+    finally:
+        for w in ws:
+            if w.worker_id not in dead:
+                w.__exit__(None, None, None)
+    assert dead
+    moved = [h for h in out.values() if h.attempt > 0]
+    assert moved and all(h.worker_id != dead[0] for h in out.values())
+    for sid, h in out.items():
+        assert h.status == "finished", (sid, h.status, h.detail)
+        assert h.generated == expected_tokens(sid, 5, 12), sid
+    got = charged(redis_client, [w.worker_id for w in ws], "acct-m")
+    assert got["prompt_tokens"] == 5 * len(sessions) and got["generated_tokens"] == 12 * len(sessions), got
+    assert got["recomputed_tokens"] >= 8 * len(moved), got  # at least prompt + 3 generated, per moved session
+    stats = p.fleet()
+    assert stats[dead[0]]["moved_out"] == len(moved) and stats[dead[0]]["lost"]
+    assert sum(s["moved_in"] for s in stats.values()) == len(moved)
+
+
+def test_a_silent_worker_keeps_its_sessions_until_the_bound(redis_client: redis.Redis) -> None:
+    """Within lost_s nothing moves (a pause, a flap); past it the sessions move once and stay moved."""
+    from producer import Producer
+
+    a, b = FakeWorker(redis_client, worker_id="sa"), FakeWorker(redis_client, worker_id="sb")
+    now = time.time()
+    for w in (a, b):
+        redis_client.set(WorkerKeys(w.worker_id).heartbeat, json.dumps({"ts": now, "slots": 1, "busy_slots": 0}))
+    p = Producer(redis_client, decode_n=1, placement=PlacementPolicy(lost_s=2.0, lost_check_s=0.0))
+    h = p.open(SessionTemplate(session_id="q1", account_id="acct", keys=(make_key("prefill"),),
+                               options={"max_tokens": 4}), [1, 2])
+    first = h.worker_id
+    run = p.core.start([], resume=[h])
+    p._call(p.core.move_lost())
+    assert h.worker_id == first and h.attempt == 0  # fresh beat: stays
+    old = json.dumps({"ts": now - 10, "slots": 1, "busy_slots": 0})
+    redis_client.set(WorkerKeys(first).heartbeat, old)
+    assert p._call(p.core.move_lost()) == [h]
+    second = h.worker_id
+    assert second != first and h.status == "state_lost" and h.reason == "worker_lost"
+    redis_client.set(WorkerKeys(first).heartbeat, json.dumps({"ts": time.time(), "slots": 1, "busy_slots": 0}))
+    assert p._call(p.core.move_lost()) == [] and h.worker_id == second  # the first is back: nothing bounces
+    p.core.stop(run)

@@ -1,0 +1,161 @@
+"""Placement's pure choice (producer/placement.py `choose`), by property against an oracle written here from
+docs/placement.md: never a worker without the key, with a stale heartbeat or draining; never a full worker while
+another has room; the same inputs (in any order) give the same worker; with no summary the least loaded wins;
+a worker holding the prompt's prefix wins among equally loaded ones; the imbalance guard overrides the cache."""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer import ProducerCore, WorkerInfo
+from producer.placement import Candidate, PlacementPolicy, SessionTemplate, choose
+from schemas.limits import WIRE_VERSION
+from schemas.prefix import PrefixSummary, block_ids, prefix_root
+from tests.test_transport import make_key
+
+POLICY = PlacementPolicy()
+KEYS = ("pre", "dec")
+IDS = block_ids(list(range(160)), prefix_root("pre", "a:acct"), 16)  # 10 blocks
+
+
+@st.composite
+def candidates(draw: st.DrawFn) -> list[Candidate]:
+    n = draw(st.integers(1, 8))
+    out = []
+    for i in range(n):
+        slots = draw(st.integers(0, 6))
+        out.append(Candidate(
+            worker_id=f"w{i}", digests=frozenset(draw(st.sampled_from([KEYS, ("pre",), ("other", "dec"), KEYS]))),
+            slots=slots, load=draw(st.integers(0, 8)), queued=draw(st.integers(0, 20)),
+            heartbeat_age_s=draw(st.one_of(st.none(), st.floats(0, 10))), draining=draw(st.booleans()),
+            block_tokens=16, scope="account", held=frozenset(IDS[:draw(st.integers(0, len(IDS)))])))
+    return out
+
+
+def ok(c: Candidate) -> bool:
+    """The oracle's eligibility, from the doc's words."""
+    return (set(KEYS) <= c.digests and c.heartbeat_age_s is not None and c.heartbeat_age_s <= POLICY.stale_s
+            and not c.draining and c.slots > 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(candidates(), st.randoms(use_true_random=False))
+def test_never_an_ineligible_worker_never_full_while_room_and_deterministic(cs: list[Candidate], rnd: object) -> None:
+    ids_for = {(16, "account"): IDS}
+    got = choose(cs, KEYS, POLICY, ids_for)
+    good = [c for c in cs if ok(c)]
+    if not good:
+        assert got is None
+        return
+    assert got is not None
+    chosen = next(c for c in cs if c.worker_id == got.worker_id)
+    assert ok(chosen)
+    if any(c.room > 0 for c in good):
+        assert chosen.room > 0
+    shuffled = list(cs)
+    rnd.shuffle(shuffled)  # type: ignore[attr-defined]
+    assert choose(shuffled, KEYS, POLICY, ids_for) == got
+    assert got.eligible == len(good)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), min_size=1, max_size=10))
+def test_without_a_summary_the_least_loaded_with_room_wins(loads: list[tuple[int, int]]) -> None:
+    cs = [Candidate(worker_id=f"w{i:02d}", digests=frozenset(KEYS), slots=s, load=min(b, s))
+          for i, (s, b) in enumerate(loads)]
+    got = choose(cs, KEYS, POLICY)
+    assert got is not None
+    pool = [c for c in cs if c.room > 0] or cs
+    best = min(pool, key=lambda c: (c.load / c.slots, c.load, c.worker_id))
+    guarded = max(c.load for c in pool) - min(c.load for c in pool) > POLICY.balance_abs
+    if not guarded:
+        assert got.worker_id == best.worker_id
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(IDS)), min_size=2, max_size=6), st.integers(0, 3))
+def test_among_equally_loaded_the_longest_cached_prefix_wins(held: list[int], load: int) -> None:
+    cs = [Candidate(worker_id=f"w{i}", digests=frozenset(KEYS), slots=8, load=load, block_tokens=16,
+                    scope="account", held=frozenset(IDS[:n])) for i, n in enumerate(held)]
+    got = choose(cs, KEYS, POLICY, {(16, "account"): IDS})
+    assert got is not None
+    assert got.cached_blocks == max(held)
+    assert got.worker_id == f"w{held.index(max(held))}"  # ties: the first id
+
+
+def test_a_prefix_held_out_of_order_counts_only_up_to_the_first_miss() -> None:
+    gap = frozenset(IDS[:2] + IDS[3:])  # block 2 missing: only 2 leading blocks cached
+    cs = [Candidate(worker_id="a", digests=frozenset(KEYS), slots=8, load=0, block_tokens=16, scope="account",
+                    held=gap),
+          Candidate(worker_id="b", digests=frozenset(KEYS), slots=8, load=0, block_tokens=16, scope="account",
+                    held=frozenset(IDS[:3]))]
+    got = choose(cs, KEYS, POLICY, {(16, "account"): IDS})
+    assert got is not None and got.worker_id == "b" and got.cached_blocks == 3
+
+
+def test_the_imbalance_guard_sends_to_the_least_loaded_whatever_it_holds() -> None:
+    hot = Candidate(worker_id="hot", digests=frozenset(KEYS), slots=64, load=20, block_tokens=16, scope="account",
+                    held=frozenset(IDS))
+    cold = Candidate(worker_id="cold", digests=frozenset(KEYS), slots=64, load=2)
+    got = choose([hot, cold], KEYS, POLICY, {(16, "account"): IDS})
+    assert got is not None and got.worker_id == "cold" and got.guarded
+    # within the guard's bounds the cache wins
+    warm = Candidate(worker_id="hot", digests=frozenset(KEYS), slots=64, load=6, block_tokens=16, scope="account",
+                     held=frozenset(IDS))
+    got = choose([warm, cold], KEYS, POLICY, {(16, "account"): IDS})
+    assert got is not None and got.worker_id == "hot" and not got.guarded and got.cached_blocks == len(IDS)
+
+
+def test_stale_draining_and_keyless_workers_are_never_chosen_even_alone() -> None:
+    for c in (Candidate(worker_id="s", digests=frozenset(KEYS), slots=4, load=0, heartbeat_age_s=POLICY.stale_s + 1),
+              Candidate(worker_id="n", digests=frozenset(KEYS), slots=4, load=0, heartbeat_age_s=None),
+              Candidate(worker_id="d", digests=frozenset(KEYS), slots=4, load=0, draining=True),
+              Candidate(worker_id="k", digests=frozenset({"pre"}), slots=4, load=0)):
+        assert choose([c], KEYS, POLICY) is None
+
+
+# ------------------------------------------------------------------------------- the core on a fleet read
+
+
+def fleet(n: int, summaries: dict[int, list[int]] | None = None, busy: int = 0) -> list[WorkerInfo]:
+    """n workers advertising the test key; worker i's heartbeat holds the block ids of `summaries[i]`."""
+    key = make_key("prefill")
+    keys = [key.for_phase("prefill"), key.for_phase("decode")]
+    out = []
+    for i in range(n):
+        hb: dict[str, object] = {"ts": time.time(), "slots": 8, "busy_slots": busy}
+        if summaries and i in summaries:
+            ids = block_ids(summaries[i], prefix_root(keys[0].digest, "a:acct"), 16)
+            hb["prefix"] = PrefixSummary.of(16, "account", ids).as_json()
+        out.append(WorkerInfo(worker_id=f"w{i}", keys=keys, info={"wire_version": WIRE_VERSION}, alive=True,
+                              heartbeat_age_s=0.0, heartbeat=hb))
+    return out
+
+
+def tmpl(sid: str) -> SessionTemplate:
+    return SessionTemplate(session_id=sid, account_id="acct", keys=(make_key("prefill"),))
+
+
+def test_place_follows_the_advertised_prefix_and_then_what_it_sent() -> None:
+    system = list(range(1000, 1064))  # 4 blocks
+    core = ProducerCore()
+    core.fleet.load(fleet(4, {2: system}), 0.0)
+    spec = core.place_loaded(tmpl("p0"), [*system, 1, 2, 3])
+    assert spec.route[0].worker_id == "w2"
+    assert core.fleet.last["w2"].cached_blocks == 4
+    other = list(range(5000, 5064))  # nobody holds it: the least loaded (w0), then it sticks there
+    first = core.place_loaded(tmpl("p1"), other).route[0].worker_id
+    assert first != "w2"
+    again = core.place_loaded(tmpl("p2"), [*other, 9]).route[0].worker_id
+    assert again == first and core.fleet.last[first].cached_blocks == 4
+
+
+def test_place_by_load_alone_balances_without_any_summary() -> None:
+    core = ProducerCore()
+    core.fleet.load(fleet(5), 0.0)
+    placed = [core.place_loaded(tmpl(f"b{i}"), [i + 1] * 20).route[0].worker_id for i in range(40)]
+    counts = {w: placed.count(w) for w in set(placed)}
+    assert sorted(counts.values()) == [8] * 5  # 8 slots each, 40 sessions: every worker full, none over
