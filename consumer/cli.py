@@ -67,6 +67,14 @@ def consumer(
                                                help="The pacer never sizes a prefill call below this many "
                                                     "tokens, so a prompt's first token comes within a bounded "
                                                     "number of fused calls (docs/operations.md).")] = _W.prefill_floor,
+    prefix_cache_bytes: Annotated[int, typer.Option(envvar="DGR_PREFIX_CACHE_BYTES",
+                                                    help="Host-RAM budget of the prefix cache per engine, in "
+                                                         "bytes (0: off; docs/prefix-cache.md).")
+                                  ] = _W.prefix_cache_bytes,
+    prefix_cache_scope: Annotated[str, typer.Option(envvar="DGR_PREFIX_CACHE_SCOPE",
+                                                    help="Who shares cached prompt blocks without a cache_salt: "
+                                                         "account, salt (only sessions naming one) or global "
+                                                         "(docs/security.md).")] = _W.prefix_cache_scope,
     weights: Annotated[str, typer.Option(envvar="DGR_WEIGHTS", help="WRR weights decode:prefill.")
                        ] = f"{_W.w_decode}:{_W.w_prefill}",
     block_ms: Annotated[int, typer.Option(envvar="DGR_BLOCK_MS", help="Idle blocking read (0: never block).")
@@ -187,6 +195,7 @@ def consumer(
                               cpu_wait=cpu_wait),
         worker=WorkerSettings(worker_id=worker_id, max_batch=max_batch, prefill_budget=prefill_budget,
                               prefill_ratio=prefill_ratio, prefill_floor=prefill_floor,
+                              prefix_cache_bytes=prefix_cache_bytes, prefix_cache_scope=prefix_cache_scope,
                               w_decode=w_decode, w_prefill=w_prefill, block_ms=block_ms, gather_ms=gather_ms,
                               await_ms=await_ms, heartbeat_s=min(heartbeat_s, lease_ms / 4000),
                               recover_every_s=recover_every_s, standby=on_lease_held == "wait",

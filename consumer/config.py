@@ -63,6 +63,10 @@ class WorkerSettings:
     # ... but never below this many tokens: with it a prompt's first token comes within a bounded number
     # of fused calls however long decode calls get (consumer/pacing.py states the bound)
     prefill_floor: int = 32
+    # The prefix cache (docs/prefix-cache.md): host-RAM bytes of saved prompt states per engine (0: off)
+    # and who shares cached blocks by default (schemas/prefix.py salt_for: account, salt, global).
+    prefix_cache_bytes: int = 0
+    prefix_cache_scope: str = "account"
     w_decode: int = 4
     w_prefill: int = 1
     block_ms: int = TransportSettings.block_ms  # idle wait for the first entry
