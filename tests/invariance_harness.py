@@ -230,6 +230,8 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
                 out.mismatches.append(f"{sid} (cancelled): {got} is not a prefix of {want}")
         elif h.status != "finished" or got != want:
             out.mismatches.append(f"{sid}: status {h.status} ({h.reason} {h.detail}), tokens {got}, alone {want}")
+        elif h.prompt_tokens != len(s.prompt):  # every prompt position charged once, cached or computed
+            out.mismatches.append(f"{sid}: {h.prompt_tokens} prompt tokens charged, prompt of {len(s.prompt)}")
     return out
 
 
