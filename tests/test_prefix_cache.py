@@ -15,6 +15,7 @@ import redis
 from consumer.engines.base import Engine
 from consumer.engines.llama import LlamaCppEngine
 from schemas import Sampling
+from schemas.prefix import BLOCK_TOKENS, PrefixSummary, block_ids, prefix_root
 from tests.fixtures.shape_probe import ShapeProbeEngine
 from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
 
@@ -53,6 +54,15 @@ def test_hits_are_bit_identical_to_solo(tiny_model_path: Path, client: redis.Red
     out = run_scenario(client, ss, c, make, lambda s, stops: oracle(solo_engine, s, stops))
     assert out.mismatches == []
     assert out.prefix_hit_tokens >= 48  # later sessions restored shared blocks (how many: timing)
+    # advertised: the shared prefix's blocks (rooted in the prefill key's digest, scope global) are in the
+    # heartbeat's bounded summary, and the counters in the lane's info
+    summary = PrefixSummary.parse(out.info["prefix"])
+    assert summary is not None and summary.scope == "global" and summary.block_tokens == BLOCK_TOKENS
+    digest = out.info["engines"][0]["digests"]["prefill"]
+    held = block_ids(ss[0].prompt[:192], prefix_root(digest, ""))
+    assert held[-1] in summary.ids  # the deepest shared block (indexed under every entry that covers it)
+    stats = out.info["engines"][0]["prefix_cache"]
+    assert stats["hits"] >= 1 and stats["hit_tokens"] == out.prefix_hit_tokens and 0 < stats["bytes"] <= budget
 
 
 def test_scope_account_does_not_share_across_accounts(tiny_model_path: Path, client: redis.Redis) -> None:

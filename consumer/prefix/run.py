@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from schemas import Phase
-from schemas.prefix import SCOPES, Scope
+from schemas.prefix import SCOPES, PrefixSummary, Scope
 
 from .planner import PrefixPlanner
 from .store import PrefixStore
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..config import WorkerSettings
     from ..sched import ScheduledBatch, Scheduler
 
-__all__ = ["forward_with_prefix", "prefix_store"]
+__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary"]
 
 
 def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
@@ -33,6 +33,20 @@ def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
     store = PrefixStore(settings.prefix_cache_bytes, scope=scope)
     scheduler.prefix = PrefixPlanner(store, keys["prefill"].digest, scope)
     return store
+
+
+def prefix_summary(lanes: Iterable[Any], metrics: Any) -> dict[str, object] | None:
+    """The heartbeat's `prefix`: the first caching engine's bounded PrefixSummary (schemas/prefix.py, the
+    input of placement); every caching engine's counters go to /metrics on the way."""
+    first: dict[str, object] | None = None
+    for lane in lanes:
+        store: PrefixStore | None = lane.prefix
+        if store is None:
+            continue
+        metrics.observe_prefix(lane.name, store.stats.as_dict(), store.bytes)
+        if first is None:
+            first = PrefixSummary.of(store.block_tokens, store.scope, store.held_ids()).as_json()
+    return first
 
 
 def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: ScheduledBatch,

@@ -80,7 +80,10 @@ class Lane:
 
     def info(self) -> dict[str, Any]:
         """What the heartbeat says of this engine besides `EngineSet.advertise()`."""
-        return {"busy_slots": self.scheduler.table.busy_slots, "fused_calls": self.fused_calls,
+        prefix = {"prefix_cache": {**self.prefix.stats.as_dict(), "bytes": self.prefix.bytes,
+                                   "budget_bytes": self.prefix.budget_bytes, "entries": len(self.prefix)}
+                  } if self.prefix is not None else {}
+        return {**prefix, "busy_slots": self.scheduler.table.busy_slots, "fused_calls": self.fused_calls,
                 "scheduler": self.scheduler.stats.as_dict(), "describe": self.engine.describe()}
 
 
