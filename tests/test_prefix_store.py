@@ -80,3 +80,45 @@ def test_another_root_never_hits() -> None:
     store.put(b"z", _ids(toks), 8)
     assert store.lookup(block_ids(toks, prefix_root("digest", "a:other"), B), 8) is None
     assert store.lookup(block_ids(toks, prefix_root("other-digest", ""), B), 8) is None
+
+
+def test_a_cancelled_sessions_pending_restore_unpins() -> None:
+    """A session cancelled after its lookup hit and before its restore ran leaves no pinned entry."""
+    from consumer.prefix.planner import PrefixPlanner, Restore
+    from consumer.sched.state import _Lane
+
+    store = PrefixStore(100, block_tokens=B)
+    toks = list(range(8))
+    store.put(b"z", _ids(toks), 8)
+    hit = store.lookup(_ids(toks), 8)
+    assert hit is not None and hit.entry.pins == 1
+
+    class _S:
+        prefix = PrefixPlanner(store, "digest", "global")
+
+    lane = _Lane.__new__(_Lane)
+    lane.pending_restore = Restore(0, hit, tuple(toks))
+    from consumer.sched.state import SchedulerState
+
+    SchedulerState._drop_restore(_S(), lane)  # type: ignore[arg-type]
+    assert hit.entry.pins == 0 and lane.pending_restore is None
+
+
+def test_inspect_shows_an_engines_prefix_cache() -> None:
+    """dgr inspect: a heartbeat engine's `prefix_cache` counters become a 'prefix cache' table; junk dropped."""
+    import io
+
+    from rich.console import Console
+
+    from consumer.ops.inspect import WorkerReport, _engine_summary, render
+
+    raw = {"engine": "tiny", "prefix_cache": {"hits": 3, "misses": 1, "hit_tokens": 96, "bytes": 4096,
+                                               "evictions": 2, "bogus": "x"}}
+    e = _engine_summary(raw)
+    assert e is not None and e["prefix_cache"] == {"hits": 3, "misses": 1, "hit_tokens": 96, "bytes": 4096,
+                                                   "evictions": 2}
+    assert _engine_summary({"engine": "tiny", "prefix_cache": "junk"})["prefix_cache"] is None  # type: ignore[index]
+    buf = io.StringIO()
+    render([WorkerReport("w1", True, True, 0.1, engines=[e])], Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert "prefix cache" in out and "4096" in out and "96" in out

@@ -187,6 +187,7 @@ class SchedulerState:
 
     def _close(self, lane: _Lane, kind: CloseKind) -> None:
         sid = lane.session_id
+        self._drop_restore(lane)
         self._unready(lane)
         self._awaiting.discard(sid)
         self._continuing.discard(sid)
@@ -203,6 +204,14 @@ class SchedulerState:
         if len(self._closed_log) == self._closed_log.maxlen:
             self.stats.closed_dropped += 1
         self._closed_log.append(closed)
+
+    def _drop_restore(self, lane: _Lane) -> None:
+        """A restore that will not run (its session closed first): its entry unpinned (prefix cache)."""
+        hit = getattr(lane.pending_restore, "hit", None)
+        planner = getattr(self, "prefix", None)
+        if hit is not None and planner is not None:
+            planner.store.let_go(hit)
+        lane.pending_restore = None
 
     def _reject_queued(self, lane: _Lane, reason: Reason, detail: str) -> list[Answer]:
         """Answer every step still queued for the lane REJECTED with `reason` (they never run)."""
