@@ -8,7 +8,9 @@ LlamaCppEngine of 2 slots and, per prefix length P, prints one JSON object (medi
 - state_bytes: `llama_state_seq_get_size` of a slot holding P;
 - get_s / set_s: `save_prefix` (state bytes out to host RAM) / `restore_prefix` (bytes into slot 1,
   trimmed to P - 16 by seq_rm);
-- exact: the logits of a 2-row call after the restore equal those after recomputing (max |diff|).
+- exact: the logits of a 2-row call after the restore equal those after recomputing (max |diff|);
+- floor / trims: `prefix_floor` of the saved slot, and a restore trimmed to the first block edge at or past
+  it (and 256 below it, when the floor is not 0) against recomputing that many positions.
 The machine is shared: compare the ratios within one run, not absolute figures across runs.
 """
 
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from schemas.errors import EngineError
 
 
 def _rows(slot: int, start: int, tokens: Sequence[int], last_logits: bool = True) -> Any:
@@ -87,12 +91,30 @@ def measure(engine: Any, prefix: int, repeats: int, rng: np.random.Generator) ->
     get_s, set_s = _median(get, repeats), _median(put, repeats)
     engine.restore_prefix(1, saved, prefix)
     warm = engine.step(_rows(1, prefix, tail))
+    trims = {}
+    floor = engine.prefix_floor(0)
+    # A trimmed restore against recomputing that many positions: at the first block edge at or past the
+    # floor (what the store allows) and, when there is one, a block edge below it (what it refuses).
+    edge = -(-max(floor, 16) // 16) * 16
+    for name, n in (("at_floor", edge), ("below_floor", edge - 256 if floor > 0 else 0)):
+        if not 16 <= n < prefix:
+            continue
+        engine.release(1)
+        engine.step(_rows(1, 0, toks[:n]))
+        cold_n = engine.step(_rows(1, n, toks[n:n + 2]))
+        try:
+            engine.restore_prefix(1, saved, n)
+        except EngineError as e:  # a sliding window's cache may not hold the trimmed positions
+            trims[name] = {"n": n, "error": str(e)}
+            continue
+        warm_n = engine.step(_rows(1, n, toks[n:n + 2]))
+        trims[name] = {"n": n, "max_abs_diff": float(np.max(np.abs(warm_n - cold_n)))}
     del ctx
     return {"prefix": prefix, "recompute_s": round(recompute_s, 5), "seq_cp_s": round(seq_cp_s, 5),
             "state_bytes": len(saved), "get_s": round(get_s, 5), "set_s": round(set_s, 5),
             "hit_over_recompute": round(set_s / recompute_s, 4),
             "seq_cp_over_recompute": round(seq_cp_s / recompute_s, 4),
-            "exact_max_abs_diff": float(np.max(np.abs(warm - cold)))}
+            "exact_max_abs_diff": float(np.max(np.abs(warm - cold))), "floor": floor, "trims": trims}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -546,6 +546,12 @@ class LlamaCppEngine(LogitsEngine):
             return "recurrent_state"
         if self._consumes_hidden:
             return "hidden_input"
+        if int(self._L.llama_model_n_swa(self._model)) > 0:
+            # Measured on Gemma 3 (dgrtools.prefix_cost): a 2,000-token slot's saved state, restored and
+            # trimmed to 16 positions, no longer holds them in its window cache (seq_pos_max -1), while
+            # seq_pos_min of the live slot said 0: the window drops cells the floor cannot see. Until
+            # entries are saved at the block edges themselves, a sliding-window model is not cached.
+            return "sliding_window"
         return None
 
     def save_prefix(self, slot: int) -> bytes:
