@@ -546,12 +546,6 @@ class LlamaCppEngine(LogitsEngine):
             return "recurrent_state"
         if self._consumes_hidden:
             return "hidden_input"
-        if int(self._L.llama_model_n_swa(self._model)) > 0:
-            # Measured on Gemma 3 (dgrtools.prefix_cost): a 2,000-token slot's saved state, restored and
-            # trimmed to 16 positions, no longer holds them in its window cache (seq_pos_max -1), while
-            # seq_pos_min of the live slot said 0: the window drops cells the floor cannot see. Until
-            # entries are saved at the block edges themselves, a sliding-window model is not cached.
-            return "sliding_window"
         return None
 
     def save_prefix(self, slot: int) -> bytes:
@@ -569,12 +563,14 @@ class LlamaCppEngine(LogitsEngine):
 
     def prefix_floor(self, slot: int) -> int:
         """The fewest positions the slot's state, saved now, can be trimmed back to exactly. 0 for a full
-        KV cache. A sliding-window cache (Gemma 3) drops the cells of positions more than n_swa behind
-        the last: a trim to n needs the cells from n - n_swa on (llama.cpp masks older ones), so n >=
-        pos_min + n_swa once cells were dropped (`llama_memory_seq_pos_min` reads the window's cache)."""
+        KV cache, and for a sliding-window cache (Gemma 3) while the slot holds at most n_swa positions
+        (no cell is masked yet, so none was dropped). Past that, the saved window may lack the cells a
+        trim needs: measured on Gemma 3, a 2,000-token slot restored and trimmed to 16 positions held
+        none of them in its window (while the live slot's seq_pos_min said 0), so such a slot is not
+        worth an entry: the floor is past its end (nothing indexed)."""
         n_swa = int(self._L.llama_model_n_swa(self._model))
-        pos_min = int(self._L.llama_memory_seq_pos_min(self._mem, slot))
-        return 0 if n_swa <= 0 or pos_min <= 0 else pos_min + n_swa
+        end = int(self._next[slot])
+        return 0 if n_swa <= 0 or end <= n_swa else end + 1
 
     def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
         """Write a saved state into the (empty) slot and keep its first n_tokens positions (seq_rm of the
