@@ -83,6 +83,10 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
 
     if config.engine.cpu_wait not in CPU_WAITS:
         raise typer.BadParameter(f"must be one of {', '.join(CPU_WAITS)}", param_hint="--cpu-wait")
+    from schemas.prefix import SCOPES
+
+    if config.worker.prefix_cache_scope not in SCOPES:
+        raise typer.BadParameter(f"must be one of {', '.join(SCOPES)}", param_hint="--prefix-cache-scope")
     svc, eng_s = config.service, config.engine
     if svc.llama_log.lower() not in ("debug", "info"):
         raise typer.BadParameter("must be 'debug' or 'info'", param_hint="--llama-log")

@@ -181,6 +181,18 @@ def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: in
     run(out, sessions=sessions, calls=calls, repeats=repeats)
 
 
+@bench_app.command("prefix")
+def bench_prefix(out: Out = Path("bench-out/prefix"), sessions: int = 8, waves: int = 3, tokens: int = 16,
+                 suffix: int = 16, turns: int = 6, recipe: RecipeOpt = "invariant",
+                 quick: Annotated[bool, typer.Option(help="Tiny model, small sizes, no llama-server.")] = False,
+                 ) -> None:
+    """The prefix cache (docs/prefix-cache.md): shared prefixes of 512 and 2,000 tokens, 1/4/16 system prompts,
+    no sharing and a 6-turn conversation; dgr with the cache on and off and llama-server, in one run."""
+    from dgrtools.bench.prefix import run
+
+    run(out, quick=quick, sessions=sessions, waves=waves, tokens=tokens, suffix=suffix, turns=turns, recipe=recipe)
+
+
 @bench_app.command("producer")
 def bench_producer(out: Out = Path("bench-out/producer"), sessions: int = 1000, prompt_len: int = 8, tokens: int = 16,
                    repeats: int = 2,

@@ -80,6 +80,11 @@ class WorkerSettings:
     prefill_floor: int = setting(32,
         "The pacer never sizes a prefill call below this many tokens, so a prompt's first token comes within a "
         "bounded number of fused calls (docs/operations.md).")
+    # The prefix cache (docs/prefix-cache.md): who shares cached blocks by default is schemas/prefix.py salt_for.
+    prefix_cache_bytes: int = setting(
+        0, "Host-RAM budget of the prefix cache per engine, in bytes (0: off; docs/prefix-cache.md).")
+    prefix_cache_scope: str = setting(
+        "account", "Who shares cached prompt blocks by default: account, salt or global (docs/security.md).")
     w_decode: int = 4
     w_prefill: int = 1
     block_ms: int = TransportSettings.block_ms  # idle wait for the first entry

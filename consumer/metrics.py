@@ -97,6 +97,9 @@ class Metrics:
                                       "the outages ridden through", ["worker"], registry=r)
         self.redis_unreachable = Gauge("dgr_redis_unreachable", "1 while Redis is unreachable (an outage under "
                                        "way), else 0", ["worker"], registry=r)
+        self.prefix_cache = Gauge("dgr_prefix_cache", "Prefix cache per engine: lookups, hits, misses, hit_tokens "
+                                  "(prompt tokens restored, not computed), saved, evictions, too_big (counts since "
+                                  "start) and bytes (held now)", ["worker", "engine", "what"], registry=r)
         self.durable_shortfalls = Counter("dgr_durable_shortfalls", "Completion sends fewer replicas than "
                                           "--durable-replicas acknowledged in time (each re-sent)", ["worker"],
                                           registry=r)
@@ -105,6 +108,11 @@ class Metrics:
         self.durable_shortfalls.labels(worker_id)
         self.engine_failures.labels(worker_id)
         self._last_token: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (position, time)
+
+    def observe_prefix(self, engine: str, stats: dict[str, int], cached_bytes: int) -> None:
+        """The prefix cache's counters of one engine (consumer/prefix/store.py CacheStats), as they stand."""
+        for name, v in (*stats.items(), ("bytes", cached_bytes)):
+            self.prefix_cache.labels(self.worker_id, engine, name).set(v)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -152,6 +152,9 @@ class SessionSpec(BaseModel):
     # computed when they were decoded, so the replay gives the same bits (docs/invariance.md).
     # None: every prefilled token is prompt.
     prompt_len: int | None = Field(default=None, ge=1, le=MAX_POSITION)
+    # Prefix cache isolation (vLLM's name): set, the session shares cached prompt blocks only with sessions
+    # of the same salt, whatever the worker's --prefix-cache-scope (docs/security.md, schemas/prefix.py).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=128)
 
     @model_validator(mode="after")
     def _check(self) -> SessionSpec:

@@ -59,6 +59,8 @@ class Conditions:
     prefill_chunk: int = 512
     crash_at: int | None = None  # crash at this completion of the first worker
     crash_before_lua: bool = True
+    prefix_cache_bytes: int = 0  # the prefix cache (docs/prefix-cache.md): 0 off
+    prefix_cache_scope: str = "account"
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Outcome:
     mismatches: list[str] = field(default_factory=list)
     crashed: bool = False
     replays: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens the last worker restored from its prefix cache
+    info: dict[str, Any] = field(default_factory=dict)  # the last worker's heartbeat body at the end
 
 
 class _Crash(BaseException):
@@ -118,7 +122,8 @@ class _Supervised:
         self.client, self.wid, self.make_engine, self.c = client, wid, make_engine, c
         self.settings = WorkerSettings(worker_id=wid, max_batch=c.max_batch, prefill_budget=c.prefill_budget,
                                        prefill_ratio=c.prefill_ratio, w_decode=c.w_decode, w_prefill=c.w_prefill,
-                                       block_ms=5, await_ms=2, gather_ms=1.0)
+                                       block_ms=5, await_ms=2, gather_ms=1.0,
+                                       prefix_cache_bytes=c.prefix_cache_bytes, prefix_cache_scope=c.prefix_cache_scope)
         self.crashed = False
         self._lock = threading.Lock()
         self._stopping = False
@@ -212,7 +217,9 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
         handles = producer.run_many(specs, on_result=on_result, start_times=[s.start_s for s in sessions])
     finally:
         sup.stop()
-    out = Outcome(crashed=sup.crashed)
+    out = Outcome(crashed=sup.crashed, prefix_hit_tokens=sum(
+        lane.prefix.stats.hit_tokens for lane in sup.worker.lanes if lane.prefix is not None),
+        info=sup.worker._info())
     for sid, h in handles.items():
         s = by_sid[sid]
         want = solo(s, stops[sid])
@@ -225,6 +232,8 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
                 out.mismatches.append(f"{sid} (cancelled): {got} is not a prefix of {want}")
         elif h.status != "finished" or got != want:
             out.mismatches.append(f"{sid}: status {h.status} ({h.reason} {h.detail}), tokens {got}, alone {want}")
+        elif h.prompt_tokens != len(s.prompt):  # every prompt position charged once, cached or computed
+            out.mismatches.append(f"{sid}: {h.prompt_tokens} prompt tokens charged, prompt of {len(s.prompt)}")
     return out
 
 

@@ -94,7 +94,7 @@ def test_the_promql_parser_finds_metrics_and_nothing_else() -> None:
 def _scrape_after_sessions(fake_redis: redis.Redis, model: Path) -> tuple[set[str], set[str]]:
     """(names with samples, names declared) in the /metrics of a worker that served a few sessions."""
     engine = NumpyReferenceEngine(model, n_slots=4, ctx_per_session=256)
-    worker = make_worker(fake_redis, engine)
+    worker = make_worker(fake_redis, engine, prefix_cache_bytes=1 << 24)  # the prefix cache's gauges too
     d = Driver(fake_redis, worker)
     for i, p in enumerate(prompts(3, 300, seed=7)):
         d.open(f"dash{i}", p, max_tokens=5)

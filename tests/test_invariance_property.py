@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,25 @@ _SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not SOAK,
                                             HealthCheck.function_scoped_fixture])
 
 
+@st.composite
+def shared_prefix_scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
+    """Sessions whose prompts share a leading prefix (some of them: others are their own), arriving
+    one after the other so later ones find it cached; cache budgets from one entry's worth (evictions
+    mid-run) to plenty, either scope."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**20)))
+    shared = random_prompt(rng, draw(st.integers(16, 300)), 512)
+    ss = draw(sessions(max_prompt=150, max_sessions=5))
+    out = []
+    for k, s in enumerate(ss):
+        own = draw(st.booleans()) if k else False
+        prompt = s.prompt if own else shared + s.prompt[:draw(st.integers(0, len(s.prompt)))]
+        out.append(Session(prompt=prompt, sampling=s.sampling, max_tokens=s.max_tokens, stop_at=s.stop_at,
+                           start_s=0.03 * k * draw(st.integers(0, 3)), cancel_after=s.cancel_after, n=s.n))
+    c = draw(conditions(len(out), max(len(x.prompt) for x in out)))
+    budget = draw(st.sampled_from([1, 200_000, 600_000, 64 << 20]))  # 1: every entry too big
+    return out, replace(c, prefix_cache_bytes=budget, prefix_cache_scope=draw(st.sampled_from(["account", "global"])))
+
+
 def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditions) -> Outcome:
     out = run_scenario(client, ss, c, engines.make, engines.solo)
     assert out.mismatches == [], f"{c}\n" + "\n".join(out.mismatches)
@@ -162,6 +182,22 @@ def test_service_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
 @given(scenario=scenarios())
 def test_service_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
                                                scenario: tuple[list[Session], Conditions]) -> None:
+    _check(probe, client, *scenario)
+
+
+@_TIMEOUT
+@_SETTINGS
+@given(scenario=shared_prefix_scenarios())
+def test_prefix_cache_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis,
+                                             scenario: tuple[list[Session], Conditions]) -> None:
+    _check(plain, client, *scenario)
+
+
+@_TIMEOUT
+@_SETTINGS
+@given(scenario=shared_prefix_scenarios())
+def test_prefix_cache_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
+                                                    scenario: tuple[list[Session], Conditions]) -> None:
     _check(probe, client, *scenario)
 
 

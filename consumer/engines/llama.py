@@ -536,6 +536,59 @@ class LlamaCppEngine(LogitsEngine):
     def next_position(self, slot: int) -> int:
         return int(self._next[slot])
 
+    # ---- prefix cache (consumer/prefix/, docs/prefix-cache.md): kept apart from the call path ----------
+    def prefix_unsupported(self) -> str | None:
+        """None when this engine's slots can be saved and restored by prefix, else the reason code why not:
+        a recurrent or hybrid state is the state of exactly the position it was taken at and cannot be
+        trimmed back to a block edge ("recurrent_state"); a hop after the first computes from activations,
+        not from token ids alone ("hidden_input")."""
+        if not self._states.positional:
+            return "recurrent_state"
+        if self._consumes_hidden:
+            return "hidden_input"
+        return None
+
+    def save_prefix(self, slot: int) -> bytes:
+        """The slot's whole sequence state (`llama_state_seq_get_data`: its KV cells and their positions),
+        as bytes that restore_prefix can write into any slot of a context of the same model and layout."""
+        if self._ctx is None:
+            raise EngineError("engine is closed")
+        L = self._L
+        n = int(L.llama_state_seq_get_size(self._ctx, slot))
+        buf = (ctypes.c_uint8 * n)()
+        got = int(L.llama_state_seq_get_data(self._ctx, buf, n, slot))
+        if got <= 0:
+            raise EngineError(f"slot {slot}: llama_state_seq_get_data copied nothing", (slot,))
+        return bytes(memoryview(buf)[:got])
+
+    def prefix_floor(self, slot: int) -> int:
+        """The fewest positions the slot's state, saved now, can be trimmed back to exactly. 0 for a full
+        KV cache, and for a sliding-window cache (Gemma 3) while the slot holds at most n_swa positions
+        (no cell is masked yet, so none was dropped). Past that, the saved window may lack the cells a
+        trim needs: measured on Gemma 3, a 2,000-token slot restored and trimmed to 16 positions held
+        none of them in its window (while the live slot's seq_pos_min said 0), so such a slot is not
+        worth an entry: the floor is past its end (nothing indexed)."""
+        n_swa = int(self._L.llama_model_n_swa(self._model))
+        end = int(self._next[slot])
+        return 0 if n_swa <= 0 or end <= n_swa else end + 1
+
+    def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
+        """Write a saved state into the (empty) slot and keep its first n_tokens positions (seq_rm of the
+        rest): the KV of positions < n_tokens is byte for byte what the saving session computed."""
+        if self._ctx is None:
+            raise EngineError("engine is closed")
+        L = self._L
+        L.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        ok = int(L.llama_state_seq_set_data(self._ctx, buf, len(data), slot)) > 0
+        if ok:
+            ok = bool(L.llama_memory_seq_rm(self._mem, slot, n_tokens, -1))
+        if not ok or int(L.llama_memory_seq_pos_max(self._mem, slot)) != n_tokens - 1:
+            L.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            self._next[slot] = 0
+            raise EngineError(f"slot {slot}: a cached prefix of {n_tokens} tokens could not be restored", (slot,))
+        self._next[slot] = n_tokens
+
     def llama_vocab(self) -> Any:
         """The model's `llama_vocab*` (valid until close()): the sampler reads the token types and runs
         grammars on it (consumer/sampling/vocab.py)."""

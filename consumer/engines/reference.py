@@ -236,6 +236,30 @@ class NumpyReferenceEngine(LogitsEngine):
     def next_position(self, slot: int) -> int:
         return int(self._n_past[slot])
 
+    # ---- prefix cache (consumer/prefix/): the same contract as LlamaCppEngine's -------------------
+    def prefix_unsupported(self) -> str | None:
+        return None if self.boundary.consumes == "tokens" else "hidden_input"
+
+    def prefix_floor(self, slot: int) -> int:
+        return 0
+
+    def save_prefix(self, slot: int) -> bytes:
+        n = int(self._n_past[slot])
+        return n.to_bytes(8, "little") + self._k[slot, :, :n].tobytes() + self._v[slot, :, :n].tobytes()
+
+    def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
+        n = int.from_bytes(data[:8], "little")
+        if not 0 < n_tokens <= n:
+            raise EngineError(f"slot {slot}: a saved state of {n} positions has no prefix of {n_tokens}", (slot,))
+        self.release(slot)
+        shape = (self._k.shape[1], n, *self._k.shape[3:])
+        half = (len(data) - 8) // 2
+        k = np.frombuffer(data, dtype=self._kv_dtype, count=half // self._k.itemsize, offset=8).reshape(shape)
+        v = np.frombuffer(data, dtype=self._kv_dtype, offset=8 + half).reshape(shape)
+        self._k[slot, :, :n_tokens] = k[:, :n_tokens]
+        self._v[slot, :, :n_tokens] = v[:, :n_tokens]
+        self._n_past[slot] = n_tokens
+
     def describe(self) -> dict[str, str]:
         hp = self.hp
         return {

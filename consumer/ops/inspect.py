@@ -104,7 +104,9 @@ def _engine_summary(raw: Any) -> dict[str, Any] | None:
     counts = ("slots", "busy_slots", "state_bytes_per_session", "state_bytes_per_token", "fused_calls")
     return {"engine": raw["engine"], "architecture": str(raw.get("architecture", "?")),
             "state_layout": str(raw.get("state_layout", "?")), **{c: _int(raw.get(c)) for c in counts},
-            "digests": raw.get("digests") if isinstance(raw.get("digests"), dict) else {}}
+            "digests": raw.get("digests") if isinstance(raw.get("digests"), dict) else {},
+            "prefix_cache": {k: v for k, v in pc.items() if isinstance(k, str) and _int(v) is not None}
+            if isinstance(pc := raw.get("prefix_cache"), dict) else None}
 
 
 def _json(raw: Any) -> dict[str, Any]:
@@ -217,6 +219,8 @@ NARROW = (("dgr workers", ("worker", "heartbeat", "slots", "active", "input lag"
 NARROW_STREAMS = ("worker", "phase", "digest", "length", "lag", "pending", "consumers")
 # A worker of several engines: one row per engine (80 columns wide at most).
 ENGINE_COLUMNS = ("worker", "engine", "layout", "slots busy/total", "state B/session")
+# Engines with a prefix cache (docs/prefix-cache.md): its counters since start and the bytes it holds.
+PREFIX_COLUMNS = ("worker", "engine", "hits", "misses", "hit tokens", "cached bytes", "evictions")
 
 
 def _worker_row(w: WorkerReport) -> dict[str, str]:
@@ -289,6 +293,12 @@ def render(reports: list[WorkerReport], console: Console | None = None) -> None:
         tables = [_table(title, cols, workers) for title, cols in NARROW]
         if streams:
             tables.append(_table("input streams", NARROW_STREAMS, streams))
+    prefix = [{"worker": w.worker_id, "engine": e["engine"], "hits": _fmt_num(pc.get("hits", 0)),
+               "misses": _fmt_num(pc.get("misses", 0)), "hit tokens": _fmt_num(pc.get("hit_tokens", 0)),
+               "cached bytes": _fmt_num(pc.get("bytes", 0)), "evictions": _fmt_num(pc.get("evictions", 0))}
+              for w in reports for e in w.engines if (pc := e.get("prefix_cache"))]
+    if prefix:
+        tables.append(_table("prefix cache", PREFIX_COLUMNS, prefix))
     engines = _engine_rows(reports)
     if engines:
         tables.append(_table("engines (workers of several)", ENGINE_COLUMNS, engines))

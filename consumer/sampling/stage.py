@@ -92,16 +92,20 @@ class BatchSampler:
     def observe(self, batch: ScheduledBatch) -> None:
         """Record the tokens one fused call fed, slot by slot."""
         fed = batch.fused.tokens
+        restored = {r.slot: r.tokens for r in batch.restores}  # prefix cache: positions 0.. restored, not fed
         for it in batch.items:
             first = it.first_position
             slot = self._slots.get(it.slot)
-            if first == 0:
+            if first == 0 or it.slot in restored:
                 if slot is not None:
                     slot.drop_grammar()
                 spec = it.job.session
                 slot = _Slot(prompt_len=spec.prompt_len if spec else None, stop_tokens=spec.stop_tokens if spec else (),
                              plain=spec is not None and _plain(spec.sampling))
                 self._slots[it.slot] = slot
+                if it.slot in restored and not slot.plain:
+                    slot.write(0, np.asarray(restored.pop(it.slot), dtype=np.int32))
+                restored.pop(it.slot, None)
             elif slot is None:
                 slot = self._slots[it.slot] = _Slot(broken=True)
             if not slot.plain:  # a plain greedy session needs no context: nothing to keep

@@ -174,6 +174,7 @@ class Admission(SchedulerState):
         answers = self._reject_queued(lane, Reason.ALREADY_OPEN, f"superseded by attempt {job.attempt} of the session")
         self._unready(lane)
         self._awaiting.discard(sid)
+        self._drop_restore(lane)  # prefix cache: its pinned entry let go
         self.table.close(sid, "failed")  # forgotten outright (no closed record), the slot released
         del self._lanes[sid]
         del self._attempts[sid]

@@ -40,6 +40,8 @@ class Batching(SchedulerState):
             # round did not happen, so the weights are as they were; pick again.
             self._current = before
         batch = ScheduledBatch.build(phase, items)
+        if phase == "prefill":
+            batch = self._prefix_directives(batch)  # type: ignore[attr-defined]  # PrefixPlanning
         if phase == "decode":
             self.stats.calls_decode += 1
             self.stats.rows_decode += len(batch.fused)
@@ -91,6 +93,8 @@ class Batching(SchedulerState):
             lane = self._pop_ready("prefill")
             if lane is None:
                 break
+            if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
+                self._prefix_open(lane)  # type: ignore[attr-defined]  # PrefixPlanning
             start, queued_end, prompt_end = self._prefill_extent(lane)
             if full < MIN_BUDGET:  # an engine that takes fewer rows per call: no shape rule possible
                 n = min(budget, queued_end - start)

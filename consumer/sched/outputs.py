@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, fields, replace
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class Outcome:
     batch_size: int = 0
     hidden: Activations | None = None  # a non-last hop's OK answer: its output rows (no token)
     logprobs: TokenLogprobs | None = None  # the sampled token's, when the session asked (Sampling.logprobs)
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed (charged apart)
 
     @property
     def generated_tokens(self) -> int:
@@ -162,6 +163,9 @@ class ScheduledBatch:
     phase: Phase
     fused: FusedBatch
     items: tuple[BatchItem, ...]
+    # The prefix cache (consumer/prefix/planner.py): Restore directives run before the call, Save after it.
+    restores: tuple[Any, ...] = ()
+    saves: tuple[Any, ...] = ()
 
     @classmethod
     def build(cls, phase: Phase, items: Iterable[BatchItem]) -> ScheduledBatch:
@@ -185,7 +189,10 @@ class ScheduledBatch:
             return None
         if len(keep) == len(self.items):
             return self
-        return ScheduledBatch.build(self.phase, keep)
+        slots = {it.slot for it in keep}
+        return replace(ScheduledBatch.build(self.phase, keep),
+                       restores=tuple(r for r in self.restores if r.slot in slots),
+                       saves=tuple(s for s in self.saves if s.slot in slots))
 
     def __len__(self) -> int:
         return len(self.fused)

@@ -75,6 +75,7 @@ from .config import SchedulerConfig
 from .output_processor import OutputProcessor
 from .outputs import Answer, AnswerClose, BatchItem, Outcome, ScheduledBatch, SchedulerStats
 from .prefill_shape import MIN_BUDGET
+from .prefix_plan import PrefixPlanning
 from .session_table import ClosedSession, CloseKind
 
 __all__ = [
@@ -83,7 +84,7 @@ __all__ = [
 ]
 
 
-class Scheduler(Admission, Batching, OutputProcessor):
+class Scheduler(Admission, Batching, OutputProcessor, PrefixPlanning):
     """The whole scheduling core: admission, batching and the output processor over one state; the
     queries the worker asks between calls are here."""
 

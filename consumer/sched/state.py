@@ -9,6 +9,7 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from schemas import Phase, Reason, Status, StepJob
 from schemas.limits import ID_PATTERN, MAX_REASON_LEN
@@ -28,6 +29,7 @@ class _Queued:
     consumed: int = 0  # tokens handed to the engine so far
     in_flight: tuple[int, int] | None = None  # (offset, n_tokens) of its item in flight
     prompt_tokens: int = 0  # accounting accumulated over the job's items
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
     engine_seconds: float = 0.0
     answered: bool = False
 
@@ -42,6 +44,12 @@ class SessionQueue:
     ready_seq: int = -1  # seq of the head while it sits in a ready heap, else -1
     ready_phase: Phase | None = None
     closed: CloseKind | None = None  # closed while busy: slot released once nothing is in flight
+    # The prefix cache (consumer/sched/prefix_plan.py): looked up once, the block root (None: not cached),
+    # the prompt tokens handed out so far, a restore to run before its first computed piece.
+    prefix_checked: bool = False
+    prefix_root: bytes | None = None
+    prompt_seen: list[int] = field(default_factory=list)
+    pending_restore: Any = None
 
     @property
     def session_id(self) -> str:
@@ -93,7 +101,7 @@ class SchedulerState:
         rid = job.answer_id(offset, status == Status.OK, duplicate=reason == Reason.DUPLICATE)
         return Outcome(rid, job.session_id, status, reason, position, detail[:MAX_REASON_LEN], token, finished,
                        q.prompt_tokens if q is not None else 0, q.engine_seconds if q is not None else 0.0,
-                       batch_size)
+                       batch_size, cached_tokens=q.cached_tokens if q is not None else 0)
 
     def _reject(self, job: StepJob, ref: object, reason: Reason, position: int, account_id: str | None,
                 detail: str, status: Status = Status.REJECTED) -> Answer:
@@ -179,6 +187,7 @@ class SchedulerState:
 
     def _close(self, lane: SessionQueue, kind: CloseKind) -> None:
         sid = lane.session_id
+        self._drop_restore(lane)
         self._unready(lane)
         self._awaiting.discard(sid)
         self._continuing.discard(sid)
@@ -195,6 +204,14 @@ class SchedulerState:
         if len(self._closed_log) == self._closed_log.maxlen:
             self.stats.closed_dropped += 1
         self._closed_log.append(closed)
+
+    def _drop_restore(self, lane: SessionQueue) -> None:
+        """A restore that will not run (its session closed first): its entry unpinned (prefix cache)."""
+        hit = getattr(lane.pending_restore, "hit", None)
+        planner = getattr(self, "prefix", None)
+        if hit is not None and planner is not None:
+            planner.store.let_go(hit)
+        lane.pending_restore = None
 
     def _reject_queued(self, lane: SessionQueue, reason: Reason, detail: str) -> list[Answer]:
         """Answer every step still queued for the lane REJECTED with `reason` (they never run)."""

@@ -148,7 +148,8 @@ class Publisher:
             r.pos.append(o.position)
             r.tok.append(-1 if o.token is None else o.token)
             r.fin.append(1 if o.finished else 0)
-            r.fed.append(o.prompt_tokens)
+            # Restored prompt positions (prefix cache) are fed positions too: charged once, never owed.
+            r.fed.append(o.prompt_tokens + o.cached_tokens)
             r.es.append(o.engine_seconds)
             if code or o.hidden is not None or o.logprobs is not None or o.detail:
                 r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING
 
 from schemas import Reason, Status
@@ -19,6 +20,7 @@ from schemas import Reason, Status
 from ..batch import EngineOutput
 from ..engines.base import EngineError
 from ..engines.compute import compute_thread, on_compute_thread
+from ..prefix.run import forward_with_prefix
 from ..sched import Answer, ScheduledBatch
 from ..transport.protocol import FusedCallStats
 from .lane import Lane
@@ -40,7 +42,8 @@ def run_fused(w: Worker, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
     try:
         # With overlap on, every call runs on the compute thread, the one the engine was built on and the
         # overlapped calls run on (consumer/engines/compute.py: a second OpenMP team slows every call).
-        output = on_compute_thread(lane.engine.forward, fused) if w.settings.overlap else lane.engine.forward(fused)
+        run = partial(forward_with_prefix, lane.engine, lane.prefix, batch)
+        output = on_compute_thread(run, fused) if w.settings.overlap else run(fused)
     except Exception as e:  # any engine fault must not take the worker down
         return _failed(w, lane, batch, e, time.perf_counter() - t)
     return _answered(w, lane, batch, output, time.perf_counter() - t)
@@ -54,14 +57,14 @@ def start_fused(calls: InFlightCall, lane: Lane, batch: ScheduledBatch) -> InFli
     """Start one fused call on the engine thread (the loop goes on: the call releases the GIL). Its
     input is built here, in the loop's thread; `finish_fused` takes its output."""
     fused = lane.hops.fused(batch)
-    engine = lane.engine
+    engine, store = lane.engine, lane.prefix
     entered = threading.Event()
 
     def call() -> tuple[EngineOutput | Exception, float]:
         entered.set()
         t = time.perf_counter()
         try:
-            out: EngineOutput | Exception = engine.forward(fused)
+            out: EngineOutput | Exception = forward_with_prefix(engine, store, batch, fused)
         except Exception as e:  # handed back: the loop answers it as run_fused would
             out = e
         return out, time.perf_counter() - t

@@ -23,6 +23,7 @@ from schemas import CompatibilityKey, Phase
 from ..config import WorkerSettings
 from ..engines.base import Engine
 from ..engines.engine_set import EngineSet
+from ..prefix.run import prefix_store
 from ..sampler import BatchSampler, Vocabulary
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
 from ..transport.protocol import Delivery, Inbound, Transport
@@ -56,6 +57,7 @@ class Lane:
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
                                   min_tokens=settings.prefill_floor)
         self.ledger = DeliveryLedger(self.scheduler, self.hops, settings.answered_memory)
+        self.prefix = prefix_store(engine, self.scheduler, self.keys, settings)  # None: no prefix cache
         self.streams: dict[Phase, str] = {}
         # What to read (consumer/worker/admission.py): sessions the last call answered that hold no credit
         # (their next step is on its way), and prefill entries to read past refused ones.
@@ -78,7 +80,10 @@ class Lane:
 
     def info(self) -> dict[str, Any]:
         """What the heartbeat says of this engine besides `EngineSet.advertise()`."""
-        return {"busy_slots": self.scheduler.table.busy_slots, "fused_calls": self.fused_calls,
+        prefix = {"prefix_cache": {**self.prefix.stats.as_dict(), "bytes": self.prefix.bytes,
+                                   "budget_bytes": self.prefix.budget_bytes, "entries": len(self.prefix)}
+                  } if self.prefix is not None else {}
+        return {**prefix, "busy_slots": self.scheduler.table.busy_slots, "fused_calls": self.fused_calls,
                 "scheduler": self.scheduler.stats.as_dict(), "describe": self.engine.describe()}
 
 

@@ -41,6 +41,7 @@ from ..config import WorkerSettings
 from ..engines.base import Engine
 from ..engines.engine_set import EngineSet
 from ..metrics import Metrics
+from ..prefix.run import prefix_summary
 from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
@@ -413,7 +414,9 @@ class Worker:
         `EngineSet.advertise()` says, its busy slots, calls and `describe()`."""
         cap = self.engine.capacity
         engines = [{**ad, **lane.info()} for ad, lane in zip(self.engines.advertise(), self.lanes, strict=True)]
-        return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
+        prefix = prefix_summary(self.lanes, self.metrics)  # the prefix cache (docs/prefix-cache.md)
+        return {**({"prefix": prefix} if prefix is not None else {}),
+                "worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
                 "slots": self.lanes.slots(), "busy_slots": self.lanes.busy_slots(), "engines": engines,
                 "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,

@@ -1,0 +1,68 @@
+"""What the scheduler asks of the prefix cache (pure: no engine, no I/O) and the directives it hands the
+worker with a call: restore a cached prefix into a slot before the call, save a slot's state after it.
+
+A session's blocks are rooted in the compatibility key's prefill digest and its scope's salt
+(schemas/prefix.py), so a hit is never a block of another model, recipe, hop or salt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from schemas.prefix import Scope, block_ids, prefix_root, salt_for
+from schemas.session import SessionSpec
+
+from .store import Hit, PrefixStore
+
+__all__ = ["PrefixPlanner", "Restore", "Save", "prompt_cap"]
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Before the call: write `hit.entry` into `slot` and keep its first `hit.n_tokens` positions."""
+
+    slot: int
+    hit: Hit
+    tokens: tuple[int, ...]  # the restored positions' token ids (the sampler's context: penalties)
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """After the call succeeded: save `slot`'s state, valid (and indexed) for its first `n_tokens`."""
+
+    slot: int
+    ids: tuple[str, ...]
+    n_tokens: int
+
+
+def prompt_cap(spec: SessionSpec) -> int | None:
+    """Where the positions computed as prompt rows end (a replay's positions from prompt_len on were
+    decoded one row each, so their KV is not what a prompt row computes: never cached nor restored)."""
+    return spec.prompt_len
+
+
+class PrefixPlanner:
+    def __init__(self, store: PrefixStore, key_digest: str, scope: Scope) -> None:
+        self.store, self.key_digest, self.scope = store, key_digest, scope
+
+    def root(self, spec: SessionSpec) -> bytes | None:
+        """The session's block root, or None when its scope does not cache it."""
+        salt = salt_for(self.scope, getattr(spec, "cache_salt", None), spec.account_id)
+        return None if salt is None or not self.store.enabled else prefix_root(self.key_digest, salt)
+
+    def lookup(self, root: bytes, tokens: Sequence[int], max_tokens: int, have: int = 0) -> Hit | None:
+        """The cached blocks the prompt starts with, restoring at most max_tokens positions, more than the
+        `have` the slot holds."""
+        bt = self.store.block_tokens
+        n = max(0, max_tokens) // bt * bt
+        return self.store.lookup(block_ids(tokens[:n], root, bt), n, have)
+
+    def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int) -> Save | None:
+        """A save of the slot after the call, when its first n_tokens positions add a block not held."""
+        bt = self.store.block_tokens
+        n = n_tokens // bt * bt
+        if n == 0:
+            return None
+        ids = block_ids(tokens[:n], root, bt)
+        return Save(slot, tuple(ids), n) if self.store.wants(ids, n) else None

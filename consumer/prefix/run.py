@@ -1,0 +1,67 @@
+"""The worker's side of the prefix cache: a lane's store, and one fused call with its restores and saves
+(run on the thread that runs the call: the compute thread with overlap on)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from schemas import Phase
+from schemas.prefix import SCOPES, PrefixSummary, Scope
+
+from .planner import PrefixPlanner
+from .store import PrefixStore
+
+if TYPE_CHECKING:
+    from ..batch import EngineOutput, FusedBatch
+    from ..config import WorkerSettings
+    from ..sched import ScheduledBatch, Scheduler
+
+__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary"]
+
+
+def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
+                 settings: WorkerSettings) -> PrefixStore | None:
+    """The lane's store, planned into its scheduler, or None: cache off (no budget), no prefill phase, or
+    an engine that cannot save a slot by prefix (its reason logged in describe: `prefix_unsupported`)."""
+    if settings.prefix_cache_scope not in SCOPES:
+        raise ValueError(f"prefix cache scope must be one of {SCOPES}, not {settings.prefix_cache_scope!r}")
+    unsupported = getattr(engine, "prefix_unsupported", None)
+    if settings.prefix_cache_bytes <= 0 or "prefill" not in keys or unsupported is None or unsupported():
+        return None
+    scope: Scope = settings.prefix_cache_scope
+    store = PrefixStore(settings.prefix_cache_bytes, scope=scope)
+    scheduler.prefix = PrefixPlanner(store, keys["prefill"].digest, scope)
+    return store
+
+
+def prefix_summary(lanes: Iterable[Any], metrics: Any) -> dict[str, object] | None:
+    """The heartbeat's `prefix`: the first caching engine's bounded PrefixSummary (schemas/prefix.py, the
+    input of placement); every caching engine's counters go to /metrics on the way."""
+    first: dict[str, object] | None = None
+    for lane in lanes:
+        store: PrefixStore | None = lane.prefix
+        if store is None:
+            continue
+        metrics.observe_prefix(lane.name, store.stats.as_dict(), store.bytes)
+        if first is None:
+            first = PrefixSummary.of(store.block_tokens, store.scope, store.held_ids()).as_json()
+    return first
+
+
+def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: ScheduledBatch,
+                        fused: FusedBatch) -> EngineOutput:
+    """Restore the call's cached prefixes into their slots, run the call, then save the slots whose prompt
+    rows now cover a block the cache lacks (only after the call succeeded: never a half-written block)."""
+    if store is None or not (batch.restores or batch.saves):
+        return cast("EngineOutput", engine.forward(fused))
+    try:
+        for r in batch.restores:
+            engine.restore_prefix(r.slot, r.hit.entry.data, r.hit.n_tokens)
+    finally:
+        for r in batch.restores:
+            store.let_go(r.hit)
+    out = cast("EngineOutput", engine.forward(fused))
+    for s in batch.saves:
+        store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot))
+    return out

@@ -1,0 +1,95 @@
+"""The scheduler's side of the prefix cache (consumer/prefix/, docs/prefix-cache.md): a session opening
+on an empty slot is looked up once, before its first prefill piece; a hit's tokens are taken from its
+queue as restored (counted as cached, never against the prefill budget, the pacer or the round-robin),
+and the call that carries the session's first computed piece restores them first. After a prefill call a
+slot whose prompt rows now cover a block the cache does not hold is saved, so a block is filled by the
+first session that computes it, and only once the call that computed it succeeded (never half-written).
+
+What keeps the tokens bit-identical to the cold run (docs/invariance.md): the restored KV is what a prompt
+piece of two or more rows computed (flash attention off: any such split gives the same KV); at least two
+prompt rows are always computed after a restore (the sampled position is computed, and no prompt row is
+computed alone at the block edge); positions a replay computes one row each (from prompt_len on) are never
+saved nor restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..prefix.planner import PrefixPlanner, Restore, Save
+from .outputs import ScheduledBatch
+from .state import SchedulerState, SessionQueue
+
+__all__ = ["PrefixPlanning"]
+
+MIN_COMPUTED = 2  # prompt rows always computed after a restore (the sampled one, never one alone)
+
+
+class PrefixPlanning(SchedulerState):
+    prefix: PrefixPlanner | None = None
+
+    def _prefix_open(self, lane: SessionQueue) -> None:
+        """At the start of each of the lane's prompt jobs (nothing of it handed out yet, everything before
+        it computed as prompt rows): look the prompt so far up, and take the blocks a hit covers beyond
+        what the slot holds as restored. Restoring over positions the slot already computed is exact: the
+        cached KV of a position is bit for bit what computing it as a prompt row gives."""
+        planner = self.prefix
+        if planner is None:
+            return
+        head = lane.jobs[0]
+        start = head.job.start_position
+        if head.job.phase != "prefill" or lane.entry.position != start or len(lane.prompt_seen) != start:
+            return
+        spec = lane.entry.spec
+        if not lane.prefix_checked:
+            lane.prefix_checked = True
+            lane.prefix_root = planner.root(spec)
+        root = lane.prefix_root
+        if root is None:
+            return
+        cap = head.job.end_position - MIN_COMPUTED
+        if spec.prompt_len is not None:
+            cap = min(cap, spec.prompt_len - MIN_COMPUTED)
+        if cap < start + planner.store.block_tokens:
+            return
+        tokens = [*lane.prompt_seen, *head.job.tokens]
+        hit = planner.lookup(root, tokens, cap, have=start)
+        if hit is None:
+            return
+        k = hit.n_tokens - start
+        head.consumed = k
+        head.cached_tokens += k
+        self._queued_tokens["prefill"] -= k
+        lane.prompt_seen = tokens[:hit.n_tokens]
+        lane.pending_restore = Restore(lane.entry.slot, hit, tuple(tokens[:hit.n_tokens]))
+
+    def _prefix_directives(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The prefill call with its restores (before) and saves (after)."""
+        planner = self.prefix
+        if planner is None:
+            return batch
+        restores: list[Restore] = []
+        saves: list[Save] = []
+        ends: dict[str, int] = {}
+        for it in batch.items:
+            lane = self._lanes.get(it.job.session_id)
+            if lane is None or lane.prefix_root is None:
+                continue
+            if lane.pending_restore is not None:
+                restores.append(lane.pending_restore)
+                lane.pending_restore = None
+            spec = lane.entry.spec
+            cap = spec.prompt_len if spec.prompt_len is not None else it.first_position + it.n_tokens
+            seen = lane.prompt_seen
+            if len(seen) == it.first_position and it.first_position < cap:
+                seen.extend(it.job.tokens[it.offset:it.offset + min(it.n_tokens, cap - it.first_position)])
+            ends[it.job.session_id] = len(seen)
+        for sid, n in ends.items():
+            lane = self._lanes[sid]
+            assert lane.prefix_root is not None
+            save = planner.save(lane.entry.slot, lane.prefix_root, lane.prompt_seen, n)
+            if save is not None:
+                saves.append(save)
+        if not (restores or saves):
+            return batch
+        return replace(batch, restores=tuple(restores), saves=tuple(saves))

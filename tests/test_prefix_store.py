@@ -1,0 +1,124 @@
+"""The prefix store alone (consumer/prefix/store.py): the budget holds, least recently used goes first,
+a lookup finds the deepest block held of the prompt's own chain, pinned entries are not evicted, an entry
+with a floor (a sliding window) is not found below it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from consumer.prefix import PrefixStore
+from schemas.prefix import block_ids, prefix_root
+
+ROOT = prefix_root("digest", "")
+B = 4
+
+
+def _ids(tokens: list[int]) -> list[str]:
+    return block_ids(tokens, ROOT, B)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=0, max_size=20), st.integers(1, 60),
+                              st.booleans()), max_size=30),
+       budget=st.integers(1, 200))
+def test_budget_lru_and_longest_match(ops: list[tuple[list[int], int, bool]], budget: int) -> None:
+    store = PrefixStore(budget, block_tokens=B, scope="global")
+    model: list[tuple[tuple[str, ...], int]] = []  # (ids, size), least recent first: what the store should hold
+    for tokens, size, is_put in ops:
+        ids = _ids(tokens)
+        if is_put:
+            e = store.put(b"x" * size, ids, len(tokens))
+            if e is not None:
+                model = [m for m in model if not set(e.ids).issuperset(m[0])]
+                model.append((e.ids, size))
+                while sum(s for _, s in model) > budget:
+                    model.pop(0)
+            else:
+                assert not ids or size > budget
+        else:
+            hit = store.lookup(ids, len(tokens))
+            want = max((k + 1 for k in range(len(ids)) for m in model if ids[k] in m[0]), default=0)
+            assert (hit.blocks if hit else 0) == want
+            if hit is not None:
+                assert ids[hit.blocks - 1] in hit.entry.ids
+                store.let_go(hit)
+                m = next(m for m in reversed(model) if ids[hit.blocks - 1] in m[0])
+                model.remove(m)
+                model.append(m)
+        assert store.bytes <= budget
+        assert store.bytes == sum(s for _, s in model)
+
+
+def test_pinned_entry_survives_and_is_not_overfilled() -> None:
+    store = PrefixStore(10, block_tokens=B)
+    a = _ids([1, 1, 1, 1])
+    assert store.put(b"x" * 8, a, 4) is not None
+    hit = store.lookup(a, 4)
+    assert hit is not None
+    assert store.put(b"y" * 8, _ids([2, 2, 2, 2]), 4) is None  # the pinned one stays; no room
+    store.let_go(hit)
+    assert store.put(b"y" * 8, _ids([2, 2, 2, 2]), 4) is not None
+    assert store.lookup(a, 4) is None
+    assert store.stats.evictions == 1
+
+
+def test_floor_hides_blocks_below_it() -> None:
+    store = PrefixStore(100, block_tokens=B)
+    toks = list(range(16))
+    store.put(b"z", _ids(toks), 16, floor=9)  # exact only when trimmed to 12 or 16 positions
+    assert store.lookup(_ids(toks[:8]), 8) is None
+    hit = store.lookup(_ids(toks), 16)
+    assert hit is not None and hit.n_tokens == 16
+    hit = store.lookup(_ids(toks), 15)
+    assert hit is not None and hit.n_tokens == 12
+
+
+def test_another_root_never_hits() -> None:
+    store = PrefixStore(100, block_tokens=B)
+    toks = list(range(8))
+    store.put(b"z", _ids(toks), 8)
+    assert store.lookup(block_ids(toks, prefix_root("digest", "a:other"), B), 8) is None
+    assert store.lookup(block_ids(toks, prefix_root("other-digest", ""), B), 8) is None
+
+
+def test_a_cancelled_sessions_pending_restore_unpins() -> None:
+    """A session cancelled after its lookup hit and before its restore ran leaves no pinned entry."""
+    from consumer.prefix.planner import PrefixPlanner, Restore
+    from consumer.sched.state import SessionQueue
+
+    store = PrefixStore(100, block_tokens=B)
+    toks = list(range(8))
+    store.put(b"z", _ids(toks), 8)
+    hit = store.lookup(_ids(toks), 8)
+    assert hit is not None and hit.entry.pins == 1
+
+    class _S:
+        prefix = PrefixPlanner(store, "digest", "global")
+
+    lane = SessionQueue.__new__(SessionQueue)
+    lane.pending_restore = Restore(0, hit, tuple(toks))
+    from consumer.sched.state import SchedulerState
+
+    SchedulerState._drop_restore(_S(), lane)  # type: ignore[arg-type]
+    assert hit.entry.pins == 0 and lane.pending_restore is None
+
+
+def test_inspect_shows_an_engines_prefix_cache() -> None:
+    """dgr inspect: a heartbeat engine's `prefix_cache` counters become a 'prefix cache' table; junk dropped."""
+    import io
+
+    from rich.console import Console
+
+    from consumer.ops.inspect import WorkerReport, _engine_summary, render
+
+    raw = {"engine": "tiny", "prefix_cache": {"hits": 3, "misses": 1, "hit_tokens": 96, "bytes": 4096,
+                                               "evictions": 2, "bogus": "x"}}
+    e = _engine_summary(raw)
+    assert e is not None and e["prefix_cache"] == {"hits": 3, "misses": 1, "hit_tokens": 96, "bytes": 4096,
+                                                   "evictions": 2}
+    assert _engine_summary({"engine": "tiny", "prefix_cache": "junk"})["prefix_cache"] is None  # type: ignore[index]
+    buf = io.StringIO()
+    render([WorkerReport("w1", True, True, 0.1, engines=[e])], Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert "prefix cache" in out and "4096" in out and "96" in out
