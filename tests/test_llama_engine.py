@@ -227,7 +227,10 @@ def test_release_and_reuse(eng):
         eng.release(99)
 
 
-def test_llama_log_goes_to_python_logging(tiny_model_path, caplog):
+def test_llama_log_goes_to_python_logging(tiny_model_path, caplog, monkeypatch):
+    # llama.cpp's levels as Python's; `dgr consumer` adds a filter that demotes INFO (tested in
+    # test_cli_errors.py), which an in-process CLI test on this xdist worker may have left on the logger.
+    monkeypatch.setattr(logging.getLogger("dgr.llama"), "filters", [])
     caplog.set_level(logging.DEBUG, logger="dgr.llama")
     llama_mod._on_llama_log(3, b"first part ", None)
     llama_mod._on_llama_log(5, b"continued\n", None)

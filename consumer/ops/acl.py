@@ -38,12 +38,16 @@ WORKER_COMMANDS = (
 )
 
 PRODUCER_COMMANDS = (
-    "+smembers", "+get", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec", "+discard",
+    "+smembers", "+get", "+exists", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec",
+    "+discard",
 )
 # A selector (Redis 7): these commands on these keys only, so the Tracker cannot SET over a stream.
 # Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.
 PRODUCER_STATE_SELECTOR = (f"(~{ANY_WORKER.cancel_marker('*')} ~{ANY_WORKER.session_record('*')} "
                            "+set +exists +hset +hgetall +expire)")
+# A session moved off a lost worker (producer/moves.py): the Tracker carries the charged high-water mark `hw`
+# into the new worker's session hash (docs/accounting.md), HSET only: it still reads no accounting.
+PRODUCER_MOVE_SELECTOR = f"(%W~{ANY_WORKER.session_account('*')} +hset)"
 # Routes of several hops (docs/routes.md): the Tracker relays a prefill chunk's rows, reading and deleting
 # a hop's output blob and writing the next hop's input blob, and nothing else on those keys.
 PRODUCER_RELAY_SELECTORS = (f"(~{ANY_WORKER.activations_out('*')} +get +del)",
@@ -58,9 +62,10 @@ def worker_rules(worker_id: str) -> list[str]:
 
 def producer_rules() -> list[str]:
     w = ANY_WORKER
-    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"~{w.input_pattern}",
+    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"%R~{w.drain}",
+            f"~{w.input_pattern}",
             f"%R~{w.results('*')}", f"%W~{w.cancellations}", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
-            PRODUCER_STATE_SELECTOR, *PRODUCER_RELAY_SELECTORS]
+            PRODUCER_STATE_SELECTOR, PRODUCER_MOVE_SELECTOR, *PRODUCER_RELAY_SELECTORS]
 
 
 def ops_rules() -> list[str]:
