@@ -145,6 +145,26 @@ def bench_serve(out: Out = Path("bench-out/serve"), model: str = "gemma", stream
         llama_server=llama_server, quick=quick)
 
 
+@bench_app.command("prefill")
+def bench_prefill(out: Out = Path("bench-out/prefill"), model: str = "gemma", sessions: int = 8,
+                  prompt_len: Annotated[int, typer.Option("--prompt-len")] = 528, tokens: int = 16,
+                  repeats: int = 3, recipe: RecipeOpt = "fast", threads: Annotated[int, typer.Option("--threads")] = 2,
+                  llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server")] = True,
+                  extra: Annotated[str, typer.Option(help="Extra `dgr consumer` options, space-separated.")] = "",
+                  quick: Annotated[bool, typer.Option(help="Smoke test: tiny model, 4 x 64 tokens, 4 tokens "
+                                                           "each, 1 repeat, no llama-server.")] = False,
+                  cache_dir: Annotated[Path | None, typer.Option(help="Where llama-server is built (once).")] = None,
+                  ) -> None:
+    """N concurrent prompts of L tokens through the service, against the raw engine's prefill of the same
+    prompts and llama-server (-np N) on the same token ids, in one run."""
+    from dgrtools.bench.prefill import run
+
+    if quick:
+        model, sessions, prompt_len, tokens, repeats, llama_server = "tiny", 4, 64, 4, 1, False
+    run(out, model=model, sessions=sessions, prompt_len=prompt_len, tokens=tokens, repeats=repeats, recipe=recipe,
+        threads=threads, llama_server=llama_server, consumer_extra=tuple(extra.split()), cache_dir=cache_dir)
+
+
 @bench_app.command("report")
 def bench_report(root: Annotated[Path, typer.Option(help="Where the benchmark JSON is.")] = Path("bench-out"),
                  out: Annotated[Path, typer.Option(help="The Markdown to write.")] = Path("docs/benchmarks.md"),

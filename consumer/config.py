@@ -72,7 +72,12 @@ class TransportSettings:
 class WorkerSettings:
     worker_id: str = "worker-0"
     max_batch: int = setting(16, 'Decode sessions per fused call.')
-    prefill_budget: int = setting(512, 'Most tokens per prefill call.')
+    prefill_budget: int = setting(512, 'Most tokens per prefill call while sessions decode.')
+    # No one waits for a call while no session decodes, so it takes what the engine runs in one call
+    # (llama-server's batch), capped by the engine's n_batch.
+    prefill_burst: int = setting(2048,
+        "Most tokens per prefill call while no session decodes (0 or below the budget: the budget), capped by the "
+        "engine's n_batch.")
     prefill_ratio: float = setting(0.8,
         "While sessions decode, size a prefill call to this fraction of a decode call's time (0: always the full "
         "budget).")

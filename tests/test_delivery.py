@@ -337,7 +337,7 @@ def test_a_sweep_every_iteration_never_takes_a_queued_entry_away(redis_client: r
     worker's own, and every session gets exactly its tokens."""
     worker = Worker(engine, RedisTransport(redis_client, WID, consumer_name=WID),
                     WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0, prefill_budget=4,
-                                   prefill_ratio=0.0, recover_every_s=0.0))
+                                   prefill_burst=0, prefill_ratio=0.0, recover_every_s=0.0))
     worker.start()
     producer = Producer(redis_client, prefill_chunk=16)
     specs = specs_for(redis_client, WID, "sweep", prompts(4, 300, seed=11, lo=30, hi=40), 4)

@@ -7,7 +7,11 @@ keeps a prefill call at about `ratio` times the current decode call, so with at 
 between two decode calls (the default weights) a decoding session's inter-token time grows by at most
 that ratio. It learns both costs online (EMA) and converges whatever the fixed cost of a call is:
 with call(k) = f + c*k and budget k' = ratio*d / (call(k)/k), the fixed point is call(k*) = ratio*d.
-With nothing decoding it returns the full budget, so prompt-only load keeps its throughput.
+With nothing decoding it returns the burst (`idle_tokens`, the worker's `--prefill-burst`, default 2,048
+like llama-server's batch, capped by the engine's n_batch): no session waits for the call, so it takes as
+many prompt tokens as the engine runs in one call, and a wave of prompts pays one call's Python, read
+and filing per 2,048 tokens instead of per 512. With any session decoding the call stays within the
+configured budget B (the decode bound of consumer/sched/scheduler.py counts B) and is paced as above.
 
 Time to first token is bounded in fused calls: the budget never drops below `min_tokens` (F, the
 worker's `--prefill-floor`, default 32, capped by the configured budget B). Prefill is FIFO by
@@ -27,7 +31,8 @@ from schemas import Phase
 
 @dataclass
 class PrefillPacer:
-    max_tokens: int  # the configured budget: never exceeded
+    max_tokens: int  # the configured budget: never exceeded while a session decodes
+    idle_tokens: int = 0  # the burst: the budget while nothing decodes (<= max_tokens: max_tokens)
     ratio: float = 0.8  # target prefill call time / decode call time; <= 0: fixed budget
     min_tokens: int = 32  # the floor: see the module docstring
     alpha: float = 0.3  # EMA weight of the newest observation
@@ -45,8 +50,10 @@ class PrefillPacer:
     def budget(self, decoding: bool, decode_s: float | None = None) -> int:
         """`decode_s`: pace against this decode call time instead of this pacer's own (a worker of several
         engines: the decoding sessions that wait for this prefill call may be another engine's)."""
+        if not decoding:
+            return max(self.max_tokens, self.idle_tokens)
         decode_s = self.decode_s if decode_s is None else decode_s
-        if self.ratio <= 0 or not decoding or decode_s is None or self.prefill_s_per_token is None:
+        if self.ratio <= 0 or decode_s is None or self.prefill_s_per_token is None:
             return self.max_tokens
         tokens = int(self.ratio * decode_s / self.prefill_s_per_token)
         return max(min(self.min_tokens, self.max_tokens), min(self.max_tokens, tokens))

@@ -55,7 +55,8 @@ class Lane:
         self.sampler = BatchSampler(Vocabulary.for_engine(engine, cap.vocab_size), threads=settings.sampler_threads)
         self.hops = HopSteps(engine.boundary, activation_key)  # route hops: activations in/out
         self.pacer = PrefillPacer(max_tokens=self.scheduler.config.prefill_budget, ratio=settings.prefill_ratio,
-                                  min_tokens=settings.prefill_floor)
+                                  min_tokens=settings.prefill_floor,
+                                  idle_tokens=min(settings.prefill_burst, cap.max_tokens_per_call))
         self.ledger = DeliveryLedger(self.scheduler, self.hops, settings.answered_memory)
         self.prefix = prefix_store(engine, self.scheduler, self.keys, settings)  # None: no prefix cache
         self.streams: dict[Phase, str] = {}
