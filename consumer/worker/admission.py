@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from schemas import Phase, Reason, StepJob
 
+from ..config import WorkerSettings
 from ..sampler import RowStatus
 from ..sched import Answer
-from ..transport.protocol import DeadLetter, Delivery, Inbound
+from ..transport.protocol import DeadLetter, Delivery, Inbound, Transport
 from .delivery import wire_reject_outcome
-from .lane import Lane, Want, read_lanes
-
-if TYPE_CHECKING:
-    from .loop import Worker
+from .idle import IdleSessions
+from .lane import Lane, Lanes, Want, read_lanes
+from .stats import LoopStats
 
 __all__ = ["EntryAdmission", "Prefetched"]
 
@@ -42,21 +41,19 @@ class Prefetched:
 
 
 class EntryAdmission:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
+    """Reads and admits entries for the worker's lanes. `computing`: whether a fused call is in flight (a
+    read never blocks for new entries while one computes)."""
+
+    def __init__(self, lanes: Lanes, transport: Transport, settings: WorkerSettings, stats: LoopStats,
+                 idle: IdleSessions | None, computing: Callable[[], bool]) -> None:
+        self.lanes, self.transport, self.settings, self.stats = lanes, transport, settings, stats
+        self.idle, self.computing = idle, computing
 
     # ---- what to read ---------------------------------------------------------------------------
-    def answered(self, lane: Lane, outcomes: Sequence[Answer]) -> None:
-        """After a fused call: the sessions whose next step the Tracker sends now (one-hop sessions that
-        got a token and hold no credit: a continuation needs no read)."""
-        sched = lane.scheduler
-        lane.hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
-                        and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))
-
     def should_read(self) -> bool:
         """Read now, in the loop (blocking a little), besides what the I/O thread prefetched: when there
         is nothing to run, or steps of sessions the last call answered are on their way."""
-        lanes = self.w.lanes
+        lanes = self.lanes
         return (not any(lane.scheduler.has_work() for lane in lanes)
                 or any(lane.hot and lane.scheduler.awaiting_decode() for lane in lanes))
 
@@ -64,7 +61,7 @@ class EntryAdmission:
         """Entries to read per lane and phase: what each scheduler wants, and more prefill entries after a
         read whose prefill entries were refused (junk is read past, not one `want` at a time)."""
         want: Want = {}
-        for lane in self.w.lanes:
+        for lane in self.lanes:
             i = lane.index
             for p, n in lane.scheduler.want().items():
                 if n > 0:
@@ -79,7 +76,6 @@ class EntryAdmission:
         """Read what the scheduler wants and admit it; while entries read are refused (and the phases
         they came from gave all that was asked), read past them at once, doubling each read, until the
         entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
-        w = self.w
         got, want, read_s = self._read()
         queued: Want = dict.fromkeys(want, 0)
         asked = dict(want)
@@ -88,7 +84,7 @@ class EntryAdmission:
             total += len(got)
             took, refused = self._admit_counted(got, None, answers, dead, wire_rejects, acks, queued)
             more: Want = {}
-            room = w.settings.max_read_entries - total
+            room = self.settings.max_read_entries - total
             for k, n in asked.items():
                 if room <= 0:
                     break
@@ -99,21 +95,20 @@ class EntryAdmission:
                 break
             asked = more
             t = time.perf_counter()
-            got = read_lanes(w.transport, w.lanes.streams, more, block_ms=0, gather_ms=0)
-            w.stats.reads += 1
+            got = read_lanes(self.transport, self.lanes.streams, more, block_ms=0, gather_ms=0)
+            self.stats.reads += 1
             read_s += time.perf_counter() - t
         return total, read_s
 
     def _read(self) -> tuple[list[Inbound], Want, float]:
-        w = self.w
         counts = self.want()
         if not counts:
             return [], counts, 0.0
         # Wait only for the sessions the last fused call just answered with a token: their next step is
         # on its way. Sessions that went quiet (a paused Tracker, 10,000 idle ones) cost no waiting.
-        expected = sum(min(len(lane.hot), lane.scheduler.awaiting_decode()) for lane in w.lanes)
-        busy = w.in_flight.busy  # a call computing is work: never block for new entries while it runs
-        for lane in w.lanes:
+        expected = sum(min(len(lane.hot), lane.scheduler.awaiting_decode()) for lane in self.lanes)
+        busy = self.computing()  # a call computing is work: never block for new entries while it runs
+        for lane in self.lanes:
             lane.hot = set()
             busy = busy or lane.scheduler.has_work()
         seen = [0]
@@ -129,10 +124,11 @@ class EntryAdmission:
             return flowing
 
         t = time.perf_counter()
-        st = w.settings
+        st = self.settings
         block_ms = max(0 if busy else st.block_ms, st.await_ms if expected else 0)
-        got = read_lanes(w.transport, w.lanes.streams, counts, block_ms=block_ms, gather_ms=st.gather_ms, more=more)
-        w.stats.reads += 1
+        got = read_lanes(self.transport, self.lanes.streams, counts, block_ms=block_ms, gather_ms=st.gather_ms,
+                         more=more)
+        self.stats.reads += 1
         return got, counts, time.perf_counter() - t
 
     # ---- admission ------------------------------------------------------------------------------
@@ -144,8 +140,8 @@ class EntryAdmission:
             return 0
         took, refused = self._admit_counted(inbound, fetched, answers, dead, wire_rejects, acks, {})
         # A prefetch whose prefill entries were all refused reads past them on the next one, doubling.
-        cap = self.w.settings.max_read_entries
-        for lane in self.w.lanes:
+        cap = self.settings.max_read_entries
+        for lane in self.lanes:
             n = took.get((lane.index, "prefill"), 0)
             lane.more_prefill = min(2 * n, cap) if n and refused.get((lane.index, "prefill")) == n else 0
         return len(inbound)
@@ -153,10 +149,9 @@ class EntryAdmission:
     def _admit_counted(self, got: Sequence[Inbound], fetched: dict[str, bytes | None] | None,
                        answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
                        acks: list[Delivery], queued: Want) -> tuple[Want, Want]:
-        w = self.w
         if fetched is None:
-            fetched = w.lanes.fetch_blobs(w.transport, got)
-        lanes = w.lanes
+            fetched = self.lanes.fetch_blobs(self.transport, got)
+        lanes = self.lanes
         single = len(lanes) == 1
         if single:
             steps, sids = lanes[0].ledger.steps_to_check(got)
@@ -169,7 +164,7 @@ class EntryAdmission:
                 o, s = lanes[i].ledger.steps_to_check(entries)
                 steps += o
                 sids += s
-        precheck = w.transport.checks(steps, sids) if sids else (set(), set())
+        precheck = self.transport.checks(steps, sids) if sids else (set(), set())
         for lane in lanes:
             lane.hops.use_fetched(fetched)
             lane.ledger.precheck = precheck
@@ -183,7 +178,7 @@ class EntryAdmission:
                 queued[k] = queued.get(k, 0) + 1
             else:
                 refused[k] = refused.get(k, 0) + 1
-        w.stats.refused += sum(refused.values())
+        self.stats.refused += sum(refused.values())
         return took, refused
 
     def admit(self, inb: Inbound, answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
@@ -192,7 +187,7 @@ class EntryAdmission:
         per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
         on every redelivery (the transport's decoding is guarded the same way)."""
         try:
-            lane = self.w.lanes.for_entry(inb)
+            lane = self.lanes.for_entry(inb)
             return self._admit_entry(lane, inb, answers[lane.index], dead, wire_rejects, acks)
         except Exception as e:
             log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
@@ -201,7 +196,6 @@ class EntryAdmission:
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
                      wire_rejects: list[Answer], acks: list[Delivery]) -> bool:
-        w = self.w
         sched = lane.scheduler
         job = inb.job
         if job is None:
@@ -221,7 +215,7 @@ class EntryAdmission:
         held = sched.table.get(job.session_id)
         answer = lane.hops.admit(job, inb.digest, sched.engine_digests.get(job.phase),
                                  held.queued_position if held is not None else job.start_position,
-                                 w.settings.worker_id, inb.ref)
+                                 self.settings.worker_id, inb.ref)
         if answer is not None:
             answers.append(answer)
             return False
@@ -240,8 +234,8 @@ class EntryAdmission:
             answers.append(answer)
             return False
         lane.ledger.admitted(job)
-        if w.idle is not None:
-            w.idle.touch(job.session_id)
+        if self.idle is not None:
+            self.idle.touch(job.session_id)
         return True
 
     def _grammar_refusal(self, lane: Lane, job: StepJob, inb: Inbound) -> Answer | None:

@@ -11,30 +11,42 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 from schemas import Reason, Status
 
 from ..batch import EngineOutput
 from ..engines.base import EngineError
 from ..engines.compute import compute_thread, on_compute_thread
+from ..metrics import Metrics
 from ..prefix.run import forward_with_prefix
 from ..sched import Answer, ScheduledBatch
 from ..transport.protocol import FusedCallStats
-from .lane import Lane
+from .idle import IdleSessions
+from .lane import Lane, mark_answered
 from .sampled import apply_sampled
+from .stats import LoopStats
 
-if TYPE_CHECKING:
-    from .loop import Worker
-
-__all__ = ["InFlight", "InFlightCall", "finish_fused", "run_fused", "start_fused"]
+__all__ = ["CallContext", "InFlight", "InFlightCall", "finish_fused", "run_fused", "start_fused"]
 
 log = logging.getLogger("dgr.worker")
 
 
-def run_fused(w: Worker, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a fused call's helpers use of the worker: where they count (stats, metrics under the worker's
+    id), whether calls run on the compute thread (`overlap`), the idle clock its answers touch."""
+
+    worker_id: str
+    overlap: bool
+    stats: LoopStats
+    metrics: Metrics
+    idle: IdleSessions | None
+
+
+def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
     """One fused call, in the loop's thread. On failure, answer the offending sessions `failed` and keep
     serving the rest: retry without the slots the engine named, else bisect."""
     t = time.perf_counter()
@@ -43,7 +55,7 @@ def run_fused(w: Worker, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
         # With overlap on, every call runs on the compute thread, the one the engine was built on and the
         # overlapped calls run on (consumer/engines/compute.py: a second OpenMP team slows every call).
         run = partial(forward_with_prefix, lane.engine, lane.prefix, batch)
-        output = on_compute_thread(run, fused) if w.settings.overlap else run(fused)
+        output = on_compute_thread(run, fused) if w.overlap else run(fused)
     except Exception as e:  # any engine fault must not take the worker down
         return _failed(w, lane, batch, e, time.perf_counter() - t)
     return _answered(w, lane, batch, output, time.perf_counter() - t)
@@ -53,7 +65,7 @@ def run_fused(w: Worker, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
 InFlight = Future[tuple["EngineOutput | Exception", float]]
 
 
-def start_fused(calls: InFlightCall, lane: Lane, batch: ScheduledBatch) -> InFlight:
+def start_fused(lane: Lane, batch: ScheduledBatch) -> InFlight:
     """Start one fused call on the engine thread (the loop goes on: the call releases the GIL). Its
     input is built here, in the loop's thread; `finish_fused` takes its output."""
     fused = lane.hops.fused(batch)
@@ -69,14 +81,14 @@ def start_fused(calls: InFlightCall, lane: Lane, batch: ScheduledBatch) -> InFli
             out = e
         return out, time.perf_counter() - t
 
-    f = calls.thread().submit(call)
+    f = compute_thread().submit(call)  # the process's one compute thread (consumer/engines/compute.py)
     # Hand the GIL over until the engine thread is in: otherwise the loop's next Python work holds it and
     # the call starts up to a switch interval (5 ms) late (measured: 0.6 ms median at 256 sessions).
     entered.wait()
     return f
 
 
-def finish_fused(w: Worker, lane: Lane, batch: ScheduledBatch, call: InFlight) -> list[Answer]:
+def finish_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, call: InFlight) -> list[Answer]:
     """The answers of a call `start_fused` started (waiting for it); a failure as in run_fused (its
     retries then run in the loop's thread)."""
     out, elapsed = call.result()
@@ -85,9 +97,9 @@ def finish_fused(w: Worker, lane: Lane, batch: ScheduledBatch, call: InFlight) -
     return _answered(w, lane, batch, out, elapsed)
 
 
-def _failed(w: Worker, lane: Lane, batch: ScheduledBatch, e: Exception, elapsed: float) -> list[Answer]:
+def _failed(w: CallContext, lane: Lane, batch: ScheduledBatch, e: Exception, elapsed: float) -> list[Answer]:
     w.stats.engine_seconds += elapsed
-    w.metrics.engine_failures.labels(w.settings.worker_id).inc()
+    w.metrics.engine_failures.labels(w.worker_id).inc()
     detail = f"{type(e).__name__}: {e}"[:200]
     sessions = batch.session_ids
     log.warning("fused call failed", extra={"sessions": len(sessions), "error": detail, "engine": lane.name})
@@ -100,7 +112,7 @@ def _failed(w: Worker, lane: Lane, batch: ScheduledBatch, e: Exception, elapsed:
     return [o for part in (first, second) if part is not None for o in run_fused(w, lane, part)]
 
 
-def _answered(w: Worker, lane: Lane, batch: ScheduledBatch, output: EngineOutput, elapsed: float) -> list[Answer]:
+def _answered(w: CallContext, lane: Lane, batch: ScheduledBatch, output: EngineOutput, elapsed: float) -> list[Answer]:
     w.stats.count_call(batch.phase, len(batch.session_ids), elapsed)
     lane.fused_calls += 1
     lane.pacer.observe(batch.phase, len(batch.fused), elapsed)
@@ -117,11 +129,11 @@ def _answered(w: Worker, lane: Lane, batch: ScheduledBatch, output: EngineOutput
     if w.idle is not None:
         for o in outcomes:
             w.idle.touch(o.result.session_id)
-    w.admission.answered(lane, outcomes)
+    mark_answered(lane, outcomes)
     return outcomes
 
 
-def _fail_named(w: Worker, lane: Lane, batch: ScheduledBatch, e: Exception, bad: Sequence[str],
+def _fail_named(w: CallContext, lane: Lane, batch: ScheduledBatch, e: Exception, bad: Sequence[str],
                 detail: str) -> list[Answer]:
     """Answer the sessions the engine named (all of a one-session call) and run the rest again: the
     engine put every other slot back. A slot it could not put back (`EngineError.lost`: a recurrent
@@ -151,35 +163,30 @@ class InFlightCall:
     never entered by two threads; slots are released only while no call is in flight. The thread is the
     process's compute thread (consumer/engines/compute.py), shared by the workers of a process."""
 
-    def __init__(self, w: Worker) -> None:
-        self.w = w
+    def __init__(self, ctx: CallContext) -> None:
+        self.ctx = ctx
         self._call: tuple[Lane, ScheduledBatch, InFlight] | None = None
 
     @property
     def busy(self) -> bool:
         return self._call is not None
 
-    def thread(self) -> ThreadPoolExecutor:
-        return compute_thread()  # the process's one compute thread (consumer/engines/compute.py)
-
     def start(self, lane: Lane, batch: ScheduledBatch) -> None:
         assert self._call is None, "one fused call in flight at a time"
-        self._call = (lane, batch, start_fused(self, lane, batch))
+        self._call = (lane, batch, start_fused(lane, batch))
 
-    def finish(self, answers: list[list[Answer]]) -> FusedCallStats | None:
-        """The answers of the call in flight (waiting for it), into answers[lane]; its stats (None: no call)."""
+    def finish(self) -> tuple[Lane, list[Answer], FusedCallStats] | None:
+        """The call in flight's lane, answers (waiting for it) and stats (None: no call)."""
         c, self._call = self._call, None
         if c is None:
             return None
         lane, batch, call = c
-        w = self.w
-        before = w.stats.engine_seconds
-        answers[lane.index].extend(finish_fused(w, lane, batch, call))
-        engine_s = w.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-        w._last_call_s = engine_s
-        w._release_slots()  # the engine is idle: slots freed meanwhile are cleared now
-        return FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
-                              engine_seconds=engine_s)
+        stats = self.ctx.stats
+        before = stats.engine_seconds
+        answers = finish_fused(self.ctx, lane, batch, call)
+        engine_s = stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+        return lane, answers, FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids),
+                                             tokens=len(batch.fused), engine_seconds=engine_s)
 
     def abandon(self) -> None:
         """On the way out after an error: the engine finishes its call, nothing is answered (its entries stay

@@ -30,7 +30,7 @@ from ..transport.protocol import Delivery, Inbound, Transport
 from .delivery import DeliveryLedger
 from .hop_steps import HopSteps
 
-__all__ = ["Lane", "LaneTurns", "Lanes", "Want", "read_lanes"]
+__all__ = ["Lane", "LaneTurns", "Lanes", "Want", "mark_answered", "read_lanes"]
 
 # Entries to read per (lane index, phase).
 Want = dict[tuple[int, Phase], int]
@@ -252,3 +252,11 @@ class Lanes(Sequence[Lane]):
     def release_slots(self) -> None:
         for lane in self._lanes:
             lane.release_slots()
+
+
+def mark_answered(lane: Lane, outcomes: Sequence[Answer]) -> None:
+    """After a fused call: the sessions whose next step the Tracker sends now (one-hop sessions that got a
+    token and hold no credit: a continuation needs no read), which the next read waits for (admission.py)."""
+    sched = lane.scheduler
+    lane.hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
+                    and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))

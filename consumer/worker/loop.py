@@ -46,7 +46,7 @@ from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
 from .admission import EntryAdmission, Prefetched
-from .calls import InFlightCall, run_fused
+from .calls import CallContext, InFlightCall, run_fused
 from .idle import IdleSessions
 from .io_thread import IOThread
 from .lane import Lane, Lanes, read_lanes
@@ -74,7 +74,10 @@ class Worker:
         self.hops, self.pacer, self.ledger = first.hops, first.pacer, first.ledger
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
         self.stats = LoopStats()
-        self.admission = EntryAdmission(self)
+        self.calls = CallContext(settings.worker_id, settings.overlap, self.stats, self.metrics, self.idle)
+        self.in_flight = InFlightCall(self.calls)  # overlap on: the fused call on the engine thread
+        self.admission = EntryAdmission(self.lanes, transport, settings, self.stats, self.idle,
+                                        lambda: self.in_flight.busy)
         self._registered = False
         self._stop = threading.Event()
         self._last_heartbeat = 0.0
@@ -85,7 +88,6 @@ class Worker:
         self.io = IOThread(f"dgr-io-{self._m}")
         self._prefetched: Future[Prefetched] | None = None
         self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
-        self.in_flight = InFlightCall(self)  # overlap on: the fused call on the engine thread
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -202,11 +204,23 @@ class Worker:
         if not self.in_flight.busy:
             return
         answers: list[list[Answer]] = [[] for _ in self.lanes]
-        call = self.in_flight.finish(answers)
+        call = self._finish_in_flight(answers)
         latencies: list[tuple[Phase, float]] = []
         done = self.lanes.completions(answers, latencies)
         self._publish(done, (), call, self._uncarried(done, []), (), flush)
         observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
+
+    def _finish_in_flight(self, answers: list[list[Answer]]) -> FusedCallStats | None:
+        """The call on the engine thread finished (waiting for it): its answers into answers[lane], its stats
+        (None: no call); then the slots freed meanwhile are cleared (the engine is idle)."""
+        done = self.in_flight.finish()
+        if done is None:
+            return None
+        lane, got, call = done
+        answers[lane.index].extend(got)
+        self._last_call_s = call.engine_seconds
+        self._release_slots()
+        return call
 
     def _prefetch(self) -> None:
         """Hand the next read (entries, cancellations, activation blobs) to the I/O thread: it runs
@@ -262,7 +276,7 @@ class Worker:
             else:
                 self._cancel(lane, sid, answers[lane.index])
         t_wait = time.perf_counter()
-        call = self.in_flight.finish(answers)  # call k, started by the last iteration (overlap on)
+        call = self._finish_in_flight(answers)  # call k, started by the last iteration (overlap on)
         waited = time.perf_counter() - t_wait if call is not None else 0.0
         picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
         batch = None
@@ -274,7 +288,7 @@ class Worker:
                 self.in_flight.start(lane, batch)  # call k + 1 computes from here on
             else:
                 before = self.stats.engine_seconds
-                answers[lane.index].extend(run_fused(self, lane, batch))
+                answers[lane.index].extend(run_fused(self.calls, lane, batch))
                 engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
                 waited = engine_s
                 self._last_call_s = engine_s
