@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -206,3 +207,33 @@ def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
         time.sleep(0.1)
     assert (stack.consumer.heartbeat() or {}).get("busy_slots") == 0
     assert acct is not None
+
+
+def test_a_non_streaming_client_that_disconnects_cancels_its_session(stack: Stack) -> None:
+    """Raw HTTP: a socket sends a whole (not streamed) request and closes once its session is open; the gateway,
+    watching for `http.disconnect`, cancels the session (no reaper): the cancel marker is set, the session ends
+    `cancelled` (900 tokens asked, ignore_eos: it could not end on its own that soon), and the worker's slot is
+    freed."""
+    client = redis.Redis.from_url(stack.redis_url)
+    keys = WorkerKeys(WORKER)
+    before = set(client.scan_iter(match=keys.session_record("srv-*")))
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "seed": 2}).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 20
+        while not (new := set(client.scan_iter(match=keys.session_record("srv-*"))) - before):
+            assert time.monotonic() < deadline, "the request opened no session"
+            time.sleep(0.002)
+    # the socket is closed: the client went away before its answer
+    (record,) = new
+    sid = record.decode().rsplit(":", 1)[1]
+    acct = keys.session_account(sid)
+    deadline = time.monotonic() + 20
+    while not client.hexists(acct, "closed") or (stack.consumer.heartbeat() or {}).get("busy_slots") != 0:
+        assert time.monotonic() < deadline, f"the worker still holds the session: {client.hgetall(acct)}"
+        time.sleep(0.05)
+    assert client.exists(keys.cancel_marker(sid)), "no cancel marker was set for the abandoned session"
+    assert client.hget(acct, "closed") == b"cancelled", client.hgetall(acct)
+    assert int(client.hget(acct, "generated_tokens") or 0) < 900
