@@ -291,7 +291,8 @@ class ProducerCore(Steps, Admission, Placer, Mover):
                     continue
                 s = h.sent.get(jobs[i])
                 if s is None or i in skip or not apply(h, s, offs[i], sts[i], poss[i], toks[i], fins[i],
-                                                       x.get(str(i)) if x else None, ess[i], ps[i], gs[i]):
+                                                       x.get(str(i)) if x else None, ess[i], ps[i], gs[i],
+                                                       chg.k[i] if chg.k else 0):
                     continue
                 h.last_result_id, h.last_row = eid, (rec, chg, i)
                 run = h.run

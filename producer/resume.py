@@ -116,7 +116,7 @@ def _feed(core: ProducerCore, h: SessionHandle, queues: list[deque[Row]], sink: 
                 first = first or jid
                 x = rec.x.get(str(i)) if rec.x else None
                 if not apply(h, s, rec.off[i], rec.st[i], rec.pos[i], rec.tok[i], rec.fin[i], x, rec.es[i], chg.p[i],
-                             chg.g[i]):
+                             chg.g[i], chg.k[i] if chg.k else 0):
                     continue
                 h.last_result_id, h.last_row = eid, (rec, chg, i)
                 if jid not in h.sent:

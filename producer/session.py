@@ -83,8 +83,8 @@ class SessionHandle:
     """One session. `status`: "open" while it runs, "finished" when its last hop said finished, else what ended
     it ("rejected", "failed", "cancelled"), or "state_lost" (not finished: `replay()` it). `generated`: the
     tokens so far; `position`: the next position to push at hop 0; `reply`: the result stream its jobs name
-    (`reply_to`, a Tracker id; None: the session's own). `legs[k]`: hop k; `prompt_tokens` / `billed_generated`:
-    what the last hop charged it (the counters' charges)."""
+    (`reply_to`, a Tracker id; None: the session's own). `legs[k]`: hop k; `prompt_tokens` / `billed_generated`
+    / `cached_tokens`: what the last hop charged it (the counters' charges; cached: a part of prompt_tokens)."""
 
     spec: SessionSpec
     prompt: tuple[int, ...]
@@ -108,6 +108,7 @@ class SessionHandle:
     released: bool = False
     prompt_tokens: int = 0
     billed_generated: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the last hop restored from its prefix cache
     feed: bool = False  # the last hop sampled a token hop 0 has not been given
     run: Any = None  # the core.Run driving it; None: driven by hand, its answers kept in `inbox`
     inbox: list[StepResult] = field(default_factory=list)
@@ -220,7 +221,7 @@ def drop(h: SessionHandle) -> None:
 
 
 def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin: int, x: RowExtra | None,
-          es: float, charged_p: int, charged_g: int) -> bool:
+          es: float, charged_p: int, charged_g: int, charged_k: int = 0) -> bool:
     """One answer to the session's job `s` (a row: offset, status code, position, token or -1, finished, extra,
     engine seconds, what the counters charged). False when it changes nothing (a token already placed)."""
     job = s.job
@@ -261,6 +262,7 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
             h.relays.append(Relay(job, hidden))
         return True
     h.prompt_tokens += charged_p
+    h.cached_tokens += charged_k
     h.billed_generated += charged_g
     if job.n > 1:
         finished = credit.place(h, pos, tok, fin == 1)
@@ -288,7 +290,7 @@ def apply_result(h: SessionHandle, r: StepResult) -> bool:
         return False
     a, x = r.accounting, row_extra(r)
     if not apply(h, s, off, STATUS_CODE[r.status], r.position, -1 if r.token is None else r.token, int(r.finished),
-                 x, a.engine_seconds, a.prompt_tokens, a.generated_tokens):
+                 x, a.engine_seconds, a.prompt_tokens, a.generated_tokens, a.cached_tokens):
         return False
     h.last_row = r
     return True

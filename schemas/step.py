@@ -220,12 +220,15 @@ class Accounting(msgspec.Struct, frozen=True, kw_only=True):
     """What one answer charged: `prompt_tokens` and `generated_tokens` are what the worker's counters
     charged for it (docs/accounting.md: each prompt position and each sampled token once per session),
     `recomputed_tokens` the positions it re-computed and did not charge (a replay), `engine_seconds`
-    its share of its fused calls. A duplicate publication of an answer charges nothing."""
+    its share of its fused calls, `cached_tokens` those of its `prompt_tokens` the worker restored from
+    its prefix cache instead of computing them (a part of `prompt_tokens`, not an addition: OpenAI's
+    `usage.prompt_tokens_details.cached_tokens`). A duplicate publication of an answer charges nothing."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
     recomputed_tokens: int = 0
     engine_seconds: float = 0.0
+    cached_tokens: int = 0
 
     @property
     def tokens_charged(self) -> int:

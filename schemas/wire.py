@@ -302,12 +302,15 @@ class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Charges(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What the completion script charged for each row of a record (docs/accounting.md): prompt tokens,
     generated tokens, recomputed positions (not charged); `d` lists the rows it did not publish (an
-    answer already published: a re-sent completion, a twin delivery); those charge nothing."""
+    answer already published: a re-sent completion, a twin delivery); those charge nothing. `k`: of each
+    row's prompt tokens, those restored from the worker's prefix cache (a part of `p`, billed at a
+    Tracker's own rate); empty when no row of the record has any."""
 
     p: list[int]
     g: list[int]
     r: list[int]
     d: list[int]
+    k: list[int] = msgspec.field(default_factory=list)
 
 
 _RECORD: Final = msgspec.json.Decoder(ResultRecord)
@@ -334,7 +337,8 @@ def decode_record(fields: Fields) -> tuple[ResultRecord, Charges]:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise WireError(Reason.MALFORMED, f"invalid result record: {e}"[:200]) from None
     n = len(rec)
-    if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or any(not 0 <= d < n for d in chg.d):
+    if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or any(not 0 <= d < n for d in chg.d) \
+            or (chg.k and (len(chg.k) != n or any(not 0 <= k <= p for k, p in zip(chg.k, chg.p, strict=True)))):
         raise WireError(Reason.MALFORMED, "charges do not match the record's rows")
     return rec, chg
 
@@ -365,8 +369,9 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
         if extra is not None:
             x[str(i)] = extra
     rec = ResultRecord(worker=results[0].worker_id, call=call, batch=results[0].batch_size, x=x, **cols)
+    cached = [r.accounting.cached_tokens for r in results]
     chg = Charges(p=[r.accounting.prompt_tokens for r in results], g=[r.accounting.generated_tokens for r in results],
-                  r=[r.accounting.recomputed_tokens for r in results], d=[])
+                  r=[r.accounting.recomputed_tokens for r in results], d=[], k=cached if any(cached) else [])
     return {b"v": _VERSION, b"r": encode_record(rec), b"c": _ENCODER.encode(chg)}
 
 
@@ -381,7 +386,7 @@ def row_to_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
         position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
         detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
         accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i], recomputed_tokens=chg.r[i],
-                              engine_seconds=rec.es[i]),
+                              engine_seconds=rec.es[i], cached_tokens=chg.k[i] if chg.k else 0),
         batch_size=rec.batch, hidden=extra.hidden if extra else None, logprobs=extra.logprobs if extra else None)
 
 

@@ -69,6 +69,7 @@ class Outcome:
     crashed: bool = False
     replays: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens the last worker restored from its prefix cache
+    cached_tokens: int = 0  # prompt tokens the sessions were charged as cached (SessionHandle.cached_tokens)
     info: dict[str, Any] = field(default_factory=dict)  # the last worker's heartbeat body at the end
 
 
@@ -220,6 +221,7 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
     out = Outcome(crashed=sup.crashed, prefix_hit_tokens=sum(
         lane.prefix.stats.hit_tokens for lane in sup.worker.lanes if lane.prefix is not None),
         info=sup.worker._info())
+    out.cached_tokens = sum(h.cached_tokens for h in handles.values())
     for sid, h in handles.items():
         s = by_sid[sid]
         want = solo(s, stops[sid])

@@ -17,7 +17,11 @@ Checked on the data set that survives, against the records published (their rows
 * every answer of a session's last attempt is published;
 * a finished session is charged its prompt and max_tokens exactly (prompt + generated = L + M when
   Redis lost charges, the lost generated tokens then charged as the replay's prompt), however often it
-  was replayed.
+  was replayed;
+* prefix cache hits (issue 31): an attempt's first prefill piece may restore its first positions from the
+  cache (every attempt the same ones, as a warm cache would); those are charged as `cached_tokens`, a part
+  of `prompt_tokens`, exactly once: the session, its account and the worker count exactly the restored
+  positions, and the published rows' `k` sum to it.
 Runs on fakeredis and on a real redis-server.
 """
 
@@ -47,7 +51,7 @@ from tests.support import compat_key
 
 WORKER = "wc"
 ACCOUNTS = ("acct-a", "acct-b")
-COUNTERS = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps")
+COUNTERS = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "cached_tokens", "steps")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class Plan:
     cuts: tuple[int, ...]  # per lost attempt: how many of its answers were filed before the loss
     chunk: int  # prefill chunk size
     cont: int  # tokens per decode job (1: single steps; more: continuation jobs)
+    cached: int = 0  # prompt positions each attempt's first piece restores from the prefix cache (at most its own)
+
+    @property
+    def restored(self) -> int:
+        return min(self.cached, self.chunk, self.prompt)
 
 
 def _spec(sid: str, account: str, max_tokens: int) -> SessionSpec:
@@ -65,9 +74,9 @@ def _spec(sid: str, account: str, max_tokens: int) -> SessionSpec:
 
 
 def _answer(job: StepJob, account: str, *, rid: str, pos: int, fed: int, token: int | None, finished: bool,
-            final: bool) -> Answer:
-    o = Outcome(rid, job.session_id, Status.OK, None, pos, token=token, finished=finished, prompt_tokens=fed,
-                engine_seconds=0.001 * (1 + fed))
+            final: bool, cached: int = 0) -> Answer:
+    o = Outcome(rid, job.session_id, Status.OK, None, pos, token=token, finished=finished,
+                prompt_tokens=fed - cached, engine_seconds=0.001 * (1 + fed), cached_tokens=cached)
     return Answer(ref=None, job=job, result=o, account_id=account, close="finished" if finished else None,
                   final=final)
 
@@ -85,7 +94,7 @@ def attempt_answers(sid: str, account: str, plan: Plan, attempt: int, generated:
                       start_position=start, tokens=tuple(range(1, end - start + 1)), created_at=time.time(),
                       attempt=attempt, sample=last, session=_spec(sid, account, M) if start == 0 else None)
         out.append(_answer(job, account, rid=job.job_id, pos=end, fed=end - start, token=100 + end if last else None,
-                           finished=last and g + 1 == M, final=True))
+                           finished=last and g + 1 == M, final=True, cached=plan.restored if start == 0 else 0))
         start = end
     g += 1
     dig = compat_key("decode").digest
@@ -117,7 +126,7 @@ def session_filings(sid: str, account: str, plan: Plan) -> tuple[list[Answer], l
 
 plans = st.builds(Plan, prompt=st.integers(1, 9), max_tokens=st.integers(1, 5),
                   cuts=st.lists(st.integers(0, 6), max_size=3).map(tuple), chunk=st.integers(1, 6),
-                  cont=st.integers(1, 3))
+                  cont=st.integers(1, 3), cached=st.sampled_from([0, 0, 1, 3, 9]))
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,8 @@ def published(client: redis.Redis, t: RedisTransport, sids: list[str]) -> dict[s
                     continue
                 out[rec.sid[i]].append({"att": rec.att[i], "pos": rec.pos[i], "st": rec.st[i], "job": rec.job[i],
                                         "off": rec.off[i], "prompt_tokens": chg.p[i], "generated_tokens": chg.g[i],
-                                        "recomputed_tokens": chg.r[i], "fed": rec.fed[i], "tok": rec.tok[i]})
+                                        "recomputed_tokens": chg.r[i], "cached_tokens": chg.k[i] if chg.k else 0,
+                                        "fed": rec.fed[i], "tok": rec.tok[i]})
     return out
 
 
@@ -211,7 +221,7 @@ def check(client: redis.Redis, t: RedisTransport, sessions: dict[str, tuple[str,
     for sid, (account, plan, last) in sessions.items():
         mine = rows.get(sid, [])
         acct = session_accounting(client, WORKER, sid)
-        sums = Counter({c: sum(r[c] for r in mine) for c in COUNTERS[:3]})
+        sums = Counter({c: sum(r[c] for r in mine) for c in COUNTERS[:4]})
         sums["steps"] = len(mine)
         for c in COUNTERS:
             assert int(acct.get(c, 0)) == sums[c], (sid, c, acct, mine)
@@ -230,6 +240,8 @@ def check(client: redis.Redis, t: RedisTransport, sessions: dict[str, tuple[str,
             assert p + g == L + M and p >= L, (sid, p, g, L, M)
         else:
             assert (p, g) == (L, M), (sid, p, g, L, M, mine)
+        # every charge of a restored position is a cached one: each is charged once, by a first piece
+        assert int(acct.get("cached_tokens", 0)) == plan.restored, (sid, acct, plan)
         fed = sum(r["fed"] + (r["tok"] >= 0) for r in mine)
         assert int(acct["recomputed_tokens"]) == fed - p - g
         assert acct.get("closed") == "finished"
@@ -328,7 +340,7 @@ def test_hostile_openings_land_on_no_honest_counter(redis_client: redis.Redis, e
         acct = session_accounting(client, WID, sid)
         got = {c: int(acct.get(c, 0)) for c in COUNTERS}
         assert got == {"prompt_tokens": len(p), "generated_tokens": HONEST_M, "recomputed_tokens": 0,
-                       "steps": HONEST_M}, (sid, got, hostile)
+                       "cached_tokens": 0, "steps": HONEST_M}, (sid, got, hostile)
         sums[ACCOUNTS[i % 2]].update(got)
     for account, want in sums.items():
         have = {k.decode(): int(float(v)) for k, v in client.hgetall(WorkerKeys(WID).billing_account(account)).items()}

@@ -54,6 +54,9 @@ def test_hits_are_bit_identical_to_solo(tiny_model_path: Path, client: redis.Red
     out = run_scenario(client, ss, c, make, lambda s, stops: oracle(solo_engine, s, stops))
     assert out.mismatches == []
     assert out.prefix_hit_tokens >= 48  # later sessions restored shared blocks (how many: timing)
+    # billed apart: every restored token charged once as cached (a part of prompt_tokens, which the harness
+    # checks is each prompt's length), nothing restored uncounted (no replay here)
+    assert out.cached_tokens == out.prefix_hit_tokens
     # advertised: the shared prefix's blocks (rooted in the prefill key's digest, scope global) are in the
     # heartbeat's bounded summary, and the counters in the lane's info
     summary = PrefixSummary.parse(out.info["prefix"])
@@ -74,4 +77,4 @@ def test_scope_account_does_not_share_across_accounts(tiny_model_path: Path, cli
                                                                 ctx_per_session=512),
                        lambda s, stops: oracle(solo_engine, s, stops))
     assert out.mismatches == []
-    assert out.prefix_hit_tokens == 0
+    assert out.prefix_hit_tokens == 0 and out.cached_tokens == 0

@@ -20,7 +20,7 @@ from consumer.engines.llama import LlamaCppEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
-from schemas.wire import END_OFFSET, STATUSES, ResultRecord, decode_record, results_from_fields
+from schemas.wire import END_OFFSET, STATUSES, Charges, ResultRecord, decode_record, results_from_fields
 from tests.producer_drivers import MakeProducer, make_producer
 
 __all__ = ["make_producer"]
@@ -32,6 +32,8 @@ MAX_TOKENS = 20
 COLUMNS = {"worker": "worker_id", "call": None, "batch": "batch_size", "sid": "session_id", "job": "job_id",
            "off": "job_id", "att": None, "st": "status", "pos": "position", "frm": None, "tok": "token",
            "fin": "finished", "fed": None, "es": "accounting.engine_seconds", "x": "reason detail hidden logprobs"}
+CHARGES = {"p": "accounting.prompt_tokens", "g": "accounting.generated_tokens", "r": "accounting.recomputed_tokens",
+           "k": "accounting.cached_tokens", "d": None}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,7 @@ def expected(client: redis.Redis) -> dict[str, list[dict[str, Any]]]:
         for _eid, fields in client.xrange(stream):
             rec, chg = decode_record(fields)
             assert set(ResultRecord.__struct_fields__) == set(COLUMNS), "a record column no check names"
+            assert set(Charges.__struct_fields__) == set(CHARGES), "a charges column no check names"
             for i in range(len(rec)):
                 if i in chg.d:
                     continue
@@ -77,7 +80,7 @@ def expected(client: redis.Redis) -> dict[str, list[dict[str, Any]]]:
                     "job_id": rid, "session_id": rec.sid[i], "status": STATUSES[rec.st[i]], "position": rec.pos[i],
                     "worker_id": rec.worker, "token": None if rec.tok[i] < 0 else rec.tok[i],
                     "finished": rec.fin[i] == 1, "batch_size": rec.batch,
-                    "accounting": (chg.p[i], chg.g[i], chg.r[i], rec.es[i]),
+                    "accounting": (chg.p[i], chg.g[i], chg.r[i], rec.es[i], chg.k[i] if chg.k else 0),
                     "reason": x.reason if x else None, "detail": x.detail if x else "",
                     "hidden": x.hidden if x else None, "logprobs": x.logprobs if x else None})
     return out
@@ -87,7 +90,8 @@ def seen(r: StepResult) -> dict[str, Any]:
     a = r.accounting
     return {"job_id": r.job_id, "session_id": r.session_id, "status": r.status, "position": r.position,
             "worker_id": r.worker_id, "token": r.token, "finished": r.finished, "batch_size": r.batch_size,
-            "accounting": (a.prompt_tokens, a.generated_tokens, a.recomputed_tokens, a.engine_seconds),
+            "accounting": (a.prompt_tokens, a.generated_tokens, a.recomputed_tokens, a.engine_seconds,
+                           a.cached_tokens),
             "reason": r.reason, "detail": r.detail, "hidden": r.hidden, "logprobs": r.logprobs}
 
 

@@ -204,7 +204,10 @@ def test_results_are_parsed_as_strictly() -> None:
                    {"sid": ["s-1", "s-2"]}, {"extra": 1}, {"off": [True]}):
         with pytest.raises(WireError):
             results_from_fields(_record(change))
-    for charges in ({"p": [0, 0]}, {"d": [3]}, {"g": ["1"]}, {"z": []}):
+    # k (cached, a part of p): one per row, never above the row's prompt charge
+    assert results_from_fields(_record(charges={"p": [3], "k": [2]}))[0].accounting.cached_tokens == 2
+    for charges in ({"p": [0, 0]}, {"d": [3]}, {"g": ["1"]}, {"z": []}, {"p": [3], "k": [4]}, {"k": [0, 0]},
+                    {"p": [3], "k": [-1]}):
         with pytest.raises(WireError):
             results_from_fields(_record(charges=charges))
     with pytest.raises(WireError) as e:

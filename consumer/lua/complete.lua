@@ -17,6 +17,8 @@
 --     recomputed; a sampled token at position pos >= hw or owed; then hw moves past them. So every
 --     prompt position and every sampled token is charged once per session, however often it is
 --     replayed, re-sent or redelivered;
+--     Of the prompt positions charged, those restored from the prefix cache (`kc`) are also counted as
+--     cached (a part of the prompt's, never charged twice either);
 --   * counted: tally deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
 -- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was
 -- charged) unless no row of it is fresh. Then the acks (one XACK per input stream), input blobs to
@@ -39,7 +41,8 @@
 -- [11] control (JSON, below), then the records, their rows, blob bytes and dead letters the control
 -- refers to by ARGV index.
 -- control: {"records": [{"out": K, "r": A of the record (published as is), "c": A of its rows' columns the
---            script reads (JSON: sid, st, att, pos, frm, fed, tok, es), "acct": [n per row],
+--            script reads (JSON: sid, st, att, pos, frm, fed, tok, es, and kc: positions of fed restored
+--            from the prefix cache, only when a row has any), "acct": [n per row],
 --            "skey": [K per row], "res": {"row": K}, "blob": {"row": [K, A]}}],
 --           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
 --           "acks": [[K, ["entry id", ...]], ...], "del": [K, ...],

@@ -69,6 +69,9 @@ for n, s in pairs(accounts) do
   if s[3] > 0 then
     redis.call('HINCRBY', key, 'recomputed_tokens', int(s[3]))
   end
+  if s[6] > 0 then
+    redis.call('HINCRBY', key, 'cached_tokens', int(s[6]))
+  end
   redis.call('HINCRBYFLOAT', key, 'engine_seconds', fmt(s[5]))
   redis.call('SADD', index, acct_ids[n][2])
 end
@@ -78,6 +81,9 @@ if w_steps > 0 then
   redis.call('HINCRBY', worker, 'generated_tokens', int(w_gen))
   if w_recomp > 0 then
     redis.call('HINCRBY', worker, 'recomputed_tokens', int(w_recomp))
+  end
+  if w_cached > 0 then
+    redis.call('HINCRBY', worker, 'cached_tokens', int(w_cached))
   end
   redis.call('HINCRBYFLOAT', worker, 'engine_seconds_share', fmt(w_share))
   for status, k in pairs(by_status) do

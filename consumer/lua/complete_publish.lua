@@ -3,7 +3,7 @@
 -- when its session has a billing account; each record XADDed with its charges unless no row is fresh.
 -- (The hot loop of the worker's hot path: columns held in locals, no string built per row unless the
 -- row needs one, sums in locals. Lua 5.1 runs each operation in tens of nanoseconds.)
-local w_prompt, w_gen, w_recomp, w_steps, w_share, w_ok = 0, 0, 0, 0, 0.0, 0
+local w_prompt, w_gen, w_recomp, w_steps, w_share, w_ok, w_cached = 0, 0, 0, 0, 0.0, 0, 0
 local by_status = {}
 local STATUS = {'cancelled', 'rejected', 'state_lost', 'failed'}
 local out = {}
@@ -12,10 +12,12 @@ local n_rows, n_fresh = 0, 0
 for ri, rec in ipairs(ctl.records) do
   local R = rec.R
   local Rsid, Rst, Rpos, Ratt, Rfrm, Rfed, Rtok, Res = R.sid, R.st, R.pos, R.att, R.frm, R.fed, R.tok, R.es
+  local Rkc = R.kc  -- only when a row restored positions from the prefix cache
   local acct, skey, res, blob = rec.acct, rec.skey, rec.res, rec.blob
   local has_blob = next(blob) ~= nil
   local n = #Rsid
-  local P, G, RC, D = {}, {}, {}, {}
+  local P, G, RC, D, K = {}, {}, {}, {}, {}
+  local any_k = false
   local any_acct, published = false, 0
   for i = 1, n do
     local st, pos, a = Rst[i], Rpos[i], acct[i]
@@ -52,12 +54,15 @@ for ri, rec in ipairs(ctl.records) do
     else
       fresh = redis.call('SET', KEYS[res[tostring(i - 1)]], '1', 'NX', 'EX', a > 0 and ttl or rttl) ~= false
     end
-    local p, g, rc = 0, 0, 0
+    local p, g, rc, k = 0, 0, 0, 0
     if fresh then
       published = published + 1
       local es = Res[i]
       if e ~= nil then
-        p, g, rc = charge(sid, e, a, pos, Rfed[i], Rtok[i] >= 0, es)
+        p, g, rc, k = charge(sid, e, a, pos, Rfed[i], Rtok[i] >= 0, es, Rkc and Rkc[i] or 0)
+        if k > 0 then
+          any_k, w_cached = true, w_cached + k
+        end
         any_acct = true
       end
       w_prompt, w_gen, w_recomp, w_steps, w_share = w_prompt + p, w_gen + g, w_recomp + rc, w_steps + 1, w_share + es
@@ -76,11 +81,12 @@ for ri, rec in ipairs(ctl.records) do
     else
       D[#D + 1] = i - 1
     end
-    P[i], G[i], RC[i] = p, g, rc
+    P[i], G[i], RC[i], K[i] = p, g, rc, k
   end
   n_rows, n_fresh = n_rows + n, n_fresh + published
   local charges = '{"p":[' .. table.concat(P, ',') .. '],"g":[' .. table.concat(G, ',') .. '],"r":[' ..
-    table.concat(RC, ',') .. '],"d":[' .. table.concat(D, ',') .. ']}'
+    table.concat(RC, ',') .. '],"d":[' .. table.concat(D, ',') .. ']' ..
+    (any_k and (',"k":[' .. table.concat(K, ',') .. ']}') or '}')
   out[ri] = charges
   if published > 0 then
     local stream = KEYS[rec.out]

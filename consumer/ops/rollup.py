@@ -38,7 +38,7 @@ from .common import LEDGER_INDEX, Client, ledger_key, load_script, r, s, sdict, 
 
 log = logging.getLogger("dgr.ops.rollup")
 
-INT_COUNTERS = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "steps")
+INT_COUNTERS = ("prompt_tokens", "generated_tokens", "recomputed_tokens", "cached_tokens", "steps")
 FLOAT_COUNTERS = ("engine_seconds",)
 META_FIELDS = ("folds", "folded_at")
 

@@ -78,6 +78,7 @@ class _Rows:
     tok: list[int] = field(default_factory=list)
     fin: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
+    kc: list[int] = field(default_factory=list)  # of fed, positions restored from the prefix cache
     es: list[float] = field(default_factory=list)
     x: dict[str, RowExtra] = field(default_factory=dict)
     acct: list[int] = field(default_factory=list)  # per row: the call's account number (0: none)
@@ -150,6 +151,7 @@ class Publisher:
             r.fin.append(1 if o.finished else 0)
             # Restored prompt positions (prefix cache) are fed positions too: charged once, never owed.
             r.fed.append(o.prompt_tokens + o.cached_tokens)
+            r.kc.append(o.cached_tokens)
             r.es.append(o.engine_seconds)
             if code or o.hidden is not None or o.logprobs is not None or o.detail:
                 r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
@@ -201,8 +203,11 @@ class Publisher:
             argv_tail.append(encode_record(rec))
             # What the script reads of the rows (the record itself is only published): the columns it
             # needs, without the job ids and texts it would otherwise decode for nothing.
-            argv_tail.append(_ENC.encode({"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
-                                          "fed": r.fed, "tok": r.tok, "es": r.es}))
+            cols: dict[str, Any] = {"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
+                                    "fed": r.fed, "tok": r.tok, "es": r.es}
+            if any(r.kc):  # a prefix cache hit: rare, so the script reads it only then
+                cols["kc"] = r.kc
+            argv_tail.append(_ENC.encode(cols))
             records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail) - 1, "c": head + len(argv_tail),
                             "acct": r.acct, "skey": r.skey, "res": r.res, "blob": r.blob})
         ctl: dict[str, Any] = {"records": records, "accounts": acct_list,
