@@ -64,9 +64,9 @@ def choose_key(fleet: Sequence[WorkerInfo], model: TextModel) -> Placement:
 
 
 def cached_tokens(handles: Sequence[SessionHandle]) -> int:
-    """Prompt tokens the workers charged as read from their prefix cache: the one place it is read (issue 31 adds
-    the `cached_tokens` charge; 0 until a handle carries it)."""
-    return sum(int(getattr(h, "cached_tokens", 0) or 0) for h in handles)
+    """Prompt tokens the workers charged as restored from their prefix cache (a part of prompt_tokens): the one
+    place it is read."""
+    return sum(h.cached_tokens for h in handles)
 
 
 @dataclass

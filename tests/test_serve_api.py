@@ -48,7 +48,7 @@ def stack(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pyt
     logs = tmp_path_factory.mktemp("serve-logs")
     redis.Redis.from_url(redis_server.url).flushall()
     with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", logs, slots=4, threads=1,
-                         env={"GGML_CPU_TILED_MM": "0"}) as consumer, \
+                         extra=["--prefix-cache-bytes", str(16 << 20)], env={"GGML_CPU_TILED_MM": "0"}) as consumer, \
             ServeProcess(redis_server.url, [f"tiny={tiny_model_path}"], free_port(), logs) as serve:
         yield Stack(redis_server.url, serve.url, tiny_model_path, consumer)
 
@@ -178,6 +178,20 @@ def test_n_choices_are_sessions_with_derived_seeds(stack: Stack) -> None:
         assert one.choices[0].text == ch.text
     single = c.completions.create(model="tiny", prompt="hello", max_tokens=6, seed=11)
     assert r.usage.prompt_tokens == 3 * single.usage.prompt_tokens  # each session's prompt is charged
+
+
+def test_cached_tokens_are_the_prefix_cache_charge(stack: Stack) -> None:
+    """The worker runs a prefix cache: a prompt of several 16-token blocks sent again is partly restored, and
+    usage says how much (what the worker charged as cached, a part of prompt_tokens); the text is the same."""
+    prompt = " ".join(f"word{i}" for i in range(40))  # a prompt no other test sends: nothing cached yet
+    c = stack.client()
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens >= 48
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0, cached
+    assert again.choices[0].text == first.choices[0].text
 
 
 def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
