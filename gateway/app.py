@@ -4,6 +4,7 @@ keys, /health and /metrics. Every refusal is decided before a session opens (not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -28,12 +29,13 @@ from schemas import StepResult
 from .api import ChatRequest, CompletionRequest, Generation
 from .errors import ApiError, bad_request, from_validation, not_found_model, unauthorized
 from .responses import Choice, Kind, Shape
-from .runner import Placement, Runner, usage_of
+from .runner import Runner, Sessions, serving, usage_of
 from .text import TextModel
 
 log = logging.getLogger("dgr.serve")
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"
 MAX_BODY_BYTES = 1 << 20
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,7 +62,6 @@ class Gateway:
     def __init__(self, config: ServeConfig, producer: AsyncProducer) -> None:
         self.config, self.runner, self.metrics = config, Runner(producer), Metrics()
         self.models = {m.name: m for m in config.models}
-        self._cancelling: set[asyncio.Future[Any]] = set()
 
     def account(self, request: Request) -> str:
         if not self.config.api_keys:
@@ -110,29 +111,34 @@ class Gateway:
         model = self.model(req.model)
         prompt = self.prompt(req, model)
         where = await self.runner.place(model)
-        specs = self.runner.specs(req, model, prompt, where, account)
+        sessions = self.runner.sessions(req, model, prompt, where, account)
         shape = Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", model,
                       req.logprobs_n() is not None)
-        choices = [Choice.new(i, model, req.stops, specs[0].stop_tokens) for i in range(req.n)]
-        events = self.runner.events(specs, prompt).__aiter__()
+        choices = [Choice.new(i, model, req.stops, sessions.stop_tokens) for i in range(req.n)]
+        events = sessions.events().__aiter__()
         t0 = time.monotonic()
-        first = await anext(events)  # a 429 (backpressure) is still an HTTP status here
-        self.metrics.ttft.observe(time.monotonic() - t0)
-        if req.stream:
-            return StreamingResponse(self.sse(shape, choices, first, events, where, specs, req.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        handles: dict[str, SessionHandle] = {}
-        item: Any = first
-        while True:
-            if isinstance(item, dict):
-                handles = item
-                break
-            self.take(choices, item, where, specs)
-            item = await anext(events)
+        try:
+            first = await until_disconnected(request, anext(events))  # a 429 (backpressure) is still a status
+            self.metrics.ttft.observe(time.monotonic() - t0)
+            if req.stream:  # from here Starlette watches the client: it cancels the stream when it goes
+                return StreamingResponse(self.sse(shape, choices, first, events, sessions, req.include_usage),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            handles = await until_disconnected(request, self.collect(choices, first, events, sessions))
+        except ClientDisconnect:
+            await events.aclose()  # type: ignore[attr-defined]  # cancels the sessions on their workers
+            raise
         failed = self.failure(handles, choices)
         if failed is not None:
             raise ApiError(502, failed, type="server_error", code="worker_failed")
         return JSONResponse(shape.body(choices, usage_of(list(handles.values())).body()))
+
+    async def collect(self, choices: list[Choice], item: Any, events: AsyncIterator[Any],
+                      sessions: Sessions) -> dict[str, SessionHandle]:
+        """A whole answer (not streamed): every event taken, then the handles."""
+        while not isinstance(item, dict):
+            self.take(choices, item, sessions)
+            item = await anext(events)
+        return item
 
     def prompt(self, req: Generation, model: TextModel) -> list[int]:
         if isinstance(req, ChatRequest):
@@ -149,17 +155,15 @@ class Gateway:
             raise bad_request(f"the prompt must be text or token ids in [0, {vocab})", param="prompt")
         return prompt
 
-    def take(self, choices: list[Choice], item: tuple[int, StepResult], where: Placement,
-             specs: list[Any]) -> tuple[Choice, str, list[Any]]:
+    def take(self, choices: list[Choice], item: tuple[int, StepResult], sessions: Sessions
+             ) -> tuple[Choice, str, list[Any]]:
         i, r = item
         c = choices[i]
         text, lps, hit = c.take(r)
         if r.token is not None:
             self.metrics.tokens.inc()
         if hit:  # a stop string: the worker's session is not needed any more
-            task = asyncio.ensure_future(self.runner.producer.cancel(where.worker_id, specs[i].session_id))
-            self._cancelling.add(task)  # the loop keeps only a weak reference to a task
-            task.add_done_callback(self._cancelling.discard)
+            sessions.stop(i)
         return c, text, lps
 
     @staticmethod
@@ -170,7 +174,7 @@ class Gateway:
         return None
 
     async def sse(self, shape: Shape, choices: list[Choice], first: Any, events: AsyncIterator[Any],
-                  where: Placement, specs: list[Any], include_usage: bool) -> AsyncIterator[bytes]:
+                  sessions: Sessions, include_usage: bool) -> AsyncIterator[bytes]:
         def data(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -180,7 +184,7 @@ class Gateway:
         item = first
         try:
             while not isinstance(item, dict):
-                c, text, lps = self.take(choices, item, where, specs)
+                c, text, lps = self.take(choices, item, sessions)
                 offset = sum(len(t) for t in c.text[:-1])
                 if text or lps or c.finish_reason is not None:
                     yield data(shape.chunk(c.index, text, c.finish_reason, lps, offset, usage=include_usage))
@@ -199,14 +203,36 @@ class Gateway:
 
     async def models_body(self) -> dict[str, Any]:
         fleet = await self.runner.fleet()
-        from .runner import serving
-
         data = []
         for m in self.models.values():
             workers = [w.worker_id for w in fleet if w.alive and serving(w, m) is not None]
             data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "dgr",
                          "workers": workers, "chat_template": m.template.source if m.template else None})
         return {"object": "list", "data": data}
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client goes away first: then `work` is cancelled and ClientDisconnect raised.
+    The body has been read, so the next ASGI message can only be `http.disconnect` (uvicorn sends it when the
+    connection closes); Starlette's StreamingResponse does the same watch for a stream."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled() and gone.done() and not gone.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _endpoint(name: str, fn: Callable[[Gateway, Request], Awaitable[Response]]

@@ -1,6 +1,8 @@
-"""Sessions for HTTP requests over ONE AsyncProducer: which worker (`choose_worker`, the one place), the
-SessionSpecs a request becomes, and a stream of (choice, token result) events; a caller that stops listening
-(a client gone, a stop string met) cancels its unfinished sessions on the worker (the cancel marker)."""
+"""Sessions for HTTP requests over ONE AsyncProducer: which key serves a model (`choose_key`, the one place), the
+SessionTemplates a request becomes (the producer places each on a worker by load and cached prefix, and moves it
+off a worker lost mid-answer: docs/placement.md), and a stream of (choice, token result) events; a caller that
+stops listening (a client gone, a stop string met) cancels its unfinished sessions on the worker each runs on
+now (the cancel marker)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer import AsyncProducer, Backpressure, ProducerError, SessionHandle
+from producer import AsyncProducer, Backpressure, ProducerError, SessionHandle, SessionTemplate
 from producer.validate import WorkerInfo
-from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, StepResult
+from schemas import CompatibilityKey, Sampling, StepResult
 from schemas.limits import MAX_GENERATE
 
 from .api import Generation
@@ -27,8 +29,11 @@ FLEET_CACHE_S = 1.0
 
 @dataclass(frozen=True)
 class Placement:
-    worker_id: str
+    """The key a model's sessions are opened with, and the live workers advertising it (the producer's
+    placement picks one of them per session)."""
+
     key: CompatibilityKey
+    workers: tuple[str, ...]
 
     @property
     def ctx(self) -> int:
@@ -41,22 +46,27 @@ def serving(info: WorkerInfo, model: TextModel) -> CompatibilityKey | None:
                  and k.boundary.produces == "logits"), None)
 
 
-def choose_worker(fleet: Sequence[WorkerInfo], model: TextModel) -> Placement:
-    """THE worker choice (issue 33's placement replaces this body): the first live worker, by id, advertising the
-    model. 503 when workers advertise it but none is up."""
+def choose_key(fleet: Sequence[WorkerInfo], model: TextModel) -> Placement:
+    """THE choice of the key a model's sessions use: the one most live workers advertise for its weights (ties:
+    the lowest worker id), so placement has the most workers to choose from. 503 when workers advertise the
+    model but none is up. The worker itself is placement's choice, per session (SessionTemplate)."""
     advertising = [(w, k) for w in sorted(fleet, key=lambda w: w.worker_id) if (k := serving(w, model)) is not None]
-    live = [(w, k) for w, k in advertising if w.alive]
-    if not live:
+    by_key: dict[tuple[str, str], tuple[CompatibilityKey, list[str]]] = {}  # by the digests placement matches
+    for w, k in advertising:
+        if w.alive:
+            by_key.setdefault((k.for_phase("prefill").digest, k.for_phase("decode").digest), (k, []))[1].append(
+                w.worker_id)
+    if not by_key:
         raise unavailable(f"no worker is up for model {model.name!r}"
                           + (f" ({len(advertising)} advertise it, none has a heartbeat)" if advertising else ""))
-    w, k = live[0]
-    return Placement(w.worker_id, k)
+    key, workers = max(by_key.values(), key=lambda kw: len(kw[1]))  # the first of equals: by worker id
+    return Placement(key, tuple(workers))
 
 
 def cached_tokens(handles: Sequence[SessionHandle]) -> int:
-    """Prompt tokens the workers charged as read from their prefix cache: the one place it is read (issue 31 adds
-    the `cached_tokens` charge; 0 until a handle carries it)."""
-    return sum(int(getattr(h, "cached_tokens", 0) or 0) for h in handles)
+    """Prompt tokens the workers charged as restored from their prefix cache (a part of prompt_tokens): the one
+    place it is read."""
+    return sum(h.cached_tokens for h in handles)
 
 
 @dataclass
@@ -98,12 +108,12 @@ class Runner:
         return infos
 
     async def place(self, model: TextModel) -> Placement:
-        return choose_worker(await self.fleet(), model)
+        return choose_key(await self.fleet(), model)
 
-    def specs(self, req: Generation, model: TextModel, prompt: list[int], where: Placement,
-              account: str) -> list[SessionSpec]:
+    def sessions(self, req: Generation, model: TextModel, prompt: list[int], where: Placement,
+                 account: str) -> Sessions:
         """The request's sessions (n of them, seeds derived), refused before any work when the prompt does not
-        fit the worker's context."""
+        fit the key's context or a field does not make a valid SessionSpec."""
         if len(prompt) >= where.ctx:
             raise bad_request(f"This model's maximum context length is {where.ctx} tokens; the prompt has "
                               f"{len(prompt)} tokens", param="messages" if hasattr(req, "messages") else "prompt",
@@ -121,30 +131,44 @@ class Runner:
                         frequency_penalty=float(req.frequency_penalty), repetition_penalty=float(req.repeat_penalty),
                         logit_bias=bias, logprobs=req.logprobs_n(), json_schema=_schema(req))
         rid = uuid.uuid4().hex[:20]
+        stop_tokens = () if req.ignore_eos else model.tokenizer.stop_tokens
         try:
-            return [SessionSpec(session_id=f"srv-{rid}-{i}", account_id=account,
-                                route=(RouteHop(worker_id=where.worker_id, key=where.key),),
-                                sampling=Sampling(**sampling, seed=seed + i),  # type: ignore[arg-type]
-                                max_tokens=asked or room,
-                                stop_tokens=() if req.ignore_eos else model.tokenizer.stop_tokens)
-                    for i in range(req.n)]
+            templates = [SessionTemplate(session_id=f"srv-{rid}-{i}", account_id=account, keys=(where.key,),
+                                         options={"sampling": Sampling(**sampling, seed=seed + i),  # type: ignore[arg-type]
+                                                  "max_tokens": asked or room, "stop_tokens": stop_tokens})
+                         for i in range(req.n)]
+            for t in templates:  # the SessionSpec's own checks, here: before placement opens anything
+                t.spec(where.workers[:1])
         except ValueError as e:
             raise bad_request(str(e).splitlines()[-1] if str(e) else "invalid sampling", param="response_format"
                               if "schema" in str(e) else None) from None
+        return Sessions(self.producer, templates, prompt, stop_tokens)
 
-    async def events(self, specs: list[SessionSpec], prompt: list[int]
-                     ) -> AsyncIterator[tuple[int, StepResult] | dict[str, SessionHandle]]:
+
+class Sessions:
+    """One request's sessions: opened from templates (placed by the producer), their handles as their answers
+    come (`handles`, by choice index: a handle's worker_id is where the session runs now, after any move)."""
+
+    def __init__(self, producer: AsyncProducer, templates: list[SessionTemplate], prompt: list[int],
+                 stop_tokens: tuple[int, ...]) -> None:
+        self.producer, self.templates, self.prompt, self.stop_tokens = producer, templates, prompt, stop_tokens
+        self.handles: dict[int, SessionHandle] = {}
+        self._cancelling: set[asyncio.Future[None]] = set()
+
+    async def events(self) -> AsyncIterator[tuple[int, StepResult] | dict[str, SessionHandle]]:
         """(choice index, result) for each answer as it comes, then the handles by session id. Leaving early
         (the iterator closed or cancelled) cancels every unfinished session on its worker."""
-        index = {s.session_id: i for i, s in enumerate(specs)}
+        index = {t.session_id: i for i, t in enumerate(self.templates)}
         queue: asyncio.Queue[tuple[int, StepResult] | dict[str, SessionHandle] | BaseException] = asyncio.Queue()
 
         def on_result(h: SessionHandle, r: StepResult) -> None:
+            self.handles[index[h.session_id]] = h
             queue.put_nowait((index[h.session_id], r))
 
         async def run() -> None:
             try:
-                queue.put_nowait(await self.producer.run_many([(s, prompt) for s in specs], on_result=on_result))
+                queue.put_nowait(await self.producer.run_many([(t, self.prompt) for t in self.templates],
+                                                              on_result=on_result))
             except BaseException as e:
                 queue.put_nowait(e)
                 raise
@@ -154,19 +178,8 @@ class Runner:
         try:
             while True:
                 item = await queue.get()
-                if isinstance(item, Backpressure):
-                    raise overloaded(str(item)) from None
-                if isinstance(item, ApiError):
-                    raise item
-                if isinstance(item, (ValueError, TypeError)):  # the producer's checks (a token outside the vocab)
-                    raise bad_request(str(item)) from None
-                if isinstance(item, ProducerError):  # a worker lost or silent past the timeout: an error event
-                    raise ApiError(502, f"the session failed on the worker: {item}", type="server_error",
-                                   code="worker_failed") from None
-                if isinstance(item, LookupError):
-                    raise unavailable(str(item)) from None
                 if isinstance(item, BaseException):
-                    raise item
+                    raise _api_error(item) from None
                 if isinstance(item, dict):
                     done = True
                     yield item
@@ -174,15 +187,43 @@ class Runner:
                 yield item
         finally:
             if not done:
+                # run_many, cancelled, cancels what it opened (release_abandoned); the cancels below name the
+                # workers the answers came from, in case a session moved after its last answer
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-                await asyncio.shield(self._cancel(specs))
+                await asyncio.shield(self._cancel_all())
 
-    async def _cancel(self, specs: list[SessionSpec]) -> None:
-        for s in specs:
+    def stop(self, i: int) -> None:
+        """Choice i is complete (a stop string): cancel its session where it runs now, without waiting."""
+        task = asyncio.ensure_future(self._cancel(self.handles[i]))
+        self._cancelling.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._cancelling.discard)
+
+    async def _cancel(self, h: SessionHandle) -> None:
+        for w in sorted({leg.worker_id for leg in h.legs}):
             with contextlib.suppress(Exception):
-                await self.producer.cancel(s.route[0].worker_id, s.session_id)
+                await self.producer.cancel(w, h.session_id)
+
+    async def _cancel_all(self) -> None:
+        for h in self.handles.values():
+            if not h.finished:
+                await self._cancel(h)
+
+
+def _api_error(e: BaseException) -> BaseException:
+    """What the producer raised, as the HTTP error it is."""
+    if isinstance(e, Backpressure):
+        return overloaded(str(e))
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, (ValueError, TypeError)):  # the producer's checks (a token outside the vocab)
+        return bad_request(str(e))
+    if isinstance(e, ProducerError):  # a worker lost or silent past the timeout, and no other to move to
+        return ApiError(502, f"the session failed on the worker: {e}", type="server_error", code="worker_failed")
+    if isinstance(e, LookupError):  # placement found no eligible worker (all draining, or stale)
+        return unavailable(str(e))
+    return e
 
 
 def _bias(logit_bias: dict[str, float] | None, vocab: int) -> dict[int, float]:

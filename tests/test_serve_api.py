@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ def stack(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pyt
     logs = tmp_path_factory.mktemp("serve-logs")
     redis.Redis.from_url(redis_server.url).flushall()
     with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", logs, slots=4, threads=1,
-                         env={"GGML_CPU_TILED_MM": "0"}) as consumer, \
+                         extra=["--prefix-cache-bytes", str(16 << 20)], env={"GGML_CPU_TILED_MM": "0"}) as consumer, \
             ServeProcess(redis_server.url, [f"tiny={tiny_model_path}"], free_port(), logs) as serve:
         yield Stack(redis_server.url, serve.url, tiny_model_path, consumer)
 
@@ -179,6 +180,20 @@ def test_n_choices_are_sessions_with_derived_seeds(stack: Stack) -> None:
     assert r.usage.prompt_tokens == 3 * single.usage.prompt_tokens  # each session's prompt is charged
 
 
+def test_cached_tokens_are_the_prefix_cache_charge(stack: Stack) -> None:
+    """The worker runs a prefix cache: a prompt of several 16-token blocks sent again is partly restored, and
+    usage says how much (what the worker charged as cached, a part of prompt_tokens); the text is the same."""
+    prompt = " ".join(f"word{i}" for i in range(40))  # a prompt no other test sends: nothing cached yet
+    c = stack.client()
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens >= 48
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0, cached
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     keys = WorkerKeys(WORKER)
@@ -206,3 +221,33 @@ def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
         time.sleep(0.1)
     assert (stack.consumer.heartbeat() or {}).get("busy_slots") == 0
     assert acct is not None
+
+
+def test_a_non_streaming_client_that_disconnects_cancels_its_session(stack: Stack) -> None:
+    """Raw HTTP: a socket sends a whole (not streamed) request and closes once its session is open; the gateway,
+    watching for `http.disconnect`, cancels the session (no reaper): the cancel marker is set, the session ends
+    `cancelled` (900 tokens asked, ignore_eos: it could not end on its own that soon), and the worker's slot is
+    freed."""
+    client = redis.Redis.from_url(stack.redis_url)
+    keys = WorkerKeys(WORKER)
+    before = set(client.scan_iter(match=keys.session_record("srv-*")))
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "seed": 2}).encode()
+    host, port = stack.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 20
+        while not (new := set(client.scan_iter(match=keys.session_record("srv-*"))) - before):
+            assert time.monotonic() < deadline, "the request opened no session"
+            time.sleep(0.002)
+    # the socket is closed: the client went away before its answer
+    (record,) = new
+    sid = record.decode().rsplit(":", 1)[1]
+    acct = keys.session_account(sid)
+    deadline = time.monotonic() + 20
+    while not client.hexists(acct, "closed") or (stack.consumer.heartbeat() or {}).get("busy_slots") != 0:
+        assert time.monotonic() < deadline, f"the worker still holds the session: {client.hgetall(acct)}"
+        time.sleep(0.05)
+    assert client.exists(keys.cancel_marker(sid)), "no cancel marker was set for the abandoned session"
+    assert client.hget(acct, "closed") == b"cancelled", client.hgetall(acct)
+    assert int(client.hget(acct, "generated_tokens") or 0) < 900

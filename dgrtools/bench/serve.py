@@ -26,8 +26,8 @@ import redis.asyncio as aioredis
 
 from dgrtools.localredis import LocalRedis, free_port
 from dgrtools.process import ConsumerProcess
-from producer import AsyncProducer
-from schemas import RouteHop, Sampling, SessionSpec
+from producer import AsyncProducer, SessionTemplate
+from schemas import Sampling
 
 WORKER = "bench-serve"
 
@@ -80,8 +80,9 @@ async def producer_side(redis_url: str, prompts: Sequence[Sequence[int]], tokens
         key = (await producer.discover(WORKER)).keys[0]
 
         async def one(i: int, p: Sequence[int], t0: float) -> tuple[float | None, int]:
-            spec = SessionSpec(session_id=f"bench-{time.monotonic_ns()}-{i}", account_id="bench", max_tokens=tokens,
-                               route=(RouteHop(worker_id=WORKER, key=key),), sampling=Sampling())
+            # placed as the gateway's sessions are (a SessionTemplate), so the gap measured is the gateway's own
+            spec = SessionTemplate(session_id=f"bench-{time.monotonic_ns()}-{i}", account_id="bench", keys=(key,),
+                                   options={"max_tokens": tokens, "sampling": Sampling()})
             first, n = None, 0
             async for _ in producer.generate(spec, p):
                 n += 1
