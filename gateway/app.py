@@ -24,10 +24,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from producer import AsyncProducer, ProducerSettings, SessionHandle
-from schemas import StepResult
+from schemas import Reason, Status, StepResult
 
 from .api import ChatRequest, CompletionRequest, Generation
-from .errors import ApiError, bad_request, from_validation, not_found_model, unauthorized
+from .errors import ApiError, bad_request, from_validation, not_found_model, overloaded, unauthorized
 from .responses import Choice, Kind, Shape
 from .runner import Runner, Sessions, serving, usage_of
 from .text import TextModel
@@ -119,6 +119,9 @@ class Gateway:
         t0 = time.monotonic()
         try:
             first = await until_disconnected(request, anext(events))  # a 429 (backpressure) is still a status
+            if isinstance(first, tuple) and no_room(first[1]):  # refused before any token: still a status
+                await events.aclose()  # type: ignore[attr-defined]  # the other choices' sessions cancelled
+                raise overloaded(f"no free slot for choice {first[0]} on the worker: {first[1].detail}".strip())
             self.metrics.ttft.observe(time.monotonic() - t0)
             if req.stream:  # from here Starlette watches the client: it cancels the stream when it goes
                 return StreamingResponse(self.sse(shape, choices, first, events, sessions, req.include_usage),
@@ -129,7 +132,7 @@ class Gateway:
             raise
         failed = self.failure(handles, choices)
         if failed is not None:
-            raise ApiError(502, failed, type="server_error", code="worker_failed")
+            raise failed
         return JSONResponse(shape.body(choices, usage_of(list(handles.values())).body()))
 
     async def collect(self, choices: list[Choice], item: Any, events: AsyncIterator[Any],
@@ -167,10 +170,15 @@ class Gateway:
         return c, text, lps
 
     @staticmethod
-    def failure(handles: dict[str, SessionHandle], choices: list[Choice]) -> str | None:
+    def failure(handles: dict[str, SessionHandle], choices: list[Choice]) -> ApiError | None:
+        """A choice the worker ended before it finished: 429 when it was refused for a slot before any token
+        (the client retries: `Retry-After`), else 502."""
         for c, h in zip(choices, handles.values(), strict=False):
             if c.finish_reason is None and h.status not in ("finished", "cancelled"):
-                return f"the worker ended the session: {h.status} ({h.reason or ''} {h.detail})".strip()
+                if h.status == "rejected" and h.reason == Reason.CAPACITY.value and not h.generated:
+                    return overloaded(f"no free slot for choice {c.index} on the worker: {h.detail}".strip())
+                return ApiError(502, f"the worker ended the session: {h.status} ({h.reason or ''} {h.detail})".strip(),
+                                type="server_error", code="worker_failed")
         return None
 
     async def sse(self, shape: Shape, choices: list[Choice], first: Any, events: AsyncIterator[Any],
@@ -191,7 +199,7 @@ class Gateway:
                 item = await anext(events)
             failed = self.failure(item, choices)
             if failed is not None:
-                yield data(ApiError(502, failed, type="server_error", code="worker_failed").body())
+                yield data(failed.body())
             elif include_usage:
                 yield data(shape.usage_chunk(usage_of(list(item.values())).body()))
             yield b"data: [DONE]\n\n"
@@ -298,3 +306,8 @@ def make_app(config: ServeConfig, client: aioredis.Redis | None = None) -> Starl
               Route("/v1/completions", _endpoint("completions", _completions), methods=["POST"]),
               Route("/v1/chat/completions", _endpoint("chat", _chat), methods=["POST"])]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def no_room(r: StepResult) -> bool:
+    """A session refused at its opening for want of a slot (before any token)."""
+    return r.status == Status.REJECTED and r.reason == Reason.CAPACITY and r.token is None

@@ -179,6 +179,19 @@ def test_backpressure_is_429_with_retry_after(worker: redis.Redis, redis_server:
     stuck.flushdb()
 
 
+def test_more_choices_than_free_slots_is_429_and_frees_what_it_took(worker: redis.Redis, redis_server: LocalRedis,
+                                                                   models: list[TextModel]) -> None:
+    """n = 3 on a worker of 2 slots: the third session is refused for a slot (reason capacity), so the request
+    is 429 with Retry-After (the client retries), not a 502; the two sessions it got end, and the next
+    request is served."""
+    body = {**CHAT, "n": 3, "max_tokens": 32}
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH, json=body)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "backpressure"
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH, json={**CHAT, "n": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_health_metrics_playground(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel]) -> None:
     cfg = ServeConfig(redis_url=redis_server.url, models=models)
     assert call(cfg, "GET", "/health").json()["workers_up"] >= 1
