@@ -18,12 +18,12 @@ from typing import Any, Final
 import msgspec
 import redis
 
-from schemas import GROUP
+from schemas import GROUP, StepJob, WorkerKeys
 from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
 from schemas.replies import as_bytes
 from schemas.wire import STATUS_CODE, ResultRecord, RowExtra, encode_record, split_result_id
 
-from ..sched.outputs import Answer
+from ..sched.outputs import Answer, Outcome
 from .connection import LeaseLost, RedisIO
 from .durable import DurableScripts
 from .intake import Intake
@@ -86,6 +86,131 @@ class _Rows:
     res: dict[str, int] = field(default_factory=dict)  # row -> KEYS index of its once-only marker (not ok)
     blob: dict[str, list[int]] = field(default_factory=dict)  # row -> [KEYS index, ARGV index] of output rows
 
+    def add(self, o: Outcome, job: StepJob | None) -> int:
+        """The outcome's columns as row i (returned); the script's per-row lists are the caller's."""
+        i = len(self.sid)
+        rid = o.job_id
+        self.sid.append(o.session_id)
+        if job is not None:
+            off = split_result_id(rid, job.job_id)[1]
+            self.job.append(job.job_id)
+            self.off.append(off)
+            self.att.append(job.attempt)
+            self.frm.append(job.start_position + off if off > 0 else job.start_position)
+        else:
+            self.job.append(rid)
+            self.off.append(0)
+            self.att.append(0)
+            self.frm.append(o.position)
+        code = STATUS_CODE[o.status]
+        self.st.append(code)
+        self.pos.append(o.position)
+        self.tok.append(-1 if o.token is None else o.token)
+        self.fin.append(1 if o.finished else 0)
+        # Restored prompt positions (prefix cache) are fed positions too: charged once, never owed.
+        self.fed.append(o.prompt_tokens + o.cached_tokens)
+        self.kc.append(o.cached_tokens)
+        self.es.append(o.engine_seconds)
+        if code or o.hidden is not None or o.logprobs is not None or o.detail:
+            self.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
+        return i
+
+
+@dataclass
+class _CallBuilder:
+    """One completion call's KEYS, control and ARGV tail, built answer by answer (no I/O): each answer a row
+    of its result stream's record, its account, session hash, marker and blobs by KEYS index."""
+
+    k: WorkerKeys
+    dropped: set[tuple[str, str]]  # (stream, entry id) acked as dead letters: not acked again
+    keys: _Keys = field(default_factory=_Keys)
+    argv_tail: list[Any] = field(default_factory=list)  # ARGV after the fixed head: records, blobs, dead letters
+    rows: dict[str, _Rows] = field(default_factory=dict)
+    accounts: dict[str, int] = field(default_factory=dict)
+    acct_list: list[list[Any]] = field(default_factory=list)
+    ack_ids: dict[str, list[str]] = field(default_factory=dict)
+    in_blobs: list[int] = field(default_factory=list)
+    close: list[list[Any]] = field(default_factory=list)
+    settled: list[Delivery] = field(default_factory=list)
+    head: int = len(COMPLETE_ARGV)
+
+    def __post_init__(self) -> None:
+        k = self.k
+        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.tally, k.call_guard):
+            self.keys(key)
+        self.own_act = k.base + ":act:"
+
+    def account(self, account_id: str) -> int:
+        """The account's number in the control (1-based), added on first use."""
+        n = self.accounts.get(account_id)
+        if n is None:
+            self.acct_list.append([self.keys(self.k.billing_account(account_id)), account_id])
+            n = self.accounts[account_id] = len(self.acct_list)
+        return n
+
+    def answer(self, a: Answer) -> None:
+        o, job, k, keys = a.result, a.job, self.k, self.keys
+        sid = o.session_id
+        reply = a.reply or (job.reply if job is not None else sid)
+        r = self.rows.get(reply)
+        if r is None:
+            r = self.rows[reply] = _Rows()
+        i = r.add(o, job)
+        account = a.account_id
+        if account:
+            r.acct.append(self.account(account))
+            r.skey.append(keys(k.session_account(sid)))
+        else:
+            r.acct.append(0)
+            r.skey.append(0)
+        if r.st[i]:
+            r.res[str(i)] = keys(k.result_record(o.job_id))
+        if a.blob is not None:
+            hidden = o.hidden
+            if hidden is None or hidden.blob != k.activations_out(o.job_id):
+                raise ValueError(f"output rows of {o.job_id} need result.hidden.blob = its activations_out key")
+            self.argv_tail.append(a.blob)
+            r.blob[str(i)] = [keys(hidden.blob), self.head + len(self.argv_tail)]
+        if job is not None and job.hidden is not None and job.hidden.blob is not None \
+                and job.hidden.blob.startswith(self.own_act):
+            # a key outside this worker's tag (a job naming another worker's key) is never touched
+            self.in_blobs.append(keys(job.hidden.blob))
+        if a.final and isinstance(a.ref, Delivery):
+            self.ack(a.ref)
+        if a.close is not None:
+            self.close.append([sid, keys(k.session_account(sid)), a.close, self.accounts.get(account or "", 0)])
+
+    def ack(self, d: Delivery) -> None:
+        if (d.stream, d.entry_id) not in self.dropped:
+            self.ack_ids.setdefault(d.stream, []).append(d.entry_id)
+            self.settled.append(d)
+
+    def closure(self, c: Closure) -> None:
+        n = self.account(c.account_id) if c.account_id else 0
+        self.close.append([c.session_id, self.keys(self.k.session_account(c.session_id)), c.kind, n])
+
+    def control(self, worker_id: str, call_id: str, batch: int) -> dict[str, Any]:
+        """The records (encoded into the ARGV tail) and the control that names them."""
+        records: list[dict[str, Any]] = []
+        for reply, r in self.rows.items():
+            rec = ResultRecord(worker=worker_id, call=call_id, batch=batch, sid=r.sid, job=r.job, off=r.off,
+                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es,
+                               x=r.x)
+            self.argv_tail.append(encode_record(rec))
+            # What the script reads of the rows (the record itself is only published): the columns it
+            # needs, without the job ids and texts it would otherwise decode for nothing.
+            cols: dict[str, Any] = {"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
+                                    "fed": r.fed, "tok": r.tok, "es": r.es}
+            if any(r.kc):  # a prefix cache hit: rare, so the script reads it only then
+                cols["kc"] = r.kc
+            self.argv_tail.append(_ENC.encode(cols))
+            n = self.head + len(self.argv_tail)
+            records.append({"out": self.keys(self.k.results(reply)), "r": n - 1, "c": n, "acct": r.acct,
+                            "skey": r.skey, "res": r.res, "blob": r.blob})
+        return {"records": records, "accounts": self.acct_list,
+                "acks": [[self.keys(s), ids] for s, ids in self.ack_ids.items()], "del": self.in_blobs,
+                "close": self.close}
+
 
 class Publisher:
     """Builds and sends completion calls. One thread at a time (the worker's I/O thread, or its loop)."""
@@ -108,118 +233,22 @@ class Publisher:
         if not (answers or dead_letters or call or closures or acks):
             return []
         io, st = self.io, self.io.settings
-        keys = _Keys()
-        k = io.keys
-        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.tally, k.call_guard):
-            keys(key)
-        argv_tail: list[Any] = []  # ARGV after the fixed head: records, blob bytes, dead letters
-        head = len(COMPLETE_ARGV)
-        rows: dict[str, _Rows] = {}
-        accounts: dict[str, int] = {}
-        acct_list: list[list[Any]] = []
-        ack_ids: dict[str, list[str]] = {}
-        dropped = {(d.delivery.stream, d.delivery.entry_id) for d in dead_letters}  # acked as dead letters
-        in_blobs: list[int] = []
-        close: list[list[Any]] = []
-        settled: list[Delivery] = []
-        own_act = k.base + ":act:"
+        b = _CallBuilder(io.keys, dropped={(d.delivery.stream, d.delivery.entry_id) for d in dead_letters})
         for a in answers:
-            o, job = a.result, a.job
-            sid = o.session_id
-            reply = a.reply or (job.reply if job is not None else sid)
-            r = rows.get(reply)
-            if r is None:
-                r = rows[reply] = _Rows()
-            i = len(r.sid)
-            rid = o.job_id
-            r.sid.append(sid)
-            if job is not None:
-                off = split_result_id(rid, job.job_id)[1]
-                r.job.append(job.job_id)
-                r.off.append(off)
-                r.att.append(job.attempt)
-                r.frm.append(job.start_position + off if off > 0 else job.start_position)
-            else:
-                r.job.append(rid)
-                r.off.append(0)
-                r.att.append(0)
-                r.frm.append(o.position)
-            code = STATUS_CODE[o.status]
-            r.st.append(code)
-            r.pos.append(o.position)
-            r.tok.append(-1 if o.token is None else o.token)
-            r.fin.append(1 if o.finished else 0)
-            # Restored prompt positions (prefix cache) are fed positions too: charged once, never owed.
-            r.fed.append(o.prompt_tokens + o.cached_tokens)
-            r.kc.append(o.cached_tokens)
-            r.es.append(o.engine_seconds)
-            if code or o.hidden is not None or o.logprobs is not None or o.detail:
-                r.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
-            account = a.account_id
-            if account:
-                n = accounts.get(account)
-                if n is None:
-                    acct_list.append([keys(k.billing_account(account)), account])
-                    n = accounts[account] = len(acct_list)
-                r.acct.append(n)
-                r.skey.append(keys(k.session_account(sid)))
-            else:
-                r.acct.append(0)
-                r.skey.append(0)
-            if code:
-                r.res[str(i)] = keys(k.result_record(rid))
-            if a.blob is not None:
-                hidden = o.hidden
-                if hidden is None or hidden.blob != k.activations_out(rid):
-                    raise ValueError(f"output rows of {rid} need result.hidden.blob = its activations_out key")
-                argv_tail.append(a.blob)
-                r.blob[str(i)] = [keys(hidden.blob), head + len(argv_tail)]
-            if job is not None and job.hidden is not None and job.hidden.blob is not None \
-                    and job.hidden.blob.startswith(own_act):
-                # a key outside this worker's tag (a job naming another worker's key) is never touched
-                in_blobs.append(keys(job.hidden.blob))
-            d = a.ref
-            if a.final and isinstance(d, Delivery) and (d.stream, d.entry_id) not in dropped:
-                ack_ids.setdefault(d.stream, []).append(d.entry_id)
-                settled.append(d)
-            if a.close is not None:
-                close.append([sid, keys(k.session_account(sid)), a.close, accounts.get(account or "", 0)])
+            b.answer(a)
         for d in acks:
-            if (d.stream, d.entry_id) not in dropped:
-                ack_ids.setdefault(d.stream, []).append(d.entry_id)
-                settled.append(d)
+            b.ack(d)
         for c in closures:
-            n = accounts.get(c.account_id or "", 0)
-            if c.account_id and not n:
-                acct_list.append([keys(k.billing_account(c.account_id)), c.account_id])
-                n = accounts[c.account_id] = len(acct_list)
-            close.append([c.session_id, keys(k.session_account(c.session_id)), c.kind, n])
-        records: list[dict[str, Any]] = []
-        for reply, r in rows.items():
-            rec = ResultRecord(worker=io.worker_id, call=f"{self.lease.epoch}:{self.seq + 1}",
-                               batch=call.batch_size if call is not None else 0, sid=r.sid, job=r.job, off=r.off,
-                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es,
-                               x=r.x)
-            argv_tail.append(encode_record(rec))
-            # What the script reads of the rows (the record itself is only published): the columns it
-            # needs, without the job ids and texts it would otherwise decode for nothing.
-            cols: dict[str, Any] = {"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
-                                    "fed": r.fed, "tok": r.tok, "es": r.es}
-            if any(r.kc):  # a prefix cache hit: rare, so the script reads it only then
-                cols["kc"] = r.kc
-            argv_tail.append(_ENC.encode(cols))
-            records.append({"out": keys(k.results(reply)), "r": head + len(argv_tail) - 1, "c": head + len(argv_tail),
-                            "acct": r.acct, "skey": r.skey, "res": r.res, "blob": r.blob})
-        ctl: dict[str, Any] = {"records": records, "accounts": acct_list,
-                               "acks": [[keys(s), ids] for s, ids in ack_ids.items()], "del": in_blobs,
-                               "close": close, "nd": len(dead_letters)}
+            b.closure(c)
+        ctl = b.control(io.worker_id, f"{self.lease.epoch}:{self.seq + 1}", call.batch_size if call is not None else 0)
+        ctl["nd"] = len(dead_letters)
         if dead_letters:
-            ctl["dead"] = head + len(argv_tail) + 1
+            ctl["dead"] = b.head + len(b.argv_tail) + 1
             for dl in dead_letters:
                 flat = self._dead_letter_fields(dl)
-                sk = 0 if dl.delivery.stream == k.cancellations else keys(dl.delivery.stream)
-                argv_tail += [sk, dl.delivery.entry_id, len(flat) // 2, *flat]
-                settled.append(dl.delivery)
+                sk = 0 if dl.delivery.stream == io.keys.cancellations else b.keys(dl.delivery.stream)
+                b.argv_tail += [sk, dl.delivery.entry_id, len(flat) // 2, *flat]
+                b.settled.append(dl.delivery)
         if call is not None:
             if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
                 raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
@@ -227,16 +256,16 @@ class Publisher:
         self.seq += 1
         args = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen, st.reject_ttl_s, self.lease.token or "",
                 self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, _ENC.encode(ctl),
-                *argv_tail]
+                *b.argv_tail]
         try:
             # re-sent as is after a reconnect (or too few replicas): the call guard makes it a no-op
-            reply_: Any = io.script("complete", keys.keys, args) if self.durable is None else \
-                self.durable.run("complete", keys.keys, args)
+            reply_: Any = io.script("complete", b.keys.keys, args) if self.durable is None else \
+                self.durable.run("complete", b.keys.keys, args)
         except redis.ResponseError as e:
             if str(e).startswith("DGRFENCED"):
                 raise LeaseLost(f"worker {io.worker_id}: {e}") from None
             raise
-        self.intake.settled(settled)
+        self.intake.settled(b.settled)
         if isinstance(reply_, bytes | str):  # 'DUP': filed by the first send
             return []
         return [as_bytes(x).decode() for x in reply_]
