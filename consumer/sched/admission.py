@@ -4,15 +4,26 @@ effect on any other session; a newer attempt's opening; cancellation."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from schemas import Reason, Status, StepJob
 from schemas.limits import MAX_TOKENS_PER_JOB
 
 from .outputs import Answer
-from .session_table import ClosedSession
+from .session_table import ClosedSession, SessionEntry
 from .state import SchedulerState, SessionQueue, _Queued
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Refused"]
+
+
+class Refused(NamedTuple):
+    """Why admission answers a step at once: its reason, detail, status, and whether the session's account
+    is named (a refusal that could be anyone's writing names none: `already_open`)."""
+
+    reason: Reason
+    detail: str
+    status: Status = Status.REJECTED
+    charged: bool = True
 
 
 class Admission(SchedulerState):
@@ -43,7 +54,6 @@ class Admission(SchedulerState):
         sid = job.session_id
         entry = self.table.get(sid)
         closed = self.table.closed(sid) if entry is None else None
-        opening = job.phase == "prefill" and job.start_position == 0
         account: str | None
         if entry is not None:
             next_pos, account = entry.queued_position, entry.account_id
@@ -51,89 +61,14 @@ class Admission(SchedulerState):
             next_pos, account = closed.position, closed.account_id
         else:
             next_pos, account = job.start_position, None
-
-        engine_digest = self.engine_digests.get(job.phase)
-        if engine_digest is None or not (job.compat == stream_digest == engine_digest):
-            return self._reject(job, ref, Reason.INCOMPATIBLE, next_pos, account,
-                                f"job compat {job.compat}, stream {stream_digest}, engine "
-                                f"{job.phase} {engine_digest}")
-        spec = entry.spec if entry is not None else job.session if closed is None else None
-        route = spec.route if spec is not None else None
-        if route is not None and (job.hop >= len(route) or route[job.hop].worker_id != self.worker_id):
-            return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
-                                f"hop {job.hop} is not this worker's on the session's route")
-        if route is not None and len(route) > 1 and job.n > 1:
-            # Refused, not clamped: each token of a route of several hops travels back to hop 0 first.
-            return self._reject(job, ref, Reason.WRONG_HOP, next_pos, account,
-                                "a continuation (n > 1) needs a route of one hop")
-
-        held_attempt = self._attempts.get(sid) if entry is not None else None
-        if held_attempt is not None and job.attempt < held_attempt:
-            # A step of an attempt this worker dropped for a newer one (a route replay): never computed.
-            return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
-                                f"attempt {job.attempt} is older than the session's attempt {held_attempt}")
-        known = entry if entry is not None else closed
-        if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
-            # A cancel is final whatever the step's position: a later prompt chunk or a replay's new
-            # attempt of a cancelled session is answered CANCELLED, never POSITION_GAP or a fresh open.
-            return self._reject(job, ref, Reason.CANCELLED, next_pos, account, "session was cancelled",
-                                status=Status.CANCELLED)
-        if known is not None:
-            if opening:
-                if job.job_id == known.opening_job_id:
-                    return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
-                                        "the opening prefill was already received")
-                if entry is not None:  # another opening naming an open session: charged to nobody
-                    return self._reject(job, ref, Reason.ALREADY_OPEN, next_pos, None,
-                                        "session is already open")
-            elif job.start_position < next_pos:
-                return self._reject(job, ref, Reason.DUPLICATE, next_pos, account,
-                                    f"position {job.start_position} < next position {next_pos}")
-            elif job.start_position > next_pos:
-                return self._reject(job, ref, Reason.POSITION_GAP, next_pos, account,
-                                    f"position {job.start_position} > next position {next_pos}")
-        if entry is not None and not job.tokens and not entry.queued_samples:
-            # A job with no token feeds the token sampled at its position: none is sampled there.
-            return self._reject(job, ref, Reason.POSITION_GAP, next_pos, account,
-                                f"no token is sampled at position {job.start_position} to continue from")
-
-        cap = self.config.capacity
-        top = max(job.tokens, default=0)
-        if top >= cap.vocab_size:
-            return self._reject(job, ref, Reason.BAD_TOKEN, next_pos, account,
-                                f"token {top} >= vocab_size {cap.vocab_size}")
-        if job.end_position > cap.ctx_per_session or len(job.tokens) > MAX_TOKENS_PER_JOB:
-            return self._reject(job, ref, Reason.TOO_LONG, next_pos, account,
-                                f"end position {job.end_position} > ctx_per_session {cap.ctx_per_session}"
-                                if job.end_position > cap.ctx_per_session
-                                else f"{len(job.tokens)} tokens > {MAX_TOKENS_PER_JOB}")
-
-        if closed is not None:
-            if closed.kind == "cancelled":
-                return self._reject(job, ref, Reason.CANCELLED, next_pos, account, "session was cancelled",
-                                    status=Status.CANCELLED)
-            return self._reject(job, ref, Reason.FINISHED, next_pos, account, "session has finished")
-
-        if entry is None:
-            if not opening:
-                return self._reject(job, ref, Reason.UNKNOWN_SESSION, next_pos, account,
-                                    "this worker does not hold the session", status=Status.STATE_LOST)
-            assert job.session is not None  # StepJob guarantees it on the opening prefill
-            limit = self.config.max_slots_per_account
-            if limit and self.table.account_sessions(job.session.account_id) >= limit:
-                return self._reject(job, ref, Reason.ACCOUNT_LIMIT, next_pos, account,
-                                    f"account {job.session.account_id} holds {limit} sessions on this worker")
-            entry = self.table.open(job.session, job.job_id)
-            if entry is None:
-                return self._reject(job, ref, Reason.CAPACITY, next_pos, account,
-                                    f"all {cap.n_slots} slots are taken")
-            self.stats.sessions_opened += 1
-            self._lanes[sid] = SessionQueue(entry=entry)
-            self._attempts[sid] = job.attempt
-            self._attempts.move_to_end(sid)
-            while len(self._attempts) > self.config.closed_capacity + cap.n_slots:
-                self._attempts.popitem(last=False)
-
+        refused = (self._route_refusal(job, stream_digest, entry, closed)
+                   or self._order_refusal(job, entry, closed, next_pos) or self._content_refusal(job, closed))
+        if refused is None and entry is None:
+            entry, refused = self._open(job)
+        if refused is not None:
+            return self._reject(job, ref, refused.reason, next_pos, account if refused.charged else None,
+                                refused.detail, status=refused.status)
+        assert entry is not None
         lane = self._lanes[sid]
         self._seq += 1
         lane.jobs.append(_Queued(job=job, ref=ref, seq=self._seq))
@@ -144,6 +79,88 @@ class Admission(SchedulerState):
         self.stats.admitted += 1
         self._refresh(lane)
         return None
+
+    def _route_refusal(self, job: StepJob, stream_digest: str, entry: SessionEntry | None,
+                       closed: ClosedSession | None) -> Refused | None:
+        """Check 1: the job's key, stream and engine agree; its hop is this worker's."""
+        engine_digest = self.engine_digests.get(job.phase)
+        if engine_digest is None or not (job.compat == stream_digest == engine_digest):
+            return Refused(Reason.INCOMPATIBLE, f"job compat {job.compat}, stream {stream_digest}, engine "
+                                                f"{job.phase} {engine_digest}")
+        spec = entry.spec if entry is not None else job.session if closed is None else None
+        route = spec.route if spec is not None else None
+        if route is not None and (job.hop >= len(route) or route[job.hop].worker_id != self.worker_id):
+            return Refused(Reason.WRONG_HOP, f"hop {job.hop} is not this worker's on the session's route")
+        if route is not None and len(route) > 1 and job.n > 1:
+            # Refused, not clamped: each token of a route of several hops travels back to hop 0 first.
+            return Refused(Reason.WRONG_HOP, "a continuation (n > 1) needs a route of one hop")
+        return None
+
+    def _order_refusal(self, job: StepJob, entry: SessionEntry | None, closed: ClosedSession | None,
+                       next_pos: int) -> Refused | None:
+        """Check 2 (and a cancel's finality): the job's attempt and position against the session's."""
+        held_attempt = self._attempts.get(job.session_id) if entry is not None else None
+        if held_attempt is not None and job.attempt < held_attempt:
+            # A step of an attempt this worker dropped for a newer one (a route replay): never computed.
+            return Refused(Reason.DUPLICATE, f"attempt {job.attempt} is older than the session's attempt "
+                                             f"{held_attempt}")
+        if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
+            # A cancel is final whatever the step's position: a later prompt chunk or a replay's new
+            # attempt of a cancelled session is answered CANCELLED, never POSITION_GAP or a fresh open.
+            return Refused(Reason.CANCELLED, "session was cancelled", Status.CANCELLED)
+        known = entry if entry is not None else closed
+        if known is not None:
+            if job.phase == "prefill" and job.start_position == 0:
+                if job.job_id == known.opening_job_id:
+                    return Refused(Reason.DUPLICATE, "the opening prefill was already received")
+                if entry is not None:  # another opening naming an open session: charged to nobody
+                    return Refused(Reason.ALREADY_OPEN, "session is already open", charged=False)
+            elif job.start_position < next_pos:
+                return Refused(Reason.DUPLICATE, f"position {job.start_position} < next position {next_pos}")
+            elif job.start_position > next_pos:
+                return Refused(Reason.POSITION_GAP, f"position {job.start_position} > next position {next_pos}")
+        if entry is not None and not job.tokens and not entry.queued_samples:
+            # A job with no token feeds the token sampled at its position: none is sampled there.
+            return Refused(Reason.POSITION_GAP, f"no token is sampled at position {job.start_position} to "
+                                                "continue from")
+        return None
+
+    def _content_refusal(self, job: StepJob, closed: ClosedSession | None) -> Refused | None:
+        """Checks 3-5: the tokens and length the engine can take; a session that ended."""
+        cap = self.config.capacity
+        top = max(job.tokens, default=0)
+        if top >= cap.vocab_size:
+            return Refused(Reason.BAD_TOKEN, f"token {top} >= vocab_size {cap.vocab_size}")
+        if job.end_position > cap.ctx_per_session or len(job.tokens) > MAX_TOKENS_PER_JOB:
+            return Refused(Reason.TOO_LONG, f"end position {job.end_position} > ctx_per_session "
+                                            f"{cap.ctx_per_session}" if job.end_position > cap.ctx_per_session
+                           else f"{len(job.tokens)} tokens > {MAX_TOKENS_PER_JOB}")
+        if closed is not None:
+            if closed.kind == "cancelled":
+                return Refused(Reason.CANCELLED, "session was cancelled", Status.CANCELLED)
+            return Refused(Reason.FINISHED, "session has finished")
+        return None
+
+    def _open(self, job: StepJob) -> tuple[SessionEntry | None, Refused | None]:
+        """Check 6: a prefill at 0 opens the session on a free slot, within its account's limit."""
+        if not (job.phase == "prefill" and job.start_position == 0):
+            return None, Refused(Reason.UNKNOWN_SESSION, "this worker does not hold the session", Status.STATE_LOST)
+        assert job.session is not None  # StepJob guarantees it on the opening prefill
+        limit = self.config.max_slots_per_account
+        if limit and self.table.account_sessions(job.session.account_id) >= limit:
+            return None, Refused(Reason.ACCOUNT_LIMIT,
+                                 f"account {job.session.account_id} holds {limit} sessions on this worker")
+        entry = self.table.open(job.session, job.job_id)
+        if entry is None:
+            return None, Refused(Reason.CAPACITY, f"all {self.config.capacity.n_slots} slots are taken")
+        sid = job.session_id
+        self.stats.sessions_opened += 1
+        self._lanes[sid] = SessionQueue(entry=entry)
+        self._attempts[sid] = job.attempt
+        self._attempts.move_to_end(sid)
+        while len(self._attempts) > self.config.closed_capacity + self.config.capacity.n_slots:
+            self._attempts.popitem(last=False)
+        return entry, None
 
     def supersede(self, job: StepJob, stream_digest: str) -> list[Answer]:
         """Before admitting `job`: when it opens (prefill at 0, a compatible key) a newer attempt of a

@@ -32,6 +32,7 @@ class Tallies(NamedTuple):
     prompt_tokens: int
     generated_tokens: int
     engine_seconds: float
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache (fed, charged apart)
 
 
 @dataclass(slots=True)  # treated as immutable; not frozen: built per token (see _PER_TOKEN)
@@ -61,7 +62,7 @@ class Outcome:
     @property
     def accounting(self) -> Tallies:
         """What the answer carries to be charged (the counters decide: docs/accounting.md)."""
-        return Tallies(self.prompt_tokens, self.generated_tokens, self.engine_seconds)
+        return Tallies(self.prompt_tokens, self.generated_tokens, self.engine_seconds, self.cached_tokens)
 
 
 @dataclass(slots=True)  # treated as immutable; not frozen: built per token (see _PER_TOKEN)
