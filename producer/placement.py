@@ -28,12 +28,12 @@ from schemas.prefix import (
     PrefixSummary,
     Scope,
     block_ids,
-    cached_blocks,
     prefix_root,
     salt_for,
 )
 
 from .commands import Plan
+from .pool_index import PoolIndex, leading
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -146,7 +146,7 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
     for c in pool:
         ids = get((c.block_tokens or 0, c.scope), ())
         n = len(ids)
-        hit = _leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
+        hit = leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
         s = c.slots if c.slots > 1 else 1
         cost = ow * ((n - hit) / n if n else 1.0) + c.load / s + qw * c.queued / s
         rank = (c.load, c.worker_id) if guarded else (cost, c.load, c.worker_id)
@@ -174,11 +174,6 @@ def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None
                      heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
                      block_tokens=summary.block_tokens if summary is not None else None,
                      scope=summary.scope if summary is not None else None, held=ids)
-
-
-def _leading(ids: Sequence[str], held: Set[str]) -> int:
-    """cached_blocks over any set (the Tracker's own copy is a plain set it extends)."""
-    return cached_blocks(ids, held) if isinstance(held, set | frozenset) else cached_blocks(ids, frozenset(held))
 
 
 def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
@@ -218,6 +213,7 @@ class FleetView:
     # digests -> the (block_tokens, scope) of the pool's workers that may hold a prompt's blocks (a summary, or
     # ids this Tracker sent a worker without one: (0, None)); kept up to date by note(), cleared by load().
     groups: dict[tuple[str, str], set[tuple[int, str | None]]] = field(default_factory=dict)
+    indexes: dict[tuple[str, str], PoolIndex] = field(default_factory=dict)  # digests -> its pool's index
 
     def digests(self, key: CompatibilityKey) -> tuple[str, str]:
         got = self.key_digests.get(id(key))
@@ -230,7 +226,7 @@ class FleetView:
         return d
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
-        self.workers, self.read_at, self.pools, self.groups = workers, read_at, {}, {}
+        self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self.sent_ids.get(w.worker_id, ()), now)
                            for w in workers}
         for w in workers:
@@ -246,6 +242,7 @@ class FleetView:
         c = self.candidates.get(worker_id)
         if c is not None:
             self.candidates[worker_id] = replace(c, heartbeat_age_s=None)
+            self.indexes = {}  # it is no longer eligible: built again on the next placement
 
     def pool(self, digests: tuple[str, str]) -> list[Candidate]:
         ids = self.pools.get(digests)
@@ -260,6 +257,18 @@ class FleetView:
             got = self.groups[digests] = {(c.block_tokens, c.scope) if c.block_tokens is not None else (0, None)
                                           for c in self.pool(digests) if c.block_tokens is not None or c.held}
         return got
+
+    def choose(self, digests: tuple[str, str], policy: PlacementPolicy,
+               ids_for: Mapping[tuple[int, str | None], Sequence[str]]) -> tuple[Choice | None, list[str]]:
+        """choose() over the pool (through its index: the same Choice), and the eligible full workers."""
+        if policy.overlap_weight < 0:  # the index needs a held block never to cost more (producer/pool_index.py)
+            cands = self.pool(digests)
+            return choose(cands, digests, policy, ids_for), [c.worker_id for c in cands if c.load >= c.slots
+                                                              and eligible(c, digests, policy)]
+        index = self.indexes.get(digests)
+        if index is None or index.policy is not policy:
+            index = self.indexes[digests] = PoolIndex(self.pool(digests), digests, policy)
+        return index.choose(ids_for), index.full()
 
     def since_beat(self, w: WorkerInfo) -> int:
         ts = w.heartbeat.get("ts")
@@ -283,7 +292,9 @@ class FleetView:
         if c is not None:
             if isinstance(c.held, set):
                 c.held.update(ids)  # the Tracker's own copy (candidate() builds it): no copy per session
-            self.candidates[w] = replace(c, load=c.load + 1)
+            self.candidates[w] = new = replace(c, load=c.load + 1)
+            for index in self.indexes.values():
+                index.update(new)
             if c.block_tokens is None and ids:  # it may hold what it was sent now
                 for digests, group in self.groups.items():
                     if w in self.pools.get(digests, ()):
@@ -349,14 +360,13 @@ class Placer:
                 chosen.append(None)
                 continue
             digests = self.fleet.digests(key)
-            cands = self.fleet.pool(digests)
             ids_for: dict[tuple[int, str | None], list[str]] = {}
             for bt, scope in self.fleet.pool_groups(digests):
                 # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
                 salt = _salt(scope, cache_salt, template.account_id)
                 ids_for[(bt, scope)] = [] if salt is None else block_ids(
                     prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
-            choice = choose(cands, digests, self.policy, ids_for)
+            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"
                 raise LookupError(f"no worker to place session {template.session_id!r} on{hop}: none that beats "
@@ -369,8 +379,7 @@ class Placer:
                 ids = [] if salt is None else block_ids(prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")
-            full = [c.worker_id for c in cands if c.load >= c.slots and c.worker_id != choice.worker_id
-                    and eligible(c, digests, self.policy)]
+            full = [w for w in full_now if w != choice.worker_id]
             choices.append((choice, ids, full))
             chosen.append(choice.worker_id)
         for choice, ids, full in choices:  # counted once every hop found its worker

@@ -6,12 +6,13 @@ a worker holding the prompt's prefix wins among equally loaded ones; the imbalan
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer import ProducerCore, WorkerInfo
-from producer.placement import Candidate, Choice, PlacementPolicy, SessionTemplate, choose
+from producer.placement import Candidate, Choice, PlacementPolicy, SessionTemplate, choose, eligible
 from schemas.limits import WIRE_VERSION
 from schemas.prefix import PrefixSummary, block_ids, cached_blocks, prefix_root
 from tests.test_transport import make_key
@@ -208,3 +209,26 @@ def mixed(draw: st.DrawFn) -> list[Candidate]:
 def test_choose_equals_the_choice_as_first_written(cs: list[Candidate], policy: PlacementPolicy) -> None:
     ids_for = {(16, "account"): IDS, (32, "account"): IDS[:4], (0, None): IDS[:6]}
     assert choose(cs, KEYS, policy, ids_for) == choose_as_first_written(cs, KEYS, policy, ids_for)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mixed(), st.lists(st.integers(0, 4), max_size=30),
+       st.sampled_from([PlacementPolicy(), PlacementPolicy(overlap_weight=0.0), PlacementPolicy(balance_abs=2)]))
+def test_the_pool_index_chooses_as_choose_placement_after_placement(cs: list[Candidate], prompts: list[int],
+                                                                    policy: PlacementPolicy) -> None:
+    """FleetView's index (producer/pool_index.py) against choose() on the same candidates, as each session placed
+    adds to its worker's load and held blocks (note), several prompts sharing leading blocks."""
+    from producer.placement import FleetView
+
+    view = FleetView()
+    view.candidates = {c.worker_id: replace(c, held=set(c.held)) for c in cs}
+    view.pools = {KEYS: list(view.candidates)}  # type: ignore[dict-item]
+    for k in prompts:
+        ids_for = {(16, "account"): IDS[:3 + k], (32, "account"): IDS[k:k + 4], (0, None): IDS[:k + 1]}
+        got, full = view.choose(KEYS, policy, ids_for)  # type: ignore[arg-type]
+        pool = list(view.candidates.values())
+        assert got == choose(pool, KEYS, policy, ids_for)
+        assert sorted(full) == sorted(c.worker_id for c in pool if c.load >= c.slots and eligible(c, KEYS, policy))
+        if got is None:
+            return
+        view.note(got, IDS[:3 + k], [])
