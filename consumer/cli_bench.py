@@ -272,8 +272,9 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
                 quick: Annotated[bool, typer.Option(help="A small fleet and workload (a smoke test).")] = False,
                 workers: Annotated[int, typer.Option(help="Workers of the fleet (--cost: of the fleet read).")] = 0,
                 ) -> None:
-    """Placement vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first token, load
-    balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs per session."""
+    """Placement vs load only vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first
+    token, load balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs
+    per session."""
     from dataclasses import replace
 
     from dgrtools.bench.fleet import QUICK, Load, run, run_cost

@@ -11,6 +11,8 @@ prefix cache's scope `account`: no side hits the blocks another side cached). Pe
   its ratio to the best placement's (each system prompt computed once, every later session hitting it);
 - time to first token (arrival to first token): median and p90;
 - load balance: max / mean sessions per worker over the side.
+Sides: `placement` (docs/placement.md), `load-only` (the same with overlap_weight 0: by load alone, as without
+any prefix summary), `round-robin` and `random` (SessionSpecs naming the worker).
 Worker loss: L sessions placed, then the worker holding most of them is killed -9 once every one has a token;
 for its sessions, the time from the kill to their next token (on another worker), against the Tracker's bound
 `lost_s`; every session must end with its solo tokens (the sleep engine's are a hash of position and token).
@@ -36,7 +38,7 @@ import redis
 
 from .common import console, save, table
 
-SIDES = ("placement", "round-robin", "random")
+SIDES = ("placement", "load-only", "round-robin", "random")
 VOCAB = 256  # the sleep engine's default vocabulary: prompts use ids 3..255
 
 
@@ -175,7 +177,7 @@ def _sessions(side: str, key: Any, prompts: Sequence[Sequence[int]], workers: Se
     out: list[tuple[Any, Sequence[int]]] = []
     for i, p in enumerate(prompts):
         sid = f"{side}-{i}"
-        if side == "placement":
+        if side in ("placement", "load-only"):
             s: Any = SessionTemplate(session_id=sid, account_id=account, keys=(key,),
                                      options={"sampling": Sampling(), "max_tokens": tokens})
         else:
@@ -271,9 +273,13 @@ def run(out: Path, load: Load = Load(), *, echo: Callable[[str], object] = print
                 w.beat_after(0.0)
             policy = PlacementPolicy(lost_s=load.lost_s)
             producer = Producer(redis.Redis.from_url(rs.url), placement=policy)
+            # load-only: the same score without the prefix term (what placement does with no summary)
+            by_load = Producer(redis.Redis.from_url(rs.url),
+                               placement=PlacementPolicy(overlap_weight=0.0, lost_s=load.lost_s))
             key = producer.discover(fleet[0].worker_id).keys[0]
             for side in SIDES:
-                r = run_side(producer, fleet, key, side, prompts, which, starts, load.tokens)
+                r = run_side(by_load if side == "load-only" else producer, fleet, key, side, prompts, which, starts,
+                             load.tokens)
                 report["sides"].append(r)
                 echo(f"{side}: {json.dumps({k: v for k, v in r.items() if k != 'per_worker'})}")
             report["loss"] = run_loss(producer, fleet, key, load)
@@ -294,7 +300,7 @@ def tables(report: dict[str, Any]) -> list[Any]:
     rows = [[r["side"], r["hit_rate"], r["hit_rate"] / r["best_hit_rate"] if r["best_hit_rate"] else float("nan"),
              1e3 * r["ttft_p50_s"], 1e3 * r["ttft_p90_s"], r["balance_max_over_mean"], r["tokens_solo"]]
             for r in report["sides"]]
-    sides = table("dgr bench fleet: one workload, three placements", ["side", "hit rate", "of best", "ttft p50 ms",
+    sides = table("dgr bench fleet: one workload, four placements", ["side", "hit rate", "of best", "ttft p50 ms",
                                                                       "ttft p90 ms", "max/mean", "solo"], rows)
     lo = report["loss"]
     loss = table("a worker killed -9", ["moved", "bound s", "back p50 s", "back max s", "lost", "solo"],
