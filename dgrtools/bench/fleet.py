@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +265,7 @@ def run(out: Path, load: Load = Load(), *, echo: Callable[[str], object] = print
     from producer import PlacementPolicy, Producer
 
     prompts, which, starts = workload(load)
-    report: dict[str, Any] = {"load": load.__dict__, "sides": [], "loss": None}
+    report: dict[str, Any] = {"load": asdict(load), "sides": [], "loss": None}
     with tempfile.TemporaryDirectory() as tmp, LocalRedis(appendonly=False) as rs:
         fleet = [FleetWorker(rs.url, f"fleet-{i}", load, Path(tmp)) for i in range(load.workers)]
         try:
@@ -290,13 +290,14 @@ def run(out: Path, load: Load = Load(), *, echo: Callable[[str], object] = print
     base = {r["side"]: r for r in report["sides"]}
     if base["placement"]["ttft_p90_s"] > 0:
         report["ttft_p90_rr_over_placement"] = base["round-robin"]["ttft_p90_s"] / base["placement"]["ttft_p90_s"]
-    console.print(tables(report)[0])
-    console.print(tables(report)[1])
+    for t in tables(report):
+        console.print(t)
     save(out, "fleet", report)
     return report
 
 
 def tables(report: dict[str, Any]) -> list[Any]:
+    """The sides' table and the loss's (80 columns: common.table turns them on their side when too wide)."""
     rows = [[r["side"], r["hit_rate"], r["hit_rate"] / r["best_hit_rate"] if r["best_hit_rate"] else float("nan"),
              1e3 * r["ttft_p50_s"], 1e3 * r["ttft_p90_s"], r["balance_max_over_mean"], r["tokens_solo"]]
             for r in report["sides"]]
