@@ -263,3 +263,24 @@ def bench_durable(out: Out = Path("bench-out/durable"), sessions: Batches = "8,6
     from dgrtools.bench.durable import run
 
     run(out, ints(sessions), calls=calls)
+
+
+@bench_app.command("fleet")
+def bench_fleet(out: Out = Path("bench-out/fleet"),
+                cost: Annotated[bool, typer.Option(help="Only what placing a session costs the Tracker (100 workers "
+                                                        "x 64 slots, a 512-token prompt; no processes).")] = False,
+                quick: Annotated[bool, typer.Option(help="A small fleet and workload (a smoke test).")] = False,
+                workers: Annotated[int, typer.Option(help="Workers of the fleet (--cost: of the fleet read).")] = 0,
+                ) -> None:
+    """Placement vs load only vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first
+    token, load balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs
+    per session."""
+    from dataclasses import replace
+
+    from dgrtools.bench.fleet import QUICK, Load, run, run_cost
+
+    if cost:
+        run_cost(out, workers=workers or 100, repeats=2 if quick else 5)
+        return
+    load = QUICK if quick else Load()
+    run(out, replace(load, workers=workers) if workers else load)

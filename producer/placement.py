@@ -28,12 +28,12 @@ from schemas.prefix import (
     PrefixSummary,
     Scope,
     block_ids,
-    cached_blocks,
     prefix_root,
     salt_for,
 )
 
 from .commands import Plan
+from .pool_index import PoolIndex, leading
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -120,7 +120,7 @@ def eligible(c: Candidate, digests: Iterable[str], policy: PlacementPolicy) -> b
     """Advertises every digest, beats recently, is not draining, has slots at all."""
     age = c.heartbeat_age_s
     return (age is not None and age <= policy.stale_s and not c.draining and c.slots > 0
-            and all(d in c.digests for d in digests))
+            and c.digests.issuperset(digests))
 
 
 def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: PlacementPolicy,
@@ -129,25 +129,32 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
     `ids_for[(block_tokens, scope)]`: the prompt's block ids as a worker of that block size and scope roots
     them (absent: nothing is cached there). Pure: the same inputs give the same worker (ties: fewest load,
     then worker id)."""
-    ok = [c for c in candidates if eligible(c, digests, policy)]
+    # Written for the Tracker's time per session (docs/placement.md, "Cost"): one pass per list, no object per
+    # candidate; the rank is (cost, load, worker id), or (load, worker id) when the guard holds.
+    need, stale = frozenset(digests), policy.stale_s
+    ok = [c for c in candidates if c.heartbeat_age_s is not None and c.heartbeat_age_s <= stale and not c.draining
+          and c.slots > 0 and need <= c.digests]
     if not ok:
         return None
-    roomy = [c for c in ok if c.room > 0]
-    pool = roomy or ok  # never a full worker while another has room
+    pool = [c for c in ok if c.slots > c.load] or ok  # never a full worker while another has room
     loads = [c.load for c in pool]
     lo, hi = min(loads), max(loads)
     guarded = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
-    best: tuple[tuple[float, int, str], Choice] | None = None
+    get = (ids_for or {}).get
+    ow, qw = policy.overlap_weight, policy.queue_weight
+    best: tuple[tuple[Any, ...], Candidate, float, int, int] | None = None
     for c in pool:
-        ids = (ids_for or {}).get((c.block_tokens or 0, c.scope), ())
-        hit = _leading(ids, c.held) if ids and c.held else 0
-        miss = (len(ids) - hit) / len(ids) if ids else 1.0
-        cost = (policy.overlap_weight * miss + c.load / max(1, c.slots)
-                + policy.queue_weight * c.queued / max(1, c.slots))
-        rank = (float(c.load) if guarded else cost, c.load, c.worker_id)
+        ids = get((c.block_tokens or 0, c.scope), ())
+        n = len(ids)
+        hit = leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
+        s = c.slots if c.slots > 1 else 1
+        cost = ow * ((n - hit) / n if n else 1.0) + c.load / s + qw * c.queued / s
+        rank = (c.load, c.worker_id) if guarded else (cost, c.load, c.worker_id)
         if best is None or rank < best[0]:
-            best = rank, Choice(c.worker_id, cost, hit, len(ids), c.load, c.room, guarded, len(ok))
-    return best[1] if best is not None else None
+            best = rank, c, cost, hit, n
+    assert best is not None
+    _, c, cost, hit, n = best
+    return Choice(c.worker_id, cost, hit, n, c.load, c.slots - c.load, guarded, len(ok))
 
 
 def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None = None) -> Candidate:
@@ -167,11 +174,6 @@ def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None
                      heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
                      block_tokens=summary.block_tokens if summary is not None else None,
                      scope=summary.scope if summary is not None else None, held=ids)
-
-
-def _leading(ids: Sequence[str], held: Set[str]) -> int:
-    """cached_blocks over any set (the Tracker's own copy is a plain set it extends)."""
-    return cached_blocks(ids, held) if isinstance(held, set | frozenset) else cached_blocks(ids, frozenset(held))
 
 
 def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
@@ -205,9 +207,26 @@ class FleetView:
     lost: dict[str, float] = field(default_factory=dict)  # worker -> wall time it was found out (producer/moves.py)
     moved_in: dict[str, int] = field(default_factory=dict)
     moved_out: dict[str, int] = field(default_factory=dict)
+    # A hop key's (prefill, decode) digests, by the key object (held, so its id is not reused): a digest is a
+    # JSON dump and a SHA-256, the most of a placement's cost after choose() when taken per session.
+    key_digests: dict[int, tuple[CompatibilityKey, tuple[str, str]]] = field(default_factory=dict)
+    # digests -> the (block_tokens, scope) of the pool's workers that may hold a prompt's blocks (a summary, or
+    # ids this Tracker sent a worker without one: (0, None)); kept up to date by note(), cleared by load().
+    groups: dict[tuple[str, str], set[tuple[int, str | None]]] = field(default_factory=dict)
+    indexes: dict[tuple[str, str], PoolIndex] = field(default_factory=dict)  # digests -> its pool's index
+
+    def digests(self, key: CompatibilityKey) -> tuple[str, str]:
+        got = self.key_digests.get(id(key))
+        if got is not None and got[0] is key:
+            return got[1]
+        if len(self.key_digests) >= 256:
+            self.key_digests.clear()
+        d = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
+        self.key_digests[id(key)] = (key, d)
+        return d
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
-        self.workers, self.read_at, self.pools = workers, read_at, {}
+        self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self.sent_ids.get(w.worker_id, ()), now)
                            for w in workers}
         for w in workers:
@@ -223,6 +242,7 @@ class FleetView:
         c = self.candidates.get(worker_id)
         if c is not None:
             self.candidates[worker_id] = replace(c, heartbeat_age_s=None)
+            self.indexes = {}  # it is no longer eligible: built again on the next placement
 
     def pool(self, digests: tuple[str, str]) -> list[Candidate]:
         ids = self.pools.get(digests)
@@ -230,6 +250,25 @@ class FleetView:
             ids = self.pools[digests] = [w for w, c in self.candidates.items()
                                          if digests[0] in c.digests and digests[1] in c.digests]
         return [self.candidates[w] for w in ids]
+
+    def pool_groups(self, digests: tuple[str, str]) -> set[tuple[int, str | None]]:
+        got = self.groups.get(digests)
+        if got is None:
+            got = self.groups[digests] = {(c.block_tokens, c.scope) if c.block_tokens is not None else (0, None)
+                                          for c in self.pool(digests) if c.block_tokens is not None or c.held}
+        return got
+
+    def choose(self, digests: tuple[str, str], policy: PlacementPolicy,
+               ids_for: Mapping[tuple[int, str | None], Sequence[str]]) -> tuple[Choice | None, list[str]]:
+        """choose() over the pool (through its index: the same Choice), and the eligible full workers."""
+        if policy.overlap_weight < 0:  # the index needs a held block never to cost more (producer/pool_index.py)
+            cands = self.pool(digests)
+            return choose(cands, digests, policy, ids_for), [c.worker_id for c in cands if c.load >= c.slots
+                                                              and eligible(c, digests, policy)]
+        index = self.indexes.get(digests)
+        if index is None or index.policy is not policy:
+            index = self.indexes[digests] = PoolIndex(self.pool(digests), digests, policy)
+        return index.choose(ids_for), index.full()
 
     def since_beat(self, w: WorkerInfo) -> int:
         ts = w.heartbeat.get("ts")
@@ -253,7 +292,13 @@ class FleetView:
         if c is not None:
             if isinstance(c.held, set):
                 c.held.update(ids)  # the Tracker's own copy (candidate() builds it): no copy per session
-            self.candidates[w] = replace(c, load=c.load + 1)
+            self.candidates[w] = new = replace(c, load=c.load + 1)
+            for index in self.indexes.values():
+                index.update(new)
+            if c.block_tokens is None and ids:  # it may hold what it was sent now
+                for digests, group in self.groups.items():
+                    if w in self.pools.get(digests, ()):
+                        group.add((0, None))
         for o in passed_full:
             self.refused_full[o] = self.refused_full.get(o, 0) + 1
 
@@ -314,18 +359,14 @@ class Placer:
             if only is not None and k not in only:
                 chosen.append(None)
                 continue
-            digests = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
-            cands = self.fleet.pool(digests)
+            digests = self.fleet.digests(key)
             ids_for: dict[tuple[int, str | None], list[str]] = {}
-            for c in cands:
+            for bt, scope in self.fleet.pool_groups(digests):
                 # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
-                bt, scope = (c.block_tokens, c.scope) if c.block_tokens is not None else (0, None)
-                if (bt, scope) in ids_for or (bt == 0 and not c.held):
-                    continue
                 salt = _salt(scope, cache_salt, template.account_id)
                 ids_for[(bt, scope)] = [] if salt is None else block_ids(
                     prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
-            choice = choose(cands, digests, self.policy, ids_for)
+            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"
                 raise LookupError(f"no worker to place session {template.session_id!r} on{hop}: none that beats "
@@ -338,8 +379,7 @@ class Placer:
                 ids = [] if salt is None else block_ids(prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")
-            full = [c.worker_id for c in cands if c.room <= 0 and c.worker_id != choice.worker_id
-                    and eligible(c, digests, self.policy)]
+            full = [w for w in full_now if w != choice.worker_id]
             choices.append((choice, ids, full))
             chosen.append(choice.worker_id)
         for choice, ids, full in choices:  # counted once every hop found its worker

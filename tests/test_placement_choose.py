@@ -6,14 +6,15 @@ a worker holding the prompt's prefix wins among equally loaded ones; the imbalan
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer import ProducerCore, WorkerInfo
-from producer.placement import Candidate, PlacementPolicy, SessionTemplate, choose
+from producer.placement import Candidate, Choice, PlacementPolicy, SessionTemplate, choose, eligible
 from schemas.limits import WIRE_VERSION
-from schemas.prefix import PrefixSummary, block_ids, prefix_root
+from schemas.prefix import PrefixSummary, block_ids, cached_blocks, prefix_root
 from tests.test_transport import make_key
 
 POLICY = PlacementPolicy()
@@ -159,3 +160,75 @@ def test_place_by_load_alone_balances_without_any_summary() -> None:
     placed = [core.place_loaded(tmpl(f"b{i}"), [i + 1] * 20).route[0].worker_id for i in range(40)]
     counts = {w: placed.count(w) for w in set(placed)}
     assert sorted(counts.values()) == [8] * 5  # 8 slots each, 40 sessions: every worker full, none over
+
+
+def choose_as_first_written(candidates: list[Candidate], digests: tuple[str, ...], policy: PlacementPolicy,
+                            ids_for: dict[tuple[int, str | None], list[str]]) -> Choice | None:
+    """choose() before it was made cheaper (docs/placement.md, "Cost"), kept as the reference it must equal."""
+    ok = [c for c in candidates if c.heartbeat_age_s is not None and c.heartbeat_age_s <= policy.stale_s
+          and not c.draining and c.slots > 0 and all(d in c.digests for d in digests)]
+    if not ok:
+        return None
+    pool = [c for c in ok if c.room > 0] or ok
+    loads = [c.load for c in pool]
+    lo, hi = min(loads), max(loads)
+    guarded = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
+    best: tuple[tuple[float, int, str], Choice] | None = None
+    for c in pool:
+        ids = ids_for.get((c.block_tokens or 0, c.scope), ())
+        hit = cached_blocks(ids, frozenset(c.held)) if ids and c.held else 0
+        miss = (len(ids) - hit) / len(ids) if ids else 1.0
+        cost = (policy.overlap_weight * miss + c.load / max(1, c.slots)
+                + policy.queue_weight * c.queued / max(1, c.slots))
+        rank = (float(c.load) if guarded else cost, c.load, c.worker_id)
+        if best is None or rank < best[0]:
+            best = rank, Choice(c.worker_id, cost, hit, len(ids), c.load, c.room, guarded, len(ok))
+    return best[1] if best is not None else None
+
+
+@st.composite
+def mixed(draw: st.DrawFn) -> list[Candidate]:
+    """Candidates of two block sizes, some without a summary, loads on both sides of the guard, many equal costs
+    (4 slots at load 2 and 8 at load 4)."""
+    out = []
+    for i in range(draw(st.integers(1, 12))):
+        bt = draw(st.sampled_from([16, 32, None]))
+        out.append(Candidate(
+            worker_id=f"w{draw(st.integers(0, 99)):02d}-{i}", digests=frozenset(KEYS),
+            slots=draw(st.sampled_from([0, 4, 8, 64])),
+            load=draw(st.one_of(st.integers(0, 12), st.integers(0, 70))), queued=draw(st.sampled_from([0, 0, 4, 9])),
+            heartbeat_age_s=draw(st.sampled_from([0.0, 1.0, None, 7.0])), draining=draw(st.booleans()),
+            block_tokens=bt, scope=None if bt is None else "account",
+            held=frozenset(IDS[:draw(st.integers(0, len(IDS)))])))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(mixed(), st.sampled_from([PlacementPolicy(), PlacementPolicy(overlap_weight=3.0, queue_weight=0.1),
+                                 PlacementPolicy(balance_abs=0, balance_rel=1.0)]))
+def test_choose_equals_the_choice_as_first_written(cs: list[Candidate], policy: PlacementPolicy) -> None:
+    ids_for = {(16, "account"): IDS, (32, "account"): IDS[:4], (0, None): IDS[:6]}
+    assert choose(cs, KEYS, policy, ids_for) == choose_as_first_written(cs, KEYS, policy, ids_for)
+
+
+@settings(max_examples=300, deadline=None)
+@given(mixed(), st.lists(st.integers(0, 4), max_size=30),
+       st.sampled_from([PlacementPolicy(), PlacementPolicy(overlap_weight=0.0), PlacementPolicy(balance_abs=2)]))
+def test_the_pool_index_chooses_as_choose_placement_after_placement(cs: list[Candidate], prompts: list[int],
+                                                                    policy: PlacementPolicy) -> None:
+    """FleetView's index (producer/pool_index.py) against choose() on the same candidates, as each session placed
+    adds to its worker's load and held blocks (note), several prompts sharing leading blocks."""
+    from producer.placement import FleetView
+
+    view = FleetView()
+    view.candidates = {c.worker_id: replace(c, held=set(c.held)) for c in cs}
+    view.pools = {KEYS: list(view.candidates)}  # type: ignore[dict-item]
+    for k in prompts:
+        ids_for = {(16, "account"): IDS[:3 + k], (32, "account"): IDS[k:k + 4], (0, None): IDS[:k + 1]}
+        got, full = view.choose(KEYS, policy, ids_for)  # type: ignore[arg-type]
+        pool = list(view.candidates.values())
+        assert got == choose(pool, KEYS, policy, ids_for)
+        assert sorted(full) == sorted(c.worker_id for c in pool if c.load >= c.slots and eligible(c, KEYS, policy))
+        if got is None:
+            return
+        view.note(got, IDS[:3 + k], [])

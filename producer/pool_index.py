@@ -1,0 +1,124 @@
+"""An index over the eligible workers of one pool (the workers advertising a hop's keys), kept by FleetView for
+one fleet read: it gives the same Choice as `choose()` (producer/placement.py, the definition) without a pass of
+Python arithmetic over every candidate per session (docs/placement.md, "Cost").
+
+Why it is the same choice: a candidate that does not hold the first block of the prompt (as its block size and
+scope root it) has miss 1, so its cost is `cost0 = overlap_weight x 1 + load / slots + queue_weight x queued /
+slots`, computed as choose computes it; with overlap_weight >= 0 a candidate holding blocks costs at most its
+cost0. So the lowest rank (cost, load, worker id) is the lowest of the sorted cost0 ranks' first and of the
+holders' own ranks, and the guard's (load, worker id) is the sorted loads' first. Both orders are kept per room
+class (room, full): choose's pool is the workers with room, or every eligible one when none has room. Only a
+placement changes a candidate between two reads (its load + 1): `update` moves its two entries.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Mapping, Sequence, Set
+from itertools import takewhile
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .placement import Candidate, Choice, PlacementPolicy
+
+__all__ = ["PoolIndex", "leading"]
+
+Group = tuple[int, str | None]
+
+
+def leading(ids: Sequence[str], held: Set[str]) -> int:
+    """schemas.prefix.cached_blocks(ids, held) over any set, the loop in C (takewhile of the set's own membership
+    test): it runs for every worker holding a prompt's first block, per session (tests/test_placement_choose.py
+    checks choose against the choice as first written, with cached_blocks)."""
+    return len(list(takewhile(held.__contains__, ids)))
+
+
+class PoolIndex:
+    """The eligible candidates of one pool, ordered by cost0 and by load within each room class."""
+
+    def __init__(self, candidates: Sequence[Candidate], digests: Sequence[str], policy: PlacementPolicy) -> None:
+        from .placement import Choice, eligible  # placement imports this module
+
+        self.policy, self.choice = policy, Choice
+        self.ok: dict[str, Candidate] = {}
+        self.by_cost: dict[bool, list[tuple[float, int, str]]] = {True: [], False: []}
+        self.by_load: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+        self.groups: dict[Group, list[str]] = {}
+        for c in candidates:
+            if eligible(c, digests, policy):
+                self.ok[c.worker_id] = c
+                self.groups.setdefault((c.block_tokens or 0, c.scope), []).append(c.worker_id)
+                self._add(c)
+
+    def _cost0(self, c: Candidate) -> float:
+        s = c.slots if c.slots > 1 else 1
+        return self.policy.overlap_weight * 1.0 + c.load / s + self.policy.queue_weight * c.queued / s
+
+    def _add(self, c: Candidate) -> None:
+        roomy = c.slots > c.load
+        insort(self.by_cost[roomy], (self._cost0(c), c.load, c.worker_id))
+        insort(self.by_load[roomy], (c.load, c.worker_id))
+
+    def _remove(self, c: Candidate) -> None:
+        roomy = c.slots > c.load
+        for entries, entry in ((self.by_cost[roomy], (self._cost0(c), c.load, c.worker_id)),
+                               (self.by_load[roomy], (c.load, c.worker_id))):
+            i = bisect_left(entries, entry)
+            del entries[i]
+
+    def update(self, new: Candidate) -> None:
+        """The candidate changed (a session placed on it): its entries follow."""
+        old = self.ok.get(new.worker_id)
+        if old is not None:
+            self._remove(old)
+            self.ok[new.worker_id] = new
+            self._add(new)
+
+    def full(self) -> list[str]:
+        """The eligible workers with no room (choose passes them over while another has room)."""
+        return [w for _, w in self.by_load[False]]
+
+    def choose(self, ids_for: Mapping[Group, Sequence[str]]) -> Choice | None:
+        """choose(pool, digests, policy, ids_for) of the same candidates, in a few operations."""
+        if not self.ok:
+            return None
+        p = self.policy
+        roomy = bool(self.by_load[True])
+        by_load = self.by_load[roomy]
+        lo, hi = by_load[0][0], by_load[-1][0]
+        guarded = hi - lo > p.balance_abs and hi > p.balance_rel * lo
+        if guarded:
+            return self._choice(self.ok[by_load[0][1]], ids_for, guarded)
+        best: tuple[Any, ...] = self.by_cost[roomy][0]
+        for group, members in self.groups.items():
+            ids = ids_for.get(group)
+            if not ids:
+                continue
+            first = ids[0]
+            for w in members:
+                c = self.ok[w]
+                if c.held and first in c.held and (c.slots > c.load) == roomy and self._floor(c) < best:
+                    rank = self._rank(c, ids)
+                    if rank < best:
+                        best = rank
+        return self._choice(self.ok[best[-1]], ids_for, guarded)
+
+    def _floor(self, c: Candidate) -> tuple[float, int, str]:
+        """The rank c would have holding every block (miss 0): no lower, the float operations being monotone."""
+        s = c.slots if c.slots > 1 else 1
+        return self.policy.overlap_weight * 0.0 + c.load / s + self.policy.queue_weight * c.queued / s, c.load, \
+            c.worker_id
+
+    def _rank(self, c: Candidate, ids: Sequence[str]) -> tuple[float, int, str]:
+        n = len(ids)
+        hit = leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
+        s = c.slots if c.slots > 1 else 1
+        cost = self.policy.overlap_weight * ((n - hit) / n if n else 1.0) + c.load / s \
+            + self.policy.queue_weight * c.queued / s
+        return cost, c.load, c.worker_id
+
+    def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool) -> Choice:
+        ids = ids_for.get((c.block_tokens or 0, c.scope), ())
+        hit = leading(ids, c.held) if ids and c.held and ids[0] in c.held else 0
+        return self.choice(c.worker_id, self._rank(c, ids)[0], hit, len(ids), c.load, c.slots - c.load, guarded,
+                      len(self.ok))
