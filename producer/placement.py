@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from schemas import CompatibilityKey, RouteHop, SessionSpec
+from schemas import CompatibilityKey, SessionSpec
 from schemas.limits import WIRE_VERSION
 from schemas.prefix import (
     BLOCK_TOKENS,
@@ -33,6 +33,7 @@ from schemas.prefix import (
 )
 
 from .commands import Plan
+from .placement_inputs import Candidate, Choice, PlacementPolicy, SessionTemplate
 from .pool_index import PoolIndex, leading
 
 if TYPE_CHECKING:
@@ -40,80 +41,6 @@ if TYPE_CHECKING:
     from .validate import WorkerInfo
 
 __all__ = ["Candidate", "Choice", "FleetView", "PlacementPolicy", "Placer", "SessionTemplate", "candidate", "choose"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionTemplate:
-    """A session whose route names keys, not workers: hop k runs `keys[k]` (its block range is the key's
-    boundary) on a worker the producer places it on. `options`: every other SessionSpec field (sampling,
-    max_tokens, stop_tokens, ...), passed through as is."""
-
-    session_id: str
-    account_id: str
-    keys: tuple[CompatibilityKey, ...]
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    def spec(self, workers: Sequence[str]) -> SessionSpec:
-        """The SessionSpec with hop k on workers[k]."""
-        if len(workers) != len(self.keys):
-            raise ValueError(f"{len(self.keys)} hops, {len(workers)} workers")
-        route = tuple(RouteHop(worker_id=w, key=k) for w, k in zip(workers, self.keys, strict=True))
-        return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **dict(self.options))
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlacementPolicy:
-    """The score's weights (docs/placement.md). `stale_s`: a heartbeat older than this is out (3 beats of the
-    consumer's default heartbeat_s = 2 s). `overlap_weight`: what a whole prompt's prefill weighs against a
-    full worker's decode load. The imbalance guard: when the most and least loaded candidates differ by more
-    than `balance_abs` sessions and by more than `balance_rel` times, the least loaded is chosen."""
-
-    stale_s: float = 6.0
-    # Worker loss (producer/moves.py): a worker whose heartbeat is older than lost_s is out and its placed
-    # sessions move; the Tracker looks every lost_check_s (one pipeline of GETs).
-    lost_s: float = 6.0
-    lost_check_s: float = 0.25
-    overlap_weight: float = 1.0
-    queue_weight: float = 1.0
-    balance_abs: int = 8
-    balance_rel: float = 1.5
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One worker's advertised inputs, as placement sees them. `load`: sessions it holds (its heartbeat's
-    busy_slots) plus those this Tracker placed on it since that beat; `queued`: steps waiting on its input
-    streams (its heartbeat's `queued`, when it says); `held`: prefix block ids it holds (its summary, plus the
-    ids of the prompts this Tracker placed on it)."""
-
-    worker_id: str
-    digests: frozenset[str]
-    slots: int
-    load: int
-    queued: int = 0
-    heartbeat_age_s: float | None = 0.0
-    draining: bool = False
-    block_tokens: int | None = None
-    scope: str | None = None
-    held: Set[str] = frozenset()
-
-    @property
-    def room(self) -> int:
-        return self.slots - self.load
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The worker chosen and why (its score's inputs: what `dgr inspect --json` and the bench show)."""
-
-    worker_id: str
-    cost: float
-    cached_blocks: int
-    prompt_blocks: int
-    load: int
-    room: int
-    guarded: bool  # the imbalance guard chose (least loaded), not the cost
-    eligible: int  # candidates that could take it
 
 
 def eligible(c: Candidate, digests: Iterable[str], policy: PlacementPolicy) -> bool:

@@ -19,7 +19,7 @@ from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .placement import Candidate, Choice, PlacementPolicy
+    from .placement_inputs import Candidate, Choice, PlacementPolicy
 
 __all__ = ["PoolIndex", "leading"]
 

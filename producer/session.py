@@ -21,7 +21,7 @@ from schemas.wire import STATUS_CODE, STATUSES, RowExtra, row_extra, row_to_resu
 from . import credit
 
 if TYPE_CHECKING:
-    from .placement import SessionTemplate
+    from .placement_inputs import SessionTemplate
 
 __all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
            "drop", "end", "lose"]

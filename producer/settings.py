@@ -17,7 +17,7 @@ from schemas.limits import (
     is_id,
 )
 
-from .placement import PlacementPolicy
+from .placement_inputs import PlacementPolicy
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerSettings"]
 
