@@ -53,3 +53,18 @@ def test_salt_for_scopes():
         assert salt_for(scope, "x", "acct") == "s:x"
     # a salt can never pose as an account (or the reverse)
     assert salt_for("account", None, "x") != salt_for("global", "x", "y")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**40), max_size=120), st.sampled_from([1, 3, 16]))
+def test_ids_are_the_chained_hash_of_each_block(t, bt):
+    """The definition (docs/prefix-cache.md), block by block, whatever the implementation packs at once:
+    block i's id is SHA-256(block i-1's id + its token ids as little-endian int64)[:16]."""
+    import hashlib
+    import struct
+
+    want, parent = [], b"r" * 16
+    for s in range(0, len(t) - bt + 1, bt):
+        parent = hashlib.sha256(parent + struct.pack(f"<{bt}q", *t[s:s + bt])).digest()[:16]
+        want.append(parent.hex())
+    assert block_ids(t, b"r" * 16, bt) == want
