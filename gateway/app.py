@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
@@ -37,6 +38,8 @@ PLAYGROUND = Path(__file__).with_name("static") / "index.html"
 MAX_BODY_BYTES = 1 << 20
 T = TypeVar("T")
 
+
+_JSON = msgspec.json.Encoder()
 
 @dataclass
 class ServeConfig:
@@ -184,7 +187,7 @@ class Gateway:
     async def sse(self, shape: Shape, choices: list[Choice], first: Any, events: AsyncIterator[Any],
                   sessions: Sessions, include_usage: bool) -> AsyncIterator[bytes]:
         def data(obj: dict[str, Any]) -> bytes:
-            return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+            return b"data: " + _JSON.encode(obj) + b"\n\n"  # msgspec: a chunk per token, ~5x json.dumps
 
         if shape.kind == "chat":
             for c in choices:

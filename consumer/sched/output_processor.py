@@ -10,7 +10,7 @@ from dataclasses import replace
 from schemas import Reason, Status, TokenLogprobs
 
 from .outputs import Answer, BatchItem, ScheduledBatch
-from .session_table import SessionState
+from .session_table import SessionEntry, SessionState
 from .state import SchedulerState, SessionQueue, _Queued
 
 __all__ = ["OutputProcessor"]
@@ -71,50 +71,66 @@ class OutputProcessor(SchedulerState):
                 entry.prompt_tokens += it.n_tokens
             if not it.completes_job:
                 continue
-            token: int | None = None
-            finished = False
-            lp: TokenLogprobs | None = None
-            if it.samples and sampled in ended:
-                finished = True  # no token: the sampler ended the session (its grammar is complete)
-                entry.state = SessionState.DECODING
-            elif it.samples:
-                got = tokens[sampled]
-                token = None if got is None else int(got)
-                entry.generated += 1
-                entry.last_token = token
-                entry.state = SessionState.DECODING
-                if token is not None:
-                    entry.generated_tokens += 1
-                    self.stats.tokens_sampled += 1
-                    if logprobs is not None:
-                        lp = logprobs[sampled]
-                finished = entry.generated >= entry.spec.max_tokens or (
-                    token is not None and token in entry.spec.stop_tokens)
-            elif batch.phase == "prefill":
-                entry.state = SessionState.PREFILLING
-            final = finished or batch.phase != "decode" or it.offset + 1 >= q.job.n
-            if final and finished and lane.jobs and lane.jobs[0] is q:
-                # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
-                # answer, no charge), not answered FINISHED like a later job.
-                lane.jobs.popleft()
-                self._queued_jobs["decode"] -= 1
-                self._queued_tokens["decode"] -= 1
-                self._continuing.discard(lane.session_id)
-            q.answered = final
-            self.stats.jobs_ok += 1
-            result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
-                                  q=q, detail="" if token is not None or not finished or not it.samples
-                                  else "the session's grammar admits no further token",
-                                  batch_size=batch_size, offset=it.offset if batch.phase == "decode" else 0)
-            if lp is not None:
-                result = replace(result, logprobs=lp)
-            out.append(Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
-                               close="finished" if finished else None, final=final))
-            if batch.phase == "decode":
-                q.engine_seconds = 0.0  # charged with this answer; a later answer carries its own
-            if finished:
-                out.extend(self._finish(lane, batch_size))
+            token, finished, lp = self._take_token(it, entry, tokens, sampled, ended, logprobs, batch.phase)
+            out += self._answer_ok(it, lane, q, reached, token, finished, lp, batch.phase, batch_size)
         self._settle(touched)
+        return out
+
+    def _take_token(self, it: BatchItem, entry: SessionEntry, tokens: Sequence[int | None], sampled: int,
+                    ended: Collection[int], logprobs: Sequence[TokenLogprobs | None] | None, phase: str
+                    ) -> tuple[int | None, bool, TokenLogprobs | None]:
+        """The token an item that completes its job takes (None: none sampled, or a hop's), whether it
+        finishes the session, its logprobs; the session's counts move."""
+        token: int | None = None
+        finished = False
+        lp: TokenLogprobs | None = None
+        if it.samples and sampled in ended:
+            finished = True  # no token: the sampler ended the session (its grammar is complete)
+            entry.state = SessionState.DECODING
+        elif it.samples:
+            got = tokens[sampled]
+            token = None if got is None else int(got)
+            entry.generated += 1
+            entry.last_token = token
+            entry.state = SessionState.DECODING
+            if token is not None:
+                entry.generated_tokens += 1
+                self.stats.tokens_sampled += 1
+                if logprobs is not None:
+                    lp = logprobs[sampled]
+            finished = entry.generated >= entry.spec.max_tokens or (
+                token is not None and token in entry.spec.stop_tokens)
+        elif phase == "prefill":
+            entry.state = SessionState.PREFILLING
+        return token, finished, lp
+
+    def _answer_ok(self, it: BatchItem, lane: SessionQueue, q: _Queued, reached: int, token: int | None,
+                   finished: bool, lp: TokenLogprobs | None, phase: str, batch_size: int) -> list[Answer]:
+        """The OK answer of an item that completes its job (or its continuation's token), and what a
+        finished session answers besides."""
+        entry = lane.entry
+        final = finished or phase != "decode" or it.offset + 1 >= q.job.n
+        if final and finished and lane.jobs and lane.jobs[0] is q:
+            # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
+            # answer, no charge), not answered FINISHED like a later job.
+            lane.jobs.popleft()
+            self._queued_jobs["decode"] -= 1
+            self._queued_tokens["decode"] -= 1
+            self._continuing.discard(lane.session_id)
+        q.answered = final
+        self.stats.jobs_ok += 1
+        result = self._result(q.job, Status.OK, None, reached, token=token, finished=finished,
+                              q=q, detail="" if token is not None or not finished or not it.samples
+                              else "the session's grammar admits no further token",
+                              batch_size=batch_size, offset=it.offset if phase == "decode" else 0)
+        if lp is not None:
+            result = replace(result, logprobs=lp)
+        out = [Answer(ref=q.ref, job=q.job, result=result, account_id=entry.account_id,
+                      close="finished" if finished else None, final=final)]
+        if phase == "decode":
+            q.engine_seconds = 0.0  # charged with this answer; a later answer carries its own
+        if finished:
+            out.extend(self._finish(lane, batch_size))
         return out
 
     def fail(self, batch: ScheduledBatch, reason_detail: str, *, status: Status = Status.FAILED,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas import Phase, Reason, StepJob
 
@@ -24,7 +24,7 @@ from .idle import IdleSessions
 from .lane import Lane, Lanes, Want, read_lanes
 from .stats import LoopStats
 
-__all__ = ["EntryAdmission", "Prefetched"]
+__all__ = ["Admitted", "EntryAdmission", "Prefetched"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -38,6 +38,33 @@ class Prefetched:
     refused: list[DeadLetter]  # cancel entries that are not cancellations
     fetched: dict[str, bytes | None]
     seconds: float
+
+
+@dataclass
+class Admitted:
+    """What admitting entries decided besides queueing steps: per lane the steps answered at once (refused,
+    superseded attempts), the entries dead-lettered, those refused at the wire (answered on their session's
+    stream), the twins acked without an answer; and how many entries were read, in how long."""
+
+    answers: list[list[Answer]]
+    dead: list[DeadLetter] = field(default_factory=list)
+    wire_rejects: list[Answer] = field(default_factory=list)
+    acks: list[Delivery] = field(default_factory=list)
+    entries: int = 0
+    read_s: float = 0.0
+
+    @classmethod
+    def empty(cls, lanes: int) -> Admitted:
+        return cls([[] for _ in range(lanes)])
+
+    def extend(self, other: Admitted) -> None:
+        for mine, theirs in zip(self.answers, other.answers, strict=True):
+            mine.extend(theirs)
+        self.dead += other.dead
+        self.wire_rejects += other.wire_rejects
+        self.acks += other.acks
+        self.entries += other.entries
+        self.read_s += other.read_s
 
 
 class EntryAdmission:
@@ -71,18 +98,18 @@ class EntryAdmission:
         return want
 
     # ---- reading in the loop --------------------------------------------------------------------
-    def read_and_admit(self, answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
-                       acks: list[Delivery]) -> tuple[int, float]:
+    def read_and_admit(self) -> Admitted:
         """Read what the scheduler wants and admit it; while entries read are refused (and the phases
         they came from gave all that was asked), read past them at once, doubling each read, until the
-        entries wanted are queued or max_read_entries were read. Returns (entries, read seconds)."""
+        entries wanted are queued or max_read_entries were read."""
+        out = Admitted.empty(len(self.lanes))
         got, want, read_s = self._read()
         queued: Want = dict.fromkeys(want, 0)
         asked = dict(want)
         total = 0
         while got:
             total += len(got)
-            took, refused = self._admit_counted(got, None, answers, dead, wire_rejects, acks, queued)
+            took, refused = self._admit_counted(got, None, out, queued)
             more: Want = {}
             room = self.settings.max_read_entries - total
             for k, n in asked.items():
@@ -98,7 +125,8 @@ class EntryAdmission:
             got = read_lanes(self.transport, self.lanes.streams, more, block_ms=0, gather_ms=0)
             self.stats.reads += 1
             read_s += time.perf_counter() - t
-        return total, read_s
+        out.entries, out.read_s = total, read_s
+        return out
 
     def _read(self) -> tuple[list[Inbound], Want, float]:
         counts = self.want()
@@ -132,23 +160,23 @@ class EntryAdmission:
         return got, counts, time.perf_counter() - t
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit_all(self, inbound: Sequence[Inbound], answers: Sequence[list[Answer]], dead: list[DeadLetter],
-                  wire_rejects: list[Answer], acks: list[Delivery], fetched: dict[str, bytes | None] | None) -> int:
+    def admit_all(self, inbound: Sequence[Inbound], fetched: dict[str, bytes | None] | None) -> Admitted:
         """Admit entries read (by the I/O thread: `fetched` holds their activation blobs; None: fetch
-        them now). Returns how many there were."""
+        them now)."""
+        out = Admitted.empty(len(self.lanes))
         if not inbound:
-            return 0
-        took, refused = self._admit_counted(inbound, fetched, answers, dead, wire_rejects, acks, {})
+            return out
+        took, refused = self._admit_counted(inbound, fetched, out, {})
         # A prefetch whose prefill entries were all refused reads past them on the next one, doubling.
         cap = self.settings.max_read_entries
         for lane in self.lanes:
             n = took.get((lane.index, "prefill"), 0)
             lane.more_prefill = min(2 * n, cap) if n and refused.get((lane.index, "prefill")) == n else 0
-        return len(inbound)
+        out.entries = len(inbound)
+        return out
 
-    def _admit_counted(self, got: Sequence[Inbound], fetched: dict[str, bytes | None] | None,
-                       answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
-                       acks: list[Delivery], queued: Want) -> tuple[Want, Want]:
+    def _admit_counted(self, got: Sequence[Inbound], fetched: dict[str, bytes | None] | None, out: Admitted,
+                       queued: Want) -> tuple[Want, Want]:
         if fetched is None:
             fetched = self.lanes.fetch_blobs(self.transport, got)
         lanes = self.lanes
@@ -174,24 +202,23 @@ class EntryAdmission:
             # counted by the stream it was read from
             k = (0 if single else lanes.stream_lane(inb.digest).index, inb.phase)
             took[k] = took.get(k, 0) + 1
-            if self.admit(inb, answers, dead, wire_rejects, acks):
+            if self.admit(inb, out):
                 queued[k] = queued.get(k, 0) + 1
             else:
                 refused[k] = refused.get(k, 0) + 1
         self.stats.refused += sum(refused.values())
         return took, refused
 
-    def admit(self, inb: Inbound, answers: Sequence[list[Answer]], dead: list[DeadLetter], wire_rejects: list[Answer],
-              acks: list[Delivery]) -> bool:
+    def admit(self, inb: Inbound, out: Admitted) -> bool:
         """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
         per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
         on every redelivery (the transport's decoding is guarded the same way)."""
         try:
             lane = self.lanes.for_entry(inb)
-            return self._admit_entry(lane, inb, answers[lane.index], dead, wire_rejects, acks)
+            return self._admit_entry(lane, inb, out.answers[lane.index], out.dead, out.wire_rejects, out.acks)
         except Exception as e:
             log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
-            dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
+            out.dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
             return False
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],

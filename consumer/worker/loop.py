@@ -42,10 +42,10 @@ from ..engines.base import Engine
 from ..engines.engine_set import EngineSet
 from ..metrics import Metrics
 from ..prefix.run import prefix_summary
-from ..sched import Answer
+from ..sched import Answer, ScheduledBatch
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
-from .admission import EntryAdmission, Prefetched
+from .admission import Admitted, EntryAdmission, Prefetched
 from .calls import CallContext, InFlightCall, run_fused
 from .idle import IdleSessions
 from .io_thread import IOThread
@@ -245,81 +245,91 @@ class Worker:
         if flush:
             self._settle_in_flight(flush=True)
         self._housekeeping()
-        answers: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: cancellations, the fused call's answers
-        refusals: list[list[Answer]] = [[] for _ in self.lanes]  # per lane: refused steps, superseded attempts
-        dead: list[DeadLetter] = []
-        acks: list[Delivery] = []
-        wire_rejects: list[Answer] = []
         got = self._take_prefetched()
-        read_s = 0.0
-        entries = 0
-        if got is not None:
-            read_s += got.seconds
-            entries += self.admission.admit_all(got.inbound, refusals, dead, wire_rejects, acks, got.fetched)
-            cancelled, refused = got.cancels, got.refused
-        else:
-            cancelled, refused = [], []
-        # A call computing was preceded by a read ahead (got): reading again would only cost round trips.
-        if got is None or (self.admission.should_read() and not self.in_flight.busy):
-            n, s = self.admission.read_and_admit(refusals, dead, wire_rejects, acks)
-            entries += n
-            read_s += s
-            more, more_refused = self.transport.cancellations()
-            cancelled, refused = cancelled + more, refused + more_refused
-        self.stats.read_seconds += read_s
-        dead.extend(refused)
-        not_held: list[str] = []
-        for sid in cancelled + self._idle_sessions():
-            lane = self.lanes.holding(sid)
-            if lane is None:
-                not_held.append(sid)
-            else:
-                self._cancel(lane, sid, answers[lane.index])
+        admitted, cancelled, refused = self._intake(got)
+        self.stats.read_seconds += admitted.read_s
+        dead = admitted.dead + refused
+        answers, not_held = self._cancellations(cancelled + self._idle_sessions())
         t_wait = time.perf_counter()
         call = self._finish_in_flight(answers)  # call k, started by the last iteration (overlap on)
         waited = time.perf_counter() - t_wait if call is not None else 0.0
         picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
-        batch = None
-        engine_s = call.engine_seconds if call is not None else 0.0
         if picked is not None:
             lane, batch = picked
             if not flush:
                 self._prefetch()
                 self.in_flight.start(lane, batch)  # call k + 1 computes from here on
             else:
-                before = self.stats.engine_seconds
-                answers[lane.index].extend(run_fused(self.calls, lane, batch))
-                engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-                waited = engine_s
-                self._last_call_s = engine_s
-                call = FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids),
-                                      tokens=len(batch.fused), engine_seconds=engine_s)
+                call = self._run_here(lane, batch, answers)
+                waited = call.engine_seconds
         latencies: list[tuple[Phase, float]] = []
         honest = self.lanes.completions(answers, latencies)
-        refused_answers = wire_rejects + self.lanes.completions(refusals, latencies)
+        refused_answers = admitted.wire_rejects + self.lanes.completions(admitted.answers, latencies)
         closures = self._uncarried([*honest, *refused_answers], not_held)
         if call is not None and (refused_answers or dead):
             # Refusals never stand in front of honest work in time: the call's answers are filed first,
             # the refusals and dead letters (up to max_read_entries of them: a burst of junk) after.
             self._publish(honest, (), call, closures, (), flush)
-            self._publish(refused_answers, dead, None, (), acks, flush)
+            self._publish(refused_answers, dead, None, (), admitted.acks, flush)
         else:
-            self._publish(honest + refused_answers, dead, call, closures, acks, flush)
+            self._publish(honest + refused_answers, dead, call, closures, admitted.acks, flush)
         completions = honest + refused_answers
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
         observe_iteration(self.metrics, self._m, call, completions, dead, latencies, self.lanes.busy_slots())
         if call is not None:
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
-                                               "engine_ms": round(1e3 * engine_s, 2), "read_ms": round(1e3 * read_s, 2),
-                                               "loop_ms": round(1e3 * (time.perf_counter() - t0), 2)})
             # the worker's own time: the read is left out (mostly waiting for producers), see read_seconds,
             # and so is the wait for the engine (the whole call in the loop's thread, else what was left of it)
-            overhead = time.perf_counter() - t0 - waited - (read_s if got is None else 0.0)
-            self.stats.overhead_seconds += overhead
-            self.metrics.overhead.labels(self._m).observe(overhead)
-        return bool(entries or completions or dead or batch or acks or self.in_flight.busy)
+            self._count_overhead(t0, call, waited, admitted.read_s if got is None else 0.0)
+        return bool(admitted.entries or completions or dead or picked is not None or admitted.acks
+                    or self.in_flight.busy)
+
+    def _intake(self, got: Prefetched | None) -> tuple[Admitted, list[str], list[DeadLetter]]:
+        """What was read ahead (got) and, when needed, read now: admitted, and the cancellations (ids, and
+        cancel entries refused). A call computing was preceded by a read ahead: reading again would only
+        cost round trips."""
+        if got is not None:
+            admitted = self.admission.admit_all(got.inbound, got.fetched)
+            admitted.read_s += got.seconds
+            cancelled, refused = list(got.cancels), list(got.refused)
+        else:
+            admitted, cancelled, refused = Admitted.empty(len(self.lanes)), [], []
+        if got is None or (self.admission.should_read() and not self.in_flight.busy):
+            admitted.extend(self.admission.read_and_admit())
+            more, more_refused = self.transport.cancellations()
+            cancelled, refused = cancelled + more, refused + more_refused
+        return admitted, cancelled, refused
+
+    def _cancellations(self, session_ids: Sequence[str]) -> tuple[list[list[Answer]], list[str]]:
+        """Per lane the cancellations' answers, and the ids of sessions this worker does not hold."""
+        answers: list[list[Answer]] = [[] for _ in self.lanes]
+        not_held: list[str] = []
+        for sid in session_ids:
+            lane = self.lanes.holding(sid)
+            if lane is None:
+                not_held.append(sid)
+            else:
+                answers[lane.index].extend(self._cancel(lane, sid))
+        return answers, not_held
+
+    def _run_here(self, lane: Lane, batch: ScheduledBatch, answers: list[list[Answer]]) -> FusedCallStats:
+        """The fused call in the loop's thread (overlap off); its answers into answers[lane]."""
+        before = self.stats.engine_seconds
+        answers[lane.index].extend(run_fused(self.calls, lane, batch))
+        engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+        self._last_call_s = engine_s
+        return FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
+                              engine_seconds=engine_s)
+
+    def _count_overhead(self, t0: float, call: FusedCallStats, waited: float, read_s: float) -> None:
+        now = time.perf_counter()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("fused call", extra={"phase": call.phase, "sessions": call.batch_size, "rows": call.tokens,
+                                           "engine_ms": round(1e3 * call.engine_seconds, 2),
+                                           "read_ms": round(1e3 * read_s, 2), "loop_ms": round(1e3 * (now - t0), 2)})
+        overhead = now - t0 - waited - read_s
+        self.stats.overhead_seconds += overhead
+        self.metrics.overhead.labels(self._m).observe(overhead)
 
     def _take_prefetched(self) -> Prefetched | None:
         f, self._prefetched = self._prefetched, None
@@ -334,11 +344,12 @@ class Worker:
         return names
 
     # ---- sessions -----------------------------------------------------------------------------
-    def _cancel(self, lane: Lane, session_id: str, answers: list[Answer]) -> None:
+    def _cancel(self, lane: Lane, session_id: str) -> list[Answer]:
         try:
-            answers.extend(lane.scheduler.cancel(session_id))
+            return lane.scheduler.cancel(session_id)
         except Exception:  # a valid id reaching a scheduler bug must not stop the loop; say so loudly
             log.exception("cancellation failed", extra={"session": session_id})
+            return []
 
     def _session_busy(self, session_id: str) -> bool:
         lane = self.lanes.holding(session_id)
@@ -412,13 +423,11 @@ class Worker:
     def _recover(self) -> None:
         self.flush()
         inbound, dead = self.transport.recover()
-        answers: list[list[Answer]] = [[] for _ in self.lanes]
-        wire_rejects: list[Answer] = []
-        acks: list[Delivery] = []
-        self.admission.admit_all(inbound, answers, dead, wire_rejects, acks, None)
-        completions = wire_rejects + self.lanes.completions(answers, [])
-        if completions or dead or acks:
-            self.transport.complete(completions, dead, None, acks=acks)
+        admitted = self.admission.admit_all(inbound, None)
+        dead = dead + admitted.dead
+        completions = admitted.wire_rejects + self.lanes.completions(admitted.answers, [])
+        if completions or dead or admitted.acks:
+            self.transport.complete(completions, dead, None, acks=admitted.acks)
         for dl in dead:
             self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
 
