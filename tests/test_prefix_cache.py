@@ -78,3 +78,34 @@ def test_scope_account_does_not_share_across_accounts(tiny_model_path: Path, cli
                        lambda s, stops: oracle(solo_engine, s, stops))
     assert out.mismatches == []
     assert out.prefix_hit_tokens == 0 and out.cached_tokens == 0
+
+
+class WindowedTiny(LlamaCppEngine):
+    """The tiny model as a sliding-window engine would save it (Gemma 3's rule, at a window of 64): a slot
+    saved past the window is not worth an entry (its floor is past its end)."""
+
+    WINDOW = 64
+
+    def prefix_window(self) -> int:
+        return self.WINDOW
+
+    def prefix_floor(self, slot: int) -> int:
+        end = int(self._next[slot])
+        return 0 if end <= self.WINDOW else end + 1
+
+
+def test_a_sliding_window_engine_caches_prompts_longer_than_its_window(tiny_model_path: Path,
+                                                                       client: redis.Redis) -> None:
+    """Prompts of 205-226 tokens, a window of 64, a prefill budget that takes a whole prompt in one piece: the
+    scheduler ends each cacheable prompt's piece at the window's edge, so the first session's state is saved
+    there and later sessions restore its 4 blocks (without the cut: no hit at all); tokens still equal solo."""
+    solo_engine = LlamaCppEngine(tiny_model_path, recipe="invariant", n_slots=1, ctx_per_session=512)
+    ss = _sessions()
+    c = Conditions(n_slots=4, prefill_budget=512, prefill_chunk=512, prefix_cache_bytes=64 << 20,
+                   prefix_cache_scope="global")
+    out = run_scenario(client, ss, c, lambda n: WindowedTiny(tiny_model_path, recipe="invariant", n_slots=n,
+                                                             ctx_per_session=512),
+                       lambda s, stops: oracle(solo_engine, s, stops))
+    assert out.mismatches == []
+    assert out.prefix_hit_tokens >= 64 and out.prefix_hit_tokens % 64 == 0, out.prefix_hit_tokens
+    assert out.cached_tokens == out.prefix_hit_tokens

@@ -561,6 +561,12 @@ class LlamaCppEngine(LogitsEngine):
             raise EngineError(f"slot {slot}: llama_state_seq_get_data copied nothing", (slot,))
         return bytes(memoryview(buf)[:got])
 
+    def prefix_window(self) -> int:
+        """The sliding window's positions (Gemma 3: 512), 0 for a full KV cache: a slot saved while it holds
+        at most this many positions restores exactly (prefix_floor), so the scheduler ends a cacheable
+        prompt's piece at the window's edge (consumer/sched/prefix_plan.py)."""
+        return max(0, int(self._L.llama_model_n_swa(self._model)))
+
     def prefix_floor(self, slot: int) -> int:
         """The fewest positions the slot's state, saved now, can be trimmed back to exactly. 0 for a full
         KV cache, and for a sliding-window cache (Gemma 3) while the slot holds at most n_swa positions

@@ -43,8 +43,10 @@ def prompt_cap(spec: SessionSpec) -> int | None:
 
 
 class PrefixPlanner:
-    def __init__(self, store: PrefixStore, key_digest: str, scope: Scope) -> None:
+    def __init__(self, store: PrefixStore, key_digest: str, scope: Scope, window: int = 0) -> None:
         self.store, self.key_digest, self.scope = store, key_digest, scope
+        # A sliding-window engine's window, down to a block edge (0: none): see PrefixPlanning._prefix_cut.
+        self.window = window // store.block_tokens * store.block_tokens
 
     def root(self, spec: SessionSpec) -> bytes | None:
         """The session's block root, or None when its scope does not cache it."""

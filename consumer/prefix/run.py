@@ -31,7 +31,8 @@ def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
         return None
     scope: Scope = settings.prefix_cache_scope
     store = PrefixStore(settings.prefix_cache_bytes, scope=scope)
-    scheduler.prefix = PrefixPlanner(store, keys["prefill"].digest, scope)
+    window = getattr(engine, "prefix_window", None)
+    scheduler.prefix = PrefixPlanner(store, keys["prefill"].digest, scope, window() if window is not None else 0)
     return store
 
 

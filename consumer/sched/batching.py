@@ -100,6 +100,7 @@ class Batching(SchedulerState):
                 n = min(budget, queued_end - start)
             else:
                 n = piece_rows(start, budget, queued_end, prompt_end)
+                n = self._prefix_cut(lane, start, n, prompt_end)  # type: ignore[attr-defined]  # PrefixPlanning
             if n == 0:
                 if piece_rows(start, full, queued_end, prompt_end) > 0:
                     self._push_ready(lane)  # it fits a call of its own: first in the next one

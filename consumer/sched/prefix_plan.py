@@ -63,6 +63,21 @@ class PrefixPlanning(SchedulerState):
         lane.prompt_seen = tokens[:hit.n_tokens]
         lane.pending_restore = Restore(lane.entry.slot, hit, tuple(tokens[:hit.n_tokens]))
 
+    def _prefix_cut(self, lane: SessionQueue, start: int, n: int, prompt_end: int | None) -> int:
+        """The rows of a cacheable session's prefill piece on a sliding-window engine: a piece that would
+        cross the window's edge ends on it, so that when the call is saved the slot holds no more positions
+        than the window and its blocks up to the edge are stored (a slot past the window cannot be trimmed
+        back exactly: LlamaCppEngine.prefix_floor). Without the cut, a prompt longer than the window is
+        cached only when a call happened to end inside it. Both sides keep two or more rows (any such split
+        gives the same KV: docs/invariance.md), and only prompt positions are cut."""
+        planner = self.prefix
+        w = planner.window if planner is not None else 0
+        if not w or lane.prefix_root is None or not start + 2 <= w < start + n:
+            return n
+        if prompt_end is not None and prompt_end - w < 2:
+            return n
+        return w - start
+
     def _prefix_directives(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The prefill call with its restores (before) and saves (after)."""
         planner = self.prefix
