@@ -37,6 +37,7 @@ import numpy as np
 import redis
 
 from .common import console, save, table
+from .rates import common_prefix
 
 SIDES = ("placement", "load-only", "round-robin", "random")
 VOCAB = 256  # the sleep engine's default vocabulary: prompts use ids 3..255
@@ -140,18 +141,11 @@ def best_hit_rate(prompts: Sequence[Sequence[int]], which: Sequence[int], block:
     prompt (every system prompt computed once)."""
     hit = 0
     for i, (p, k) in enumerate(zip(prompts, which, strict=True)):
-        common = max((_common(p, prompts[j]) for j in range(i) if which[j] == k), default=0)
+        common = max((common_prefix(p, prompts[j]) for j in range(i) if which[j] == k), default=0)
         hit += common - common % block
     return hit / sum(len(p) for p in prompts)
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def pct(xs: Sequence[float], q: float) -> float:
