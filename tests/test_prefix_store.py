@@ -4,7 +4,7 @@ with a floor (a sliding window) is not found below it."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from consumer.prefix import PrefixStore
@@ -22,6 +22,8 @@ def _ids(tokens: list[int]) -> list[str]:
 @given(ops=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=0, max_size=20), st.integers(1, 60),
                               st.booleans()), max_size=30),
        budget=st.integers(1, 200))
+# Found by hypothesis: a re-save of a prefix evicted another entry to make room for itself.
+@example(ops=[([0, 0, 0, 0], 31, True), ([1, 0, 0, 1], 1, True), ([1, 0, 0, 1], 1, True)], budget=32)
 def test_budget_lru_and_longest_match(ops: list[tuple[list[int], int, bool]], budget: int) -> None:
     store = PrefixStore(budget, block_tokens=B, scope="global")
     model: list[tuple[tuple[str, ...], int]] = []  # (ids, size), least recent first: what the store should hold

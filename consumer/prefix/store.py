@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from schemas.prefix import BLOCK_TOKENS, Scope
@@ -127,16 +127,19 @@ class PrefixStore:
         if len(data) > self.budget_bytes:
             self.stats.too_big += 1
             return None
-        self._make_room(len(data))
-        if self.bytes + len(data) > self.budget_bytes:  # everything left is pinned
-            self.stats.too_big += 1
-            return None
         e = Entry(data=data, n_tokens=n * self.block_tokens, ids=tuple(ids[lo:n]))
+        # Entries every block of which is in e are redundant once e is stored: their bytes count as free
+        # room, so a re-save of the same prefix never evicts another entry to make room for itself.
         covered = set(e.ids)
-        for old in {self._by_block[i] for i in e.ids if i in self._by_block}:
-            if not old.pins and covered.issuperset(old.ids):  # redundant now: every block is in e
-                del self._entries[id(old)]
-                self.bytes -= len(old.data)
+        redundant = [old for old in {self._by_block[i] for i in e.ids if i in self._by_block}
+                     if not old.pins and covered.issuperset(old.ids)]
+        self._make_room(len(data) - sum(len(old.data) for old in redundant), spare={id(old) for old in redundant})
+        if self.bytes - sum(len(old.data) for old in redundant) + len(data) > self.budget_bytes:
+            self.stats.too_big += 1  # everything left is pinned
+            return None
+        for old in redundant:
+            del self._entries[id(old)]
+            self.bytes -= len(old.data)
         self._entries[id(e)] = e
         self.bytes += len(data)
         for i in e.ids:
@@ -155,12 +158,13 @@ class PrefixStore:
                     seen.add(i)
                     yield i
 
-    def _make_room(self, need: int) -> None:
+    def _make_room(self, need: int, spare: Collection[int] = ()) -> None:
+        """Evict least recently used entries (not pinned, not in `spare`) until `need` more bytes fit."""
         for key in list(self._entries):
             if self.bytes + need <= self.budget_bytes:
                 return
             e = self._entries[key]
-            if e.pins:
+            if e.pins or key in spare:
                 continue
             self._evict(key, e)
 
