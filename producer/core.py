@@ -36,14 +36,14 @@ from .route import relay
 from .session import Run, SessionHandle, Sessions, apply, apply_result
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
-from .validate import Admission, WorkerInfo, check_id, check_token, check_tokens
+from .validate import TrackerAdmission, WorkerInfo, check_id, check_token, check_tokens
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
 log = logging.getLogger("dgr.producer")
 
 
-class ProducerCore(Steps, Admission, Placer, Mover):
+class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
     """Settings, caches and every plan of the Tracker side (see the module docstring)."""
 
     apply = staticmethod(apply_result)
@@ -69,7 +69,7 @@ class ProducerCore(Steps, Admission, Placer, Mover):
 
     def opening(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int],
                 hop: int = 0) -> Plan[SessionHandle]:
-        """Admission.opening, a template placed first (its workers then count as discovered: placement read
+        """TrackerAdmission.opening, a template placed first (its workers then count as discovered: placement read
         their advertisements within discover_cache_s)."""
         template = spec if isinstance(spec, SessionTemplate) else None
         if isinstance(spec, SessionTemplate):
@@ -77,7 +77,7 @@ class ProducerCore(Steps, Admission, Placer, Mover):
             for w in self.fleet.workers:
                 if any(rh.worker_id == w.worker_id for rh in spec.route):
                     self.discovered[w.worker_id] = (self.fleet.read_at, w)
-        h = yield from Admission.opening(self, spec, prompt, hop)
+        h = yield from TrackerAdmission.opening(self, spec, prompt, hop)
         h.template = template
         return h
 
@@ -283,9 +283,10 @@ class ProducerCore(Steps, Admission, Placer, Mover):
                                                              "detail": str(e)[:200], "refused": self.refused})
                 continue
             skip = frozenset(chg.d) if chg.d else ()
-            jobs, offs, sts, poss, toks, fins, ess, ps, gs, x = (rec.job, rec.off, rec.st, rec.pos, rec.tok, rec.fin,
-                                                                 rec.es, chg.p, chg.g, rec.x)
-            for i, sid in enumerate(rec.sid):
+            jobs, offs, sts, poss, toks, fins, ess, ps, gs, x = (
+                rec.job, rec.offset, rec.status, rec.position, rec.token, rec.finished, rec.engine_seconds, chg.p,
+                chg.g, rec.extra)
+            for i, sid in enumerate(rec.session_id):
                 h = driven.get(sid) or by_hand.get(sid)
                 if h is None:
                     continue

@@ -59,7 +59,7 @@ def resume(core: ProducerCore, worker_id: str, session_ids: Sequence[str]) -> Pl
                 except WireError:
                     continue
                 skip = set(chg.d)
-                for i, sid in enumerate(rec.sid):
+                for i, sid in enumerate(rec.session_id):
                     if sid in handles and i not in skip:
                         rows.setdefault((stream, sid), deque()).append((eid, rec, chg, i))
             if page:
@@ -105,7 +105,7 @@ def _feed(core: ProducerCore, h: SessionHandle, queues: list[deque[Row]], sink: 
             while q and not h.finished and h.status != "state_lost":
                 eid, rec, chg, i = q[0]
                 jid = rec.job[i]
-                if rec.att[i] != h.attempt or jid in done:
+                if rec.attempt[i] != h.attempt or jid in done:
                     q.popleft()
                     continue
                 s = h.sent.get(jid)
@@ -114,9 +114,9 @@ def _feed(core: ProducerCore, h: SessionHandle, queues: list[deque[Row]], sink: 
                 q.popleft()
                 progress = True
                 first = first or jid
-                x = rec.x.get(str(i)) if rec.x else None
-                if not apply(h, s, rec.off[i], rec.st[i], rec.pos[i], rec.tok[i], rec.fin[i], x, rec.es[i], chg.p[i],
-                             chg.g[i], chg.k[i] if chg.k else 0):
+                x = rec.extra.get(str(i)) if rec.extra else None
+                if not apply(h, s, rec.offset[i], rec.status[i], rec.position[i], rec.token[i], rec.finished[i], x,
+                             rec.engine_seconds[i], chg.p[i], chg.g[i], chg.k[i] if chg.k else 0):
                     continue
                 h.last_result_id, h.last_row = eid, (rec, chg, i)
                 if jid not in h.sent:

@@ -1,7 +1,7 @@
 """What is checked before anything is written: the arguments of the public methods (wrong input fails here, with a
 message that says what is wrong: an id that is not an id could build a key outside the worker's hash tag; a token
-past the vocabulary only comes back as a rejection), what the route's workers advertise (`Admission.discover`),
-and backpressure (`Admission.admit`). The core is an `Admission`."""
+past the vocabulary only comes back as a rejection), what the route's workers advertise (`TrackerAdmission.discover`),
+and backpressure (`TrackerAdmission.admit`). The core is a `TrackerAdmission`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .session import SessionHandle
 if TYPE_CHECKING:
     from .settings import ProducerSettings
 
-__all__ = ["Admission", "WorkerInfo", "check_id", "check_joins", "check_token", "check_tokens", "vocab_size"]
+__all__ = ["TrackerAdmission", "WorkerInfo", "check_id", "check_joins", "check_token", "check_tokens", "vocab_size"]
 
 
 def check_id(value: object, what: str) -> str:
@@ -118,7 +118,7 @@ class WorkerInfo:
                           alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
 
 
-class Admission:
+class TrackerAdmission:
     """The advertisement and backpressure checks: state (`discovered`, `lag`) and plans."""
 
     settings: ProducerSettings

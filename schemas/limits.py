@@ -54,3 +54,31 @@ def is_id(value: object) -> bool:
     trailing newline, no glob or hash-tag characters (`*`, `{`, `}`), so an id can never build a key
     outside its worker's hash tag or widen an ACL pattern."""
     return isinstance(value, str) and _ID_FULL.fullmatch(value) is not None
+
+
+# Deeper JSON than any job has (a job body nests 4 levels: body, spec, route, hop key): refused before parsing,
+# so a parser's recursion limit is never what stops an entry.
+MAX_JSON_DEPTH: Final = 32
+_JSON_SYNTAX: Final = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)  # an escape (skipped whole), a quote, a bracket
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text nests arrays and objects deeper than `limit` (brackets inside strings do not
+    count). A text with at most `limit` opening brackets cannot be: two C-speed counts on the hot path; only
+    an entry with more (an opening with a long spec, a hostile one) is scanned, over its syntax characters."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, in_string = 0, False
+    for m in _JSON_SYNTAX.finditer(raw):
+        c = m.group()
+        if c == b'"':
+            in_string = not in_string
+        elif in_string or len(c) > 1:
+            continue
+        elif c in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False

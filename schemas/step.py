@@ -265,6 +265,9 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     # A non-last hop's OK answer: its output activations, one row per token of the job (no token).
     hidden: Activations | None = None
     logprobs: TokenLogprobs | None = None  # with a token, when the session asked (Sampling.logprobs)
+    # The fused calls the job's prompt positions were computed in: more than one when chunked prefill split
+    # them (the worker's prefill budget); 0 for an answer of no prefill call. A record's optional column.
+    prefill_calls: int = 0
 
     def __post_init__(self) -> None:
         if (self.status == Status.OK) != (self.reason is None):

@@ -16,7 +16,6 @@ every value checked once (`StepJob.__post_init__`). Another version is refused b
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -26,16 +25,25 @@ from pydantic import ValidationError
 from .activations import Activations
 from .compat import Phase
 from .errors import ActivationError, WireError
-from .limits import MAX_FIELD_BYTES, MAX_RECORD_BYTES, MAX_TOKENS_PER_JOB, WIRE_VERSION, is_id
+from .limits import (
+    MAX_FIELD_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_RECORD_BYTES,
+    MAX_TOKENS_PER_JOB,
+    WIRE_VERSION,
+    is_id,
+    json_too_deep,
+)
 from .reasons import Reason, Status
 from .session import SessionSpec
 from .signing import SIGNATURE_FIELD
 from .step import END_OFFSET, Accounting, StepJob, StepResult, TokenLogprobs, row_result_id, split_result_id
 
 __all__ = [
-    "END_OFFSET", "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError", "cancel_from_fields",
-    "cancel_to_fields", "decode_record", "encode_record", "job_from_fields", "job_to_fields", "record_fields",
-    "results_from_fields", "results_to_fields", "row_extra", "row_result_id", "row_to_result", "split_result_id",
+    "END_OFFSET", "OPTIONAL_COLUMNS", "STATUSES", "Charges", "ResultRecord", "RowExtra", "WireError",
+    "cancel_from_fields", "cancel_to_fields", "decode_record", "encode_record", "job_from_fields", "job_to_fields",
+    "record_fields", "results_from_fields", "results_to_fields", "row_extra", "row_result_id", "row_to_result",
+    "split_result_id",
 ]
 
 Fields = Mapping[bytes, bytes] | Mapping[str, str] | Mapping[bytes | str, bytes | str]
@@ -44,10 +52,6 @@ _JOB_FIELDS: Final = frozenset({b"v", b"j", SIGNATURE_FIELD.encode()})
 _RESULT_FIELDS: Final = frozenset({b"v", b"r", b"c"})
 _CANCEL_FIELDS: Final = frozenset({"session_id", SIGNATURE_FIELD})
 MAX_FIELDS: Final = 32  # more fields than any entry has: refused before anything is decoded
-# Deeper JSON than any job has (a job body nests 4 levels: body, spec, route, hop key): refused before parsing,
-# so a parser's recursion limit is never what stops an entry.
-MAX_JSON_DEPTH: Final = 32
-_JSON_SYNTAX: Final = re.compile(rb'\\.|["\[\]{}]', re.DOTALL)  # an escape (skipped whole), a quote, a bracket
 # A row's status travels as its index in this tuple.
 STATUSES: Final[tuple[Status, ...]] = (Status.OK, Status.CANCELLED, Status.REJECTED, Status.STATE_LOST,
                                        Status.FAILED)
@@ -92,28 +96,6 @@ def _entry_ids(f: Mapping[bytes, bytes], limit: int) -> dict[str, str | None]:
     them), else those of a version-1 entry's own fields."""
     body = f.get(b"j")
     return _body_ids(body) if body is not None and len(body) <= 4 * limit else _v1_ids(f)
-
-
-def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON text nests arrays and objects deeper than `limit` (brackets inside strings do not
-    count). A text with at most `limit` opening brackets cannot be: two C-speed counts on the hot path; only
-    an entry with more (an opening with a long spec, a hostile one) is scanned, over its syntax characters."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return False
-    depth, in_string = 0, False
-    for m in _JSON_SYNTAX.finditer(raw):
-        c = m.group()
-        if c == b'"':
-            in_string = not in_string
-        elif in_string or len(c) > 1:
-            continue
-        elif c in (b"[", b"{"):
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
 
 
 def _v1_ids(f: Mapping[bytes, bytes]) -> dict[str, str | None]:
@@ -260,43 +242,62 @@ class RowExtra(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_de
 
 
 class ResultRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The worker's answers of one completion call to one result stream, as columns (row i is one
-    answer). A row's result id is `job[i]` for offset 0, `<job>.<off>` for a continuation's token
-    `off`, `<job>.end` for `off == END_OFFSET`. `fed`: positions the answer's job processed in prefill
-    (the positions `pos - fed .. pos - 1`), before the charging rules (`Charges` says what was charged).
-    `es`: its share of engine seconds. `st`: index into STATUSES; `tok` -1: no token; `fin` 1: finished.
-    `frm`: the first position the answer's step computed (the completion script sees a gap in a session's
-    answers by it: docs/accounting.md)."""
+    """The worker's answers of one completion call to one result stream, as columns under full names (row i
+    is one answer; on the wire each column keeps its short name, docs/wire-format.md). A row's result id is
+    `job[i]` for offset 0, `<job>.<off>` for a continuation's token `off`, `<job>.end` for `off ==
+    END_OFFSET`. `fed_tokens`: positions the answer's job processed in prefill (the positions `pos - fed ..
+    pos - 1`), before the charging rules (`Charges` says what was charged). `engine_seconds`: its share of
+    engine seconds. `status`: index into STATUSES; `token` -1: no token; `finished` 1: finished.
+    `first_position`: the first position the answer's step computed (the completion script sees a gap in a
+    session's answers by it: docs/accounting.md).
 
-    worker: str
+    An *optional column* (default UNSET) is on the wire only when a row of the record has a value other
+    than 0; its full name is also a field of `StepResult` and of the scheduler's `Outcome`, and every writer
+    and reader carries it by that name (`OPTIONAL_COLUMNS`): adding one is this field, the `StepResult` field,
+    and the scheduler setting its `Outcome`'s (docs/architecture.md, "What a change touches")."""
+
+    worker_id: str = msgspec.field(name="worker")
     call: str  # "<lease epoch>:<sequence>": unique per completion call of a worker
-    batch: int  # sessions in the fused call (0: answers decided without one)
-    sid: list[str]
-    job: list[str]
-    off: list[int]
-    att: list[int]
-    st: list[int]
-    pos: list[int]
-    frm: list[int]
-    tok: list[int]
-    fin: list[int]
-    fed: list[int]
-    es: list[float]
-    x: dict[str, RowExtra] = msgspec.field(default_factory=dict)  # row index (decimal) -> extra
+    batch_size: int = msgspec.field(name="batch")  # sessions in the fused call (0: answers without one)
+    session_id: list[str] = msgspec.field(name="sid")
+    job: list[str]  # the job id (with offset: the row's result id)
+    offset: list[int] = msgspec.field(name="off")
+    attempt: list[int] = msgspec.field(name="att")
+    status: list[int] = msgspec.field(name="st")
+    position: list[int] = msgspec.field(name="pos")
+    first_position: list[int] = msgspec.field(name="frm")
+    token: list[int] = msgspec.field(name="tok")
+    finished: list[int] = msgspec.field(name="fin")
+    fed_tokens: list[int] = msgspec.field(name="fed")
+    engine_seconds: list[float] = msgspec.field(name="es")
+    extra: dict[str, RowExtra] = msgspec.field(default_factory=dict, name="x")  # row index (decimal) -> extra
+    # Optional columns (see the docstring).
+    prefill_calls: list[int] | msgspec.UnsetType = msgspec.field(default=msgspec.UNSET, name="pc")
 
     def __post_init__(self) -> None:
-        n = len(self.sid)
-        if not all(len(col) == n for col in (self.job, self.off, self.att, self.st, self.pos, self.frm, self.tok,
-                                              self.fin, self.fed, self.es)):
+        n = len(self.session_id)
+        if not all(len(getattr(self, c)) == n for c in _ROW_COLUMNS) \
+                or not all(len(col) == n for c in OPTIONAL_COLUMNS if (col := getattr(self, c)) is not msgspec.UNSET):
             raise ValueError("columns of unequal length")
-        if n and (min(self.st) < 0 or max(self.st) >= len(STATUSES)):
+        if n and (min(self.status) < 0 or max(self.status) >= len(STATUSES)):
             raise ValueError("a status code out of range")
-        for k in self.x:
+        for k in self.extra:
             if not k.isdigit() or int(k) >= n:
                 raise ValueError(f"extra for a row that does not exist: {k[:16]!r}")
 
     def __len__(self) -> int:
-        return len(self.sid)
+        return len(self.session_id)
+
+    def optional(self) -> dict[str, list[Any]]:
+        """The optional columns this record has, by full name."""
+        return {c: col for c in OPTIONAL_COLUMNS if (col := getattr(self, c)) is not msgspec.UNSET}
+
+
+_FIELDS: Final = msgspec.structs.fields(ResultRecord)
+# Per-row columns every record has, and the optional ones (by full name, in wire order).
+_ROW_COLUMNS: Final = tuple(f.name for f in _FIELDS if f.name not in ("worker_id", "call", "batch_size", "extra")
+                            and f.default is not msgspec.UNSET)
+OPTIONAL_COLUMNS: Final = tuple(f.name for f in _FIELDS if f.default is msgspec.UNSET)
 
 
 class Charges(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -349,26 +350,29 @@ def results_to_fields(results: Sequence[StepResult], *, call: str = "0:0") -> di
     its records from its own answers (consumer/transport/publish.py)."""
     if not results:
         raise ValueError("a result entry holds at least one row")
-    cols: dict[str, list[Any]] = {k: [] for k in ("sid", "job", "off", "att", "st", "pos", "frm", "tok", "fin", "fed",
-                                                  "es")}
+    cols: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
     x: dict[str, RowExtra] = {}
     for i, r in enumerate(results):
         job, off = split_result_id(r.job_id)
-        cols["sid"].append(r.session_id)
+        cols["session_id"].append(r.session_id)
         cols["job"].append(job)
-        cols["off"].append(off)
-        cols["att"].append(0)
-        cols["st"].append(STATUS_CODE[r.status])
-        cols["pos"].append(r.position)
-        cols["frm"].append(max(0, r.position - 1))
-        cols["tok"].append(-1 if r.token is None else r.token)
-        cols["fin"].append(int(r.finished))
-        cols["fed"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)
-        cols["es"].append(r.accounting.engine_seconds)
+        cols["offset"].append(off)
+        cols["attempt"].append(0)
+        cols["status"].append(STATUS_CODE[r.status])
+        cols["position"].append(r.position)
+        cols["first_position"].append(max(0, r.position - 1))
+        cols["token"].append(-1 if r.token is None else r.token)
+        cols["finished"].append(int(r.finished))
+        cols["fed_tokens"].append(r.accounting.prompt_tokens + r.accounting.recomputed_tokens)
+        cols["engine_seconds"].append(r.accounting.engine_seconds)
         extra = row_extra(r)
         if extra is not None:
             x[str(i)] = extra
-    rec = ResultRecord(worker=results[0].worker_id, call=call, batch=results[0].batch_size, x=x, **cols)
+    for c in OPTIONAL_COLUMNS:
+        values = [getattr(r, c) for r in results]
+        if any(values):
+            cols[c] = values
+    rec = ResultRecord(worker_id=results[0].worker_id, call=call, batch_size=results[0].batch_size, extra=x, **cols)
     cached = [r.accounting.cached_tokens for r in results]
     chg = Charges(p=[r.accounting.prompt_tokens for r in results], g=[r.accounting.generated_tokens for r in results],
                   r=[r.accounting.recomputed_tokens for r in results], d=[], k=cached if any(cached) else [])
@@ -379,15 +383,18 @@ def row_to_result(rec: ResultRecord, chg: Charges, i: int) -> StepResult:
     """Row i of a record as a StepResult: the one conversion, used by every reader (`results_from_fields`,
     the producer's callbacks and `read_results`). Every column and extra reaches the result (tested:
     tests/test_result_rows.py). ValueError for a row StepResult refuses."""
-    extra = rec.x.get(str(i)) if rec.x else None
-    tok = rec.tok[i]
+    extra = rec.extra.get(str(i)) if rec.extra else None
+    tok = rec.token[i]
+    optional = {c: col[i] for c, col in rec.optional().items()}
     return StepResult(
-        job_id=row_result_id(rec.job[i], rec.off[i]), session_id=rec.sid[i], status=STATUSES[rec.st[i]],
-        position=rec.pos[i], worker_id=rec.worker, reason=extra.reason if extra else None,
-        detail=extra.detail if extra else "", token=None if tok < 0 else tok, finished=rec.fin[i] == 1,
+        job_id=row_result_id(rec.job[i], rec.offset[i]), session_id=rec.session_id[i],
+        status=STATUSES[rec.status[i]], position=rec.position[i], worker_id=rec.worker_id,
+        reason=extra.reason if extra else None, detail=extra.detail if extra else "", token=None if tok < 0 else tok,
+        finished=rec.finished[i] == 1,
         accounting=Accounting(prompt_tokens=chg.p[i], generated_tokens=chg.g[i], recomputed_tokens=chg.r[i],
-                              engine_seconds=rec.es[i], cached_tokens=chg.k[i] if chg.k else 0),
-        batch_size=rec.batch, hidden=extra.hidden if extra else None, logprobs=extra.logprobs if extra else None)
+                              engine_seconds=rec.engine_seconds[i], cached_tokens=chg.k[i] if chg.k else 0),
+        batch_size=rec.batch_size, hidden=extra.hidden if extra else None,
+        logprobs=extra.logprobs if extra else None, **optional)
 
 
 def row_extra(r: StepResult) -> RowExtra | None:

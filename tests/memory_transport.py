@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from consumer.sched.outputs import Answer
-from consumer.transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal
+from consumer.transport.protocol import DeadLetter, Delivery, Filing, FusedCallStats, Inbound, Refusal
 from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
 from schemas.step import end_job_id, result_job_id
 
@@ -134,14 +134,12 @@ class MemoryTransport:
         out, self.pending_cancels = self.pending_cancels, []
         return out, []
 
-    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
-                 acks: Sequence[Delivery] = ()) -> list[bool]:
+    def complete(self, filing: Filing) -> list[bool]:
         self.round_trips += 1
-        self.closed.extend((c.session_id, c.kind) for c in closures)
-        self.acked.extend(acks)
+        self.closed.extend((c.session_id, c.kind) for c in filing.closures)
+        self.acked.extend(filing.acks)
         first: list[bool] = []
-        for a in answers:
+        for a in filing.answers:
             fresh = a.result.job_id not in self.answered
             first.append(fresh)
             self.answered.add(a.result.job_id)
@@ -150,9 +148,9 @@ class MemoryTransport:
                 self.blobs.pop(a.job.hidden.blob, None)  # the job is answered: its input rows are dropped
             if fresh and a.blob is not None and a.result.hidden is not None and a.result.hidden.blob:
                 self.blobs[a.result.hidden.blob] = a.blob
-        self.dead.extend(dead_letters)
-        if call is not None:
-            self.calls.append(call)
+        self.dead.extend(filing.dead_letters)
+        if filing.call is not None:
+            self.calls.append(filing.call)
         return first
 
     def input_lag(self) -> dict[str, dict[str, int]]:

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from consumer.engines.reference import NumpyReferenceEngine
 from consumer.ops.sessions import session_accounting
 from consumer.sched import Answer, Outcome
-from consumer.transport import RedisTransport
+from consumer.transport import Filing, RedisTransport
 from schemas import RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields
 from schemas.step import result_job_id
 from schemas.wire import decode_record
@@ -130,7 +130,7 @@ plans = st.builds(Plan, prompt=st.integers(1, 9), max_tokens=st.integers(1, 5),
 
 
 @dataclass(frozen=True)
-class Filing:
+class FilingPlan:
     """How the answers are filed: per call, its size, whether its reply is lost (the call re-sent), a
     snapshot before it or a restore to the last snapshot (Redis losing its tail) before it."""
 
@@ -140,7 +140,7 @@ class Filing:
     dups: list[int]  # indices (mod filed so far) of answers filed again in each call
 
 
-filings = st.builds(Filing, sizes=st.lists(st.integers(1, 8), min_size=1, max_size=40),
+filings = st.builds(FilingPlan, sizes=st.lists(st.integers(1, 8), min_size=1, max_size=40),
                     resend=st.lists(st.booleans(), max_size=40), events=st.lists(st.sampled_from([0, 0, 0, 1, 2]),
                                                                                  max_size=40),
                     dups=st.lists(st.integers(0, 10_000), max_size=40))
@@ -167,7 +167,7 @@ def interleave(per_session: list[list[Answer]], draw: Any) -> list[Answer]:
     return out
 
 
-def file_all(t: RedisTransport, client: redis.Redis, answers: list[Answer], f: Filing) -> None:
+def file_all(t: RedisTransport, client: redis.Redis, answers: list[Answer], f: FilingPlan) -> None:
     snap: dict[bytes, tuple[bytes, int]] | None = None
     script = t.io.script  # the reply of a re-sent call is lost: run the call twice, answer the second
     at, call = 0, 0
@@ -189,7 +189,7 @@ def file_all(t: RedisTransport, client: redis.Redis, answers: list[Answer], f: F
 
         t.io.script = twice if resend else script  # type: ignore[method-assign]
         try:
-            t.complete(batch)
+            t.complete(Filing(batch))
         finally:
             t.io.script = script  # type: ignore[method-assign]
         at += size
@@ -206,10 +206,11 @@ def published(client: redis.Redis, t: RedisTransport, sids: list[str]) -> dict[s
             for i in range(len(rec)):
                 if i in skip:
                     continue
-                out[rec.sid[i]].append({"att": rec.att[i], "pos": rec.pos[i], "st": rec.st[i], "job": rec.job[i],
-                                        "off": rec.off[i], "prompt_tokens": chg.p[i], "generated_tokens": chg.g[i],
-                                        "recomputed_tokens": chg.r[i], "cached_tokens": chg.k[i] if chg.k else 0,
-                                        "fed": rec.fed[i], "tok": rec.tok[i]})
+                out[rec.session_id[i]].append({
+                    "att": rec.attempt[i], "pos": rec.position[i], "st": rec.status[i], "job": rec.job[i],
+                    "off": rec.offset[i], "prompt_tokens": chg.p[i], "generated_tokens": chg.g[i],
+                    "recomputed_tokens": chg.r[i], "cached_tokens": chg.k[i] if chg.k else 0,
+                    "fed": rec.fed_tokens[i], "tok": rec.token[i]})
     return out
 
 
@@ -257,7 +258,7 @@ def check(client: redis.Redis, t: RedisTransport, sessions: dict[str, tuple[str,
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan_list=st.lists(plans, min_size=1, max_size=4), f=filings, data=st.data())
 def test_charges_equal_counters_and_nothing_doubled_or_lost(redis_client: redis.Redis, plan_list: list[Plan],
-                                                            f: Filing, data: st.DataObject) -> None:
+                                                            f: FilingPlan, data: st.DataObject) -> None:
     redis_client.flushdb()
     t = RedisTransport(redis_client, WORKER, "c1")
     t.register([compat_key("prefill"), compat_key("decode")], {"slots": 8})
@@ -274,7 +275,7 @@ def test_charges_equal_counters_and_nothing_doubled_or_lost(redis_client: redis.
     lost = 2 in f.events
     if lost:  # the Tracker re-pushes what it did not see answered: the worker re-files its last attempts
         again = interleave([last for _a, _p, last in sessions.values()], data.draw)
-        file_all(t, redis_client, again, Filing(sizes=[4], resend=[], events=[], dups=[]))
+        file_all(t, redis_client, again, FilingPlan(sizes=[4], resend=[], events=[], dups=[]))
     check(redis_client, t, sessions, lost)
 
 

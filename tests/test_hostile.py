@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer.engines.reference import NumpyReferenceEngine
+from consumer.transport import Filing
 from dgrtools.localredis import LocalRedis
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob, WorkerKeys, job_to_fields, results_from_fields
 
@@ -368,10 +369,11 @@ def test_refusals_never_stand_in_front_of_honest_answers_in_time(
     filed: list[tuple[float, int, int]] = []  # per completion: when it was filed, honest tokens, refusals
     complete = worker.transport.complete
 
-    def recording(answers, dead=(), call=None, **kw):  # type: ignore[no-untyped-def]
-        out = complete(answers, dead, call, **kw)
+    def recording(filing: Filing) -> object:
+        out = complete(filing)
+        answers = filing.answers
         ok = sum(1 for a in answers if a.result.session_id in honest and a.result.token is not None)
-        filed.append((time.perf_counter(), ok, len(answers) - ok + len(dead)))
+        filed.append((time.perf_counter(), ok, len(answers) - ok + len(filing.dead_letters)))
         return out
 
     worker.transport.complete = recording  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ import redis
 from consumer.ops.common import LEDGER_INDEX, OpsKeys, ledger_key, s, sdict, stream_id_ms, workers
 from consumer.ops.deadletters import parse_ref
 from consumer.ops.jobs import _redacted
-from consumer.transport import Closure, DeadLetter, Delivery, RedisTransport
+from consumer.transport import Closure, DeadLetter, Delivery, Filing, RedisTransport
 from schemas import (
     Accounting,
     CompatibilityKey,
@@ -92,7 +92,7 @@ def serve(t: RedisTransport, plan: dict[str, tuple[str, int]], *, secs: float = 
 
 def close(t: RedisTransport, session: str, kind: str = "finished", account: str = "acct-1") -> None:
     """Close a session's accounting as the worker does (its tally folded into its session hash)."""
-    t.complete([], closures=[Closure(session, kind, account)])  # type: ignore[arg-type]
+    t.complete(Filing(closures=[Closure(session, kind, account)]))  # type: ignore[list-item]
 
 
 def dead_letter(t: RedisTransport, fields: dict[str, str], phase: Phase = "decode",

@@ -20,7 +20,15 @@ from consumer.engines.llama import LlamaCppEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from schemas import RouteHop, Sampling, SessionSpec, StepResult, WorkerKeys
-from schemas.wire import END_OFFSET, STATUSES, Charges, ResultRecord, decode_record, results_from_fields
+from schemas.wire import (
+    END_OFFSET,
+    OPTIONAL_COLUMNS,
+    STATUSES,
+    Charges,
+    ResultRecord,
+    decode_record,
+    results_from_fields,
+)
 from tests.producer_drivers import MakeProducer, make_producer
 
 __all__ = ["make_producer"]
@@ -29,9 +37,11 @@ WID = "rows"
 SAMPLING = Sampling(temperature=0.8, seed=5, logprobs=2)
 MAX_TOKENS = 20
 # Each record column and the StepResult field(s) it reaches: a new column must be named here.
-COLUMNS = {"worker": "worker_id", "call": None, "batch": "batch_size", "sid": "session_id", "job": "job_id",
-           "off": "job_id", "att": None, "st": "status", "pos": "position", "frm": None, "tok": "token",
-           "fin": "finished", "fed": None, "es": "accounting.engine_seconds", "x": "reason detail hidden logprobs"}
+COLUMNS = {"worker_id": "worker_id", "call": None, "batch_size": "batch_size", "session_id": "session_id",
+           "job": "job_id", "offset": "job_id", "attempt": None, "status": "status", "position": "position",
+           "first_position": None, "token": "token", "finished": "finished", "fed_tokens": None,
+           "engine_seconds": "accounting.engine_seconds", "extra": "reason detail hidden logprobs",
+           **{c: c for c in OPTIONAL_COLUMNS}}  # an optional column reaches the StepResult field of its name
 CHARGES = {"p": "accounting.prompt_tokens", "g": "accounting.generated_tokens", "r": "accounting.recomputed_tokens",
            "k": "accounting.cached_tokens", "d": None}
 
@@ -73,16 +83,19 @@ def expected(client: redis.Redis) -> dict[str, list[dict[str, Any]]]:
             for i in range(len(rec)):
                 if i in chg.d:
                     continue
-                x = rec.x.get(str(i))
-                off = rec.off[i]
+                x = rec.extra.get(str(i))
+                optional = {c: col[i] if col is not msgspec.UNSET else 0
+                            for c in OPTIONAL_COLUMNS for col in (getattr(rec, c),)}
+                off = rec.offset[i]
                 rid = rec.job[i] if off == 0 else f"{rec.job[i]}.end" if off == END_OFFSET else f"{rec.job[i]}.{off}"
-                out.setdefault(rec.sid[i], []).append({
-                    "job_id": rid, "session_id": rec.sid[i], "status": STATUSES[rec.st[i]], "position": rec.pos[i],
-                    "worker_id": rec.worker, "token": None if rec.tok[i] < 0 else rec.tok[i],
-                    "finished": rec.fin[i] == 1, "batch_size": rec.batch,
-                    "accounting": (chg.p[i], chg.g[i], chg.r[i], rec.es[i], chg.k[i] if chg.k else 0),
+                out.setdefault(rec.session_id[i], []).append({
+                    "job_id": rid, "session_id": rec.session_id[i], "status": STATUSES[rec.status[i]],
+                    "position": rec.position[i],
+                    "worker_id": rec.worker_id, "token": None if rec.token[i] < 0 else rec.token[i],
+                    "finished": rec.finished[i] == 1, "batch_size": rec.batch_size,
+                    "accounting": (chg.p[i], chg.g[i], chg.r[i], rec.engine_seconds[i], chg.k[i] if chg.k else 0),
                     "reason": x.reason if x else None, "detail": x.detail if x else "",
-                    "hidden": x.hidden if x else None, "logprobs": x.logprobs if x else None})
+                    "hidden": x.hidden if x else None, "logprobs": x.logprobs if x else None, **optional})
     return out
 
 
@@ -92,7 +105,8 @@ def seen(r: StepResult) -> dict[str, Any]:
             "worker_id": r.worker_id, "token": r.token, "finished": r.finished, "batch_size": r.batch_size,
             "accounting": (a.prompt_tokens, a.generated_tokens, a.recomputed_tokens, a.engine_seconds,
                            a.cached_tokens),
-            "reason": r.reason, "detail": r.detail, "hidden": r.hidden, "logprobs": r.logprobs}
+            "reason": r.reason, "detail": r.detail, "hidden": r.hidden, "logprobs": r.logprobs,
+            **{c: getattr(r, c) for c in OPTIONAL_COLUMNS}}
 
 
 def check(client: redis.Redis, got: dict[str, list[StepResult]], sessions: int) -> None:
@@ -102,6 +116,8 @@ def check(client: redis.Redis, got: dict[str, list[StepResult]], sessions: int) 
         assert [seen(r) for r in got[sid]] == rows, sid
         tokens = [r for r in got[sid] if r.token is not None]
         assert len(tokens) == MAX_TOKENS
+        # the optional column: the prompt (4 tokens) was computed in one prefill call, decode answers in none
+        assert [r.prefill_calls for r in got[sid]] == [1] + [0] * (len(got[sid]) - 1), sid
         # asked for: every sampled token carries its logprob and the top 2
         assert all(r.logprobs is not None and len(r.logprobs.top) == 2 and r.logprobs.lp <= 0 for r in tokens), sid
     # the stream's own reader agrees

@@ -325,9 +325,12 @@ def test_prefill_fills_the_budget_fifo_and_splits_the_last_job() -> None:
     assert [o.job.session_id for o in out] == ["a"] and out[0].result.batch_size == 2
     assert out[0].result.accounting.engine_seconds == pytest.approx(0.4)  # 4 of the call's 10 rows
     assert out[0].result.accounting.prompt_tokens == 4
+    assert out[0].result.prefill_calls == 1
     b2 = s.next_batch()
     assert b2 is not None
     assert [(it.job.session_id, it.offset, it.n_tokens) for it in b2.items] == [("b", 6, 3), ("c", 0, 2)]
+    # b's prompt was split over the two calls: its answer says so (the record's optional column)
+    assert {o.job.session_id: o.result.prefill_calls for o in run(s, b2)} == {"b": 2, "c": 1}
 
 
 def test_a_session_may_continue_in_the_same_call_unless_it_samples_first() -> None:

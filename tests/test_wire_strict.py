@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,6 +214,26 @@ def test_results_are_parsed_as_strictly() -> None:
     with pytest.raises(WireError) as e:
         results_from_fields({**_record(), b"v": b"1"})
     assert e.value.reason == Reason.SCHEMA_VERSION
+
+
+def test_the_record_keeps_the_short_names_of_wire_version_2() -> None:
+    """Columns have full names in code (schemas/wire.py ResultRecord); the bytes are those of wire version 2,
+    and an optional column travels only when a row has a value (`pc`: prefill_calls)."""
+    r = StepResult(job_id="j-1.3", session_id="s-1", status=Status.OK, position=4, token=9, worker_id="w1",
+                   batch_size=2, accounting=Accounting(prompt_tokens=1, engine_seconds=0.5))
+    raw = results_to_fields([r], call="3:7")[b"r"]
+    assert raw == (b'{"worker":"w1","call":"3:7","batch":2,"sid":["s-1"],"job":["j-1"],"off":[3],"att":[0],"st":[0],'
+                   b'"pos":[4],"frm":[3],"tok":[9],"fin":[0],"fed":[1],"es":[0.5],"x":{}}')
+    rows = [r, msgspec.structs.replace(r, job_id="j-2", prefill_calls=3)]
+    fields = results_to_fields(rows)
+    assert json.loads(fields[b"r"])["pc"] == [0, 3]
+    assert [x.prefill_calls for x in results_from_fields(fields)] == [0, 3]
+    for pc in ([1], ["1"], [1, 2, 3]):
+        with pytest.raises(WireError):
+            results_from_fields(_record({"sid": ["s-1", "s-2"], "job": ["j-1", "j-2"], "off": [0, 0], "att": [0, 0],
+                                         "st": [0, 0], "pos": [4, 4], "frm": [3, 3], "tok": [9, 9], "fin": [0, 0],
+                                         "fed": [1, 1], "es": [0.0, 0.0], "pc": pc},
+                                        charges={"p": [0, 0], "g": [1, 1], "r": [0, 0]}))
 
 
 def test_rows_the_script_did_not_publish_are_left_out() -> None:

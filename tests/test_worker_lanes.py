@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from consumer.batch import FusedBatch
 from consumer.engines.base import EngineError
 from consumer.engines.engine_set import EngineSet
+from consumer.sched.round_robin import SmoothRoundRobin
 from consumer.worker import Worker, WorkerSettings
-from consumer.worker.lane import LaneTurns
 from schemas import Reason, RouteHop, SessionSpec, Status, StepJob
 from tests.doubles.null import NullEngine
 from tests.memory_transport import MemoryTransport
@@ -212,7 +212,7 @@ def test_lane_turns_bound_the_wait_of_a_lane_with_work(weights: list[int], data:
     whatever the others' work comes and goes; in a steady backlog each lane has exactly w of every W
     calls (from a fresh start)."""
     n, total = len(weights), sum(weights)
-    turns = LaneTurns(weights)
+    turns = SmoothRoundRobin(weights)
     waited = [0] * n
     for _ in range(data.draw(st.integers(1, 120))):
         ready = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))
@@ -221,7 +221,7 @@ def test_lane_turns_bound_the_wait_of_a_lane_with_work(weights: list[int], data:
         for j in range(n):
             waited[j] = 0 if j == i or j not in ready else waited[j] + 1
             assert waited[j] <= 2 * (total - weights[j]), (weights, j, waited)
-    steady = LaneTurns(weights)
+    steady = SmoothRoundRobin(weights)
     picks = [steady.pick(list(range(n))) for _ in range(3 * total)]
     for period in range(3):
         got = picks[period * total:(period + 1) * total]
@@ -229,7 +229,7 @@ def test_lane_turns_bound_the_wait_of_a_lane_with_work(weights: list[int], data:
 
 
 def test_lane_turns_leave_a_lone_lane_untouched() -> None:
-    turns = LaneTurns([3, 1])
+    turns = SmoothRoundRobin([3, 1])
     assert [turns.pick([1]) for _ in range(4)] == [1] * 4 and turns.current == [0, 0]
     assert turns.pick([]) is None
     assert math.isclose(sum(turns.current), 0)

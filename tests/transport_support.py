@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from consumer.sched import Answer, Outcome
-from consumer.transport import DeadLetter, Delivery, FusedCallStats, RedisTransport
+from consumer.transport import DeadLetter, Delivery, Filing, FusedCallStats, RedisTransport
 from schemas import StepResult, WireError, job_from_fields
 
 
@@ -39,7 +39,7 @@ def complete_entries(t: RedisTransport, completions: Sequence[Completion], dead:
                      call: FusedCallStats | None = None) -> list[bool]:
     """File the completions in one call; per completion, whether its answer was published by this call."""
     answers = [answer_of(c) for c in completions]
-    charges = t.complete(answers, dead, call)
+    charges = t.complete(Filing(answers, dead, call=call))
     order: dict[str, list[int]] = {}  # reply stream -> completion indices, in row order (publish.py groups so)
     for i, a in enumerate(answers):
         reply = a.reply or (a.job.reply if a.job is not None else a.result.session_id)

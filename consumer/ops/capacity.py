@@ -66,7 +66,7 @@ def step_path_key(phase: str) -> Any:
 
 def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any) -> None:
     from consumer.sched import Answer, Outcome
-    from consumer.transport import RedisTransport
+    from consumer.transport import Filing, RedisTransport
     from schemas import Status, StepJob, job_from_fields, job_to_fields
 
     key = step_path_key
@@ -97,7 +97,7 @@ def _client_loop(url: str, worker_id: str, batch: int, seconds: float, out: Any)
             o = Outcome(job.job_id, job.session_id, Status.OK, None, 17 + n, token=7, engine_seconds=0.01,
                         batch_size=len(got))
             answers.append(Answer(ref=d, job=job, result=o, account_id=f"acct-{hash(job.session_id) % 4}", close=None))
-        t.complete(answers)
+        t.complete(Filing(answers))
         resp: Any = client.xread(results, count=batch)  # type: ignore[arg-type]
         for name, entries in resp or []:
             results[s(name)] = s(entries[-1][0])

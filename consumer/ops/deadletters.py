@@ -39,7 +39,10 @@ ReplayStatus = Literal["replayed", "already", "missing", "mismatch", "empty", "i
 
 
 @dataclass(frozen=True, slots=True)
-class DeadLetter:
+class DeadLetterEntry:
+    """One entry of a worker's dead-letter stream, as `dgr ops dlq` reads it (what was given up on is the
+    transport's `DeadLetter`: consumer/transport/protocol.py)."""
+
     worker_id: str
     id: str  # id in the dead-letter stream
     reason: str
@@ -74,11 +77,12 @@ class Replay:
                 "detail": self.detail}
 
 
-def parse_dead_letter(worker_id: str, entry_id: str, raw: dict[str, str], replayed_as: str | None = None) -> DeadLetter:
+def parse_dead_letter(worker_id: str, entry_id: str, raw: dict[str, str],
+                      replayed_as: str | None = None) -> DeadLetterEntry:
     fields = {k[2:]: v for k, v in raw.items() if k.startswith("f:")}
     known = ("reason", "detail", "stream", "entry_id")
     extra = {k: v for k, v in raw.items() if not k.startswith("f:") and k not in known}
-    return DeadLetter(worker_id, entry_id, raw.get("reason", ""), raw.get("detail", ""), raw.get("stream", ""),
+    return DeadLetterEntry(worker_id, entry_id, raw.get("reason", ""), raw.get("detail", ""), raw.get("stream", ""),
                       raw.get("entry_id", ""), fields, extra, replayed_as)
 
 
@@ -87,9 +91,9 @@ def _entries(reply: Any) -> list[tuple[str, dict[str, str]]]:
 
 
 def list_dead_letters(client: Client, worker_ids: Iterable[str] | None = None, *, count: int = 100,
-                      reason: str | None = None, newest_first: bool = True) -> list[DeadLetter]:
+                      reason: str | None = None, newest_first: bool = True) -> list[DeadLetterEntry]:
     """Up to `count` dead letters per worker (newest first by default), with their replay status."""
-    out: list[DeadLetter] = []
+    out: list[DeadLetterEntry] = []
     for w in workers(client, worker_ids):
         dlq = WorkerKeys(w).dead_letters
         reply = r(client.xrevrange(dlq, count=count) if newest_first else client.xrange(dlq, count=count))

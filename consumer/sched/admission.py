@@ -1,4 +1,4 @@
-"""Admission: every check a step passes before it is queued, each with its own reason code and no
+"""Job admission: every check a step passes before it is queued, each with its own reason code and no
 effect on any other session; a newer attempt's opening; cancellation."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .outputs import Answer
 from .session_table import ClosedSession, SessionEntry
 from .state import SchedulerState, SessionQueue, _Queued
 
-__all__ = ["Admission", "Refused"]
+__all__ = ["JobAdmission", "Refused"]
 
 
 class Refused(NamedTuple):
@@ -26,7 +26,7 @@ class Refused(NamedTuple):
     charged: bool = True
 
 
-class Admission(SchedulerState):
+class JobAdmission(SchedulerState):
     def admit(self, job: StepJob, stream_digest: str, ref: object) -> Answer | None:
         """Queue the job (None), or answer it at once. Checks, in this order, each with its own reason
         and no effect on any other session:

@@ -12,24 +12,20 @@ from .state import SchedulerState, SessionQueue
 
 __all__ = ["Batching"]
 
+# The phases' party numbers in the round-robin: decode first, so it wins a tie.
+PHASES: tuple[Phase, Phase] = ("decode", "prefill")
+
 
 class Batching(SchedulerState):
     def _pick_phase(self) -> Phase | None:
-        ready_d = self._n_ready["decode"] > 0
-        ready_p = self._n_ready["prefill"] > 0
-        if not (ready_d and ready_p):
-            return "decode" if ready_d else "prefill" if ready_p else None
-        cur, w = self._current, self._weight
-        cur["decode"] += w["decode"]
-        cur["prefill"] += w["prefill"]
-        phase: Phase = "decode" if cur["decode"] >= cur["prefill"] else "prefill"
-        cur[phase] -= w["decode"] + w["prefill"]
-        return phase
+        ready = [i for i, phase in enumerate(PHASES) if self._n_ready[phase] > 0]
+        i = self._phase_turns.pick(ready)
+        return None if i is None else PHASES[i]
 
     def next_batch(self) -> ScheduledBatch | None:
         """The next fused call, or None when nothing is ready. See the module docstring."""
         while True:
-            before = dict(self._current)
+            before = self._phase_turns.state()
             phase = self._pick_phase()
             if phase is None:
                 return None
@@ -38,7 +34,7 @@ class Batching(SchedulerState):
                 break
             # Every ready prefill session waits for more of its prompt (and left the ready heap): the
             # round did not happen, so the weights are as they were; pick again.
-            self._current = before
+            self._phase_turns.restore(before)
         batch = ScheduledBatch.build(phase, items)
         if phase == "prefill":
             batch = self._prefix_directives(batch)  # type: ignore[attr-defined]  # PrefixPlanning

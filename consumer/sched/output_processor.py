@@ -59,6 +59,7 @@ class OutputProcessor(SchedulerState):
             q.engine_seconds = share if batch.phase == "decode" else q.engine_seconds + share
             if batch.phase == "prefill":
                 q.prompt_tokens += it.n_tokens
+                q.prefill_calls += 1
             reached = it.first_position + it.n_tokens
             if lane.closed is not None:  # closed while the call ran
                 if it.completes_job and not q.answered:

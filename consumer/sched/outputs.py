@@ -54,6 +54,8 @@ class Outcome:
     hidden: Activations | None = None  # a non-last hop's OK answer: its output rows (no token)
     logprobs: TokenLogprobs | None = None  # the sampled token's, when the session asked (Sampling.logprobs)
     cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed (charged apart)
+    # The record's optional columns (schemas/wire.py OPTIONAL_COLUMNS): same names, filed as they are.
+    prefill_calls: int = 0  # the fused calls the job's prompt positions were computed in
 
     @property
     def generated_tokens(self) -> int:

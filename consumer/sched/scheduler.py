@@ -69,7 +69,7 @@ from dataclasses import replace
 
 from schemas import Phase
 
-from .admission import Admission
+from .admission import JobAdmission
 from .batching import Batching
 from .config import SchedulerConfig
 from .output_processor import OutputProcessor
@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 
-class Scheduler(Admission, Batching, OutputProcessor, PrefixPlanning):
+class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
     """The whole scheduling core: admission, batching and the output processor over one state; the
     queries the worker asks between calls are here."""
 

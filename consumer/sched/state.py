@@ -16,6 +16,7 @@ from schemas.limits import ID_PATTERN, MAX_REASON_LEN
 
 from .config import SchedulerConfig
 from .outputs import Answer, Outcome, SchedulerStats
+from .round_robin import SmoothRoundRobin
 from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
 
 __all__ = ["SchedulerState"]
@@ -30,6 +31,7 @@ class _Queued:
     in_flight: tuple[int, int] | None = None  # (offset, n_tokens) of its item in flight
     prompt_tokens: int = 0  # accounting accumulated over the job's items
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    prefill_calls: int = 0  # prefill calls its items ran in
     engine_seconds: float = 0.0
     answered: bool = False
 
@@ -82,8 +84,8 @@ class SchedulerState:
         self._queued_tokens: dict[Phase, int] = {"decode": 0, "prefill": 0}  # not yet handed out
         self._awaiting: set[str] = set()  # DECODING sessions with nothing queued nor in flight
         self._continuing: set[str] = set()  # sessions amid a continuation job (its next job is on its way)
-        self._current: dict[Phase, int] = {"decode": 0, "prefill": 0}  # smooth WRR state
-        self._weight: dict[Phase, int] = {"decode": config.w_decode, "prefill": config.w_prefill}
+        # decode, prefill (batching.PHASES): which phase the next call serves when both are ready
+        self._phase_turns = SmoothRoundRobin((config.w_decode, config.w_prefill))
         self._seq = 0
         # session id -> the attempt of the opening that opened it (open sessions and recently closed
         # ones, bounded like the closed LRU): a newer attempt's opening supersedes it (`supersede`).
@@ -101,7 +103,8 @@ class SchedulerState:
         rid = job.answer_id(offset, status == Status.OK, duplicate=reason == Reason.DUPLICATE)
         return Outcome(rid, job.session_id, status, reason, position, detail[:MAX_REASON_LEN], token, finished,
                        q.prompt_tokens if q is not None else 0, q.engine_seconds if q is not None else 0.0,
-                       batch_size, cached_tokens=q.cached_tokens if q is not None else 0)
+                       batch_size, cached_tokens=q.cached_tokens if q is not None else 0,
+                       prefill_calls=q.prefill_calls if q is not None else 0)
 
     def _reject(self, job: StepJob, ref: object, reason: Reason, position: int, account_id: str | None,
                 detail: str, status: Status = Status.REJECTED) -> Answer:

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import TransportSettings
 from .errors import LeaseHeld, LeaseLost, NotDurable, Stopping
-from .protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound, Refusal, Transport
+from .protocol import Closure, DeadLetter, Delivery, Filing, FusedCallStats, Inbound, Refusal, Transport
 
 if TYPE_CHECKING:
     from .broker import RedisTransport
     from .publish import COMPLETE_ARGV, FIXED_KEYS
 
 __all__ = [
-    "COMPLETE_ARGV", "FIXED_KEYS", "Closure", "DeadLetter", "Delivery", "FusedCallStats", "Inbound", "LeaseHeld",
-    "LeaseLost", "NotDurable", "RedisTransport", "Refusal", "Stopping", "Transport", "TransportSettings",
+    "COMPLETE_ARGV", "FIXED_KEYS", "Closure", "DeadLetter", "Delivery", "Filing", "FusedCallStats", "Inbound",
+    "LeaseHeld", "LeaseLost", "NotDurable", "RedisTransport", "Refusal", "Stopping", "Transport", "TransportSettings",
 ]
 
 

@@ -24,11 +24,10 @@ from schemas import CompatibilityKey, Phase, Signer, StepJob, WorkerKeys
 from schemas.retry import OutageListener
 
 from ..config import TransportSettings
-from ..sched.outputs import Answer
 from .connection import RedisIO
 from .intake import Intake
 from .lease import Lease
-from .protocol import Closure, DeadLetter, Delivery, FusedCallStats, Inbound
+from .protocol import DeadLetter, Delivery, Filing, Inbound
 from .publish import Publisher
 from .recovery import recover_streams
 from .upkeep import Upkeep
@@ -179,7 +178,5 @@ class RedisTransport:
         return self.upkeep.fetch_activations(blobs)
 
     # ---- completion
-    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
-                 acks: Sequence[Delivery] = ()) -> list[str]:
-        return self.publisher.complete(answers, dead_letters, call, closures=closures, acks=acks)
+    def complete(self, filing: Filing) -> list[str]:
+        return self.publisher.complete(filing)

@@ -20,7 +20,7 @@ from schemas import CompatibilityKey, Phase, Reason, StepJob
 
 from ..sched.outputs import Answer
 
-__all__ = ["Closure", "DeadLetter", "Delivery", "FusedCallStats", "Inbound", "Refusal", "Transport"]
+__all__ = ["Closure", "DeadLetter", "Delivery", "Filing", "FusedCallStats", "Inbound", "Refusal", "Transport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,8 @@ class Inbound:
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
+    """An entry the worker gives up on: filed to the dead-letter stream, its delivery acked."""
+
     delivery: Delivery
     reason: Reason
     detail: str
@@ -82,6 +84,24 @@ class FusedCallStats:
     batch_size: int  # sessions in the call
     tokens: int  # rows in the call
     engine_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Filing:
+    """Everything one completion call settles: the one answer type from the worker to the transport, built
+    once per call. `answers`: every answer (published once, charged once; its delivery acked when it is its
+    job's last), `dead_letters`, `closures` not carried by an answer, `acks`: deliveries to ack without an
+    answer (their job was answered by an earlier process), `call`: the fused call's counters. The transport
+    encodes it in one pure function (consumer/transport/publish.py `encode_filing`)."""
+
+    answers: Sequence[Answer] = ()
+    dead_letters: Sequence[DeadLetter] = ()
+    closures: Sequence[Closure] = ()
+    acks: Sequence[Delivery] = ()
+    call: FusedCallStats | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.answers or self.dead_letters or self.closures or self.acks or self.call)
 
 
 class Transport(Protocol):
@@ -144,12 +164,8 @@ class Transport(Protocol):
         """Session ids cancelled since the last call, and the cancel entries refused (to dead-letter)."""
         ...
 
-    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
-                 acks: Sequence[Delivery] = ()) -> object:
-        """File one completion call: every answer (published once, charged once; its delivery acked when
-        the answer is its job's last), dead letters, closures, deliveries to ack without an answer (the
-        job was answered by an earlier process), the fused call's counters."""
+    def complete(self, filing: Filing) -> object:
+        """File one completion call: all of `filing` at once (one atomic step of the backing store)."""
         ...
 
     def input_lag(self) -> dict[str, dict[str, int]]:

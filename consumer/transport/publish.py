@@ -21,16 +21,17 @@ import redis
 from schemas import GROUP, StepJob, WorkerKeys
 from schemas.limits import ACTIVATION_TTL_S, MAX_FIELD_BYTES
 from schemas.replies import as_bytes
-from schemas.wire import STATUS_CODE, ResultRecord, RowExtra, encode_record, split_result_id
+from schemas.wire import OPTIONAL_COLUMNS, STATUS_CODE, ResultRecord, RowExtra, encode_record, split_result_id
 
 from ..sched.outputs import Answer, Outcome
 from .connection import LeaseLost, RedisIO
 from .durable import DurableScripts
 from .intake import Intake
 from .lease import Lease
-from .protocol import Closure, DeadLetter, Delivery, FusedCallStats
+from .protocol import Closure, DeadLetter, Delivery, Filing
 
-__all__ = ["COMPLETE_ARGV", "FIXED_KEYS", "MAX_DEAD_LETTER_BYTES", "Publisher"]
+__all__ = ["COMPLETE_ARGV", "FIXED_KEYS", "MAX_DEAD_LETTER_BYTES", "CompletionCall", "Publisher", "dead_letter_fields",
+           "encode_filing"]
 
 # The completion script's layout (consumer/lua/complete.lua's header; tests/test_lua.py checks that both
 # say the same): the fixed KEYS, then the fixed ARGV head; records, blob bytes and dead letters follow,
@@ -66,21 +67,23 @@ class _Keys:
 
 @dataclass(slots=True)
 class _Rows:
-    """One result stream's rows of a call, as columns, and what the script needs per row besides."""
+    """One result stream's rows of a call, as the record's columns (full names: schemas/wire.py
+    ResultRecord), and what the script needs per row besides."""
 
-    sid: list[str] = field(default_factory=list)
+    session_id: list[str] = field(default_factory=list)
     job: list[str] = field(default_factory=list)
-    off: list[int] = field(default_factory=list)
-    att: list[int] = field(default_factory=list)
-    st: list[int] = field(default_factory=list)
-    pos: list[int] = field(default_factory=list)
-    frm: list[int] = field(default_factory=list)
-    tok: list[int] = field(default_factory=list)
-    fin: list[int] = field(default_factory=list)
-    fed: list[int] = field(default_factory=list)
-    kc: list[int] = field(default_factory=list)  # of fed, positions restored from the prefix cache
-    es: list[float] = field(default_factory=list)
-    x: dict[str, RowExtra] = field(default_factory=dict)
+    offset: list[int] = field(default_factory=list)
+    attempt: list[int] = field(default_factory=list)
+    status: list[int] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+    first_position: list[int] = field(default_factory=list)
+    token: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    fed_tokens: list[int] = field(default_factory=list)
+    engine_seconds: list[float] = field(default_factory=list)
+    extra: dict[str, RowExtra] = field(default_factory=dict)
+    optional: dict[str, list[Any]] = field(default_factory=dict)  # the record's optional columns present
+    cached: list[int] = field(default_factory=list)  # of fed, positions restored from the prefix cache
     acct: list[int] = field(default_factory=list)  # per row: the call's account number (0: none)
     skey: list[int] = field(default_factory=list)  # per row: KEYS index of its session hash (0: none)
     res: dict[str, int] = field(default_factory=dict)  # row -> KEYS index of its once-only marker (not ok)
@@ -88,32 +91,56 @@ class _Rows:
 
     def add(self, o: Outcome, job: StepJob | None) -> int:
         """The outcome's columns as row i (returned); the script's per-row lists are the caller's."""
-        i = len(self.sid)
+        i = len(self.session_id)
         rid = o.job_id
-        self.sid.append(o.session_id)
+        self.session_id.append(o.session_id)
         if job is not None:
             off = split_result_id(rid, job.job_id)[1]
             self.job.append(job.job_id)
-            self.off.append(off)
-            self.att.append(job.attempt)
-            self.frm.append(job.start_position + off if off > 0 else job.start_position)
+            self.offset.append(off)
+            self.attempt.append(job.attempt)
+            self.first_position.append(job.start_position + off if off > 0 else job.start_position)
         else:
             self.job.append(rid)
-            self.off.append(0)
-            self.att.append(0)
-            self.frm.append(o.position)
+            self.offset.append(0)
+            self.attempt.append(0)
+            self.first_position.append(o.position)
         code = STATUS_CODE[o.status]
-        self.st.append(code)
-        self.pos.append(o.position)
-        self.tok.append(-1 if o.token is None else o.token)
-        self.fin.append(1 if o.finished else 0)
+        self.status.append(code)
+        self.position.append(o.position)
+        self.token.append(-1 if o.token is None else o.token)
+        self.finished.append(1 if o.finished else 0)
         # Restored prompt positions (prefix cache) are fed positions too: charged once, never owed.
-        self.fed.append(o.prompt_tokens + o.cached_tokens)
-        self.kc.append(o.cached_tokens)
-        self.es.append(o.engine_seconds)
+        self.fed_tokens.append(o.prompt_tokens + o.cached_tokens)
+        self.cached.append(o.cached_tokens)
+        self.engine_seconds.append(o.engine_seconds)
         if code or o.hidden is not None or o.logprobs is not None or o.detail:
-            self.x[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
+            self.extra[str(i)] = RowExtra(reason=o.reason, detail=o.detail, hidden=o.hidden, logprobs=o.logprobs)
+        for c in OPTIONAL_COLUMNS:  # the Outcome's field of the column's name; 0 rows before its first value
+            v = getattr(o, c)
+            col = self.optional.get(c)
+            if col is not None:
+                col.append(v)
+            elif v:
+                self.optional[c] = [0] * i + [v]
         return i
+
+    def record(self, worker_id: str, call_id: str, batch: int) -> ResultRecord:
+        return ResultRecord(worker_id=worker_id, call=call_id, batch_size=batch, session_id=self.session_id,
+                            job=self.job, offset=self.offset, attempt=self.attempt, status=self.status,
+                            position=self.position, first_position=self.first_position, token=self.token,
+                            finished=self.finished, fed_tokens=self.fed_tokens, engine_seconds=self.engine_seconds,
+                            extra=self.extra, **self.optional)
+
+    def script_columns(self) -> dict[str, Any]:
+        """What the script reads of the rows (the record itself is only published): the columns it charges
+        and checks by, without the job ids and texts it would otherwise decode for nothing."""
+        cols: dict[str, Any] = {"sid": self.session_id, "st": self.status, "att": self.attempt, "pos": self.position,
+                                "frm": self.first_position, "fed": self.fed_tokens, "tok": self.token,
+                                "es": self.engine_seconds}
+        if any(self.cached):  # a prefix cache hit: rare, so the script reads it only then
+            cols["kc"] = self.cached
+        return cols
 
 
 @dataclass
@@ -163,7 +190,7 @@ class _CallBuilder:
         else:
             r.acct.append(0)
             r.skey.append(0)
-        if r.st[i]:
+        if r.status[i]:
             r.res[str(i)] = keys(k.result_record(o.job_id))
         if a.blob is not None:
             hidden = o.hidden
@@ -193,17 +220,8 @@ class _CallBuilder:
         """The records (encoded into the ARGV tail) and the control that names them."""
         records: list[dict[str, Any]] = []
         for reply, r in self.rows.items():
-            rec = ResultRecord(worker=worker_id, call=call_id, batch=batch, sid=r.sid, job=r.job, off=r.off,
-                               att=r.att, st=r.st, pos=r.pos, frm=r.frm, tok=r.tok, fin=r.fin, fed=r.fed, es=r.es,
-                               x=r.x)
-            self.argv_tail.append(encode_record(rec))
-            # What the script reads of the rows (the record itself is only published): the columns it
-            # needs, without the job ids and texts it would otherwise decode for nothing.
-            cols: dict[str, Any] = {"sid": r.sid, "st": r.st, "att": r.att, "pos": r.pos, "frm": r.frm,
-                                    "fed": r.fed, "tok": r.tok, "es": r.es}
-            if any(r.kc):  # a prefix cache hit: rare, so the script reads it only then
-                cols["kc"] = r.kc
-            self.argv_tail.append(_ENC.encode(cols))
+            self.argv_tail.append(encode_record(r.record(worker_id, call_id, batch)))
+            self.argv_tail.append(_ENC.encode(r.script_columns()))
             n = self.head + len(self.argv_tail)
             records.append({"out": self.keys(self.k.results(reply)), "r": n - 1, "c": n, "acct": r.acct,
                             "skey": r.skey, "res": r.res, "blob": r.blob})
@@ -212,8 +230,68 @@ class _CallBuilder:
                 "close": self.close}
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionCall:
+    """One EVALSHA of consumer/lua/complete.lua, ready to send, and the deliveries it settles."""
+
+    keys: list[str]
+    args: list[Any]
+    settled: list[Delivery]
+
+
+def encode_filing(filing: Filing, k: WorkerKeys, head: Sequence[Any], *, worker_id: str, call_id: str,
+                  consumer_name: str) -> CompletionCall:
+    """The completion call that files `filing` (no I/O): `head` is the fixed ARGV before the control
+    (COMPLETE_ARGV), `call_id` the record's call ("<lease epoch>:<sequence>")."""
+    dead_letters, call = filing.dead_letters, filing.call
+    b = _CallBuilder(k, dropped={(d.delivery.stream, d.delivery.entry_id) for d in dead_letters})
+    for a in filing.answers:
+        b.answer(a)
+    for d in filing.acks:
+        b.ack(d)
+    for c in filing.closures:
+        b.closure(c)
+    ctl = b.control(worker_id, call_id, call.batch_size if call is not None else 0)
+    ctl["nd"] = len(dead_letters)
+    if dead_letters:
+        ctl["dead"] = b.head + len(b.argv_tail) + 1
+        for dl in dead_letters:
+            flat = dead_letter_fields(dl, consumer_name)
+            sk = 0 if dl.delivery.stream == k.cancellations else b.keys(dl.delivery.stream)
+            b.argv_tail += [sk, dl.delivery.entry_id, len(flat) // 2, *flat]
+            b.settled.append(dl.delivery)
+    if call is not None:
+        if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
+            raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
+        ctl["call"] = [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+    return CompletionCall(b.keys.keys, [*head, _ENC.encode(ctl), *b.argv_tail], b.settled)
+
+
+def dead_letter_fields(d: DeadLetter, consumer_name: str) -> list[str | bytes]:
+    """A dead letter's fields: why, where from, and as much of the original entry as MAX_DEAD_LETTER_BYTES
+    keeps (`truncated` when not all of it)."""
+    out: list[str | bytes] = [
+        "reason", d.reason.value, "detail", d.detail[:_DETAIL_MAX], "stream", d.delivery.stream,
+        "entry_id", d.delivery.entry_id, "consumer", consumer_name,
+    ]
+    room = MAX_DEAD_LETTER_BYTES
+    cut = False
+    for i, (key, v) in enumerate(d.delivery.fields.items()):
+        if i >= MAX_DEAD_LETTER_FIELDS or room <= 0:
+            cut = True
+            break
+        raw = as_bytes(v)
+        name, value = b"f:" + as_bytes(key)[:256], raw[:min(MAX_FIELD_BYTES, room)]
+        cut = cut or len(value) < len(raw) or len(name) < len(as_bytes(key)) + 2
+        room -= len(name) + len(value)
+        out += [name, value]
+    if cut:  # the copy is not the whole entry: never replay it as if it were
+        out += ["truncated", "1"]
+    return out
+
+
 class Publisher:
-    """Builds and sends completion calls. One thread at a time (the worker's I/O thread, or its loop)."""
+    """Sends completion calls. One thread at a time (the worker's I/O thread, or its loop)."""
 
     def __init__(self, io: RedisIO, intake: Intake, lease: Lease) -> None:
         self.io = io
@@ -225,67 +303,26 @@ class Publisher:
         self.durable = DurableScripts(io, st.durable_replicas, st.durable_timeout_ms) if st.durable_replicas > 0 \
             else None
 
-    def complete(self, answers: Sequence[Answer], dead_letters: Sequence[DeadLetter] = (),
-                 call: FusedCallStats | None = None, *, closures: Sequence[Closure] = (),
-                 acks: Sequence[Delivery] = ()) -> list[str]:
+    def complete(self, filing: Filing) -> list[str]:
         """File one completion call (consumer/lua/complete.lua): returns the charges of each record
         written, [] when there was nothing to file or the call had been filed already (a re-send)."""
-        if not (answers or dead_letters or call or closures or acks):
+        if not filing:
             return []
         io, st = self.io, self.io.settings
-        b = _CallBuilder(io.keys, dropped={(d.delivery.stream, d.delivery.entry_id) for d in dead_letters})
-        for a in answers:
-            b.answer(a)
-        for d in acks:
-            b.ack(d)
-        for c in closures:
-            b.closure(c)
-        ctl = b.control(io.worker_id, f"{self.lease.epoch}:{self.seq + 1}", call.batch_size if call is not None else 0)
-        ctl["nd"] = len(dead_letters)
-        if dead_letters:
-            ctl["dead"] = b.head + len(b.argv_tail) + 1
-            for dl in dead_letters:
-                flat = self._dead_letter_fields(dl)
-                sk = 0 if dl.delivery.stream == io.keys.cancellations else b.keys(dl.delivery.stream)
-                b.argv_tail += [sk, dl.delivery.entry_id, len(flat) // 2, *flat]
-                b.settled.append(dl.delivery)
-        if call is not None:
-            if not math.isfinite(call.engine_seconds) or call.engine_seconds < 0:
-                raise ValueError(f"engine_seconds must be finite and >= 0, not {call.engine_seconds}")
-            ctl["call"] = [call.phase, int(call.batch_size), int(call.tokens), repr(float(call.engine_seconds))]
+        head = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen, st.reject_ttl_s, self.lease.token or "",
+                self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq + 1]
+        c = encode_filing(filing, io.keys, head, worker_id=io.worker_id, call_id=f"{self.lease.epoch}:{self.seq + 1}",
+                          consumer_name=io.consumer_name)
         self.seq += 1
-        args = [GROUP, st.result_ttl_s, st.result_maxlen, st.dlq_maxlen, st.reject_ttl_s, self.lease.token or "",
-                self.lease.epoch, st.lease_ms, ACTIVATION_TTL_S, self.seq, _ENC.encode(ctl),
-                *b.argv_tail]
         try:
             # re-sent as is after a reconnect (or too few replicas): the call guard makes it a no-op
-            reply_: Any = io.script("complete", b.keys.keys, args) if self.durable is None else \
-                self.durable.run("complete", b.keys.keys, args)
+            reply_: Any = io.script("complete", c.keys, c.args) if self.durable is None else \
+                self.durable.run("complete", c.keys, c.args)
         except redis.ResponseError as e:
             if str(e).startswith("DGRFENCED"):
                 raise LeaseLost(f"worker {io.worker_id}: {e}") from None
             raise
-        self.intake.settled(b.settled)
+        self.intake.settled(c.settled)
         if isinstance(reply_, bytes | str):  # 'DUP': filed by the first send
             return []
         return [as_bytes(x).decode() for x in reply_]
-
-    def _dead_letter_fields(self, d: DeadLetter) -> list[str | bytes]:
-        out: list[str | bytes] = [
-            "reason", d.reason.value, "detail", d.detail[:_DETAIL_MAX], "stream", d.delivery.stream,
-            "entry_id", d.delivery.entry_id, "consumer", self.io.consumer_name,
-        ]
-        room = MAX_DEAD_LETTER_BYTES
-        cut = False
-        for i, (key, v) in enumerate(d.delivery.fields.items()):
-            if i >= MAX_DEAD_LETTER_FIELDS or room <= 0:
-                cut = True
-                break
-            raw = as_bytes(v)
-            name, value = b"f:" + as_bytes(key)[:256], raw[:min(MAX_FIELD_BYTES, room)]
-            cut = cut or len(value) < len(raw) or len(name) < len(as_bytes(key)) + 2
-            room -= len(name) + len(value)
-            out += [name, value]
-        if cut:  # the copy is not the whole entry: never replay it as if it were
-            out += ["truncated", "1"]
-        return out

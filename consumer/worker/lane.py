@@ -7,9 +7,9 @@ session lives in one lane all its life (the lane whose stream its opening came o
 is built by one lane's scheduler and run on that lane's engine: **one call never mixes engines**, by
 construction. A worker of one engine has one lane and behaves as it always did.
 
-`LaneTurns` chooses the lane of the next fused call: smooth weighted round-robin among the lanes with
-work, as the scheduler chooses a phase one level down. `read_lanes` reads every lane's streams in one
-read.
+`Lanes.turns` chooses the lane of the next fused call: smooth weighted round-robin among the lanes with
+work (consumer/sched/round_robin.py), the rule the scheduler chooses a phase by one level down.
+`read_lanes` reads every lane's streams in one read.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from ..engines.engine_set import EngineSet
 from ..prefix.run import prefix_store
 from ..sampler import BatchSampler, Vocabulary
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
+from ..sched.round_robin import SmoothRoundRobin
 from ..transport.protocol import Delivery, Inbound, Transport
 from .delivery import DeliveryLedger
 from .hop_steps import HopSteps
 
-__all__ = ["Lane", "LaneTurns", "Lanes", "Want", "mark_answered", "read_lanes"]
+__all__ = ["Lane", "Lanes", "Want", "mark_answered", "read_lanes"]
 
 # Entries to read per (lane index, phase).
 Want = dict[tuple[int, Phase], int]
@@ -88,31 +89,6 @@ class Lane:
                 "scheduler": self.scheduler.stats.as_dict(), "describe": self.engine.describe()}
 
 
-class LaneTurns:
-    """Smooth weighted round-robin (nginx) over lanes, among those with work: each turn every ready lane
-    adds its weight to its current weight, the largest wins (the lowest index on a tie) and loses the sum
-    of the ready lanes' weights; a lane with no work keeps its current weight. While a set of lanes stays
-    backlogged each gets calls in proportion to its weight (tests/test_worker_lanes.py bounds the wait)."""
-
-    def __init__(self, weights: Sequence[int]) -> None:
-        self.weights = list(weights)
-        self.current = [0] * len(self.weights)
-
-    def pick(self, ready: Sequence[int]) -> int | None:
-        if len(ready) <= 1:  # alone (or none): no round happens, the weights stay as they are
-            return ready[0] if ready else None
-        cur, w = self.current, self.weights
-        total = 0
-        best = ready[0]
-        for i in ready:
-            cur[i] += w[i]
-            total += w[i]
-            if cur[i] > cur[best]:
-                best = i
-        cur[best] -= total
-        return best
-
-
 def read_lanes(transport: Transport, streams: Sequence[Mapping[Phase, str]], want: Want, *,
                block_ms: int | None = None, gather_ms: float | None = None,
                more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:
@@ -141,7 +117,7 @@ class Lanes(Sequence[Lane]):
         self._lanes = [Lane(i, name, engines[name], engines.keys_of(name), engines.weight(name), settings,
                             transport.activation_key) for i, name in enumerate(engines)]
         self._by_digest = {k.digest: lane for lane in self._lanes for k in lane.keys.values()}
-        self.turns = LaneTurns([lane.weight for lane in self._lanes])
+        self.turns = SmoothRoundRobin([lane.weight for lane in self._lanes])
 
     @overload
     def __getitem__(self, i: int) -> Lane: ...

@@ -44,7 +44,7 @@ from ..metrics import Metrics
 from ..prefix.run import prefix_summary
 from ..sched import Answer, ScheduledBatch
 from ..transport.errors import LeaseLost, Stopping
-from ..transport.protocol import Closure, DeadLetter, Delivery, FusedCallStats, Transport
+from ..transport.protocol import Closure, DeadLetter, Filing, FusedCallStats, Transport
 from .admission import Admitted, EntryAdmission, Prefetched
 from .calls import CallContext, InFlightCall, run_fused
 from .idle import IdleSessions
@@ -181,15 +181,14 @@ class Worker:
         except Exception:
             log.warning("the I/O thread failed while the loop was stopping on another error", exc_info=True)
 
-    def _publish(self, completions: Sequence[Answer], dead: Sequence[DeadLetter], call: FusedCallStats | None,
-                 closures: Sequence[Closure], acks: Sequence[Delivery], flush: bool) -> None:
+    def _publish(self, filing: Filing, flush: bool) -> None:
         """transport.complete: at once (flush), or on the I/O thread (the loop goes on meanwhile)."""
-        if not (completions or dead or call or closures or acks):
+        if not filing:
             return
         tr = self.transport
 
         def work() -> None:
-            tr.complete(completions, dead, call, closures=closures, acks=acks)
+            tr.complete(filing)
 
         if flush:
             self.io.drain()
@@ -207,7 +206,7 @@ class Worker:
         call = self._finish_in_flight(answers)
         latencies: list[tuple[Phase, float]] = []
         done = self.lanes.completions(answers, latencies)
-        self._publish(done, (), call, self._uncarried(done, []), (), flush)
+        self._publish(Filing(done, closures=self._uncarried(done, []), call=call), flush)
         observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
 
     def _finish_in_flight(self, answers: list[list[Answer]]) -> FusedCallStats | None:
@@ -269,10 +268,10 @@ class Worker:
         if call is not None and (refused_answers or dead):
             # Refusals never stand in front of honest work in time: the call's answers are filed first,
             # the refusals and dead letters (up to max_read_entries of them: a burst of junk) after.
-            self._publish(honest, (), call, closures, (), flush)
-            self._publish(refused_answers, dead, None, (), admitted.acks, flush)
+            self._publish(Filing(honest, closures=closures, call=call), flush)
+            self._publish(Filing(refused_answers, dead, acks=admitted.acks), flush)
         else:
-            self._publish(honest + refused_answers, dead, call, closures, admitted.acks, flush)
+            self._publish(Filing(honest + refused_answers, dead, closures, admitted.acks, call), flush)
         completions = honest + refused_answers
         self.stats.round_trips = self.transport.round_trips
         self._release_slots()
@@ -426,8 +425,9 @@ class Worker:
         admitted = self.admission.admit_all(inbound, None)
         dead = dead + admitted.dead
         completions = admitted.wire_rejects + self.lanes.completions(admitted.answers, [])
-        if completions or dead or admitted.acks:
-            self.transport.complete(completions, dead, None, acks=admitted.acks)
+        filing = Filing(completions, dead, acks=admitted.acks)
+        if filing:
+            self.transport.complete(filing)
         for dl in dead:
             self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
 

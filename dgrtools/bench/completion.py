@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from consumer.sched import Answer, Outcome
-from consumer.transport import RedisTransport
+from consumer.transport import Filing, RedisTransport
 from dgrtools.localredis import LocalRedis
 from schemas import CompatibilityKey, Phase, Status, StepJob
 
@@ -49,7 +49,7 @@ def measure(client: redis.Redis, rows: int, calls: int) -> dict[str, Any]:
                           result=Outcome(f"{j.job_id}.{off}" if off else j.job_id, j.session_id, Status.OK, None,
                                          11 + k[0], token=1234, engine_seconds=0.0123, batch_size=rows),
                           account_id=f"acct-{i % 4}", close=None, final=off == 63) for i, j in enumerate(jobs)]
-        t.complete(answers)
+        t.complete(Filing(answers))
 
     call()  # the tally entries exist from here on: the steady state
     client.config_resetstat()

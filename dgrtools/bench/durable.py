@@ -24,7 +24,7 @@ import redis
 from consumer.config import TransportSettings
 from consumer.ops.capacity import step_path_key
 from consumer.sched import Answer, Outcome
-from consumer.transport import RedisTransport
+from consumer.transport import Filing, RedisTransport
 from dgrtools.localredis import LocalRedis
 from schemas import Status, StepJob, job_from_fields, job_to_fields
 
@@ -80,7 +80,7 @@ class _Worker:
                         batch_size=len(got))
             answers.append(Answer(ref=d, job=job, result=o, account_id="acct-bench", close=None))
         c0 = time.perf_counter()
-        t.complete(answers)
+        t.complete(Filing(answers))
         elapsed = time.perf_counter() - c0
         self.n += 1
         if self.n % 200 == 0:  # keep the result stream short (MAXLEN would, later)
