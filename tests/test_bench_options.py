@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from consumer.batch import BatchRow, FusedBatch
-from consumer.cli import app
+from consumer.cli import command_line
 from consumer.engines.sleep import SleepEngine, parse_sleep_spec
 from consumer.runtime import make_engine
 from dgrtools.bench import report
@@ -97,7 +97,7 @@ def test_peer_request_bodies_carry_dgrs_sampling() -> None:
     ["bench", "peer", "--sampling", "warm"],
 ])
 def test_bench_options_refused_before_anything_runs(args: list[str]) -> None:
-    res = CliRunner().invoke(app, [*args, "--out", "/nonexistent/never-written"])
+    res = CliRunner().invoke(command_line(), [*args, "--out", "/nonexistent/never-written"])
     assert res.exit_code == 2, res.output
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer.main
 import yaml
 
-from consumer.cli import app
+from consumer.cli import command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def test_compose_services_match_the_cli() -> None:
     services = compose["services"]
     assert {"redis", "consumer", "demo"} <= set(services)
     assert "--appendonly" in services["redis"]["command"] and "healthcheck" in services["redis"]
-    group = typer.main.get_command(app)
+    group = typer.main.get_command(command_line())
     commands = group.commands  # type: ignore[attr-defined]
     for name in ("consumer", "demo"):
         svc = services[name]

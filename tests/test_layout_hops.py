@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import command_line
 from dgrtools.split_model import check_hybrid_cut, split_gguf, split_route
 
 pytestmark = pytest.mark.llama
@@ -47,7 +47,7 @@ def test_hybrid_cut_without_both_kinds_is_refused(tiny_hybrid_path: Path, tmp_pa
 
 @pytest.mark.parametrize("blocks", ["0:1", "3:4", "2:3"])
 def test_cli_refuses_a_hybrid_hop_of_one_kind(tiny_hybrid_path: Path, tmp_path: Path, blocks: str) -> None:
-    res = CliRunner().invoke(app, ["model", "split", str(tiny_hybrid_path), "--blocks", blocks,
+    res = CliRunner().invoke(command_line(), ["model", "split", str(tiny_hybrid_path), "--blocks", blocks,
                                    str(tmp_path / "hop.gguf")])
     assert res.exit_code != 0 and not (tmp_path / "hop.gguf").exists()
     assert "hold no" in res.output

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import command_line
 from consumer.engines.reference import NumpyReferenceEngine
 from dgrtools.bench.prefill import raw_prefill, wave_prompts
 
@@ -31,7 +31,7 @@ def test_raw_prefill_packs_prompts_into_calls_and_samples_each_prompt_once(tiny_
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_quick_mode_runs_the_service_and_the_raw_engine(tmp_path: Path) -> None:
-    res = CliRunner().invoke(app, ["bench", "prefill", "--quick", "--out", str(tmp_path)])
+    res = CliRunner().invoke(command_line(), ["bench", "prefill", "--quick", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     payload = json.loads((tmp_path / "prefill-tiny-fast.json").read_text())
     assert set(payload["summary"]) == {"raw engine", "dgr"}

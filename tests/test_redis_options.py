@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import command_line
 from consumer.connect import RedisTarget
 
 SENT = ["--redis-sentinel", "s1:26379,s2:26380", "--sentinel-master", "dgr", "--sentinel-password", "spw"]
@@ -27,24 +27,25 @@ def _captured(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> dict[s
 
 def test_tracker_sim_takes_sentinel_options_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     got = _captured(monkeypatch, "dgrtools.tracker_sim", "run_tracker_sim")
-    res = CliRunner().invoke(app, ["tracker-sim", "--redis-url", "rediss://u:p@x:1/2", *SENT])
+    res = CliRunner().invoke(command_line(), ["tracker-sim", "--redis-url", "rediss://u:p@x:1/2", *SENT])
     assert res.exit_code == 0, res.output
     assert got["redis_target"] == RedisTarget(url="rediss://u:p@x:1/2", sentinel="s1:26379,s2:26380",
                                               sentinel_master="dgr", sentinel_password="spw")
     got.clear()
     env = {"DGR_REDIS_SENTINEL": "a:1", "DGR_SENTINEL_MASTER": "m", "DGR_REDIS_URL": "redis://h:1/0"}
-    assert CliRunner().invoke(app, ["tracker-sim"], env=env).exit_code == 0
+    assert CliRunner().invoke(command_line(), ["tracker-sim"], env=env).exit_code == 0
     assert (got["redis_target"].sentinel, got["redis_target"].sentinel_master) == ("a:1", "m")
     got.clear()
-    assert CliRunner().invoke(app, ["tracker-sim", "--cluster"], env={"DGR_REDIS_URL": "redis://h:1/0"}).exit_code == 0
+    env = {"DGR_REDIS_URL": "redis://h:1/0"}
+    assert CliRunner().invoke(command_line(), ["tracker-sim", "--cluster"], env=env).exit_code == 0
     assert got["redis_target"].cluster
 
 
 def test_demo_takes_sentinel_options(monkeypatch: pytest.MonkeyPatch) -> None:
     got = _captured(monkeypatch, "dgrtools.demo", "run_demo")
-    assert CliRunner().invoke(app, ["demo", "--model", "tiny"]).exit_code == 0
+    assert CliRunner().invoke(command_line(), ["demo", "--model", "tiny"]).exit_code == 0
     assert got["redis_target"] is None and got["redis_url"] is None  # a private redis-server
-    res = CliRunner().invoke(app, ["demo", "--model", "tiny", *SENT])
+    res = CliRunner().invoke(command_line(), ["demo", "--model", "tiny", *SENT])
     assert res.exit_code == 0, res.output
     assert got["redis_target"].sentinel == "s1:26379,s2:26380" and got["redis_target"].sentinel_password == "spw"
 
@@ -54,6 +55,6 @@ def test_demo_takes_sentinel_options(monkeypatch: pytest.MonkeyPatch) -> None:
                                   ["--redis-sentinel", "nohostport", "--sentinel-master", "m"]])
 def test_contradictions_are_usage_errors(args: list[str]) -> None:
     for command in (["consumer", "--model", "/nonexistent.gguf"], ["inspect"], ["ops", "rollup"], ["tracker-sim"]):
-        res = CliRunner().invoke(app, [*command, *args])
+        res = CliRunner().invoke(command_line(), [*command, *args])
         assert res.exit_code == 2, (command, args, res.output)
         assert "sentinel" in res.output.lower(), res.output  # refused for this reason, not another

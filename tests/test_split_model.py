@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import command_line
 from consumer.engines.loader import SplitInfo, read_split_info
 from dgrtools.split_model import split_gguf, split_route
 from dgrtools.tiny_model import file_sha256, write_tiny_model
@@ -122,12 +122,12 @@ def test_per_block_metadata_arrays_are_sliced(tmp_path: Path) -> None:
 
 def test_cli_model_split(tiny5: Path, tmp_path: Path) -> None:
     out = tmp_path / "hop.gguf"
-    res = CliRunner().invoke(app, ["model", "split", str(tiny5), "--blocks", "2:5", str(out)])
+    res = CliRunner().invoke(command_line(), ["model", "split", str(tiny5), "--blocks", "2:5", str(out)])
     assert res.exit_code == 0, res.output
     assert f"sha256={file_sha256(out)}" in res.output
     assert "blocks=2:5 of 5 (last hop)" in res.output
     assert f"source_sha256={file_sha256(tiny5)}" in res.output
-    bad = CliRunner().invoke(app, ["model", "split", str(tiny5), "--blocks", "2-5", str(out)])
+    bad = CliRunner().invoke(command_line(), ["model", "split", str(tiny5), "--blocks", "2-5", str(out)])
     assert bad.exit_code != 0
-    bad = CliRunner().invoke(app, ["model", "split", str(tiny5), "--blocks", "4:9", str(out)])
+    bad = CliRunner().invoke(command_line(), ["model", "split", str(tiny5), "--blocks", "4:9", str(out)])
     assert bad.exit_code != 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from consumer.cli import app
+from consumer.cli import command_line
 from dgrtools.tiny_model import file_sha256
 from dgrtools.tiny_recurrent import HYBRID_ATTENTION_BLOCKS, TINY_JAMBA, TINY_MAMBA, write_tiny
 
@@ -101,10 +101,10 @@ def test_llama_cpp_loads_each_as_its_layout(tiny_recurrent_path: Path, tiny_hybr
 def test_cli_model_tiny_layout(tmp_path: Path) -> None:
     for layout in ("recurrent", "hybrid"):
         out = tmp_path / f"{layout}.gguf"
-        res = CliRunner().invoke(app, ["model", "tiny", str(out), "--layout", layout])
+        res = CliRunner().invoke(command_line(), ["model", "tiny", str(out), "--layout", layout])
         assert res.exit_code == 0, res.output
         assert f"sha256={PINNED[layout, 'q8_0']}" in res.output
-    res = CliRunner().invoke(app, ["model", "tiny", str(tmp_path / "kv.gguf")])  # the default: the tiny llama
+    res = CliRunner().invoke(command_line(), ["model", "tiny", str(tmp_path / "kv.gguf")])  # default: the tiny llama
     assert res.exit_code == 0 and _reader(tmp_path / "kv.gguf").get_field("general.architecture").contents() == "llama"  # type: ignore[union-attr]
-    bad = CliRunner().invoke(app, ["model", "tiny", str(tmp_path / "x.gguf"), "--layout", "rwkv"])
+    bad = CliRunner().invoke(command_line(), ["model", "tiny", str(tmp_path / "x.gguf"), "--layout", "rwkv"])
     assert bad.exit_code != 0 and not (tmp_path / "x.gguf").exists()

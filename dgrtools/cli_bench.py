@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_options import Batches, Models, Out, RecipeOpt, ints
+from consumer.cli_options import Batches, Models, Out, RecipeOpt, ints
 
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
 
