@@ -102,21 +102,26 @@ local function ranges_text(g)
   return text
 end
 
-local function gap_list(sid, e)
-  local g = gl[sid]
+-- A session's range list of field `f` of its entry e (gaps or owed positions), parsed once per call into
+-- `cache` (gl or ol); `add_range` appends lo .. hi to it.
+local function range_list(cache, f, sid, e)
+  local g = cache[sid]
   if g == nil then
-    g = ranges(e[GAPS])
-    gl[sid] = g
+    g = ranges(e[f])
+    cache[sid] = g
   end
   return g
 end
 
-local function add_gap(sid, e, lo, hi)
+local function add_range(cache, f, sid, e, lo, hi)
   if lo <= hi then
-    local g = gap_list(sid, e)
+    local g = range_list(cache, f, sid, e)
     g[#g + 1] = {lo, hi}
   end
 end
+
+local function gap_list(sid, e) return range_list(gl, GAPS, sid, e) end
+local function add_gap(sid, e, lo, hi) add_range(gl, GAPS, sid, e, lo, hi) end
 
 local function take_gap(sid, e, pos)  -- whether pos is in a gap; if so it leaves it
   if e[GAPS] == '-' and gl[sid] == nil then return false end
@@ -132,27 +137,17 @@ local function take_gap(sid, e, pos)  -- whether pos is in a gap; if so it leave
   return false
 end
 
-local function gaps_text(sid, e)
-  local g = gl[sid]
-  if g == nil then return e[GAPS] end
+-- What field f of the session's entry becomes: as it was when the call never parsed it.
+local function range_text(cache, f, sid, e)
+  local g = cache[sid]
+  if g == nil then return e[f] end
   return ranges_text(g)
 end
 
-local function owed_list(sid, e)
-  local g = ol[sid]
-  if g == nil then
-    g = ranges(e[OWED])
-    ol[sid] = g
-  end
-  return g
-end
+local function gaps_text(sid, e) return range_text(gl, GAPS, sid, e) end
 
-local function owe(sid, e, lo, hi)
-  if lo <= hi then
-    local g = owed_list(sid, e)
-    g[#g + 1] = {lo, hi}
-  end
-end
+local function owed_list(sid, e) return range_list(ol, OWED, sid, e) end
+local function owe(sid, e, lo, hi) add_range(ol, OWED, sid, e, lo, hi) end
 
 -- How many of positions lo .. hi are owed; they are charged now, so they leave the list.
 local function take_owed(sid, e, lo, hi)
@@ -173,8 +168,4 @@ local function take_owed(sid, e, lo, hi)
   return n
 end
 
-local function owed_text(sid, e)
-  local g = ol[sid]
-  if g == nil then return e[OWED] end
-  return ranges_text(g)
-end
+local function owed_text(sid, e) return range_text(ol, OWED, sid, e) end
