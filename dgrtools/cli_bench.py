@@ -271,6 +271,12 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
                                                         "x 64 slots, a 512-token prompt; no processes).")] = False,
                 quick: Annotated[bool, typer.Option(help="A small fleet and workload (a smoke test).")] = False,
                 workers: Annotated[int, typer.Option(help="Workers of the fleet (--cost: of the fleet read).")] = 0,
+                row_us: Annotated[float, typer.Option(help="The sleep engine's cost per computed row (0: the "
+                                                           "workload's own, 50 µs).")] = 0.0,
+                cache_prompts: Annotated[int, typer.Option(help="A worker's prefix cache holds this many saved "
+                                                                "prompts (0: no limit).")] = 0,
+                sessions: Annotated[int, typer.Option(help="Sessions of the workload (0: its own, 96).")] = 0,
+                span_s: Annotated[float, typer.Option(help="Seconds they arrive over (0: its own, 6).")] = 0.0,
                 ) -> None:
     """Placement vs load only vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first
     token, load balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs
@@ -283,4 +289,8 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
         run_cost(out, workers=workers or 100, repeats=2 if quick else 5)
         return
     load = QUICK if quick else Load()
-    run(out, replace(load, workers=workers) if workers else load)
+    load = replace(load, workers=workers or load.workers, row_us=row_us or load.row_us,
+                   sessions=sessions or load.sessions, span_s=span_s or load.span_s)
+    if cache_prompts:  # 64 KiB a saved prompt
+        load = replace(load, state_bytes=1 << 16, cache_bytes=cache_prompts << 16)
+    run(out, load)

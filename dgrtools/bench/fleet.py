@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +61,10 @@ class Load:
     step_ms: float = 2.0
     row_us: float = 50.0
     lost_s: float = 2.0
+    # A worker's prefix cache: its budget, and what one saved prefix takes of it (the sleep engine keeps no
+    # state: this models one, so that a worker holds only so many prompts; 0: 5 bytes, i.e. no limit).
+    cache_bytes: int = 1 << 20
+    state_bytes: int = 0
 
 
 QUICK = Load(workers=3, slots=8, systems=3, sessions=18, system_len=192, suffix=32, tokens=8, span_s=1.5,
@@ -74,6 +79,7 @@ class FleetWorker:
         self.log_path = log_dir / f"{worker_id}.log"
         args = [sys.executable, "-m", "dgrtools.bench.fleet_worker", "--redis-url", url, "--worker-id", worker_id,
                 "--slots", str(load.slots), "--step-ms", str(load.step_ms), "--row-us", str(load.row_us),
+                "--cache-bytes", str(load.cache_bytes), "--state-bytes", str(load.state_bytes),
                 "--ctx", str(max(1024, load.system_len + load.suffix + load.loss_tokens + 64))]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -208,7 +214,9 @@ def run_side(producer: Any, fleet: Sequence[FleetWorker], key: Any, side: str, p
     return {"side": side, "hit_rate": hits / sum(len(p) for p in prompts),
             "best_hit_rate": best_hit_rate(prompts, which), "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9),
             "balance_max_over_mean": balance(per, ids), "per_worker": per, "sessions": len(prompts),
-            "answered": len(first), "tokens_solo": solo}
+            "answered": len(first), "tokens_solo": solo,
+            # a session that named a full worker (round-robin, random) may be refused: not solo then
+            "statuses": dict(Counter(f"{h.status}:{h.reason}" if h.reason else h.status for h in done.values()))}
 
 
 def run_loss(producer: Any, fleet: Sequence[FleetWorker], key: Any, load: Load, seed: int = 13) -> dict[str, Any]:
