@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -95,3 +96,22 @@ def test_an_opening_with_a_cancel_marker_is_answered_cancelled_without_a_slot(
 def test_the_memory_transport_is_a_transport() -> None:
     t: Transport = MemoryTransport()  # checked by mypy when tests are type-checked; here: it constructs
     assert t.read({"decode": 1}) == []
+
+
+def test_openings_refused_for_capacity_reach_dgr_inspect(rig: tuple[Worker, MemoryTransport]) -> None:
+    """Issue 33: per worker, sessions refused for capacity, from the scheduler through the heartbeat to `dgr
+    inspect --json`'s placement inputs."""
+    from consumer.ops.inspect import _placement_inputs
+
+    w, t = rig
+    for i in range(4):  # every slot taken; the worker reads no more openings than it has slots for
+        t.push(opening(w, f"cap-{i}", max_tokens=50))
+    w.run_once()
+    assert w.scheduler.table.busy_slots == 4
+    # an opening admitted anyway (a read ahead, another lane's entry): refused, counted
+    late = opening(w, "cap-late", max_tokens=50)
+    a = w.scheduler.admit(late, late.compat, None)
+    assert a is not None and a.result.reason == Reason.CAPACITY
+    info = w._info()
+    assert info["scheduler"]["rejected_capacity"] == 1  # type: ignore[index]
+    assert _placement_inputs(json.loads(json.dumps(info)), {}, False)["refused_capacity"] == 1

@@ -158,6 +158,7 @@ def _placement_inputs(hb: dict[str, Any], info: dict[str, Any], draining: bool) 
     """What a Tracker's placement reads of this worker (producer/placement.py `candidate`; its heartbeat age
     is the report's `heartbeat_age_s`)."""
     prefix = hb.get("prefix")
+    sched = hb.get("scheduler") if isinstance(hb.get("scheduler"), dict) else None  # openings refused: full
     summary = None
     if isinstance(prefix, dict):
         ids = prefix.get("ids")
@@ -166,7 +167,7 @@ def _placement_inputs(hb: dict[str, Any], info: dict[str, Any], draining: bool) 
     return {"slots": _int(hb.get("slots", info.get("slots"))), "busy_slots": _int(hb.get("busy_slots")),
             "queued": _int(hb.get("queued")), "stopped": bool(hb.get("stopped")),
             "draining": draining or bool(hb.get("draining")), "advertises_draining": bool(hb.get("draining")),
-            "prefix": summary}
+            "prefix": summary, "refused_capacity": _int(sched.get("rejected_capacity")) if sched else None}
 
 
 def _streams(client: Client, names: list[str]) -> list[StreamReport]:

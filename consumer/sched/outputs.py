@@ -209,6 +209,7 @@ class SchedulerStats:
     rows_prefill: int = 0
     admitted: int = 0  # jobs queued
     rejected: int = 0  # jobs answered at admission (any non-queued answer)
+    rejected_capacity: int = 0  # of those, openings refused for want of a free slot (Reason.CAPACITY)
     jobs_ok: int = 0
     jobs_cancelled: int = 0
     jobs_failed: int = 0

@@ -109,6 +109,8 @@ class SchedulerState:
     def _reject(self, job: StepJob, ref: object, reason: Reason, position: int, account_id: str | None,
                 detail: str, status: Status = Status.REJECTED) -> Answer:
         self.stats.rejected += 1
+        if reason == Reason.CAPACITY:
+            self.stats.rejected_capacity += 1
         return Answer(ref=ref, job=job, result=self._result(job, status, reason, position, detail=detail),
                      account_id=account_id, close=None)
 
