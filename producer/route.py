@@ -17,12 +17,12 @@ from .session import RouteHandle, SessionHandle, lose
 from .steps import job_id
 
 if TYPE_CHECKING:
-    from .core import ProducerCore
+    from .steps import Steps
 
 __all__ = ["RouteHandle", "relay"]
 
 
-def relay(core: ProducerCore, batch: Batch, h: SessionHandle, blobs: dict[str, bytes | None], *,
+def relay(core: Steps, batch: Batch, h: SessionHandle, blobs: dict[str, bytes | None], *,
           assume_sent: bool = False) -> None:
     """Push the next hop's job for each answer whose rows are at hand (`blobs`: the output blobs fetched, None
     when gone), then DEL the output blob (the Tracker keeps the bytes until the next hop answers). A hop's jobs

@@ -18,13 +18,11 @@ from schemas.activations import Activations
 from schemas.step import end_job_id, result_job_id
 from schemas.wire import STATUS_CODE, STATUSES, RowExtra, row_extra, row_to_result, split_result_id
 
-from . import credit
-
 if TYPE_CHECKING:
     from .placement_inputs import SessionTemplate
 
-__all__ = ["HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply", "apply_result",
-           "drop", "end", "lose"]
+__all__ = ["Credit", "HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply",
+           "apply_result", "drop", "end", "job_n", "lose", "place_token"]
 
 Sessions = Sequence[tuple["SessionSpec | SessionTemplate", Sequence[int]]]  # a template: placed first
 
@@ -78,6 +76,33 @@ class HopLeg:
     blobs_in: int = 0  # of its jobs, how many took their rows from a blob
 
 
+# The credit window of continuation jobs (schemas/step.py StepJob.n), one-hop sessions only (the steps that
+# push them: producer/steps.py `queue_next`).
+#
+# With `decode_n > 1` a session's decode steps are jobs of up to n tokens; the worker decodes the session at every
+# decode call and answers one row per token. Two jobs are kept outstanding: as soon as only one is, the next is
+# pushed (a *continuation*: no token, it starts where the last one ends and feeds the token the worker sampled
+# there). So the worker holds at least n tokens of credit whenever the Tracker acts, and a Tracker slower than n
+# fused calls between two reads (a slow callback) is the only one a session ever waits for.
+# What a job asks for depends only on where it starts (`job_n`, never past max_tokens), so a handle rebuilt by
+# resume() pushes the same jobs (same ids, same n). A stop token ends the session early: the credit left is
+# dropped (the worker answers a continuation queued behind it REJECTED FINISHED, no token, no charge).
+@dataclass(eq=False, slots=True)
+class Credit:
+    """n: tokens per decode job, fixed when the session opens (kept in its record: a resumed handle follows the
+    same jobs; 0: not fixed yet). jobs: the continuation jobs not ended, in position order. early: tokens that
+    arrived ahead of a missing one (after Redis lost some answers a worker re-sends them behind newer ones), by
+    position: (token, finished)."""
+
+    n: int = 0
+    jobs: dict[str, StepJob] = field(default_factory=dict)
+    early: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.jobs.clear()
+        self.early.clear()
+
+
 @dataclass(eq=False, repr=False)
 class SessionHandle:
     """One session. `status`: "open" while it runs, "finished" when its last hop said finished, else what ended
@@ -102,7 +127,7 @@ class SessionHandle:
     hop: int = 0
     last_result_id: str = "0-0"  # the last result entry that moved it
     replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill
-    credit: credit.Credit = field(default_factory=credit.Credit)
+    credit: Credit = field(default_factory=Credit)
     sent: dict[str, Sent] = field(default_factory=dict)  # every hop's unanswered jobs, by job id
     relays: list[Relay] = field(default_factory=list)  # answers whose rows wait to be relayed
     released: bool = False
@@ -265,7 +290,7 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
     h.cached_tokens += charged_k
     h.billed_generated += charged_g
     if job.n > 1:
-        finished = credit.place(h, pos, tok, fin == 1)
+        finished = place_token(h, pos, tok, fin == 1)
     elif job.sample:
         if tok < 0:
             end(h, "failed", "the last hop's sampling answer carried no token")
@@ -294,3 +319,28 @@ def apply_result(h: SessionHandle, r: StepResult) -> bool:
         return False
     h.last_row = r
     return True
+
+
+def job_n(h: SessionHandle, start: int) -> int:
+    """Tokens the job starting at `start` asks for: n, cut so that the session's last token (number max_tokens,
+    at position len(prompt) + max_tokens - 1) is the last one asked for. <= 0: none left."""
+    return min(h.credit.n, len(h.prompt) + h.spec.max_tokens - 1 - start)
+
+
+def place_token(h: SessionHandle, pos: int, tok: int, finished: bool) -> bool:
+    """Put a continuation's token in its place: a row's position is the session's next one, so token i (0: the
+    prompt's) has position len(prompt) + i. Appended in position order; one ahead of a missing one waits in
+    `early` (never appended out of order: that would corrupt the text silently). True when the session's
+    finishing token is now in place."""
+    if tok < 0:
+        return False
+    early = h.credit.early
+    early[pos] = (tok, finished)
+    done = False
+    nxt = len(h.prompt) + len(h.generated)
+    while nxt in early:
+        t, f = early.pop(nxt)
+        h.generated.append(t)
+        done = done or f
+        nxt += 1
+    return done

@@ -22,7 +22,7 @@ from .placement_inputs import PlacementPolicy
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerSettings"]
 
 READ_COUNT = 1_000  # result records per stream per XREAD, and per XRANGE page of resume
-# Tokens per decode job by default (a continuation job: producer/credit.py), so a session never waits on the
+# Tokens per decode job by default (a continuation job: producer/steps.py `queue_next`), so a session never waits on the
 # Tracker between tokens. 1: one job per token. n > 1 only from a worker advertising max_continuation, and
 # never on a route of several hops.
 DECODE_N = 16

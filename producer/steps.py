@@ -21,17 +21,16 @@ from schemas import Phase, Reason, SessionSpec, StepJob, WorkerKeys, cancel_to_f
 from schemas.activations import Activations
 from schemas.limits import CANCEL_MAXLEN
 
-from . import credit
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
-from .session import Sent, SessionHandle, drop, end
+from .session import Sent, SessionHandle, drop, end, job_n
 from .validate import check_id
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
     from .validate import WorkerInfo
 
-__all__ = ["Steps", "job_id"]
+__all__ = ["Steps", "job_id", "queue_next", "tokens_per_job"]
 
 
 def job_id(session_id: str, hop: int, phase: Phase, position: int, attempt: int) -> str:
@@ -111,7 +110,7 @@ class Steps:
             leg.closed = False
         h.released, h.status, h.reason, h.detail = False, "open", None, ""
         if not h.credit.n:
-            h.credit.n = credit.tokens_per_job(self, h)
+            h.credit.n = tokens_per_job(self, h)
         jobs = self.prefill_jobs(h)
         for job in jobs:
             self.push(batch, h, job)
@@ -174,7 +173,7 @@ class Steps:
             return bool(h.sent) or self.queue_release(batch, h)
         if h.credit.n > 1:
             h.feed = False
-            return credit.queue_next(self, batch, h)
+            return queue_next(self, batch, h)
         if not h.feed:
             return False
         self.push_token(batch, h, h.generated[-1])
@@ -225,3 +224,38 @@ class Steps:
             self.cancel_ops(b, w, session_id)
             out.append(b)
         return out
+
+
+def tokens_per_job(core: Steps, h: SessionHandle) -> int:
+    """decode_n, capped by what the worker advertised (`max_continuation`; a worker that does not, or one not
+    discovered, gets 1: it would refuse the field), and 1 on a route of several hops."""
+    if core.settings.decode_n <= 1 or len(h.spec.route) != 1:
+        return 1
+    cached = core.discovered.get(h.worker_id)
+    advertised = cached[1].info.get("max_continuation", 1) if cached is not None else 1
+    if isinstance(advertised, bool) or not isinstance(advertised, int):
+        return 1
+    return max(1, min(core.settings.decode_n, advertised))
+
+
+def queue_next(core: Steps, batch: Batch, h: SessionHandle) -> bool:
+    """The session's next decode job under credit, if one is due. True when one was queued."""
+    if h.pending_job is not None or not h.generated:
+        return False  # the prompt's token is not known yet
+    c = h.credit
+    if c.jobs:
+        if len(c.jobs) > 1:
+            return False
+        token = None  # pushed ahead: the worker feeds the token it samples there
+    elif h.sent:
+        return False
+    else:
+        token = h.generated[-1]
+    n = job_n(h, h.position)
+    if n < 1:
+        return False  # the credit already reaches max_tokens
+    job = core.decode_job(h, h.position, token, n)
+    core.push(batch, h, job, left=(1 << n) - 1)
+    c.jobs[job.job_id] = job
+    h.position = job.end_position
+    return True

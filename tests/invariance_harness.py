@@ -198,7 +198,8 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
                         max_attempts=5)
     cancelled: set[str] = set()
     by_sid = {f"s{i}": s for i, s in enumerate(sessions)}
-    # n per session: the producer fixes a session's n when it opens it (producer/credit.py), from decode_n
+    # n per session: the producer fixes a session's n when it opens it (producer/steps.py `tokens_per_job`), from
+    # decode_n
     queue_prefill = producer.core.queue_prefill
 
     def per_session_n(batch: Any, h: Any) -> None:

@@ -1,5 +1,6 @@
 """Continuation jobs (StepJob.n > 1) searched for counterexamples: the producer's credit window
-(producer/credit.py) and the worker (scheduler, delivery rules) against each session run alone.
+(producer/steps.py `queue_next`, session.py `Credit`) and the worker (scheduler, delivery rules) against each
+session run alone.
 
 The engine here keeps, per slot, a hash of every (position, token) row it was fed and answers a logits
 row whose argmax is that hash: a token fed at a wrong position, a wrong token, a row fed twice or left
@@ -397,16 +398,16 @@ def test_a_route_of_several_hops_refuses_n_above_one() -> None:
 
 
 def test_producer_keeps_n_1_on_a_route_of_several_hops() -> None:
-    from producer import credit
+    from producer.steps import tokens_per_job
 
     w, _ = _worker()
     core = ProducerCore(verify_route=False, decode_n=16)
     spec = _open(w, "p2", route_len=2).session
     assert spec is not None
     h = SessionHandle(spec=spec, prompt=(3, 4, 5), worker_id=WID)
-    assert credit.tokens_per_job(core, h) == 1
+    assert tokens_per_job(core, h) == 1
     one = SessionHandle(spec=_open(w, "p1").session, prompt=(3, 4, 5), worker_id=WID)  # type: ignore[arg-type]
-    assert credit.tokens_per_job(core, one) == 1  # the worker was never discovered: it may not know n
+    assert tokens_per_job(core, one) == 1  # the worker was never discovered: it may not know n
 
 
 def test_a_continuation_with_no_token_needs_a_sampled_token_before_it() -> None:
