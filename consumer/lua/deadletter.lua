@@ -19,6 +19,13 @@ local function move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stre
   redis.call('XACK', stream, group, id)
 end
 
+-- dead_letter(stream, id, deliveries, fields) for a script's own dead-letter stream and limits.
+local function dead_letterer(dlq, dmax, maxf, group, consumer, maxd)
+  return function(stream, id, deliveries, fields)
+    move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stream, id, deliveries, fields)
+  end
+end
+
 -- How many times entry `id` was delivered (XPENDING of that one entry), or nil when it is no longer pending.
 local function deliveries_of(stream, group, id)
   local p = redis.call('XPENDING', stream, group, id, id, 1)

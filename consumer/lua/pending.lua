@@ -13,16 +13,12 @@ local group, consumer = ARGV[1], ARGV[2]
 local maxd = tonumber(ARGV[3])
 local dmax = ARGV[4]
 local maxf = tonumber(ARGV[5])
-local dlq = KEYS[1]
+local dead_letter = dead_letterer(KEYS[1], dmax, maxf, group, consumer, maxd)
 
 local function entries_of(r)
   -- {{stream, entries}}
   if not r or not r[1] then return {} end
   return r[1][2] or {}
-end
-
-local function dead_letter(stream, id, deliveries, fields)
-  move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stream, id, deliveries, fields)
 end
 
 local out = {}

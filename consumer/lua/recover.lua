@@ -17,11 +17,7 @@ local budget0 = tonumber(ARGV[3])
 local maxd = tonumber(ARGV[4])
 local dmax = ARGV[5]
 local maxf = tonumber(ARGV[6])
-local dlq = KEYS[1]
-
-local function dead_letter(stream, id, deliveries, fields)
-  move_to_dead_letters(dlq, dmax, maxf, group, consumer, maxd, stream, id, deliveries, fields)
-end
+local dead_letter = dead_letterer(KEYS[1], dmax, maxf, group, consumer, maxd)
 
 local out = {}
 for s = 2, #KEYS do
