@@ -13,14 +13,14 @@ from .state import SchedulerState, SessionQueue
 __all__ = ["Batching"]
 
 # The phases' party numbers in the round-robin: decode first, so it wins a tie.
-PHASES: tuple[Phase, Phase] = ("decode", "prefill")
+TURN_ORDER: tuple[Phase, Phase] = ("decode", "prefill")
 
 
 class Batching(SchedulerState):
     def _pick_phase(self) -> Phase | None:
-        ready = [i for i, phase in enumerate(PHASES) if self._n_ready[phase] > 0]
+        ready = [i for i, phase in enumerate(TURN_ORDER) if self._queues[phase].n_ready > 0]
         i = self._phase_turns.pick(ready)
-        return None if i is None else PHASES[i]
+        return None if i is None else TURN_ORDER[i]
 
     def next_batch(self) -> ScheduledBatch | None:
         """The next fused call, or None when nothing is ready. See the module docstring."""
@@ -61,8 +61,8 @@ class Batching(SchedulerState):
             q.in_flight = (offset, 1)
             if q.consumed >= q.job.n:
                 lane.jobs.popleft()
-                self._queued_jobs["decode"] -= 1
-                self._queued_tokens["decode"] -= 1
+                self._queues["decode"].jobs -= 1
+                self._queues["decode"].tokens -= 1
                 self._continuing.discard(lane.session_id)
             else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
                 self._seq += 1
@@ -136,10 +136,10 @@ class Batching(SchedulerState):
             done = offset + k == len(q.job.tokens)
             q.consumed = offset + k
             q.in_flight = (offset, k)
-            self._queued_tokens["prefill"] -= k
+            self._queues["prefill"].tokens -= k
             if done:
                 lane.jobs.popleft()
-                self._queued_jobs["prefill"] -= 1
+                self._queues["prefill"].jobs -= 1
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
             samples = done and q.job.sample

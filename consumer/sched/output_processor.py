@@ -115,8 +115,8 @@ class OutputProcessor(SchedulerState):
             # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
             # answer, no charge), not answered FINISHED like a later job.
             lane.jobs.popleft()
-            self._queued_jobs["decode"] -= 1
-            self._queued_tokens["decode"] -= 1
+            self._queues["decode"].jobs -= 1
+            self._queues["decode"].tokens -= 1
             self._continuing.discard(lane.session_id)
         q.answered = final
         self.stats.jobs_ok += 1

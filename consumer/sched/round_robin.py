@@ -5,7 +5,7 @@ Each round every ready party adds its weight to its current weight; the largest 
 tie) and loses the sum of the ready parties' weights. A party with no work keeps its current weight, and a
 round with one party (or none) ready does not happen. While a set of parties stays backlogged each gets
 rounds in proportion to its weight, and never waits more than the others' weights' sum of rounds
-(tests/test_scheduler_props.py and tests/test_worker_lanes.py bound the waits)."""
+(tests/test_scheduler_properties.py and tests/test_worker_lanes.py bound the waits)."""
 
 from __future__ import annotations
 

@@ -107,12 +107,12 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
         bring the queued prefill jobs up to max_batch (at least 1).
         """
         cfg = self.config
-        room = 2 * cfg.max_batch - self._queued_jobs["decode"]
+        room = 2 * cfg.max_batch - self._queues["decode"].jobs
         decode = max(1, min(len(self._awaiting) + len(self._continuing), room)) if room > 0 else 0
-        if self._queued_tokens["prefill"] >= 2 * cfg.prefill_budget:
+        if self._queues["prefill"].tokens >= 2 * cfg.prefill_budget:
             prefill = 0
         else:
-            prefill = max(1, cfg.max_batch - self._queued_jobs["prefill"])
+            prefill = max(1, cfg.max_batch - self._queues["prefill"].jobs)
         return {"decode": decode, "prefill": prefill}
 
     def session_busy(self, session_id: str) -> bool:
@@ -130,17 +130,17 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
 
     def has_work(self) -> bool:
         """Whether next_batch() would return a call now."""
-        return self._n_ready["decode"] > 0 or self._n_ready["prefill"] > 0
+        return self._queues["decode"].n_ready > 0 or self._queues["prefill"].n_ready > 0
 
     def ready(self, phase: Phase) -> int:
         """Sessions whose next step, in this phase, could go into a call now."""
-        return self._n_ready[phase]
+        return self._queues[phase].n_ready
 
     def queued(self, phase: Phase | None = None) -> int:
         """Jobs admitted and not yet fully handed to the engine."""
         if phase is None:
-            return self._queued_jobs["decode"] + self._queued_jobs["prefill"]
-        return self._queued_jobs[phase]
+            return self._queues["decode"].jobs + self._queues["prefill"].jobs
+        return self._queues[phase].jobs
 
     def in_flight(self) -> int:
         """Sessions with items in a call not yet reported."""

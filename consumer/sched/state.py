@@ -4,18 +4,18 @@ output_processor.py (one concern each, as SGLang splits its scheduler), the quer
 
 from __future__ import annotations
 
-import heapq
 import re
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import Phase, Reason, Status, StepJob
+from schemas import PHASES, Phase, Reason, Status, StepJob
 from schemas.limits import ID_PATTERN, MAX_REASON_LEN
 
 from .config import SchedulerConfig
 from .outputs import Answer, Outcome, SchedulerStats
+from .phase_queue import PhaseQueue
 from .round_robin import SmoothRoundRobin
 from .session_table import ClosedSession, CloseKind, SessionEntry, SessionState, SessionTable
 
@@ -77,14 +77,10 @@ class SchedulerState:
         self.stats = SchedulerStats()
         self._lanes: dict[str, SessionQueue] = {}  # open sessions
         self._inflight: dict[int, SessionQueue] = {}  # slot -> lane with items in flight (open or closed)
-        self._ready: dict[Phase, list[tuple[int, str]]] = {"decode": [], "prefill": []}
-        self._n_ready: dict[Phase, int] = {"decode": 0, "prefill": 0}
-        self._n_stale: dict[Phase, int] = {"decode": 0, "prefill": 0}
-        self._queued_jobs: dict[Phase, int] = {"decode": 0, "prefill": 0}
-        self._queued_tokens: dict[Phase, int] = {"decode": 0, "prefill": 0}  # not yet handed out
+        self._queues: dict[Phase, PhaseQueue[SessionQueue]] = {p: PhaseQueue(p, self._lanes) for p in PHASES}
         self._awaiting: set[str] = set()  # DECODING sessions with nothing queued nor in flight
         self._continuing: set[str] = set()  # sessions amid a continuation job (its next job is on its way)
-        # decode, prefill (batching.PHASES): which phase the next call serves when both are ready
+        # decode, prefill (batching.TURN_ORDER): which phase the next call serves when both are ready
         self._phase_turns = SmoothRoundRobin((config.w_decode, config.w_prefill))
         self._seq = 0
         # session id -> the attempt of the opening that opened it (open sessions and recently closed
@@ -118,44 +114,15 @@ class SchedulerState:
 
     def _push_ready(self, lane: SessionQueue) -> None:
         head = lane.jobs[0]
-        phase = head.job.phase
-        heapq.heappush(self._ready[phase], (head.seq, lane.session_id))
-        lane.ready_seq = head.seq
-        lane.ready_phase = phase
-        self._n_ready[phase] += 1
+        self._queues[head.job.phase].push(lane, head.seq)
 
     def _unready(self, lane: SessionQueue) -> None:
-        """Take the lane out of its ready heap (lazily: the heap entry goes stale)."""
-        phase = lane.ready_phase
-        if phase is None:
-            return
-        lane.ready_seq = -1
-        lane.ready_phase = None
-        self._n_ready[phase] -= 1
-        self._n_stale[phase] += 1
-        heap = self._ready[phase]
-        if self._n_stale[phase] > 64 and self._n_stale[phase] > len(heap) // 2:
-            self._ready[phase] = [e for e in heap if self._is_live(e)]
-            heapq.heapify(self._ready[phase])
-            self._n_stale[phase] = 0
-
-    def _is_live(self, entry: tuple[int, str]) -> bool:
-        lane = self._lanes.get(entry[1])
-        return lane is not None and lane.ready_seq == entry[0]
+        """Take the session out of its phase queue, if it is in one."""
+        if lane.ready_phase is not None:
+            self._queues[lane.ready_phase].remove(lane)
 
     def _pop_ready(self, phase: Phase) -> SessionQueue | None:
-        heap = self._ready[phase]
-        while heap:
-            seq, sid = heapq.heappop(heap)
-            lane = self._lanes.get(sid)
-            if lane is None or lane.ready_seq != seq:
-                self._n_stale[phase] = max(0, self._n_stale[phase] - 1)
-                continue
-            lane.ready_seq = -1
-            lane.ready_phase = None
-            self._n_ready[phase] -= 1
-            return lane
-        return None
+        return self._queues[phase].pop()
 
     def _refresh(self, lane: SessionQueue) -> None:
         """Re-derive the lane's place: in a ready heap, among the sessions awaiting decode, or neither."""
@@ -181,9 +148,9 @@ class SchedulerState:
         self._continuing.discard(lane.session_id)
         dropped: list[_Queued] = []
         for q in lane.jobs:
-            phase = q.job.phase
-            self._queued_jobs[phase] -= 1
-            self._queued_tokens[phase] -= 1 if phase == "decode" else len(q.job.tokens) - q.consumed
+            queue = self._queues[q.job.phase]
+            queue.jobs -= 1
+            queue.tokens -= 1 if queue.phase == "decode" else len(q.job.tokens) - q.consumed
             if not q.answered:
                 q.answered = True
                 dropped.append(q)
