@@ -1,7 +1,8 @@
 """`dgr bench serve`: what the HTTP front door costs. The same sessions (same prompts as token ids, same tokens,
 greedy, end-of-generation ignored) three ways, alternated per repeat:
 
-- `producer`: AsyncProducer in this process (`generate()`, one task per session): the floor;
+- `producer`: AsyncProducer in this process, warm, each session opened as the gateway opens a request's (a
+  SessionTemplate, `run_many` with a callback per answer, one task per session): the floor;
 - `gateway`: `dgr serve` (a subprocess), S streamed `/v1/completions` requests at once over raw HTTP;
 - `llama-server` (not in --quick): llama.cpp's own HTTP server, the same `/v1/completions` requests.
 
@@ -73,33 +74,59 @@ async def http_side(url: str, model: str, prompts: Sequence[Sequence[int]], toke
             else None}
 
 
-async def producer_side(redis_url: str, prompts: Sequence[Sequence[int]], tokens: int) -> dict[str, Any]:
-    client = aioredis.Redis.from_url(redis_url)
-    producer = AsyncProducer(client)
-    try:
-        key = (await producer.discover(WORKER)).keys[0]
+async def producer_side(producer: AsyncProducer, prompts: Sequence[Sequence[int]], tokens: int) -> dict[str, Any]:
+    """The floor: the sessions driven by a warm AsyncProducer of this process (kept across repeats, as the gateway
+    keeps its own), each opened as the gateway opens a request's (gateway/runner.py: a SessionTemplate, run_many
+    with a callback per answer), so the gap measured is the HTTP side's own."""
+    key = (await producer.discover(WORKER)).keys[0]
 
-        async def one(i: int, p: Sequence[int], t0: float) -> tuple[float | None, int]:
-            # placed as the gateway's sessions are (a SessionTemplate), so the gap measured is the gateway's own
-            spec = SessionTemplate(session_id=f"bench-{time.monotonic_ns()}-{i}", account_id="bench", keys=(key,),
-                                   options={"max_tokens": tokens, "sampling": Sampling()})
-            first, n = None, 0
-            async for _ in producer.generate(spec, p):
+    async def one(i: int, p: Sequence[int], t0: float) -> tuple[float | None, int]:
+        spec = SessionTemplate(session_id=f"bench-{time.monotonic_ns()}-{i}", account_id="bench", keys=(key,),
+                               options={"max_tokens": tokens, "sampling": Sampling()})
+        first: list[float] = []
+        n = 0
+
+        def on_result(h: Any, r: Any) -> None:
+            nonlocal n
+            if r.token is not None:
                 n += 1
-                if first is None:
-                    first = time.perf_counter() - t0
-            return first, n
+                if not first:
+                    first.append(time.perf_counter() - t0)
 
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        outs = await asyncio.gather(*(one(i, p, t0) for i, p in enumerate(prompts)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    finally:
-        await producer.aclose()
-        await client.aclose()
+        await producer.run_many([(spec, p)], on_result=on_result)
+        return (first[0] if first else None), n
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    outs = await asyncio.gather(*(one(i, p, t0) for i, p in enumerate(prompts)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     n = sum(k for _, k in outs)
     ttfts = [f for f, _ in outs if f is not None]
     return {"wall_s": wall, "tokens": n, "tok_s": n / wall, "ttft_ms": 1000 * statistics.median(ttfts),
             "cpu_s": cpu, "cpu_us_per_token": 1e6 * cpu / max(1, n)}
+
+
+async def _sides(redis_url: str, serve_url: str, pid: int, peer_url: str | None, prompts: Sequence[Sequence[int]],
+                 tokens: int, repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """Every side `repeats` times, alternated, after one warm-up of each (not recorded), in one event loop."""
+    runs: dict[str, list[dict[str, Any]]] = {"producer": [], "gateway": [], "llama-server": []}
+    client = aioredis.Redis.from_url(redis_url)
+    producer = AsyncProducer(client)
+    try:
+        await producer_side(producer, prompts, tokens)
+        await http_side(serve_url, "m", prompts, tokens)
+        for _ in range(repeats):
+            runs["producer"].append(await producer_side(producer, prompts, tokens))
+            c0 = proc_cpu_s(pid)
+            g = await http_side(serve_url, "m", prompts, tokens)
+            g["cpu_s"] = proc_cpu_s(pid) - c0
+            g["cpu_us_per_token"] = 1e6 * g["cpu_s"] / max(1, g["tokens"])
+            runs["gateway"].append(g)
+            if peer_url is not None:
+                runs["llama-server"].append(await http_side(peer_url, "m", prompts, tokens))
+    finally:
+        await producer.aclose()
+        await client.aclose()
+    return runs
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
@@ -135,21 +162,10 @@ def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64)
         try:
             with ServeProcess(server.url, [f"m={path}"], free_port(), logs) as serve:
                 pid = serve.proc.pid
+                peer_url = f"http://127.0.0.1:{peer.port}" if peer is not None else None
                 for s in streams:
                     prompts = [tok.encode(p, add_bos=True) for p in prompts_for(s)]
-                    runs: dict[str, list[dict[str, Any]]] = {"producer": [], "gateway": [], "llama-server": []}
-                    asyncio.run(producer_side(server.url, prompts, tokens))  # warm-up of every side, not recorded
-                    asyncio.run(http_side(serve.url, "m", prompts, tokens))
-                    for _ in range(repeats):
-                        runs["producer"].append(asyncio.run(producer_side(server.url, prompts, tokens)))
-                        c0 = proc_cpu_s(pid)
-                        g = asyncio.run(http_side(serve.url, "m", prompts, tokens))
-                        g["cpu_s"] = proc_cpu_s(pid) - c0
-                        g["cpu_us_per_token"] = 1e6 * g["cpu_s"] / max(1, g["tokens"])
-                        runs["gateway"].append(g)
-                        if peer is not None:
-                            runs["llama-server"].append(asyncio.run(
-                                http_side(f"http://127.0.0.1:{peer.port}", "m", prompts, tokens)))
+                    runs = asyncio.run(_sides(server.url, serve.url, pid, peer_url, prompts, tokens, repeats))
                     results[str(s)] = {side: {k: _median(rs, k) for k in ("tok_s", "ttft_ms", "cpu_us_per_token")}
                                        | {"runs": rs} for side, rs in runs.items() if rs}
         finally:
