@@ -196,9 +196,8 @@ class Gateway:
         try:
             while not isinstance(item, dict):
                 c, text, lps = self.take(choices, item, sessions)
-                offset = sum(len(t) for t in c.text[:-1])
                 if text or lps or c.finish_reason is not None:
-                    yield data(shape.chunk(c.index, text, c.finish_reason, lps, offset, usage=include_usage))
+                    yield data(shape.chunk(c.index, text, c.finish_reason, lps, c.piece_offset, usage=include_usage))
                 item = await anext(events)
             failed = self.failure(item, choices)
             if failed is not None:

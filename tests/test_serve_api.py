@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -144,6 +145,24 @@ def test_logprobs_both_shapes(stack: Stack) -> None:
     content = ch.choices[0].logprobs.content
     assert len(content) == ch.usage.completion_tokens
     assert all(len(t.top_logprobs) <= 3 and t.logprob <= 0 for t in content)
+
+
+def test_streamed_text_offsets_count_the_text_before(stack: Stack) -> None:
+    """A streamed completion's logprobs.text_offset: where each chunk's text starts in the whole text (as OpenAI's
+    legacy completions), equal to the non-streamed answer's offsets."""
+    c = stack.client()
+    args: dict[str, Any] = dict(model="tiny", prompt="Once upon a time", max_tokens=24, seed=3, temperature=0.9,
+                                logprobs=1)
+    whole = c.completions.create(**args)
+    text, offsets = "", []
+    for chunk in c.completions.create(**args, stream=True):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.text_offset:
+                assert ch.logprobs.text_offset[0] == len(text)
+                offsets.extend(ch.logprobs.text_offset)
+            text += ch.text
+    assert text == whole.choices[0].text
+    assert offsets == whole.choices[0].logprobs.text_offset
 
 
 def test_json_schema_answers_parse(stack: Stack) -> None:
