@@ -28,6 +28,7 @@ from consumer.engines.llama import LlamaCppEngine
 from schemas import Sampling
 from tests.doubles.corrupt import CorruptingEngine
 from tests.fixtures.shape_probe import ShapeProbeEngine
+from tests.fixtures.windowed import WindowedTiny
 from tests.invariance_harness import Conditions, Outcome, Session, oracle, random_prompt, run_scenario
 
 SOAK = os.environ.get("DGR_SOAK") == "1"
@@ -41,13 +42,14 @@ pytestmark = pytest.mark.llama
 class Engines:
     """Engine factories for the service and a solo engine for the oracle (cached per session)."""
 
-    def __init__(self, path: Path, probe: bool) -> None:
-        self.path, self.probe = path, probe
-        self.solo_engine = self.make(1)
+    def __init__(self, path: Path, probe: bool, windowed: bool = False) -> None:
+        self.path, self.probe, self.windowed = path, probe, windowed
+        self.solo_engine: Engine = LlamaCppEngine(path, recipe="invariant", n_slots=1, ctx_per_session=CTX)
         self._cache: dict[tuple[object, ...], list[int]] = {}
 
     def make(self, n_slots: int) -> Engine:
-        eng: Engine = LlamaCppEngine(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=CTX)
+        kind = WindowedTiny if self.windowed else LlamaCppEngine  # windowed: the service's engines only
+        eng: Engine = kind(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=CTX)
         return ShapeProbeEngine(eng) if self.probe else eng  # type: ignore[return-value]
 
     def solo(self, s: Session, stops: tuple[int, ...]) -> list[int]:
@@ -65,6 +67,11 @@ def plain(tiny_model_path: Path) -> Engines:
 @pytest.fixture(scope="module")
 def probe(tiny_model_path: Path) -> Engines:
     return Engines(tiny_model_path, probe=True)
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny_model_path: Path) -> Engines:
+    return Engines(tiny_model_path, probe=False, windowed=True)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +170,28 @@ def shared_prefix_scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]
     return out, replace(c, prefix_cache_bytes=budget, prefix_cache_scope=draw(st.sampled_from(["account", "global"])))
 
 
+@st.composite
+def window_edge_scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
+    """Shared prefixes around a sliding window's edge (WindowedTiny: 64 positions): prompts that end before it,
+    on it, just past it and well past it, cut into prefill pieces the scheduler must end on the edge when they
+    would cross it; the cache's budget from none to plenty."""
+    w = WindowedTiny.WINDOW
+    rng = np.random.default_rng(draw(st.integers(0, 2**20)))
+    shared = random_prompt(rng, draw(st.sampled_from([w - 17, w - 1, w, w + 1, w + 15, 2 * w + 3])), 512)
+    ss = draw(sessions(max_prompt=150, max_sessions=4).filter(lambda x: len(x) >= 2))
+    out = []
+    for k, s in enumerate(ss):
+        tail = draw(st.sampled_from([0, 1, 2, 16, 17, 40]))
+        prompt = shared + s.prompt[:tail] if k == 0 or draw(st.integers(0, 3)) else s.prompt
+        # one after the other (mostly), so that later sessions find what the first saved
+        out.append(Session(prompt=prompt, sampling=s.sampling, max_tokens=s.max_tokens, stop_at=s.stop_at,
+                           start_s=0.08 * k * draw(st.sampled_from([0, 1, 1, 1, 2])), cancel_after=s.cancel_after,
+                           n=s.n))
+    c = draw(conditions(len(out), max(len(x.prompt) for x in out)))
+    budget = draw(st.sampled_from([1, 64 << 20, 64 << 20]))
+    return out, replace(c, prefix_cache_bytes=budget, prefix_cache_scope="global")
+
+
 def _check(engines: Engines, client: redis.Redis, ss: list[Session], c: Conditions) -> Outcome:
     out = run_scenario(client, ss, c, engines.make, engines.solo)
     assert out.mismatches == [], f"{c}\n" + "\n".join(out.mismatches)
@@ -199,6 +228,16 @@ def test_prefix_cache_tokens_equal_solo_tiny(plain: Engines, client: redis.Redis
 def test_prefix_cache_tokens_equal_solo_shape_probe(probe: Engines, client: redis.Redis,
                                                     scenario: tuple[list[Session], Conditions]) -> None:
     _check(probe, client, *scenario)
+
+
+@_TIMEOUT
+@_SETTINGS
+@given(scenario=window_edge_scenarios())
+def test_prefix_cache_tokens_equal_solo_around_a_window_edge(windowed: Engines, client: redis.Redis,
+                                                             scenario: tuple[list[Session], Conditions]) -> None:
+    """Issue 31: a sliding-window engine's prompts cut at the window's edge (consumer/sched/prefix_plan.py
+    `_prefix_cut`) and restored from the cache give the solo tokens of a plain engine."""
+    _check(windowed, client, *scenario)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from consumer.engines.llama import LlamaCppEngine
 from schemas import Sampling
 from schemas.prefix import BLOCK_TOKENS, PrefixSummary, block_ids, prefix_root
 from tests.fixtures.shape_probe import ShapeProbeEngine
+from tests.fixtures.windowed import WindowedTiny
 from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
 
 pytestmark = pytest.mark.llama
@@ -78,20 +79,6 @@ def test_scope_account_does_not_share_across_accounts(tiny_model_path: Path, cli
                        lambda s, stops: oracle(solo_engine, s, stops))
     assert out.mismatches == []
     assert out.prefix_hit_tokens == 0 and out.cached_tokens == 0
-
-
-class WindowedTiny(LlamaCppEngine):
-    """The tiny model as a sliding-window engine would save it (Gemma 3's rule, at a window of 64): a slot
-    saved past the window is not worth an entry (its floor is past its end)."""
-
-    WINDOW = 64
-
-    def prefix_window(self) -> int:
-        return self.WINDOW
-
-    def prefix_floor(self, slot: int) -> int:
-        end = int(self._next[slot])
-        return 0 if end <= self.WINDOW else end + 1
 
 
 def test_a_sliding_window_engine_caches_prompts_longer_than_its_window(tiny_model_path: Path,
