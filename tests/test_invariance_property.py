@@ -44,11 +44,13 @@ class Engines:
 
     def __init__(self, path: Path, probe: bool, windowed: bool = False) -> None:
         self.path, self.probe, self.windowed = path, probe, windowed
-        self.solo_engine: Engine = LlamaCppEngine(path, recipe="invariant", n_slots=1, ctx_per_session=CTX)
+        self.solo_engine = self._engine(LlamaCppEngine, 1)  # the oracle: never windowed
         self._cache: dict[tuple[object, ...], list[int]] = {}
 
     def make(self, n_slots: int) -> Engine:
-        kind = WindowedTiny if self.windowed else LlamaCppEngine  # windowed: the service's engines only
+        return self._engine(WindowedTiny if self.windowed else LlamaCppEngine, n_slots)
+
+    def _engine(self, kind: type[LlamaCppEngine], n_slots: int) -> Engine:
         eng: Engine = kind(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=CTX)
         return ShapeProbeEngine(eng) if self.probe else eng  # type: ignore[return-value]
 
