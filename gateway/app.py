@@ -197,7 +197,8 @@ class Gateway:
             while not isinstance(item, dict):
                 c, text, lps = self.take(choices, item, sessions)
                 if text or lps or c.finish_reason is not None:
-                    yield data(shape.chunk(c.index, text, c.finish_reason, lps, c.piece_offset, usage=include_usage))
+                    offsets = c.text_offsets[-len(lps):] if lps else None
+                    yield data(shape.chunk(c.index, text, c.finish_reason, lps, offsets, usage=include_usage))
                 item = await anext(events)
             failed = self.failure(item, choices)
             if failed is not None:

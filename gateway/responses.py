@@ -28,9 +28,8 @@ class Choice:
     logprobs: list[tuple[int, float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_tokens: tuple[int, ...] = ()
-    chars: int = 0  # characters of `text` so far
-    piece_offset: int = 0  # where the last piece of `text` starts (its logprobs' text_offset), kept, not summed
-    text_offsets: list[int] = field(default_factory=list)  # per token of `logprobs`: the text before it
+    chars: int = 0  # characters of `text` so far (kept, not summed per token)
+    text_offsets: list[int] = field(default_factory=list)  # per token of `logprobs`: the characters sent before it
 
     @classmethod
     def new(cls, index: int, model: TextModel, stops: tuple[str, ...], stop_tokens: tuple[int, ...]) -> Choice:
@@ -57,9 +56,9 @@ class Choice:
             tail, _ = self.stops.feed(self.detok.flush())
             out += tail + self.stops.flush()
         self.logprobs.extend(lps)
-        self.text_offsets.extend([self.chars] * len(lps))  # as its streamed chunk says (Shape.chunk)
+        self.text_offsets.extend([self.chars] * len(lps))  # what its streamed chunk says too (Shape.chunk)
         self.text.append(out)
-        self.piece_offset, self.chars = self.chars, self.chars + len(out)
+        self.chars += len(out)
         return out, lps, hit
 
 
@@ -69,10 +68,10 @@ def piece(model: TextModel, token: int) -> tuple[str, list[int]]:
 
 
 def logprobs_body(kind: Kind, model: TextModel, lps: list[tuple[int, float, tuple[tuple[int, float], ...]]],
-                  offset: int = 0, offsets: list[int] | None = None) -> dict[str, Any]:
+                  offsets: list[int]) -> dict[str, Any]:
     """Chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions: the four parallel lists, a
-    token's `text_offset` the characters of text sent before it (`offsets`, else counted from `offset` by the
-    tokens' pieces), so that a streamed answer's offsets are the whole answer's."""
+    token's `text_offset` the characters of text sent before it (`offsets`: Choice.text_offsets), so that a
+    streamed answer's offsets are the whole answer's."""
     if kind == "chat":
         content = []
         for tok, lp, top in lps:
@@ -80,15 +79,9 @@ def logprobs_body(kind: Kind, model: TextModel, lps: list[tuple[int, float, tupl
             content.append({"token": text, "logprob": lp, "bytes": raw, "top_logprobs": [
                 {"token": piece(model, t)[0], "logprob": p, "bytes": piece(model, t)[1]} for t, p in top]})
         return {"content": content, "refusal": None}
-    tokens, counted, at = [], [], offset
-    for tok, _, _ in lps:
-        text = piece(model, tok)[0]
-        tokens.append(text)
-        counted.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in lps],
+    return {"tokens": [piece(model, tok)[0] for tok, _, _ in lps], "token_logprobs": [lp for _, lp, _ in lps],
             "top_logprobs": [{piece(model, t)[0]: p for t, p in top} for _, _, top in lps],
-            "text_offset": list(offsets) if offsets is not None else counted}
+            "text_offset": list(offsets)}
 
 
 @dataclass
@@ -105,8 +98,7 @@ class Shape:
         out = []
         for c in choices:
             text = "".join(c.text)
-            lp = logprobs_body(self.kind, self.model, c.logprobs, offsets=c.text_offsets) if self.want_logprobs \
-                else None
+            lp = logprobs_body(self.kind, self.model, c.logprobs, c.text_offsets) if self.want_logprobs else None
             if self.kind == "chat":
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
                             "logprobs": lp, "finish_reason": c.finish_reason})
@@ -117,9 +109,11 @@ class Shape:
                 "choices": out, "usage": usage, "system_fingerprint": None}
 
     def chunk(self, index: int, text: str | None, finish: str | None = None,
-              lps: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None, offset: int = 0,
-              usage: bool = False) -> dict[str, Any]:
-        lp = logprobs_body(self.kind, self.model, lps or [], offset) if self.want_logprobs and lps else None
+              lps: list[tuple[int, float, tuple[tuple[int, float], ...]]] | None = None,
+              offsets: list[int] | None = None, usage: bool = False) -> dict[str, Any]:
+        """One streamed chunk; `offsets`: its tokens' text offsets (the choice's last len(lps))."""
+        lp = logprobs_body(self.kind, self.model, lps, offsets or [0] * len(lps)) if self.want_logprobs and lps \
+            else None
         if self.kind == "chat":
             delta: dict[str, Any] = {} if text is None else {"content": text}
             if text == "" and finish is None and not lps:
