@@ -193,7 +193,16 @@ class Sim:
             outs = self.complete(b)
         for o in outs:
             self.observe(o)
+        self.check_counts()
         return True
+
+    def check_counts(self) -> None:
+        """Each phase queue's counters (consumer/sched/phase_queue.py) are what the sessions' queues hold."""
+        for phase, queue in self.s._queues.items():
+            held = [q for lane in self.s._lanes.values() for q in lane.jobs if q.job.phase == phase]
+            left = sum(1 if phase == "decode" else len(q.job.tokens) - q.consumed for q in held)
+            assert (queue.jobs, queue.tokens) == (len(held), left), phase
+            assert queue.n_ready == sum(1 for lane in self.s._lanes.values() if lane.ready_phase == phase)
 
     def cancel(self, t: int, in_flight: bool) -> None:
         for p in self.sc.sessions:

@@ -74,8 +74,7 @@ class JobAdmission(SchedulerState):
         lane.jobs.append(_Queued(job=job, ref=ref, seq=self._seq))
         entry.queued_position = job.end_position
         entry.queued_samples = job.sample
-        self._queues[job.phase].jobs += 1
-        self._queues[job.phase].tokens += 1 if job.phase == "decode" else len(job.tokens)
+        self._queues[job.phase].add(job)
         self.stats.admitted += 1
         self._refresh(lane)
         return None

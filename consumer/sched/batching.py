@@ -61,8 +61,7 @@ class Batching(SchedulerState):
             q.in_flight = (offset, 1)
             if q.consumed >= q.job.n:
                 lane.jobs.popleft()
-                self._queues["decode"].jobs -= 1
-                self._queues["decode"].tokens -= 1
+                self._queues["decode"].take(1, job_done=True)
                 self._continuing.discard(lane.session_id)
             else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
                 self._seq += 1
@@ -136,10 +135,9 @@ class Batching(SchedulerState):
             done = offset + k == len(q.job.tokens)
             q.consumed = offset + k
             q.in_flight = (offset, k)
-            self._queues["prefill"].tokens -= k
+            self._queues["prefill"].take(k, job_done=done)
             if done:
                 lane.jobs.popleft()
-                self._queues["prefill"].jobs -= 1
             lane.inflight.append(q)
             self._inflight[lane.entry.slot] = lane
             samples = done and q.job.sample

@@ -115,8 +115,7 @@ class OutputProcessor(SchedulerState):
             # A stop or max_tokens ends a continuation early: its unused offsets are dropped (no
             # answer, no charge), not answered FINISHED like a later job.
             lane.jobs.popleft()
-            self._queues["decode"].jobs -= 1
-            self._queues["decode"].tokens -= 1
+            self._queues["decode"].drop(q.job, q.consumed)
             self._continuing.discard(lane.session_id)
         q.answered = final
         self.stats.jobs_ok += 1

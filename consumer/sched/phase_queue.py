@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Mapping
 from typing import Generic, Protocol, TypeVar
 
-from schemas import Phase
+from schemas import Phase, StepJob
 
 __all__ = ["PhaseQueue", "Queued"]
 
@@ -43,17 +43,37 @@ class PhaseQueue(Generic[S]):
         self.jobs = 0  # jobs of this phase queued in any session
         self.tokens = 0  # their tokens not yet handed out (a decode job counts 1)
 
-    def push(self, lane: S, seq: int) -> None:
+    # ---- what waits: changed only through these, by the scheduler's parts
+
+    def add(self, job: StepJob) -> None:
+        """A job of this phase is queued."""
+        self.jobs += 1
+        self.tokens += _left(job, 0)
+
+    def take(self, tokens: int, *, job_done: bool) -> None:
+        """`tokens` of a queued job were handed out (to a call, or restored from the prefix cache); `job_done`:
+        its last ones (it leaves the queue)."""
+        self.tokens -= tokens
+        if job_done:
+            self.jobs -= 1
+
+    def drop(self, job: StepJob, consumed: int) -> None:
+        """A queued job leaves unfinished (its session closed, or a stop ended it early)."""
+        self.take(_left(job, consumed), job_done=True)
+
+    # ---- which sessions are ready
+
+    def push(self, session: S, seq: int) -> None:
         """The session is ready: its head job (of this phase, admitted as `seq`) waits to run."""
-        heapq.heappush(self.heap, (seq, lane.session_id))
-        lane.ready_seq = seq
-        lane.ready_phase = self.phase
+        heapq.heappush(self.heap, (seq, session.session_id))
+        session.ready_seq = seq
+        session.ready_phase = self.phase
         self.n_ready += 1
 
-    def remove(self, lane: S) -> None:
+    def remove(self, session: S) -> None:
         """Take the session out (it must be in this queue)."""
-        lane.ready_seq = -1
-        lane.ready_phase = None
+        session.ready_seq = -1
+        session.ready_phase = None
         self.n_ready -= 1
         self.n_stale += 1
         if self.n_stale > _COMPACT_AFTER and self.n_stale > len(self.heap) // 2:
@@ -66,16 +86,22 @@ class PhaseQueue(Generic[S]):
         heap = self.heap
         while heap:
             seq, sid = heapq.heappop(heap)
-            lane = self.sessions.get(sid)
-            if lane is None or lane.ready_seq != seq:
+            session = self.sessions.get(sid)
+            if session is None or session.ready_seq != seq:
                 self.n_stale = max(0, self.n_stale - 1)
                 continue
-            lane.ready_seq = -1
-            lane.ready_phase = None
+            session.ready_seq = -1
+            session.ready_phase = None
             self.n_ready -= 1
-            return lane
+            return session
         return None
 
     def _is_live(self, entry: tuple[int, str]) -> bool:
-        lane = self.sessions.get(entry[1])
-        return lane is not None and lane.ready_seq == entry[0]
+        session = self.sessions.get(entry[1])
+        return session is not None and session.ready_seq == entry[0]
+
+
+def _left(job: StepJob, consumed: int) -> int:
+    """What a job still counts in its phase's tokens: a decode job 1 (whatever its n), a prefill job its tokens
+    not handed out."""
+    return 1 if job.phase == "decode" else len(job.tokens) - consumed

@@ -59,7 +59,7 @@ class PrefixPlanning(SchedulerState):
         k = hit.n_tokens - start
         head.consumed = k
         head.cached_tokens += k
-        self._queues["prefill"].tokens -= k
+        self._queues["prefill"].take(k, job_done=False)
         lane.prompt_seen = tokens[:hit.n_tokens]
         lane.pending_restore = Restore(lane.entry.slot, hit, tuple(tokens[:hit.n_tokens]))
 

@@ -148,9 +148,7 @@ class SchedulerState:
         self._continuing.discard(lane.session_id)
         dropped: list[_Queued] = []
         for q in lane.jobs:
-            queue = self._queues[q.job.phase]
-            queue.jobs -= 1
-            queue.tokens -= 1 if queue.phase == "decode" else len(q.job.tokens) - q.consumed
+            self._queues[q.job.phase].drop(q.job, q.consumed)
             if not q.answered:
                 q.answered = True
                 dropped.append(q)
