@@ -11,7 +11,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Annotated
 
@@ -157,21 +157,18 @@ def _register_ops() -> None:
 
 
 _register_ops()
-_TOOLS: list[bool] = []
 
 
+@cache
 def command_line() -> typer.Typer:
     """The whole `dgr` command: the service's commands (this module, consumer/ops/cli.py) and the tools'
-    (demo, model, bench, tracker-sim, evidence: dgrtools/cli.py), added on first use so that importing the
-    service loads no tool (tests/test_service_imports.py)."""
-    if not _TOOLS:
-        try:
-            from dgrtools.cli import register
-        except ImportError:  # pragma: no cover  (a service-only install)
-            pass
-        else:
-            register(app)
-        _TOOLS.append(True)
+    (demo, model, bench, tracker-sim, evidence: dgrtools/cli.py), added on first use (once) so that importing
+    the service loads no tool (tests/test_service_imports.py)."""
+    try:
+        from dgrtools.cli import register
+    except ImportError:  # pragma: no cover  (a service-only install)
+        return app
+    register(app)
     return app
 
 
