@@ -56,4 +56,5 @@ def serve(redis_url: str, models: Sequence[str], *, host: str = "127.0.0.1", por
                          max_body_bytes=max_body_bytes, producer=ProducerSettings(max_lag=max_lag))
     log.info("dgr serve on http://%s:%d (models: %s; API keys: %s)", host, port,
              ", ".join(m.name for m in config.models), len(config.api_keys) or "none, open")
+    # loop / http "auto": uvloop and httptools (the serve extra) when installed, else asyncio and h11
     uvicorn.run(make_app(config), host=host, port=port, log_level=log_level, access_log=False)
