@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from functools import cache, partial
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -30,6 +30,8 @@ app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Re
                   no_args_is_help=True, pretty_exceptions_enable=False)
 
 _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.transport
+# --repack: the engine's `extra_bufts`
+REPACK: dict[str, bool | Literal["auto"]] = {"off": False, "on": True, "auto": "auto"}
 
 
 
@@ -73,6 +75,9 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
 
     if config.engine.cpu_wait not in CPU_WAITS:
         raise typer.BadParameter(f"must be one of {', '.join(CPU_WAITS)}", param_hint="--cpu-wait")
+    if config.engine.repack not in REPACK:
+        raise typer.BadParameter(f"must be one of {', '.join(REPACK)}", param_hint="--repack")
+    repack = REPACK[config.engine.repack]
     from schemas.prefix import SCOPES
 
     if config.worker.prefix_cache_scope not in SCOPES:
@@ -97,7 +102,7 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
         # OpenMP team, not two (consumer/engines/compute.py).
         build = partial(make_engines, choices, kind=eng_s.kind, recipe=eng_s.recipe,  # type: ignore[arg-type]
                         n_slots=eng_s.slots, ctx_per_session=eng_s.ctx_per_session, n_threads=eng_s.threads or None,
-                        n_gpu_layers=eng_s.n_gpu_layers, cpu_wait=eng_s.cpu_wait)
+                        n_gpu_layers=eng_s.n_gpu_layers, cpu_wait=eng_s.cpu_wait, extra_bufts=repack)
         eng = on_compute_thread(build) if config.worker.overlap else build()
     except (ValueError, OSError, EngineError) as e:
         # a bad --model (missing, unreadable, not a GGUF llama.cpp loads), two models with the same keys (EngineSet)

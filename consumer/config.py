@@ -147,6 +147,10 @@ class EngineSettings:
     cpu_wait: str = setting("auto",
         "llama.cpp's CPU threads at barriers: spin (alone), sleep (beside other busy processes), auto (sleep if the "
         "machine is busy at start).")
+    # consumer/engines/llama.py `_extra_bufts`
+    repack: str = setting("off",
+        "llama.cpp's repacked weight buffers (llama-server's default): off, on, or auto (recipe fast repacks "
+        "unless an AMX build meets a CPU advertising AMX; invariant never).")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ def model_choices(values: Sequence[str]) -> list[ModelChoice]:
 
 def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", recipe: RecipeName = "invariant",
                  n_slots: int = 16, ctx_per_session: int = 1024, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, cpu_wait: str = "auto") -> EngineSet:
+                 n_gpu_layers: int = 0, cpu_wait: str = "auto",
+                 extra_bufts: bool | Literal["auto"] = False) -> EngineSet:
     """One engine per choice, each with its own slots (`EngineSet` refuses two with the same keys). An
     engine already made is closed when a later one fails."""
     made: dict[str, Engine] = {}
@@ -118,7 +119,8 @@ def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", 
         for c in choices:
             made[c.name] = make_engine(resolve_model(c.model), kind=kind, recipe=c.recipe or recipe,
                                        n_slots=c.slots or n_slots, ctx_per_session=c.ctx_per_session or ctx_per_session,
-                                       n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait)
+                                       n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait,
+                                       extra_bufts=extra_bufts)
         return EngineSet(made, {c.name: c.weight for c in choices})
     except BaseException:
         for eng in made.values():
@@ -128,7 +130,9 @@ def make_engines(choices: Sequence[ModelChoice], *, kind: EngineKind = "llama", 
 
 def make_engine(model_path: Path, *, kind: EngineKind = "llama", recipe: RecipeName = "invariant",
                 n_slots: int = 16, ctx_per_session: int = 1024, n_batch: int = 2048,
-                n_threads: int | None = None, n_gpu_layers: int = 0, cpu_wait: str = "auto") -> Engine:
+                n_threads: int | None = None, n_gpu_layers: int = 0, cpu_wait: str = "auto",
+                extra_bufts: bool | Literal["auto"] = False) -> Engine:
+    """`extra_bufts`: llama.cpp's repacked weight buffers; "auto": the recipe's choice (consumer/engines/llama.py)."""
     if kind.startswith("sleep:"):  # a stand-in for a GPU step (benchmarks): consumer/engines/sleep.py
         from .engines.sleep import SleepEngine, parse_sleep_spec
 
@@ -140,4 +144,5 @@ def make_engine(model_path: Path, *, kind: EngineKind = "llama", recipe: RecipeN
     from .engines.llama import LlamaCppEngine
 
     return LlamaCppEngine(model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=ctx_per_session,
-                          n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait)
+                          n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, cpu_wait=cpu_wait,
+                          extra_bufts=extra_bufts)

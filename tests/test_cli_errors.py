@@ -35,6 +35,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (("--on-lease-held", "fight"), "--on-lease-held"),
     (("--hmac-key-file", "/missing/keys"), "--hmac-key-file"),
     (("--llama-log", "loud"), "--llama-log"),
+    (("--repack", "maybe"), "--repack"),
 ])
 def test_a_user_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                                              says: str) -> None:

@@ -15,7 +15,7 @@ pytest.importorskip("llama_cpp")
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines import Engine, EngineError
 from consumer.engines import llama as llama_mod
-from consumer.engines.llama import LlamaCppEngine, bench_engine_decode
+from consumer.engines.llama import LlamaCppEngine, _extra_bufts, bench_engine_decode
 from consumer.engines.reference import NumpyReferenceEngine
 from dgrtools.tiny_model import TINY, file_sha256
 
@@ -93,8 +93,21 @@ def test_fast_recipe_is_labelled(tiny_model_path):
         assert e.recipe.batch_invariant is False and not e.batch_invariant
         assert (e.recipe.kv_cache_type, e.recipe.flash_attention) == ("f32", False)
         assert e.describe()["recipe"] == "fast"
+        assert "use_extra_bufts=False" in e.describe()["cpu_path"]  # plain buffers unless asked
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("asked, recipe, cpu, build, want", [
+    ("auto", "invariant", False, False, False), ("auto", "fast", False, False, True),
+    ("auto", "fast", True, False, True), ("auto", "fast", False, True, True), ("auto", "fast", True, True, False),
+    (True, "fast", True, True, True), (True, "invariant", False, False, True), (False, "fast", False, False, False)])
+def test_repacked_weights_only_where_they_are_safe_and_leave_invariance_alone(asked, recipe, cpu, build, want):
+    """auto: fast repacks as llama-server does, unless an AMX build meets a CPU advertising AMX (a VM may
+    advertise it and SIGILL); invariant never does (a repacked matmul's kernel depends on the call's rows);
+    an explicit choice wins."""
+    got, why = _extra_bufts(asked, recipe, {"cpu_advertises_amx": cpu, "build_has_amx": build})
+    assert got is want and why
 
 
 def test_one_decode_per_step_whatever_the_sessions(eng):

@@ -20,9 +20,12 @@ Recipes (why each setting: docs/invariance.md):
   one row per session, stay one `llama_decode`). The scheduler sizes the pieces
   (consumer/sched/prefill_shape.py).
 - "fast": llama.cpp's defaults (flash attention on, tiled matmul allowed), still `use_extra_bufts=False`
-  on CPU: llama.cpp builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs advertise it
-  but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). Pass `extra_bufts=True` to opt into
-  the repacked weight buffers on a machine known to be safe.
+  on CPU: llama.cpp builds with `-march=native` pick AMX kernels on CPUs that advertise AMX, and some VMs
+  advertise it but cannot execute it (SIGILL in `ggml_backend_amx_mul_mat`). `extra_bufts=True` opts into
+  the repacked weight buffers (llama-server's default) on a machine known to be safe; `"auto"` repacks a
+  fast engine unless an AMX build meets a CPU advertising AMX (`dgr consumer --repack`). Through the
+  service on this 2-core AVX-512 machine repacking measured no faster (docs/benchmarks.md), hence off by
+  default. `describe()["cpu_path"]` says which and why.
 
 Route hops (a GGUF written by dgrtools/split_model.py, `dgr model split`, holding blocks [a, b) of a
 source model; docs/hops.md): the engine reads the file's `dgr.split.*` metadata and becomes that hop.
@@ -195,6 +198,17 @@ def cpu_amx() -> dict[str, bool]:
             "build_has_amx": "AMX" in info}
 
 
+def _extra_bufts(asked: bool | Literal["auto"], recipe: str, amx: dict[str, bool]) -> tuple[bool, str]:
+    """Whether the model loads into llama.cpp's extra (repacked, AMX) weight buffers, and why."""
+    if asked != "auto":
+        return bool(asked), "asked"
+    if recipe == "invariant":
+        return False, "auto, recipe invariant: a repacked matmul picks its kernel by the call's rows"
+    if amx["cpu_advertises_amx"] and amx["build_has_amx"]:
+        return False, "auto, recipe fast, but an AMX build on a CPU advertising AMX may SIGILL"
+    return True, "auto, recipe fast"
+
+
 def _default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -229,7 +243,7 @@ class LlamaCppEngine(LogitsEngine):
         n_gpu_layers: int = 0,
         kv_cache_type: Literal["f16", "f32"] = "f16",
         flash_attention: bool | None = None,
-        extra_bufts: bool = False,
+        extra_bufts: bool | Literal["auto"] = False,
         snapshots: SnapshotPolicy = "chunks",
         cpu_wait: str = "auto",
     ) -> None:
@@ -260,13 +274,14 @@ class LlamaCppEngine(LogitsEngine):
         self._L = L
         self._n_threads = n_threads or _default_threads()
         amx = cpu_amx()
+        extra_bufts, why = _extra_bufts(extra_bufts, recipe, amx)
         if extra_bufts and n_gpu_layers == 0 and amx["build_has_amx"]:
             log.warning("extra_bufts=True with a build that has AMX kernels: SIGILL if the CPU cannot run them")
         self._cpu_path = (
             f"use_extra_bufts={extra_bufts} ("
             + ("repacked/AMX weight buffers allowed" if extra_bufts else
                "plain CPU weight buffers: no repack, no AMX kernels")
-            + f"); CPU advertises AMX: {amx['cpu_advertises_amx']}; build has AMX kernels: "
+            + f": {why}); CPU advertises AMX: {amx['cpu_advertises_amx']}; build has AMX kernels: "
             f"{amx['build_has_amx']}; {self._tiled_mm}"
         )
 
