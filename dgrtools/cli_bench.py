@@ -20,6 +20,16 @@ def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -
     run(out, repeats=repeats)
 
 
+@bench_app.command("pacing")
+def bench_pacing(out: Out = Path("bench-out/pacing"), sessions: int = 8,
+                 prompt_len: Annotated[int, typer.Option("--prompt-len")] = 528, tokens: int = 16) -> None:
+    """Prefill pacing policies on a virtual clock (the real scheduler, a Gemma-like cost model): the last first
+    token of a wave against the raw engine's, time to first token, and the decoders' p99 inter-token gap."""
+    from dgrtools.bench.pacing import run
+
+    run(out, sessions=sessions, prompt_len=prompt_len, tokens=tokens)
+
+
 @bench_app.command("engine")
 def bench_engine(out: Out = Path("bench-out/engine"), models: Models = "tiny,gemma",
                  recipes: str = "fast,invariant", batches: Batches = "1,2,4,8,16", steps: int = 32, repeats: int = 3,
