@@ -13,8 +13,8 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["Batch", "Command", "Delete", "Exists", "Expire", "Get", "HGetAll", "HSet", "Plan", "Read", "Request",
-           "SMembers", "Set", "Sleep", "XAdd", "XInfoGroups", "XLen", "XRange", "XRead"]
+__all__ = ["Batch", "Command", "Delete", "Exists", "Expire", "Get", "HGet", "HGetAll", "HSet", "Plan", "Read",
+           "Request", "SMembers", "Set", "Sleep", "XAdd", "XInfoGroups", "XLen", "XRange", "XRead"]
 
 T = TypeVar("T")
 
@@ -53,6 +53,11 @@ class Exists(NamedTuple):
     key: str
 
 
+class HGet(NamedTuple):
+    key: str
+    field: str
+
+
 class HGetAll(NamedTuple):
     key: str
 
@@ -81,7 +86,8 @@ class XRead(NamedTuple):
     block_ms: int | None = None  # None: do not block
 
 
-Command = XAdd | Set | HSet | Expire | Delete | Get | Exists | HGetAll | SMembers | XLen | XInfoGroups | XRead | XRange
+Command = (XAdd | Set | HSet | Expire | Delete | Get | Exists | HGet | HGetAll | SMembers | XLen | XInfoGroups | XRead
+           | XRange)
 
 
 class Read(NamedTuple):

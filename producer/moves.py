@@ -3,8 +3,9 @@
 SessionTemplate) with a hop on it is placed again, hop by hop, on a worker that advertises the same key, and
 replayed there as after `state_lost`: a new attempt, prompt + generated as prefill, the generated part charged
 as `recomputed_tokens` by the new worker (docs/accounting.md). What the lost worker charged stays charged; its
-answers to the old attempt are ignored (job ids carry the attempt), and a cancel is left on it, so a worker
-that was only paused and comes back frees the session instead of decoding it on.
+answers to the old attempt are ignored (job ids carry the attempt), and a cancel and a fence of the attempt
+are left on it, so a worker that was only paused and comes back frees the session instead of decoding it on,
+and what it computes before it reads the cancel is neither published nor charged (consumer/lua/complete.lua).
 
 Only sessions the Tracker placed move: a SessionSpec naming its workers is the caller's choice, and still ends
 with ResultTimeout when its worker goes silent. Sessions move away from a worker that is out, never back, so a
@@ -16,18 +17,20 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from schemas import PHASES, WorkerKeys
+from schemas.accounting import parse_tally
 
-from .commands import Batch, Get, HSet, Plan, Read
+from .commands import Batch, Expire, Get, HGet, HSet, Plan, Read
 from .placement import FleetView, PlacementPolicy, SessionTemplate
 from .session import HopLeg, SessionHandle, lose
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
 
-__all__ = ["Mover", "worker_out"]
+__all__ = ["HighWater", "Mover", "worker_out"]
 
 log = logging.getLogger("dgr.producer")
 
@@ -41,6 +44,17 @@ def worker_out(hb_raw: bytes | str | None, now: float, lost_s: float) -> bool:
     except (ValueError, AttributeError):
         return True
     return not isinstance(ts, int | float) or now - float(ts) > lost_s
+
+
+@dataclass(frozen=True)
+class HighWater:
+    """A moved session's charged high-water mark as the Tracker knows it, the lost workers it left (`off`) and
+    the workers its new hops run on (`to`)."""
+
+    session_id: str
+    hw: int
+    off: tuple[str, ...]
+    to: tuple[str, ...]
 
 
 class Mover:
@@ -92,20 +106,26 @@ class Mover:
         for w in out:
             self.fleet.lose(w, wall)
         moved: list[SessionHandle] = []
+        marks: list[HighWater] = []
         fence = Batch()
         for h in placed:
-            if any(leg.worker_id in out for leg in h.legs) and self.move(h, out, fence):
+            mark = self.move(h, out, fence) if any(leg.worker_id in out for leg in h.legs) else None
+            if mark is not None:
                 moved.append(h)
+                marks.append(mark)
         if fence:
             yield fence
+        if marks:
+            yield from self.carry_high_water(marks)
         if moved:
             log.warning("sessions moved off lost workers", extra={"workers": sorted(out), "sessions": len(moved)})
         return moved
 
-    def move(self, h: SessionHandle, out: set[str], fence: Batch) -> bool:
+    def move(self, h: SessionHandle, out: set[str], fence: Batch) -> HighWater | None:
         """Place the session's hops on lost workers again and mark it lost (the next advance replays it); a cancel
-        for each lost worker goes in `fence`. False when no worker with room can take a hop: it waits for the next
-        look (and ends with ResultTimeout if none comes within timeout_s)."""
+        and a fence of its attempt for each lost worker go in `fence`. Its high-water mark for the new hops, or
+        None when no worker with room can take a hop: it waits for the next look (and ends with ResultTimeout if
+        none comes within timeout_s)."""
         template: SessionTemplate = h.template
         hops = [leg.hop for leg in h.legs if leg.worker_id in out]
         try:  # a worker with room only (a full one would refuse the replay): else it waits for the next look
@@ -113,16 +133,22 @@ class Mover:
         except LookupError as e:
             log.info("a session of a lost worker waits for room", extra={"session": h.session_id,
                                                                          "detail": str(e)[:200]})
-            return False
+            return None
         keep = [w if w is not None else leg.worker_id for leg, w in zip(h.legs, placed, strict=True)]
         spec = template.spec(keep)
         keep_workers = {leg.worker_id for leg in h.legs if leg.worker_id not in out}
+        lost_legs = {leg.worker_id for leg in h.legs if leg.worker_id in out}
         run = h.run
         self.retire(h)
         for leg in h.legs:
             if leg.worker_id in out:
                 self.fleet.moved_out[leg.worker_id] = self.fleet.moved_out.get(leg.worker_id, 0) + 1
                 self.cancel_ops(fence, leg.worker_id, h.session_id)
+                # Fences the attempt it ran there: should the worker only have paused, what it computes for the
+                # session before it reads the cancel is neither published nor charged (docs/accounting.md).
+                moved_key = WorkerKeys(leg.worker_id).moved
+                fence.add(HSet(moved_key, {h.session_id: str(h.attempt)}))
+                fence.add(Expire(moved_key, self.settings.cancel_ttl_s))
         legs = []
         for k, (leg, rh) in enumerate(zip(h.legs, spec.route, strict=True)):
             if leg.worker_id == rh.worker_id:
@@ -132,13 +158,32 @@ class Mover:
                 legs.append(HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES}))
         h.spec, h.legs, h.worker_id = spec, legs, spec.route[0].worker_id
         # The new hops charge nothing the lost one charged: their high-water mark starts where its ended (every
-        # token the Tracker holds was charged when sampled; with none, the prompt positions charged so far).
+        # token the Tracker holds was charged when sampled; with none, the prompt positions charged so far), or
+        # higher where the lost worker charged answers the Tracker has not read (carry_high_water).
         hw = len(h.prompt) + len(h.generated) if h.generated else h.prompt_tokens
-        for leg in legs:
-            if leg.worker_id not in keep_workers:
-                fence.add(HSet(WorkerKeys(leg.worker_id).session_account(h.session_id), {"hw": str(hw)}))
+        mark = HighWater(h.session_id, hw, off=tuple(sorted(w for w in out if w in lost_legs)),
+                         to=tuple(leg.worker_id for leg in legs if leg.worker_id not in keep_workers))
         h.reason, h.detail = "worker_lost", f"moved off {', '.join(sorted(out))}"
         lose(h)
         self.drive(h, run)
         self.touched[h.session_id] = h
-        return True
+        return mark
+
+    def carry_high_water(self, marks: list[HighWater]) -> Plan[None]:
+        """Each moved session's high-water mark on its new hops: the higher of what the Tracker holds and what a
+        lost worker's tally says it charged. Read after the fence is written, so every completion of a lost
+        worker either ran before (its charges are in the tally read here) or after (fenced: it charged nothing),
+        and no position is charged on two workers (docs/accounting.md, "Across workers")."""
+        reads = [(m, w) for m in marks for w in m.off]
+        tallies = yield Read(tuple(HGet(WorkerKeys(w).tally, m.session_id) for m, w in reads), errors=True)
+        hw = {m.session_id: m.hw for m in marks}
+        for (m, _), raw in zip(reads, tallies, strict=True):
+            entry = parse_tally(raw) if isinstance(raw, bytes | str) else None
+            if entry is not None:
+                hw[m.session_id] = max(hw[m.session_id], int(entry["hw"]))
+        batch = Batch()
+        for m in marks:
+            for w in m.to:
+                batch.add(HSet(WorkerKeys(w).session_account(m.session_id), {"hw": str(hw[m.session_id])}))
+        if batch:
+            yield batch

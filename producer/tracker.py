@@ -139,6 +139,7 @@ _SEND: dict[type, Callable[[Any, Any], Any]] = {
     c.Delete: lambda t, x: t.delete(x.key),
     c.Get: lambda t, x: t.get(x.key),
     c.Exists: lambda t, x: t.exists(x.key),
+    c.HGet: lambda t, x: t.hget(x.key, x.field),
     c.HGetAll: lambda t, x: t.hgetall(x.key),
     c.SMembers: lambda t, x: t.smembers(x.key),
     c.XLen: lambda t, x: t.xlen(x.stream),

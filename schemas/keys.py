@@ -68,6 +68,14 @@ class WorkerKeys:
         return f"{self.base}:guard"
 
     @property
+    def moved(self) -> str:
+        """Hash: session id -> the attempt the Tracker moved off this worker when it declared the worker lost
+        (producer/moves.py). complete.lua neither publishes nor charges an answer of that attempt or an
+        older one, so a worker that was only paused and comes back charges nothing the session's new
+        worker charges again (docs/accounting.md); the field goes when the session closes here."""
+        return f"{self.base}:moved"
+
+    @property
     def tally(self) -> str:
         """Hash: one field per session this worker charges and has not closed (docs/accounting.md): what
         it charged since the field was made, and the positions answered and charged so far."""

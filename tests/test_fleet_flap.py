@@ -1,7 +1,7 @@
 """A flapping worker (issue 33, point 5): its heartbeat goes out (older than lost_s) and fresh again, over and
 over, while sessions arrive and decode. Sessions move away from it when it is out, never back (producer/moves.py):
-no session runs on a worker it left, none moves twice, every one ends with its own tokens, charged once but for
-the one job the flapper held when declared out, at most one per move (the window docs/accounting.md names)."""
+no session runs on a worker it left, none moves twice, every one ends with its own tokens, charged exactly once
+across the fleet, the job the flapper held when declared out included (docs/accounting.md, "Across workers")."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_a_flapping_worker_does_not_make_sessions_move_back_and_forth(redis_clie
         while not stop.wait(0.03):
             out = not out
             beat(redis_client, flapper, time.time() - (10.0 if out else 0.0))
+            for w in ws[1:]:  # the others beat as live workers do: a run longer than lost_s must not lose them
+                beat(redis_client, w.worker_id, time.time())
             flips.append(time.monotonic())
 
     n, tokens, prompt = 12, 30, [1, 2, 3, 4, 5]
@@ -72,13 +74,11 @@ def test_a_flapping_worker_does_not_make_sessions_move_back_and_forth(redis_clie
         assert len(trail) == len(set(trail)), (sid, trail)  # never back on a worker it left
         assert all(w != flapper for w in trail[1:]), (sid, trail)  # moved only off the flapper, never onto it
     got = charged(redis_client, [w.worker_id for w in ws], "acct-fl")
-    # The flapper is declared out while it still answers (a beat 10 s old, a live worker): the one job it holds
-    # then (its prefill, or with decode_n 1 one token) may be computed and charged before it reads the cancel, and
-    # the new worker charges those positions again: the window docs/accounting.md ("Across workers") names. At
-    # most one job per move.
-    extra_prompts, extra_tokens = got["prompt_tokens"] - len(prompt) * n, got["generated_tokens"] - tokens * n
-    assert extra_prompts % len(prompt) == 0 and extra_prompts >= 0 and extra_tokens >= 0, got
-    assert extra_prompts // len(prompt) + extra_tokens <= len(moved), (got, len(moved))
+    # The flapper is declared out while it still answers (a beat 10 s old, a live worker): the job it holds then
+    # may be computed after the move. The fence of the moved attempt (consumer/lua/complete.lua) keeps that from
+    # being charged, and what it charged before the fence is carried to the new worker's high-water mark
+    # (producer/moves.py carry_high_water): charged exactly once across the fleet (docs/accounting.md).
+    assert got["prompt_tokens"] == len(prompt) * n and got["generated_tokens"] == tokens * n, (got, len(moved))
     stats = p.fleet()
     assert stats[flapper]["moved_out"] == len(moved)
     assert sum(s["moved_in"] for s in stats.values()) == len(moved)

@@ -46,11 +46,11 @@ def test_completion_head_matches_the_header() -> None:
 
 def test_completion_keys_and_dead_letters_match_the_header() -> None:
     header = _header()
-    keys = re.search(r"-- KEYS\[1\](.*?), \[8\.\.\]", header, re.S)
+    keys = re.search(r"-- KEYS\[1\](.*?), \[9\.\.\]", header, re.S)
     assert keys is not None
     names = [re.sub(r"^\[\d+\] ", "", n) for n in _names("[1]" + keys.group(1))]
     expected = ("worker hash", "billing accounts index set", "dead-letter stream", "lease", "lease epoch", "tally",
-                "call guard")
+                "call guard", "moved")
     assert tuple(names) == expected and len(FIXED_KEYS) == len(expected)
     m = re.search(r"-- Dead letter \((\d+) \+ 2\*nf ARGV\): (.*?)(, then nf field/value pairs)\.\n", header, re.S)
     assert m is not None

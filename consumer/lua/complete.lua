@@ -20,6 +20,9 @@
 --     Of the prompt positions charged, those restored from the prefix cache (`kc`) are also counted as
 --     cached (a part of the prompt's, never charged twice either);
 --   * counted: tally deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
+-- A row of a session the Tracker moved off this worker (KEYS[8]: session id -> the attempt moved away, when
+-- it declared this worker lost) is fenced if its attempt is that one or older: neither published nor
+-- charged, so a worker that was only paused charges nothing the session's new worker charges again.
 -- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was
 -- charged) unless no row of it is fresh. Then the acks (one XACK per input stream), input blobs to
 -- delete, closures (a closed session's tally entry is folded into its session hash and removed),
@@ -33,7 +36,7 @@
 -- Every key comes in KEYS; no key name is built here (Redis Cluster: one hash tag).
 --
 -- KEYS[1] worker hash, [2] billing accounts index set, [3] dead-letter stream, [4] lease, [5] lease
--- epoch, [6] tally, [7] call guard, [8..] the other keys, each once, referred to by index.
+-- epoch, [6] tally, [7] call guard, [8] moved, [9..] the other keys, each once, referred to by index.
 -- The layout is named once in Python (consumer/transport/publish.py: COMPLETE_ARGV); tests/test_lua.py
 -- checks it against the lines below.
 -- ARGV[1] group, [2] result_ttl_s, [3] result_maxlen, [4] dlq_maxlen, [5] reject_ttl_s,

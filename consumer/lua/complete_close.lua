@@ -11,6 +11,9 @@ local acct_ids = ctl.accounts or {}
 local closing = {}
 for _, c in ipairs(ctl.close or {}) do
   local sid = c[1]
+  if moved[sid] then
+    redis.call('HDEL', KEYS[8], sid)
+  end
   if L[sid] ~= nil then
     closing[sid] = c[3]
     sk[sid] = c[2]

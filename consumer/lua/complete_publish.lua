@@ -31,7 +31,10 @@ for ri, rec in ipairs(ctl.records) do
       sk[sid], ac[sid] = skey[i], a
     end
     local fresh
-    if st == 0 and e ~= nil then
+    local fence = a > 0 and moved[sid]
+    if fence and Ratt[i] <= fence then
+      fresh = false  -- moved off this worker with this attempt (complete.lua's header)
+    elseif st == 0 and e ~= nil then
       local att, eatt = Ratt[i], e[ATT]
       if att > eatt or (att == eatt and pos > e[PUB]) then
         fresh = true

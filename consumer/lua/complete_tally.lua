@@ -13,6 +13,7 @@ local sk = {}       -- session id -> KEYS index of its session hash
 local ac = {}       -- session id -> its account number
 local gl = {}       -- session id -> its gap list, once parsed
 local ol = {}       -- session id -> its owed list, once parsed
+local moved = {}    -- session id -> the attempt the Tracker moved off this worker (KEYS[8]): fenced rows
 do
   local want, seen = {}, {}
   for _, rec in ipairs(ctl.records) do
@@ -33,9 +34,16 @@ do
       want[#want + 1] = c[1]
     end
   end
+  local any_moved = #want > 0 and redis.call('EXISTS', KEYS[8]) == 1  -- one lookup per call when none moved
   for j = 1, #want, 1000 do
     local part = {unpack(want, j, math.min(j + 999, #want))}
     local got = redis.call('HMGET', tally, unpack(part))
+    if any_moved then
+      local mv = redis.call('HMGET', KEYS[8], unpack(part))
+      for k, sid in ipairs(part) do
+        if mv[k] then moved[sid] = tonumber(mv[k]) end
+      end
+    end
     for k, sid in ipairs(part) do
       local v = got[k]
       if v then

@@ -36,7 +36,8 @@ __all__ = ["COMPLETE_ARGV", "FIXED_KEYS", "MAX_DEAD_LETTER_BYTES", "CompletionCa
 # The completion script's layout (consumer/lua/complete.lua's header; tests/test_lua.py checks that both
 # say the same): the fixed KEYS, then the fixed ARGV head; records, blob bytes and dead letters follow,
 # referred to by the control's ARGV indices.
-FIXED_KEYS: Final = ("worker", "accounts_index", "dead_letters", "lease", "lease_epoch", "tally", "call_guard")
+FIXED_KEYS: Final = ("worker", "accounts_index", "dead_letters", "lease", "lease_epoch", "tally", "call_guard",
+                     "moved")
 COMPLETE_ARGV: Final = ("group", "result_ttl_s", "result_maxlen", "dlq_maxlen", "reject_ttl_s", "lease_token",
                         "lease_epoch", "lease_ms", "act_ttl_s", "call_seq", "control")
 DEAD_LETTER_ARGV: Final = ("stream_k", "entry_id", "nf")  # then nf field/value pairs
@@ -163,7 +164,8 @@ class _CallBuilder:
 
     def __post_init__(self) -> None:
         k = self.k
-        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.tally, k.call_guard):
+        for key in (k.worker_account, k.accounts_index, k.dead_letters, k.lease, k.lease_epoch, k.tally, k.call_guard,
+                    k.moved):
             self.keys(key)
         self.own_act = k.base + ":act:"
 
