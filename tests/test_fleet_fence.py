@@ -11,7 +11,7 @@ import time
 import redis
 
 from consumer.transport import Closure, Filing, FusedCallStats
-from producer import PlacementPolicy, Producer, SessionTemplate
+from producer import PlacementPolicy, Producer, SessionHandle, SessionTemplate
 from schemas import RouteHop, SessionSpec, Status, WorkerKeys, job_from_fields
 from tests.support import session_results
 from tests.test_producer import FakeWorker
@@ -38,14 +38,21 @@ def _charged(client: redis.Redis, worker: str, account: str) -> dict[str, float]
     return {k.decode(): float(v) for k, v in client.hgetall(WorkerKeys(worker).billing_account(account)).items()}
 
 
-def test_a_paused_worker_charges_nothing_for_the_sessions_moved_off_it(redis_client: redis.Redis) -> None:
-    a, b = FakeWorker(redis_client, worker_id="fa"), FakeWorker(redis_client, worker_id="fb")
-    for w in ("fa", "fb"):
-        _beat(redis_client, w, 0)
-    p = Producer(redis_client, decode_n=1, placement=PlacementPolicy(lost_s=2.0, lost_check_s=0.0))
-    h = p.open(SessionTemplate(session_id="mv1", account_id="acct-f", keys=(make_key("prefill"),),
+def _placed(client: redis.Redis, prefix: str, sid: str, account: str
+            ) -> tuple[Producer, SessionHandle, FakeWorker, FakeWorker]:
+    """Two live FakeWorkers and a session placed on one of them: (producer, handle, its worker, the other)."""
+    ws = {w: FakeWorker(client, worker_id=w) for w in (f"{prefix}a", f"{prefix}b")}
+    for w in ws:
+        _beat(client, w, 0)
+    p = Producer(client, decode_n=1, placement=PlacementPolicy(lost_s=2.0, lost_check_s=0.0))
+    h = p.open(SessionTemplate(session_id=sid, account_id=account, keys=(make_key("prefill"),),
                                options={"max_tokens": 4}), [1, 2, 3])
-    lost = {"fa": a, "fb": b}[h.worker_id]
+    (other,) = (w for wid, w in ws.items() if wid != h.worker_id)
+    return p, h, ws[h.worker_id], other
+
+
+def test_a_paused_worker_charges_nothing_for_the_sessions_moved_off_it(redis_client: redis.Redis) -> None:
+    p, h, lost, _ = _placed(redis_client, "f", "mv1", "acct-f")
     run = p.core.start([], resume=[h])
     _beat(redis_client, lost.worker_id, 10)  # silent past lost_s: its sessions move
     assert p._call(p.core.move_lost()) == [h] and h.worker_id != lost.worker_id
@@ -77,13 +84,7 @@ def test_what_a_lost_worker_charged_unread_is_not_charged_again(redis_client: re
     """The lost worker answered (and charged) the opening just before the move and the Tracker never read it:
     the new worker's high-water mark starts past those positions (read from the lost worker's tally after the
     fence), so the replay recomputes them without charging them again."""
-    a, b = FakeWorker(redis_client, worker_id="ga"), FakeWorker(redis_client, worker_id="gb")
-    for w in ("ga", "gb"):
-        _beat(redis_client, w, 0)
-    p = Producer(redis_client, decode_n=1, placement=PlacementPolicy(lost_s=2.0, lost_check_s=0.0))
-    h = p.open(SessionTemplate(session_id="hw1", account_id="acct-g", keys=(make_key("prefill"),),
-                               options={"max_tokens": 4}), [1, 2, 3])
-    lost, new = ({"ga": a, "gb": b}[h.worker_id], {"ga": b, "gb": a}[h.worker_id])
+    p, h, lost, new = _placed(redis_client, "g", "hw1", "acct-g")
     run = p.core.start([], resume=[h])
     assert _compute_without_reading_cancels(lost) == ["hw1"]  # 3 prompt positions and the token at 3 charged
     assert _charged(redis_client, lost.worker_id, "acct-g")["generated_tokens"] == 1
