@@ -1,7 +1,8 @@
 """A fleet of real consumers (the tiny model, invariant recipe) on one real redis-server, sessions placed from
 templates: kill -9 one mid-decode and never restart it: every session finishes with its solo tokens, and the
 fleet's counters charge each prompt position and generated token once; a SIGSTOPped worker gets no new
-session while stale and keeps its own within the bound (nothing moves)."""
+session while stale and keeps its own within the bound (nothing moves); one paused past the bound and resumed
+(opt-in) loses its sessions to the other and charges nothing twice."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 from dgrtools.localredis import LocalRedis
@@ -111,6 +113,56 @@ def test_a_sigstopped_worker_gets_no_new_session_and_keeps_its_own(redis_server:
             assert h.status == "finished" and h.attempt == 0, (t.session_id, h.status, h.reason, h.detail, h.attempt)
             assert h.generated == solo(tiny_model_path, prompt, 16), t.session_id
         assert not any(s.get("moved_out") for s in p.fleet().values())
+    finally:
+        for c in procs.values():
+            c.proc.send_signal(signal.SIGCONT)
+            c.stop()
+
+
+def test_a_worker_paused_past_the_bound_then_resumed_charges_nothing_twice(redis_server: LocalRedis,
+                                                                          tiny_model_path: Path,
+                                                                          tmp_path: Path) -> None:
+    """Opt-in (DGR_SLOW=1, ~7 s). SIGSTOP one of two workers mid-decode for longer than lost_s, then SIGCONT:
+    its sessions move and are replayed on the other, and the resumed worker frees them (the cancels) and files
+    what it was computing: every session ends with its solo tokens and the fleet's counters charge every prompt
+    position and generated token exactly once. The resumed worker reads its cancels before its next call, so
+    only a pause that lands inside a call leaves it an answer to file for a moved session; the tiny model's
+    calls are too short for that to happen often: tests/test_fleet_fence.py makes that case deterministic."""
+    if os.environ.get("DGR_SLOW") != "1":
+        pytest.skip("opt-in: DGR_SLOW=1")
+    tag = uuid.uuid4().hex[:6]
+    names = [f"fp{i}-{tag}" for i in range(2)]
+    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=8) for w in names}
+    client = redis.Redis.from_url(redis_server.url)
+    n, tokens = (12, 48) if SOAK else (6, 32)
+    try:
+        key = Producer(client).discover(names[0]).keys[0]
+        ps = prompts(n, 300, seed=13, lo=3, hi=20)
+        sessions = [(SessionTemplate(session_id=f"fp-{tag}-{i}", account_id="acct-fp", keys=(key,),
+                                     options={"max_tokens": tokens}), list(p)) for i, p in enumerate(ps)]
+        stopped: list[str] = []
+
+        def on_result(h: SessionHandle, r: StepResult) -> None:
+            if not stopped and 2 <= len(h.generated) < tokens - 8:
+                stopped.append(h.worker_id)
+                proc = procs[h.worker_id].proc
+                proc.send_signal(signal.SIGSTOP)  # silent 2.5 s: past lost_s (1.5 s), then back
+                threading.Timer(2.5, proc.send_signal, (signal.SIGCONT,)).start()
+
+        p = Producer(client, prefill_chunk=8, timeout_s=60, decode_n=1,
+                     placement=PlacementPolicy(lost_s=1.5, lost_check_s=0.1))
+        out = p.run_many(sessions, on_result=on_result)
+        assert stopped
+        moved = [h for h in out.values() if h.attempt > 0]
+        assert moved, "the pause landed after every session of the paused worker ended"
+        for t, prompt in sessions:
+            h = out[t.session_id]
+            assert h.status == "finished", (t.session_id, h.status, h.reason, h.detail)
+            assert h.generated == solo(tiny_model_path, prompt, tokens), t.session_id
+        time.sleep(1.0)  # the resumed worker reads its cancels and files what it computed meanwhile
+        got = fleet_charges(client, names, "acct-fp")
+        assert got["prompt_tokens"] == sum(len(pr) for _, pr in sessions), got
+        assert got["generated_tokens"] == tokens * n, got
     finally:
         for c in procs.values():
             c.proc.send_signal(signal.SIGCONT)
