@@ -180,7 +180,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
             h = yield from self.opening(*run.sessions[left[0]])
             if not (yield from self.admit(h.input_stream("prefill"), wait=wait)):
                 break
-            self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h)
+            self.queue_prefill(batches.setdefault(h.worker_id, Batch(transaction=True, tag=h.worker_id)), h, ramp=True)
             self.drive(h, run)
             left.popleft()
         run.pending.extendleft(reversed(left))

@@ -69,11 +69,12 @@ class Steps:
 
     def job(self, h: SessionHandle, hop: int, phase: Phase, start: int, tokens: tuple[int, ...], *, sample: bool = True,
             n: int = 1, session: SessionSpec | None = None, hidden: Activations | None = None,
-            created_at: float | None = None) -> StepJob:
+            created_at: float | None = None, with_opening: bool = False) -> StepJob:
         return StepJob(job_id=job_id(h.session_id, hop, phase, start, h.attempt), session_id=h.session_id, hop=hop,
                        phase=phase, compat=h.legs[hop].digests[phase], start_position=start,
                        tokens=tokens, sample=sample, attempt=h.attempt, n=n, session=session, hidden=hidden,
-                       reply_to=h.reply, created_at=time.time() if created_at is None else created_at)
+                       reply_to=h.reply, created_at=time.time() if created_at is None else created_at,
+                       with_opening=with_opening)
 
     def prefill_jobs(self, h: SessionHandle) -> list[StepJob]:
         """The current attempt's prefill chunks at hop 0: prompt + the generated tokens it re-feeds."""
@@ -101,9 +102,11 @@ class Steps:
         stream = WorkerKeys(h.legs[s.hop].worker_id).input_stream(job.compat, job.phase)
         batch.add(XAdd(stream, self.entry(stream, job_to_fields(job))))
 
-    def queue_prefill(self, batch: Batch, h: SessionHandle) -> None:
+    def queue_prefill(self, batch: Batch, h: SessionHandle, *, ramp: bool = False) -> None:
         """(Re)open the session: its attempt's prefill chunks to hop 0, and its record (what resume() rebuilds it
-        from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood)."""
+        from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood).
+        `ramp` (a session the core drives under continuation credit): its first continuation job goes with it, so it
+        decodes at the call after its prefill, not one round trip later (consumer/worker/early.py)."""
         h.replayed_generated = len(h.generated)
         drop(h)
         for leg in h.legs:
@@ -115,11 +118,19 @@ class Steps:
         for job in jobs:
             self.push(batch, h, job)
         h.pending_job, h.position = jobs[-1].job_id, jobs[-1].end_position
+        ramp = ramp and h.credit.n > 1 and len(h.legs) == 1 and job_n(h, h.position) >= 1
+        if ramp:
+            n = job_n(h, h.position)
+            first = self.job(h, 0, "decode", h.position, (), n=n, with_opening=True)
+            self.push(batch, h, first, left=(1 << n) - 1)
+            h.credit.jobs[first.job_id] = first
+            h.position = first.end_position
         record = WorkerKeys(h.worker_id).session_record(h.session_id)
         reads = {w: self.cursor(stream) for w, stream in sorted(self.streams_of(h))}
         batch.add(HSet(record, {"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
                                 "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n),
                                 "reply": h.reply or "", "gen": ",".join(map(str, h.generated)),
+                                "ramp": "1" if ramp else "0",
                                 "from": json.dumps(reads)}))
         batch.add(Expire(record, self.settings.record_ttl_s))
 
@@ -154,7 +165,7 @@ class Steps:
             return
         h.attempt += 1
         h.finished = False
-        self.queue_prefill(batch, h)
+        self.queue_prefill(batch, h)  # a replay re-opens without the ramp (its first token comes as before)
 
     def advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool, *, cancel_marked: bool = False) -> bool:
         """Queue what the session needs next: the next decode job at hop 0 (under credit, or the token the last

@@ -105,6 +105,9 @@ class StepJob(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens or a cancellation. A decode job with no token (`tokens == ()`) continues from the
     session's own last sampled token (a continuation pushed ahead, before the producer knows it):
     it starts where the previous job's tokens end (`end_position`), which the worker checks.
+    `with_opening`: such a job pushed together with its session's opening (the first continuation, at the
+    prompt's end): a worker that reads it before the prompt holds it until the prompt is queued
+    (consumer/worker/early.py) instead of answering it for a session it does not hold.
 
     Every value is checked in `__post_init__` (ValueError / TypeError), built or decoded alike.
     """
@@ -125,6 +128,7 @@ class StepJob(msgspec.Struct, frozen=True, kw_only=True):
     hidden: Activations | None = None
     n: int = 1  # tokens asked for (decode only; 1: one step)
     reply_to: str | None = None
+    with_opening: bool = False
 
     def __post_init__(self) -> None:
         if type(self.tokens) is not tuple:
@@ -155,6 +159,8 @@ class StepJob(msgspec.Struct, frozen=True, kw_only=True):
             return "hop must be an int in [0, 15]"
         if type(self.sample) is not bool:
             return "sample must be a bool"
+        if type(self.with_opening) is not bool:
+            return "with_opening must be a bool"
         if not _int_in(self.attempt, 0, 1000):
             return "attempt must be an int in [0, 1000]"
         if not _int_in(self.n, 1, MAX_CONTINUATION):
@@ -180,6 +186,8 @@ class StepJob(msgspec.Struct, frozen=True, kw_only=True):
             return f"a job with n > 1 has a job id of at most {MAX_CONTINUATION_JOB_ID} characters"
         if self.phase == "decode" and not self.sample:
             return "a decode step always samples"
+        if self.with_opening and (self.phase != "decode" or self.tokens or self.hop):
+            return "with_opening marks a token-less decode job of hop 0"
         if self.session is not None and self.session.session_id != self.session_id:
             return "session.session_id differs from session_id"
         if (self.phase == "prefill" and self.start_position == 0) != (self.session is not None):

@@ -129,6 +129,7 @@ class _JobBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sample: bool = True
     attempt: int = 0
     n: int = 1
+    with_opening: bool = False
     reply_to: str | msgspec.UnsetType = msgspec.UNSET  # absent: left out, never null
     # Raw JSON (empty: absent); `null` is refused: the producer leaves an absent field out.
     session: msgspec.Raw = msgspec.Raw()
@@ -173,14 +174,10 @@ def job_to_fields(job: StepJob) -> dict[str, str]:
         "pos": job.start_position, "tokens": job.tokens, "created_at": float(job.created_at),
     }
     # Fields at their defaults are left out: the entry a producer wrote is the one the worker reads.
-    if job.hop:
-        body["hop"] = job.hop
-    if not job.sample:
-        body["sample"] = False
-    if job.attempt:
-        body["attempt"] = job.attempt
-    if job.n != 1:
-        body["n"] = job.n
+    for name, value, default in (("hop", job.hop, 0), ("sample", job.sample, True), ("attempt", job.attempt, 0),
+                                 ("n", job.n, 1), ("with_opening", job.with_opening, False)):
+        if value != default:
+            body[name] = value
     if job.reply_to is not None:
         body["reply_to"] = job.reply_to
     if job.session is not None:
@@ -224,7 +221,7 @@ def job_from_fields(fields: Fields) -> StepJob:
         return StepJob(job_id=body.job_id, session_id=body.session_id, phase=phase, compat=body.compat,
                        start_position=body.pos, tokens=tuple(body.tokens), created_at=body.created_at,
                        hop=body.hop, sample=body.sample, attempt=body.attempt, session=session, hidden=hidden,
-                       n=body.n, reply_to=reply_to)
+                       n=body.n, reply_to=reply_to, with_opening=body.with_opening)
     except (ValueError, TypeError) as e:
         raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **ids) from None
 

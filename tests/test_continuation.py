@@ -112,7 +112,7 @@ class Run:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None,
+def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None, ramp: bool = False,
         max_iterations: int = 5_000) -> Run:
     """Drive the sessions through ProducerCore (credit) and a Worker on the in-memory transport. A crash
     (after the iteration's completion) replaces worker and engine; entries read and not acked are handed
@@ -121,10 +121,13 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     engines: list[HistoryEngine] = []
     cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0)
 
+    workers: list[Worker] = []
+
     def new_worker() -> Worker:
         engines.append(HistoryEngine(n_slots))
         w = Worker(engines[-1], t, cfg)
         w.start()
+        workers.append(w)
         return w
 
     w = new_worker()
@@ -133,7 +136,10 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     acked: set[str] = set()
 
     def send(batch: Batch) -> None:
-        for op in batch.ops:
+        ops = batch.ops
+        if ramp:  # a session's first continuation read before its prompt (consumer/worker/early.py holds it)
+            ops = sorted(ops, key=lambda op: not (isinstance(op, XAdd) and op.stream.endswith(":decode")))
+        for op in ops:
             if isinstance(op, XAdd):
                 d = t.push(job_from_fields(op.fields))
                 entries[d.entry_id] = t.queues[d.stream][-1]
@@ -150,7 +156,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
         h = core.new_handle(spec, s.prompt, 0)
         h.credit.n = s.n  # what tokens_per_job gives against a worker that advertises continuation
         b = Batch()
-        core.queue_prefill(b, h)
+        core.queue_prefill(b, h, ramp=ramp)
         send(b)
         handles[sid], by_sid[sid] = h, s
     published: dict[str, StepResult] = {}
@@ -222,7 +228,8 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             order.append(a.result)
     unacked = [x.ref for e, x in entries.items() if e not in acked]
     return Run(handles, published, order, again, unacked, [e for eng in engines for e in eng.errors],
-               cancelled, stops, crashed)
+               cancelled, stops, crashed, {"held": sum(x.admission.early.held_total for x in workers),
+                                           "calls": sum(x.stats.fused_calls for x in workers)})
 
 
 def check(sessions: list[Sess], r: Run) -> None:
@@ -276,10 +283,10 @@ def sessions(draw: st.DrawFn) -> list[Sess]:
 @settings(max_examples=1000 if SOAK else 60, deadline=None, derandomize=not SOAK, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ss=sessions(), extra_slots=st.integers(0, 3), max_batch=st.integers(1, 8),
-       crash_at=st.none() | st.integers(0, 60))
+       crash_at=st.none() | st.integers(0, 60), ramp=st.booleans())
 def test_continuation_tokens_results_and_charges_equal_n1_alone(ss: list[Sess], extra_slots: int, max_batch: int,
-                                                                 crash_at: int | None) -> None:
-    r = run(ss, len(ss) + extra_slots, max_batch, crash_at)
+                                                                 crash_at: int | None, ramp: bool) -> None:
+    r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp)
     check(ss, r)
 
 
@@ -298,6 +305,16 @@ def test_continuation_decodes_without_a_new_job_and_ids_are_derived() -> None:
         assert j == result_job_id(base, sizes[base] - 1)
     # the prefill's token, then decode jobs of 16, 16 and 7: never past max_tokens, so no credit is left over
     assert list(sizes.values()) == [1, 16, 16, 7]
+
+
+def test_first_continuation_read_before_its_prompt_is_held_and_decodes_at_the_next_call() -> None:
+    """The ramp: the first continuation goes with the opening; read first, it is held (not answered state_lost)
+    and fed the prompt's token at the call after the prefill, so the session needs no second push to start."""
+    s = Sess(prompt=(5, 6, 7, 8, 9, 10, 11, 12, 13), max_tokens=6, n=8)  # two prompt chunks of 7
+    r = run([s], 1, 4, ramp=True)
+    check([s], r)
+    assert r.extra["held"] == 1
+    assert r.extra["calls"] == 2 + 5  # the prompt's two chunks, then one decode call per further token
 
 
 def test_stop_mid_continuation_drops_the_rest_of_the_credit_uncharged() -> None:

@@ -595,19 +595,20 @@ def test_fail_after_cancel_answers_cancelled() -> None:
 
 def test_want_bounds_reads() -> None:
     s = make(n_slots=8, max_batch=2, max_tokens_per_call=32, prefill_budget=4)
-    assert s.want() == {"decode": 1, "prefill": 2}
+    # nobody decodes: one decode entry per prefill entry asked for (an opening's first continuation with it)
+    assert s.want() == {"decode": 2, "prefill": 2}
     for sid in "abc":
         ok_open(s, sid, 2)
-    assert s.want()["decode"] == 3
+    assert s.want()["decode"] == 3  # 3 awaiting (sessions decode: no more continuations read ahead)
     assert admit(s, decode("a", 2)) is None
     assert s.want()["decode"] == 2
     for sid in "bc":
         assert admit(s, decode(sid, 2)) is None
-    assert s.want()["decode"] == 1  # nobody awaits a step, but strays are still read
+    assert s.want()["decode"] == 1  # the room left: 4 - 3 queued
     assert admit(s, opening("d", 3)) is None
     assert s.want()["prefill"] == 1
     assert admit(s, opening("e", 5)) is None  # 8 tokens queued = 2 budgets
-    assert s.want()["prefill"] == 0
+    assert s.want() == {"decode": 1, "prefill": 0}  # nobody awaits a step, but strays are still read
 
 
 def test_wrr_pattern_with_both_phases_backlogged() -> None:

@@ -99,20 +99,23 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
     def want(self) -> dict[Phase, int]:
         """How many new stream entries to read per phase.
 
-        decode: the decoding sessions that have no step queued, and those amid a continuation job
-        (their next job is pushed ahead), up to two calls' worth of queued decode steps (at least 1
-        while under that cap, so steps for sessions this worker does not hold are still read and
-        answered state_lost).
+        decode: the decoding sessions that have no step queued, those amid a continuation job
+        (their next job is pushed ahead), and, while none of those, one per prefill entry asked for (a
+        wave of openings: each one's first continuation travels with it, consumer/worker/early.py), up to
+        two calls' worth of queued decode steps (at least 1 while under that cap, so steps for sessions
+        this worker does not hold are still read and answered state_lost).
         prefill: 0 while two calls' worth of prefill tokens are queued, else enough entries to
         bring the queued prefill jobs up to max_batch (at least 1).
         """
         cfg = self.config
-        room = 2 * cfg.max_batch - self._queues["decode"].jobs
-        decode = max(1, min(len(self._awaiting) + len(self._continuing), room)) if room > 0 else 0
         if self._queues["prefill"].tokens >= 2 * cfg.prefill_budget:
             prefill = 0
         else:
             prefill = max(1, cfg.max_batch - self._queues["prefill"].jobs)
+        room = 2 * cfg.max_batch - self._queues["decode"].jobs
+        # With nobody decoding yet (a wave of openings), read their first continuations with them.
+        first = prefill if not (self._awaiting or self._continuing or self._queues["decode"].jobs) else 0
+        decode = max(1, min(len(self._awaiting) + len(self._continuing) + first, room)) if room > 0 else 0
         return {"decode": decode, "prefill": prefill}
 
     def session_busy(self, session_id: str) -> bool:

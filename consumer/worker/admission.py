@@ -20,6 +20,7 @@ from ..sampler import RowStatus
 from ..sched import Answer
 from ..transport.protocol import DeadLetter, Delivery, Inbound, Transport
 from .delivery import wire_reject_outcome
+from .early import EarlySteps
 from .idle import IdleSessions
 from .lane import Lane, Lanes, Want, read_lanes
 from .stats import LoopStats
@@ -75,6 +76,8 @@ class EntryAdmission:
                  idle: IdleSessions | None, computing: Callable[[], bool]) -> None:
         self.lanes, self.transport, self.settings, self.stats = lanes, transport, settings, stats
         self.idle, self.computing = idle, computing
+        # Continuation jobs read before their session's prompt (early.py): a few per slot, for a while.
+        self.early = EarlySteps(capacity=4 * lanes.slots(), hold_s=settings.early_hold_s)
 
     # ---- what to read ---------------------------------------------------------------------------
     def should_read(self) -> bool:
@@ -103,6 +106,7 @@ class EntryAdmission:
         they came from gave all that was asked), read past them at once, doubling each read, until the
         entries wanted are queued or max_read_entries were read."""
         out = Admitted.empty(len(self.lanes))
+        self._admit_expired(out)
         got, want, read_s = self._read()
         queued: Want = dict.fromkeys(want, 0)
         asked = dict(want)
@@ -164,6 +168,7 @@ class EntryAdmission:
         """Admit entries read (by the I/O thread: `fetched` holds their activation blobs; None: fetch
         them now)."""
         out = Admitted.empty(len(self.lanes))
+        self._admit_expired(out)
         if not inbound:
             return out
         took, refused = self._admit_counted(inbound, fetched, out, {})
@@ -209,20 +214,37 @@ class EntryAdmission:
         self.stats.refused += sum(refused.values())
         return took, refused
 
-    def admit(self, inb: Inbound, out: Admitted) -> bool:
-        """Queue the entry's step (True), or answer / dead-letter it (False). Never raises: this is the
-        per-entry guard, so no entry, whatever its bytes, can take the worker down or crash it again
-        on every redelivery (the transport's decoding is guarded the same way)."""
+    def admit(self, inb: Inbound, out: Admitted, *, may_hold: bool = True) -> bool:
+        """Queue the entry's step (True), hold it for its session's prompt (True: early.py), or answer /
+        dead-letter it (False). Never raises: this is the per-entry guard, so no entry, whatever its bytes,
+        can take the worker down or crash it again on every redelivery (the transport's decoding is guarded
+        the same way). A session's last prompt chunk queued, the continuation jobs held for it follow."""
+        job = inb.job
+        if len(self.early) and job is not None and job.session is not None:  # an opening: older attempts first
+            for stale in self.early.release_older(job.session_id, job.attempt):
+                self.admit(stale, out, may_hold=False)
         try:
             lane = self.lanes.for_entry(inb)
-            return self._admit_entry(lane, inb, out.answers[lane.index], out.dead, out.wire_rejects, out.acks)
+            queued = self._admit_entry(lane, inb, out.answers[lane.index], out.dead, out.wire_rejects, out.acks,
+                                       may_hold)
         except Exception as e:
             log.warning("entry refused by the per-entry guard", exc_info=True, extra={"entry": inb.name})
             out.dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
             return False
+        # Its prompt queued whole, or its opening answered at once (refused, cancelled): what was held for it follows.
+        if (len(self.early) and job is not None and job.phase == "prefill"
+                and ((queued and job.sample) or (not queued and job.session is not None))):
+            for held in self.early.release(job.session_id, job.attempt):
+                self.admit(held, out, may_hold=False)
+        return queued
+
+    def _admit_expired(self, out: Admitted) -> None:
+        """Continuation jobs held past early_hold_s: admitted as they are (their sessions never came)."""
+        for inb in self.early.expired(time.monotonic()):
+            self.admit(inb, out, may_hold=False)
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
-                     wire_rejects: list[Answer], acks: list[Delivery]) -> bool:
+                     wire_rejects: list[Answer], acks: list[Delivery], may_hold: bool = True) -> bool:
         sched = lane.scheduler
         job = inb.job
         if job is None:
@@ -237,9 +259,15 @@ class EntryAdmission:
                 wire_rejects.append(Answer(ref=inb.ref, job=None, result=outcome, account_id=None, close=None,
                                            reply=refusal.reply_to or refusal.session_id))
             return False
+        held = sched.table.get(job.session_id)
+        if (may_hold and job.with_opening and (held.queued_position < job.start_position if held is not None else
+                                               sched.table.closed(job.session_id) is None)
+                and not lane.ledger.remembered(job) and self.early.hold(job.session_id, inb, time.monotonic())):
+            # A continuation ahead of its session's prompt: admitted behind it (early.py), after the opening's
+            # own checks (a cancel marker answers the opening first, with its account, then this one).
+            return True
         if lane.ledger.duplicate(job, inb, wire_rejects, acks):
             return False
-        held = sched.table.get(job.session_id)
         answer = lane.hops.admit(job, inb.digest, sched.engine_digests.get(job.phase),
                                  held.queued_position if held is not None else job.start_position,
                                  self.settings.worker_id, inb.ref)

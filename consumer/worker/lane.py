@@ -71,8 +71,9 @@ class Lane:
         return self.scheduler.table.get(session_id) is not None
 
     def decoding(self) -> bool:
-        """Sessions decode here (waiting for their next step or with one queued)."""
-        return self.scheduler.awaiting_decode() > 0 or self.scheduler.queued("decode") > 0
+        """Sessions decode here (waiting for their next step, or with one ready: a continuation queued behind
+        its session's prompt is not decoding yet, so a wave of openings still gets the burst)."""
+        return self.scheduler.awaiting_decode() > 0 or self.scheduler.ready("decode") > 0
 
     def release_slots(self) -> None:
         sched, engine = self.scheduler, self.engine

@@ -1,0 +1,93 @@
+"""Continuation jobs that arrive before their session's prompt (issue 32, the ramp).
+
+The Tracker pushes a session's first continuation job with its opening (producer/steps.py `queue_prefill`):
+a token-less decode job at the prompt's end, which feeds the token the prompt's last row samples. So the
+session decodes at the call after its prefill instead of one Tracker round trip later. The two jobs travel on
+different streams (decode and prefill), and a read may carry the continuation without the opening: the
+scheduler wants no prefill entries while two calls' worth of prompt tokens are queued, or the opening lies
+beyond the read's count. Admitted then, the continuation would be answered `state_lost` (a session this
+worker does not hold) and the Tracker would replay a session that was never lost.
+
+So such a job is held here, unanswered (its entry stays pending, as any entry read and not yet answered), until
+its session's last prompt chunk is admitted, and then admitted right behind it. Bounded both ways: at most
+`capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
+it is admitted as it is: `state_lost` if its session never came). Only a job that could be such a continuation
+is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
+the opening), for a session this worker does not hold yet (nor remembers closed), or holds with its prompt not
+yet queued to the job's start (the prompt's later chunks are still on their way). Continuation jobs pushed ahead
+later are not held: one for a session this worker does not hold (it restarted and lost it) is answered at
+once, so the Tracker replays that session without waiting here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..transport.protocol import Inbound
+
+__all__ = ["EarlySteps"]
+
+
+@dataclass
+class EarlySteps:
+    capacity: int
+    hold_s: float
+    _held: dict[str, list[tuple[Inbound, float]]] = field(default_factory=dict)  # session -> (entry, since)
+    _n: int = 0
+    held_total: int = 0  # counters for the heartbeat's stats
+    expired_total: int = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def hold(self, session_id: str, inb: Inbound, now: float) -> bool:
+        """Hold the entry for its session's prompt; False when full (admit it now)."""
+        if self._n >= self.capacity:
+            return False
+        self._held.setdefault(session_id, []).append((inb, now))
+        self._n += 1
+        self.held_total += 1
+        return True
+
+    def release(self, session_id: str, attempt: int | None = None) -> list[Inbound]:
+        """The entries held for the session, in arrival order: all of them, or only those of `attempt` (its
+        prompt is queued now; a newer attempt's stay held)."""
+        got = self._held.get(session_id)
+        if not got:
+            return []
+        out = [x for x in got if attempt is None or _attempt(x[0]) == attempt]
+        keep = [x for x in got if x not in out]
+        if keep:
+            self._held[session_id] = keep
+        else:
+            del self._held[session_id]
+        self._n -= len(out)
+        return [inb for inb, _ in out]
+
+    def release_older(self, session_id: str, attempt: int) -> list[Inbound]:
+        """The entries held for the session of attempts before `attempt` (a newer attempt opens it: they are
+        admitted first, as they would have been without holding, so they are answered for the old attempt)."""
+        got = self._held.get(session_id)
+        if not got:
+            return []
+        older = [x for x in got if _attempt(x[0]) < attempt]
+        keep = [x for x in got if _attempt(x[0]) >= attempt]
+        if keep:
+            self._held[session_id] = keep
+        else:
+            del self._held[session_id]
+        self._n -= len(older)
+        return [inb for inb, _ in older]
+
+    def expired(self, now: float) -> list[Inbound]:
+        """The entries held longer than hold_s, released (their sessions' prompts never came)."""
+        if not self._n:
+            return []
+        out: list[Inbound] = []
+        for sid in [s for s, held in self._held.items() if now - held[0][1] >= self.hold_s]:
+            out += self.release(sid)
+        self.expired_total += len(out)
+        return out
+
+
+def _attempt(inb: Inbound) -> int:
+    return inb.job.attempt if inb.job is not None else -1
