@@ -20,6 +20,7 @@ once, so the Tracker replays that session without waiting here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..transport.protocol import Inbound
@@ -51,32 +52,25 @@ class EarlySteps:
     def release(self, session_id: str, attempt: int | None = None) -> list[Inbound]:
         """The entries held for the session, in arrival order: all of them, or only those of `attempt` (its
         prompt is queued now; a newer attempt's stay held)."""
+        return self._take(session_id, lambda a: attempt is None or a == attempt)
+
+    def release_older(self, session_id: str, attempt: int) -> list[Inbound]:
+        """The entries held for the session of attempts before `attempt` (a newer attempt opens it: they are
+        admitted first, as they would have been without holding, so they are answered for the old attempt)."""
+        return self._take(session_id, lambda a: a < attempt)
+
+    def _take(self, session_id: str, wanted: Callable[[int], bool]) -> list[Inbound]:
         got = self._held.get(session_id)
         if not got:
             return []
-        out = [x for x in got if attempt is None or _attempt(x[0]) == attempt]
-        keep = [x for x in got if x not in out]
+        out = [inb for inb, _ in got if wanted(_attempt(inb))]
+        keep = [x for x in got if not wanted(_attempt(x[0]))]
         if keep:
             self._held[session_id] = keep
         else:
             del self._held[session_id]
         self._n -= len(out)
-        return [inb for inb, _ in out]
-
-    def release_older(self, session_id: str, attempt: int) -> list[Inbound]:
-        """The entries held for the session of attempts before `attempt` (a newer attempt opens it: they are
-        admitted first, as they would have been without holding, so they are answered for the old attempt)."""
-        got = self._held.get(session_id)
-        if not got:
-            return []
-        older = [x for x in got if _attempt(x[0]) < attempt]
-        keep = [x for x in got if _attempt(x[0]) >= attempt]
-        if keep:
-            self._held[session_id] = keep
-        else:
-            del self._held[session_id]
-        self._n -= len(older)
-        return [inb for inb, _ in older]
+        return out
 
     def expired(self, now: float) -> list[Inbound]:
         """The entries held longer than hold_s, released (their sessions' prompts never came)."""
