@@ -33,6 +33,15 @@ def fleet_charges(client: redis.Redis, workers: list[str], account: str) -> dict
     return out
 
 
+def fleet_sessions(client: redis.Redis, worker: str, prefix: str, n: int, tokens: int, *, seed: int, hi: int
+                   ) -> list[tuple[SessionTemplate, list[int]]]:
+    """n placed sessions of random prompts, on the key `worker` advertises, billed to `acct-<prefix>`."""
+    key = Producer(client).discover(worker).keys[0]
+    return [(SessionTemplate(session_id=f"{prefix}-{i}", account_id=f"acct-{prefix.split('-')[0]}", keys=(key,),
+                             options={"max_tokens": tokens}), list(p))
+            for i, p in enumerate(prompts(n, 300, seed=seed, lo=3, hi=hi))]
+
+
 def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedis, tiny_model_path: Path,
                                                          tmp_path: Path) -> None:
     tag = uuid.uuid4().hex[:6]
@@ -41,10 +50,7 @@ def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedi
     client = redis.Redis.from_url(redis_server.url)
     n, tokens = (18, 48) if SOAK else (9, 24)
     try:
-        key = Producer(client).discover(names[0]).keys[0]
-        ps = prompts(n, 300, seed=11, lo=3, hi=30)
-        sessions = [(SessionTemplate(session_id=f"fk-{tag}-{i}", account_id="acct-fk", keys=(key,),
-                                     options={"max_tokens": tokens}), list(p)) for i, p in enumerate(ps)]
+        sessions = fleet_sessions(client, names[0], f"fk-{tag}", n, tokens, seed=11, hi=30)
         killed: list[tuple[str, float]] = []
         back: list[float] = []
 
@@ -136,10 +142,7 @@ def test_a_worker_paused_past_the_bound_then_resumed_charges_nothing_twice(redis
     client = redis.Redis.from_url(redis_server.url)
     n, tokens = (12, 48) if SOAK else (6, 32)
     try:
-        key = Producer(client).discover(names[0]).keys[0]
-        ps = prompts(n, 300, seed=13, lo=3, hi=20)
-        sessions = [(SessionTemplate(session_id=f"fp-{tag}-{i}", account_id="acct-fp", keys=(key,),
-                                     options={"max_tokens": tokens}), list(p)) for i, p in enumerate(ps)]
+        sessions = fleet_sessions(client, names[0], f"fp-{tag}", n, tokens, seed=13, hi=20)
         stopped: list[str] = []
 
         def on_result(h: SessionHandle, r: StepResult) -> None:
