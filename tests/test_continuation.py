@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -228,7 +229,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             order.append(a.result)
     unacked = [x.ref for e, x in entries.items() if e not in acked]
     return Run(handles, published, order, again, unacked, [e for eng in engines for e in eng.errors],
-               cancelled, stops, crashed, {"held": sum(x.admission.early.held_total for x in workers),
+               cancelled, stops, crashed, {"held": sum(x.stats.early_held for x in workers),
                                            "calls": sum(x.stats.fused_calls for x in workers)})
 
 
@@ -505,3 +506,34 @@ def test_decode_calls_are_full_under_credit() -> None:
     first = next(i for i, c in enumerate(calls) if c)
     last = max(i for i, c in enumerate(calls) if c)
     assert calls[first:last + 1] == [4] * 39, calls
+
+
+def test_forged_early_continuations_are_bounded_and_answered_after_the_hold() -> None:
+    """Anyone who can write the decode stream can send `with_opening` jobs for sessions that never come: the
+    worker holds at most 4 per slot, answers each `state_lost` after early_hold_s (nothing stays pending), and
+    an honest session beside them still decodes (its continuation found room here; one that finds the holder
+    full is admitted at once, `state_lost`, and its Tracker replays the session)."""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0,
+                                                   early_hold_s=0.2))
+    w.start()
+    forged = [StepJob(job_id=f"ghost{i}-c", session_id=f"ghost{i}", phase="decode", compat=w.keys["decode"].digest,
+                      start_position=3, tokens=(), n=4, created_at=1.0, with_opening=True) for i in range(12)]
+    for job in forged:
+        t.push(job)
+    honest = StepJob(job_id="real-c", session_id="real", phase="decode", compat=w.keys["decode"].digest,
+                     start_position=3, tokens=(), n=4, created_at=1.0, with_opening=True)
+    t.push(honest)
+    t.push(_open(w, "real"))  # its prompt after its continuation
+    for _ in range(20):
+        w.run_once()
+    assert w.stats.early_held == 2 * 4  # the holder's bound: 4 per slot, 2 slots (the rest answered at once)
+    real = [a.result for a in t.answers if a.result.session_id == "real" and a.result.token is not None]
+    assert len(real) >= 4  # the prompt's token and the held continuation's tokens: it never waited the hold
+    time.sleep(0.25)
+    for _ in range(5):
+        w.run_once()
+    ghosts = {a.result.session_id: a.result.status for a in t.answers if a.result.session_id.startswith("ghost")}
+    assert ghosts == {f"ghost{i}": Status.STATE_LOST for i in range(12)}, ghosts
+    assert w.stats.early_expired >= 4
+    assert not any(q for q in t.queues.values()) and all(a.final for a in t.answers if a.result.session_id in ghosts)

@@ -20,7 +20,7 @@
 --     Of the prompt positions charged, those restored from the prefix cache (`kc`) are also counted as
 --     cached (a part of the prompt's, never charged twice either);
 --   * counted: tally deltas (prompt, gen, recomp, steps, engine seconds), account sums, worker sums.
--- A row of a session the Tracker moved off this worker (KEYS[8]: session id -> the attempt moved away, when
+-- A charged row (one with a billing account) of a session the Tracker moved off this worker (KEYS[8]: session id -> the attempt moved away, when
 -- it declared this worker lost) is fenced if its attempt is that one or older: neither published nor
 -- charged, so a worker that was only paused charges nothing the session's new worker charges again.
 -- The record is XADDed with its charges (`c`, built here: what a reader sees charged is what was

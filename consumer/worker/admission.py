@@ -241,6 +241,7 @@ class EntryAdmission:
     def _admit_expired(self, out: Admitted) -> None:
         """Continuation jobs held past early_hold_s: admitted as they are (their sessions never came)."""
         for inb in self.early.expired(time.monotonic()):
+            self.stats.early_expired += 1
             self.admit(inb, out, may_hold=False)
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
@@ -265,6 +266,7 @@ class EntryAdmission:
                 and not lane.ledger.remembered(job) and self.early.hold(job.session_id, inb, time.monotonic())):
             # A continuation ahead of its session's prompt: admitted behind it (early.py), after the opening's
             # own checks (a cancel marker answers the opening first, with its account, then this one).
+            self.stats.early_held += 1
             return True
         if lane.ledger.duplicate(job, inb, wire_rejects, acks):
             return False

@@ -34,8 +34,6 @@ class EarlySteps:
     hold_s: float
     _held: dict[str, list[tuple[Inbound, float]]] = field(default_factory=dict)  # session -> (entry, since)
     _n: int = 0
-    held_total: int = 0  # counters for the heartbeat's stats
-    expired_total: int = 0
 
     def __len__(self) -> int:
         return self._n
@@ -46,7 +44,6 @@ class EarlySteps:
             return False
         self._held.setdefault(session_id, []).append((inb, now))
         self._n += 1
-        self.held_total += 1
         return True
 
     def release(self, session_id: str, attempt: int | None = None) -> list[Inbound]:
@@ -79,7 +76,6 @@ class EarlySteps:
         out: list[Inbound] = []
         for sid in [s for s, held in self._held.items() if now - held[0][1] >= self.hold_s]:
             out += self.release(sid)
-        self.expired_total += len(out)
         return out
 
 

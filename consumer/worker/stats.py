@@ -23,6 +23,8 @@ class LoopStats:
     decode_sessions: int = 0  # sessions summed over decode calls (mean decode batch = this / decode calls)
     reads: int = 0  # reads the loop made itself (a burst read past in one iteration counts each read)
     refused: int = 0  # entries answered or dead-lettered at admission without being queued
+    early_held: int = 0  # continuation jobs read before their session's prompt and held for it (early.py)
+    early_expired: int = 0  # of those, admitted unreleased after early_hold_s (their prompt never came)
     sessions_idle_cancelled: int = 0
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
@@ -41,6 +43,7 @@ class LoopStats:
                 "overhead_seconds": self.overhead_seconds, "read_seconds": self.read_seconds,
                 "round_trips": self.round_trips,
                 "decode_sessions": self.decode_sessions, "reads": self.reads, "refused": self.refused,
+                "early_held": self.early_held, "early_expired": self.early_expired,
                 "sessions_idle_cancelled": self.sessions_idle_cancelled}
 
     @property
