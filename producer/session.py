@@ -127,6 +127,7 @@ class SessionHandle:
     hop: int = 0
     last_result_id: str = "0-0"  # the last result entry that moved it
     replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill
+    ramp: bool = False  # its opening pushes its first continuation with it (producer/steps.py): so does a replay
     credit: Credit = field(default_factory=Credit)
     sent: dict[str, Sent] = field(default_factory=dict)  # every hop's unanswered jobs, by job id
     relays: list[Relay] = field(default_factory=list)  # answers whose rows wait to be relayed

@@ -107,7 +107,7 @@ class Steps:
         from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood).
         `ramp` (a session the core drives under continuation credit): its first continuation job goes with it, so it
         decodes at the call after its prefill, not one round trip later (consumer/worker/early.py)."""
-        h.replayed_generated = len(h.generated)
+        h.replayed_generated, h.ramp = len(h.generated), ramp
         drop(h)
         for leg in h.legs:
             leg.closed = False
@@ -165,7 +165,7 @@ class Steps:
             return
         h.attempt += 1
         h.finished = False
-        self.queue_prefill(batch, h)  # a replay re-opens without the ramp (its first token comes as before)
+        self.queue_prefill(batch, h, ramp=h.ramp)  # as the session opened: with its first continuation or not
 
     def advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool, *, cancel_marked: bool = False) -> bool:
         """Queue what the session needs next: the next decode job at hop 0 (under credit, or the token the last

@@ -4,9 +4,11 @@ copies the victim's next job id (ids are deterministic: `producer.job_id`) and X
 not the same id: the other job is refused `job_id_conflict` to the stream it named, and the victim's Tracker
 (the real `Producer`, stepped by hand with the worker) finishes with its solo tokens, every slot free after.
 
-Decode jobs (n = 1), continuation jobs (n = 4) and the opening prefill, each forged before (the forger's
-job is computed first: the genuine one is refused, its Tracker replays), during (the genuine job is held)
-and after (it was answered).
+Decode jobs (n = 1), continuation jobs (n = 4; `ramped`: the session opened with its first continuation, so
+its replay re-opens with one too: consumer/worker/early.py holds it for the new attempt's prompt, never against
+the attempt the worker still holds) and the opening prefill, each forged before (the forger's job is computed
+first: the genuine one is refused, its Tracker replays), during (the genuine job is held) and after (it was
+answered).
 """
 
 from __future__ import annotations
@@ -85,12 +87,24 @@ def forged_copy(job: StepJob) -> StepJob:
     return job.replace(**changes)
 
 
+def open_ramped(p: Producer, spec: SessionSpec) -> SessionHandle:
+    """Open as run_many does: the first continuation pushed with the opening (the handle keeps it for a replay)."""
+    core, queue_prefill = p.core, p.core.queue_prefill
+    core.queue_prefill = lambda batch, h, ramp=False: queue_prefill(batch, h, ramp=True)  # type: ignore[method-assign]
+    try:
+        h = p.open(spec, PROMPT)
+    finally:
+        del core.queue_prefill
+    assert h.ramp and any(s.job.with_opening for s in h.sent.values())
+    return h
+
+
 @pytest.mark.parametrize("when", ["before", "during", "after"])
-@pytest.mark.parametrize("kind", ["decode", "continuation", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "continuation", "ramped", "prefill"])
 def test_a_forged_job_under_the_victims_job_id_costs_it_nothing(
         real_redis: redis.Redis, engine: NumpyReferenceEngine, solo: list[int], kind: str, when: str) -> None:
     worker = make_worker(real_redis, engine)
-    p = Producer(real_redis, decode_n=4 if kind == "continuation" else 1, timeout_s=30.0)
+    p = Producer(real_redis, decode_n=4 if kind in ("continuation", "ramped") else 1, timeout_s=30.0)
     spec = victim_spec(worker)
     forged: list[StepJob] = []
     if kind == "prefill" and when == "before":
@@ -101,7 +115,7 @@ def test_a_forged_job_under_the_victims_job_id_costs_it_nothing(
         forge(real_redis, worker, opening)
         forged.append(opening)
         worker.run_once()  # the forger's opening is computed before the Tracker's arrives
-    h = p.open(spec, PROMPT)
+    h = open_ramped(p, spec) if kind == "ramped" else p.open(spec, PROMPT)
     answered: list[StepJob] = []
     for _ in range(300):
         if h.finished:
@@ -142,3 +156,5 @@ def test_a_forged_job_under_the_victims_job_id_costs_it_nothing(
         assert h.attempt == 0  # the genuine job was never refused: no replay
     else:  # the forger's job was computed first: the genuine one was refused job_id_conflict, and replayed
         assert h.attempt == 1
+        if kind == "ramped":  # the replay re-opened with its first continuation, held for its prompt
+            assert worker.stats.early_held >= 1

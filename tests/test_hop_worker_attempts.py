@@ -54,6 +54,20 @@ def test_a_newer_attempt_reopens_an_open_session() -> None:
     assert (late.result.status, late.result.reason) == (Status.REJECTED, Reason.DUPLICATE)
 
 
+def test_a_step_of_an_attempt_not_opened_here_is_never_computed_on_the_held_one() -> None:
+    """A replay's first continuation read (and held past early_hold_s) before its new opening, or a forger's
+    step under a newer attempt: the worker holds attempt 0 at that very position, yet the step is not one of
+    attempt 0's. Answered state_lost (the Tracker replays the attempt it named), the held attempt untouched."""
+    s = make()
+    _admit_all(s, _open(s, "s", 0))
+    run(s, s.next_batch())  # attempt 0 is DECODING at position 4
+    (r,) = _admit_all(s, _decode_a("s", 4, 1))
+    assert (r.result.status, r.result.reason) == (Status.STATE_LOST, Reason.UNKNOWN_SESSION)
+    assert "attempt 0" in r.result.detail and s.queued("decode") == 0
+    assert _admit_all(s, _decode_a("s", 4, 0)) == []  # attempt 0 goes on
+    assert [a.result.position for a in run(s, s.next_batch()) if a.result.status == Status.OK] == [5]
+
+
 def test_equal_or_older_attempt_and_cancelled_sessions_are_not_reopened() -> None:
     s = make()
     _admit_all(s, _open(s, "s", 2))

@@ -103,6 +103,13 @@ class JobAdmission(SchedulerState):
             # A step of an attempt this worker dropped for a newer one (a route replay): never computed.
             return Refused(Reason.DUPLICATE, f"attempt {job.attempt} is older than the session's attempt "
                                              f"{held_attempt}")
+        if held_attempt is not None and job.attempt > held_attempt and not (job.phase == "prefill"
+                                                                          and job.start_position == 0):
+            # A step of an attempt whose opening this worker has not seen (a replay's first continuation
+            # read before its prompt and held past early_hold_s, or a forger's): not a step of the attempt
+            # held here, whatever its position; the Tracker replays the attempt it named.
+            return Refused(Reason.UNKNOWN_SESSION, f"this worker holds attempt {held_attempt} of the session, "
+                                                   f"not {job.attempt}", Status.STATE_LOST)
         if closed is not None and closed.kind == "cancelled" and job.job_id != closed.opening_job_id:
             # A cancel is final whatever the step's position: a later prompt chunk or a replay's new
             # attempt of a cancelled session is answered CANCELLED, never POSITION_GAP or a fresh open.

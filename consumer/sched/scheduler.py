@@ -123,6 +123,10 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
         lane = self._lanes.get(session_id)
         return lane is not None and bool(lane.jobs or lane.inflight)
 
+    def attempt(self, session_id: str) -> int | None:
+        """The attempt of the opening that opened the session here (open or recently closed; None: unknown)."""
+        return self._attempts.get(session_id)
+
     def is_awaiting(self, session_id: str) -> bool:
         """Whether the session is decoding with no step queued nor in flight (it holds no credit)."""
         return session_id in self._awaiting

@@ -17,7 +17,7 @@ from schemas import Phase, Reason, StepJob
 
 from ..config import WorkerSettings
 from ..sampler import RowStatus
-from ..sched import Answer
+from ..sched import Answer, Scheduler, SessionEntry
 from ..transport.protocol import DeadLetter, Delivery, Inbound, Transport
 from .delivery import wire_reject_outcome
 from .early import EarlySteps
@@ -261,8 +261,7 @@ class EntryAdmission:
                                            reply=refusal.reply_to or refusal.session_id))
             return False
         held = sched.table.get(job.session_id)
-        if (may_hold and job.with_opening and (held.queued_position < job.start_position if held is not None else
-                                               sched.table.closed(job.session_id) is None)
+        if (may_hold and job.with_opening and _before_its_prompt(sched, job, held)
                 and not lane.ledger.remembered(job) and self.early.hold(job.session_id, inb, time.monotonic())):
             # A continuation ahead of its session's prompt: admitted behind it (early.py), after the opening's
             # own checks (a cancel marker answers the opening first, with its account, then this one).
@@ -307,3 +306,13 @@ class EntryAdmission:
                                          "this worker's engine has no llama.cpp vocabulary: no grammars")
         return lane.scheduler.refuse(job, inb.ref, Reason.GRAMMAR_INVALID,
                                      "the session's grammar (or JSON schema) does not compile")
+
+
+def _before_its_prompt(sched: Scheduler, job: StepJob, held: SessionEntry | None) -> bool:
+    """Whether a continuation pushed with its opening (early.py) is read before that opening's prompt is queued:
+    the session is not held here at the job's attempt (not open, or open at an older attempt: a replay's new
+    opening has not come yet; remembered closed at an older attempt), or its prompt is not queued up to the job."""
+    attempt = sched.attempt(job.session_id)
+    if held is not None:
+        return (attempt is not None and attempt < job.attempt) or held.queued_position < job.start_position
+    return sched.table.closed(job.session_id) is None or (attempt is not None and attempt < job.attempt)

@@ -13,10 +13,11 @@ its session's last prompt chunk is admitted, and then admitted right behind it. 
 `capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
 it is admitted as it is: `state_lost` if its session never came). Only a job that could be such a continuation
 is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
-the opening), for a session this worker does not hold yet (nor remembers closed), or holds with its prompt not
-yet queued to the job's start (the prompt's later chunks are still on their way). Continuation jobs pushed ahead
-later are not held: one for a session this worker does not hold (it restarted and lost it) is answered at
-once, so the Tracker replays that session without waiting here."""
+the opening), for a session this worker does not hold yet (nor remembers closed), holds or remembers at an older
+attempt only (a replay's: its new opening has not come, and checked against the old attempt the job would be
+refused), or holds with its prompt not yet queued to the job's start (the prompt's later chunks are on their
+way). Continuation jobs pushed ahead later are not held: one for a session this worker does not hold (it
+restarted and lost it) is answered at once, so the Tracker replays that session without waiting here."""
 
 from __future__ import annotations
 
