@@ -18,7 +18,7 @@ from consumer.cli import command_line
 from consumer.engines.sleep import SleepEngine, parse_sleep_spec
 from consumer.runtime import make_engine
 from dgrtools.bench import report
-from dgrtools.bench.e2e import SAMPLINGS
+from dgrtools.bench.e2e import SAMPLINGS, token_gaps
 from dgrtools.bench.llama_server import completion_body
 
 
@@ -74,6 +74,16 @@ def test_sleep_engine_sleeps_with_the_gil_released() -> None:
     t.join()
     assert took >= 0.06 and out.rows.shape == (2, 256)
     assert before > 1000  # the other thread ran during the call
+
+
+def test_token_gaps_split_the_first_gap_from_the_later_ones() -> None:
+    # a session whose second token waits one round trip (5 ms) more than its later 2 ms gaps, one that does not,
+    # and one with a single token (no gap)
+    late = [0.0, 0.007, 0.009, 0.011, 0.013]
+    ramped = [0.0, 0.002, 0.004, 0.006]
+    first, later = token_gaps([late, late, ramped, [0.5]])
+    assert first == pytest.approx(7.0) and later == pytest.approx(2.0)
+    assert token_gaps([[0.0]]) == (0.0, 0.0)
 
 
 def test_peer_request_bodies_carry_dgrs_sampling() -> None:

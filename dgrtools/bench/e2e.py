@@ -4,7 +4,9 @@ For each batch size B the two sides alternate `repeats` times:
 - raw: B sessions decoded by one fused `engine.step()` per token in this process (no Redis);
 - e2e: B sessions through the whole service: producer here, consumer in a subprocess, real redis-server.
 e2e tokens/s is counted over the window where all B sessions are decoding (after the last first token,
-until the first session finishes), so prefill and ramp-down do not blur the steady state.
+until the first session finishes), so prefill and ramp-down do not blur the steady state. Per session the gap
+from its first token to its second against its later gaps (medians) shows the ramp: a session's second token
+should come at the call after its first, as every later one does.
 
 `--sampling` sets the e2e sessions' Sampling (greedy by default; typical = t0.8/k40/p0.95, top-p = t0.8/p0.95,
 min-p-rep = t0.8/min_p 0.05/repetition 1.1 over 64, logprobs = greedy with the top 5 log-probabilities,
@@ -108,13 +110,24 @@ def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int,
     if t_end <= t_start:  # 0.0 below is no measurement: the run needs more tokens per session
         console.print(f"[yellow]{tag}: no window where all {b} sessions decode (the first finished before the "
                       "last one's first token): give more --tokens[/yellow]")
+    first_gap, later_gap = token_gaps(list(stamps.values()))
     return {
         "tok_s": n / (t_end - t_start) if t_end > t_start else 0.0,
+        "first_gap_ms": first_gap, "later_gap_ms": later_gap,
         "mean_batch": sessions / calls if calls else 0.0,
         "round_trips_per_call": (after["round_trips"] - before["round_trips"]) / fused if fused else 0.0,
         "overhead_us_per_call": (1e6 * (after["overhead_seconds"] - before["overhead_seconds"]) / fused
                                  if fused else 0.0),
     }
+
+
+def token_gaps(stamps: list[list[float]]) -> tuple[float, float]:
+    """(median over sessions of the gap from a session's first token to its second, median of its later gaps), ms:
+    the ramp (issue 32: the first continuation pushed with the opening) makes the first equal the others, where a
+    Tracker that waits for the first token before it pushes the next step adds one round trip to it."""
+    firsts = [1e3 * (ts[1] - ts[0]) for ts in stamps if len(ts) >= 2]
+    later = [statistics.median(np.diff(ts[1:]).tolist()) * 1e3 for ts in stamps if len(ts) >= 3]
+    return (statistics.median(firsts) if firsts else 0.0, statistics.median(later) if later else 0.0)
 
 
 PREFILL_PROMPT = 512
@@ -204,6 +217,8 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                            "batch_fill": statistics.median(e["mean_batch"] for e in es) / b,
                            "round_trips_per_call": statistics.median(e["round_trips_per_call"] for e in es),
                            "overhead_us_per_call": statistics.median(e["overhead_us_per_call"] for e in es),
+                           "first_gap_ms": statistics.median(e["first_gap_ms"] for e in es),
+                           "later_gap_ms": statistics.median(e["later_gap_ms"] for e in es),
                            "e2e_runs": [e["tok_s"] for e in es], "sampling": side[0], "overlap": side[1]}
                     first = row["sides"].get(labels[sides[0]])
                     fig["vs_first"] = e2e / first["e2e_tok_s"] if first and first["e2e_tok_s"] else 1.0
@@ -221,9 +236,11 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
             for c in consumers.values():
                 c.stop()
     raw_name = "engine-bound tok/s" if sleep else "raw tok/s"
-    cols = ["batch", raw_name, "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call"]
+    cols = ["batch", raw_name, "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call",
+            "1st-2nd token ms", "later gaps ms"]
     data: list[list[Any]] = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
-                              r["round_trips_per_call"], r["overhead_us_per_call"]] for r in rows]
+                              r["round_trips_per_call"], r["overhead_us_per_call"], r["first_gap_ms"],
+                              r["later_gap_ms"]] for r in rows]
     first_label = labels[sides[0]]
     if len(sides) > 1:
         cols[2:4] = [f"e2e tok/s ({first_label})", f"e2e/raw ({first_label})"]
