@@ -74,6 +74,10 @@ class Metrics:
                                       ["worker", "phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.overhead = Histogram("dgr_loop_overhead_seconds", "Worker time per fused call outside the engine",
                                   ["worker"], buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05), registry=r)
+        self.engine_gap = Histogram(
+            "dgr_engine_gap_seconds", "The engine idle from a fused call's end to the next call's start, when the "
+            "loop had that call ready (sampling, update, next batch, hand-over: the critical path)", ["worker"],
+            buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05), registry=r)
         self.results = Counter("dgr_results", "Step results by status and reason", ["worker", "status", "reason"],
                                registry=r)
         self.dead_letters = Counter("dgr_dead_letters", "Entries dead-lettered", ["worker", "reason"], registry=r)
@@ -107,6 +111,7 @@ class Metrics:
         self.redis_unreachable.labels(worker_id).set(0)
         self.durable_shortfalls.labels(worker_id)
         self.engine_failures.labels(worker_id)
+        self.engine_gap.labels(worker_id)  # exported from the start (a worker without overlap never observes it)
         self._last_token: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (position, time)
 
     def observe_prefix(self, engine: str, stats: dict[str, int], cached_bytes: int) -> None:

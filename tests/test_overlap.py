@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from consumer.engines.sleep import SleepEngine
 from consumer.transport import LeaseLost, RedisTransport
 from consumer.worker import Worker, WorkerSettings
+from producer import Producer
 from schemas import (
     RouteHop,
     Sampling,
@@ -257,6 +258,45 @@ def test_the_overlap_is_used_only_while_fused_calls_are_short(real_redis: redis.
         assert w._overlapping() is expect
     off = _worker(real_redis, f"ov{next(_runs)}", overlap=False, overlap_max_call_ms=0.0)
     assert not off._overlapping()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_engine_gap_is_the_engine_idle_between_calls_the_loop_had_ready(real_redis: redis.Redis,
+                                                                            overlap: bool) -> None:
+    """stats.engine_gaps / engine_gap_seconds (and dgr_engine_gap_seconds): from a call's end (on the engine
+    thread, or in the loop's thread with overlap off) to the next call's start, counted when the loop ran that
+    one in the iteration after the first. Sessions under continuation credit (calls back to back): a sampler
+    slowed by 20 ms puts at least that in every gap; without it the gap is far below the 30 ms call, which is
+    never in it."""
+    means = {}
+    for delay in (0.0, 0.02):
+        wid = f"ov{next(_runs)}"
+        w = _worker(real_redis, wid, overlap=overlap, step_s=0.03)
+        sampler = w.lanes[0].sampler
+        sample = sampler.sample
+
+        def slow(*a: object, _delay: float = delay, _sample: object = sample, **k: object) -> object:
+            time.sleep(_delay)
+            return _sample(*a, **k)  # type: ignore[operator]
+
+        sampler.sample = slow  # type: ignore[method-assign]
+        p = Producer(real_redis, decode_n=8, timeout_s=30.0)
+        route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
+        hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, 7])
+              for i in range(3)]
+        for _ in range(600):
+            if all(h.finished for h in hs):
+                break
+            w.run_once(flush=not overlap)
+            p.poll(hs)
+        w.flush()
+        assert all(h.status == "finished" for h in hs)
+        st = w.stats
+        assert 0 < st.engine_gaps < st.fused_calls
+        means[delay] = st.engine_gap_seconds / st.engine_gaps
+        exposed = w.metrics.engine_gap.labels(wid)._sum.get()  # type: ignore[attr-defined]
+        assert exposed == pytest.approx(st.engine_gap_seconds)
+    assert means[0.02] >= 0.02 and means[0.0] < 0.03, means
 
 
 def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: redis.Redis) -> None:

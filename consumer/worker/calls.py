@@ -29,7 +29,7 @@ from .lane import Lane, mark_answered
 from .sampled import apply_sampled
 from .stats import LoopStats
 
-__all__ = ["CallContext", "InFlight", "InFlightCall", "finish_fused", "run_fused", "start_fused"]
+__all__ = ["CallContext", "EngineIdle", "InFlight", "InFlightCall", "finish_fused", "run_fused", "start_fused"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -61,37 +61,41 @@ def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch) -> list[Answer]
     return _answered(w, lane, batch, output, time.perf_counter() - t)
 
 
-# What the engine thread hands back: the call's output (or the error it raised) and its time.
-InFlight = Future[tuple["EngineOutput | Exception", float]]
+# What the engine thread hands back: the call's output (or the error it raised), its time, and when it ended
+# (time.perf_counter(): the start of the engine's idle until the next call).
+InFlight = Future[tuple["EngineOutput | Exception", float, float]]
 
 
-def start_fused(lane: Lane, batch: ScheduledBatch) -> InFlight:
-    """Start one fused call on the engine thread (the loop goes on: the call releases the GIL). Its
-    input is built here, in the loop's thread; `finish_fused` takes its output."""
+def start_fused(lane: Lane, batch: ScheduledBatch) -> tuple[InFlight, float]:
+    """Start one fused call on the engine thread (the loop goes on: the call releases the GIL), and when the
+    engine thread entered it. Its input is built here, in the loop's thread; `finish_fused` takes its output."""
     fused = lane.hops.fused(batch)
     engine, store = lane.engine, lane.prefix
     entered = threading.Event()
+    entered_at: list[float] = []
 
-    def call() -> tuple[EngineOutput | Exception, float]:
-        entered.set()
+    def call() -> tuple[EngineOutput | Exception, float, float]:
         t = time.perf_counter()
+        entered_at.append(t)
+        entered.set()
         try:
             out: EngineOutput | Exception = forward_with_prefix(engine, store, batch, fused)
         except Exception as e:  # handed back: the loop answers it as run_fused would
             out = e
-        return out, time.perf_counter() - t
+        end = time.perf_counter()
+        return out, end - t, end
 
     f = compute_thread().submit(call)  # the process's one compute thread (consumer/engines/compute.py)
     # Hand the GIL over until the engine thread is in: otherwise the loop's next Python work holds it and
     # the call starts up to a switch interval (5 ms) late (measured: 0.6 ms median at 256 sessions).
     entered.wait()
-    return f
+    return f, entered_at[0]
 
 
 def finish_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, call: InFlight) -> list[Answer]:
     """The answers of a call `start_fused` started (waiting for it); a failure as in run_fused (its
     retries then run in the loop's thread)."""
-    out, elapsed = call.result()
+    out, elapsed, _ended = call.result()
     if isinstance(out, Exception):
         return _failed(w, lane, batch, out, elapsed)
     return _answered(w, lane, batch, out, elapsed)
@@ -157,23 +161,53 @@ def _fail_named(w: CallContext, lane: Lane, batch: ScheduledBatch, e: Exception,
     return out + (run_fused(w, lane, good) if good is not None else [])
 
 
+class EngineIdle:
+    """The engine's idle between two fused calls of consecutive loop iterations, the critical path of issue 32:
+    from the end of call k (on the engine thread, or in the loop's thread with overlap off) to the start of
+    call k + 1, counted when the loop ran k + 1 in the iteration after k (work went on: with overlap off that
+    includes the filing, the read, and a wait for a job when no session holds credit). In stats.engine_gaps,
+    stats.engine_gap_seconds and the dgr_engine_gap_seconds histogram."""
+
+    __slots__ = ("ctx", "ended_at")
+
+    def __init__(self, ctx: CallContext) -> None:
+        self.ctx = ctx
+        self.ended_at: float | None = None  # time.perf_counter() at the end of the last call
+
+    def entered(self, at: float, *, counted: bool) -> None:
+        if counted and self.ended_at is not None:
+            gap = max(0.0, at - self.ended_at)
+            stats = self.ctx.stats
+            stats.engine_gaps += 1
+            stats.engine_gap_seconds += gap
+            self.ctx.metrics.engine_gap.labels(self.ctx.worker_id).observe(gap)
+
+    def ended(self, at: float) -> None:
+        self.ended_at = at
+
+
 class InFlightCall:
     """The fused call on the engine thread (overlap on: the loop builds the next call's input and files
     the last one's answers while it computes). One thread runs every call, one at a time, so an engine is
     never entered by two threads; slots are released only while no call is in flight. The thread is the
     process's compute thread (consumer/engines/compute.py), shared by the workers of a process."""
 
-    def __init__(self, ctx: CallContext) -> None:
+    def __init__(self, ctx: CallContext, idle: EngineIdle) -> None:
         self.ctx = ctx
+        self.idle = idle
         self._call: tuple[Lane, ScheduledBatch, InFlight] | None = None
 
     @property
     def busy(self) -> bool:
         return self._call is not None
 
-    def start(self, lane: Lane, batch: ScheduledBatch) -> None:
+    def start(self, lane: Lane, batch: ScheduledBatch, *, after_finish: bool = False) -> None:
+        """Start the call. `after_finish`: the loop took the last call in this iteration and started this one
+        at once: the engine's idle in between is counted (EngineIdle)."""
         assert self._call is None, "one fused call in flight at a time"
-        self._call = (lane, batch, start_fused(lane, batch))
+        f, entered_at = start_fused(lane, batch)
+        self._call = (lane, batch, f)
+        self.idle.entered(entered_at, counted=after_finish)
 
     def finish(self) -> tuple[Lane, list[Answer], FusedCallStats] | None:
         """The call in flight's lane, answers (waiting for it) and stats (None: no call)."""
@@ -183,6 +217,7 @@ class InFlightCall:
         lane, batch, call = c
         stats = self.ctx.stats
         before = stats.engine_seconds
+        self.idle.ended(call.result()[2])  # waits for it
         answers = finish_fused(self.ctx, lane, batch, call)
         engine_s = stats.engine_seconds - before  # the engine alone (all tries, if it failed)
         return lane, answers, FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids),

@@ -46,7 +46,7 @@ from ..sched import Answer, ScheduledBatch
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Filing, FusedCallStats, Transport
 from .admission import Admitted, EntryAdmission, Prefetched
-from .calls import CallContext, InFlightCall, run_fused
+from .calls import CallContext, EngineIdle, InFlightCall, run_fused
 from .idle import IdleSessions
 from .io_thread import IOThread
 from .lane import Lane, Lanes, read_lanes
@@ -75,7 +75,8 @@ class Worker:
         self.idle = IdleSessions(settings.idle_session_s, clock) if settings.idle_session_s > 0 else None
         self.stats = LoopStats()
         self.calls = CallContext(settings.worker_id, settings.overlap, self.stats, self.metrics, self.idle)
-        self.in_flight = InFlightCall(self.calls)  # overlap on: the fused call on the engine thread
+        self.engine_idle = EngineIdle(self.calls)  # the engine's idle between two calls (both paths)
+        self.in_flight = InFlightCall(self.calls, self.engine_idle)  # overlap on: the fused call on the engine thread
         self.admission = EntryAdmission(self.lanes, transport, settings, self.stats, self.idle,
                                         lambda: self.in_flight.busy)
         self._registered = False
@@ -88,6 +89,7 @@ class Worker:
         self.io = IOThread(f"dgr-io-{self._m}")
         self._prefetched: Future[Prefetched] | None = None
         self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
+        self._called = False  # the last iteration ran (or started) a fused call
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -257,10 +259,11 @@ class Worker:
             lane, batch = picked
             if not flush:
                 self._prefetch()
-                self.in_flight.start(lane, batch)  # call k + 1 computes from here on
+                self.in_flight.start(lane, batch, after_finish=call is not None)  # call k + 1 computes from here on
             else:
-                call = self._run_here(lane, batch, answers)
+                call = self._run_here(lane, batch, answers, after_call=self._called or call is not None)
                 waited = call.engine_seconds
+        self._called = picked is not None
         latencies: list[tuple[Phase, float]] = []
         honest = self.lanes.completions(answers, latencies)
         refused_answers = admitted.wire_rejects + self.lanes.completions(admitted.answers, latencies)
@@ -311,11 +314,16 @@ class Worker:
                 answers[lane.index].extend(self._cancel(lane, sid))
         return answers, not_held
 
-    def _run_here(self, lane: Lane, batch: ScheduledBatch, answers: list[list[Answer]]) -> FusedCallStats:
-        """The fused call in the loop's thread (overlap off); its answers into answers[lane]."""
+    def _run_here(self, lane: Lane, batch: ScheduledBatch, answers: list[list[Answer]], *,
+                  after_call: bool) -> FusedCallStats:
+        """The fused call in the loop's thread (overlap off); its answers into answers[lane]. `after_call`: a
+        call ran just before (the engine's idle since is counted)."""
         before = self.stats.engine_seconds
+        entered = time.perf_counter()
+        self.engine_idle.entered(entered, counted=after_call)
         answers[lane.index].extend(run_fused(self.calls, lane, batch))
         engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+        self.engine_idle.ended(entered + engine_s)  # its end without the sampling that followed it
         self._last_call_s = engine_s
         return FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                               engine_seconds=engine_s)

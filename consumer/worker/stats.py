@@ -26,6 +26,10 @@ class LoopStats:
     early_held: int = 0  # continuation jobs read before their session's prompt and held for it (early.py)
     early_expired: int = 0  # of those, admitted unreleased after early_hold_s (their prompt never came)
     sessions_idle_cancelled: int = 0
+    # The critical path (issue 32): from a fused call's end on the engine thread to the start of the next one, when
+    # the loop started that one right after taking the first (work was ready): the engine idle on the worker.
+    engine_gaps: int = 0
+    engine_gap_seconds: float = 0.0
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def count_call(self, phase: Phase, sessions: int, seconds: float) -> None:
@@ -44,7 +48,8 @@ class LoopStats:
                 "round_trips": self.round_trips,
                 "decode_sessions": self.decode_sessions, "reads": self.reads, "refused": self.refused,
                 "early_held": self.early_held, "early_expired": self.early_expired,
-                "sessions_idle_cancelled": self.sessions_idle_cancelled}
+                "sessions_idle_cancelled": self.sessions_idle_cancelled,
+                "engine_gaps": self.engine_gaps, "engine_gap_seconds": self.engine_gap_seconds}
 
     @property
     def mean_batch(self) -> float:

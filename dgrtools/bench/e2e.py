@@ -118,7 +118,14 @@ def e2e_rate(producer: Producer, consumer: ConsumerProcess, b: int, tokens: int,
         "round_trips_per_call": (after["round_trips"] - before["round_trips"]) / fused if fused else 0.0,
         "overhead_us_per_call": (1e6 * (after["overhead_seconds"] - before["overhead_seconds"]) / fused
                                  if fused else 0.0),
+        "engine_gap_us": _engine_gap_us(before, after),
     }
+
+
+def _engine_gap_us(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The engine's mean idle between two calls the worker had ready (its critical path), µs; 0: none counted."""
+    gaps = after.get("engine_gaps", 0) - before.get("engine_gaps", 0)
+    return 1e6 * (after.get("engine_gap_seconds", 0.0) - before.get("engine_gap_seconds", 0.0)) / gaps if gaps else 0.0
 
 
 def token_gaps(stamps: list[list[float]]) -> tuple[float, float]:
@@ -218,6 +225,7 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                            "round_trips_per_call": statistics.median(e["round_trips_per_call"] for e in es),
                            "overhead_us_per_call": statistics.median(e["overhead_us_per_call"] for e in es),
                            "first_gap_ms": statistics.median(e["first_gap_ms"] for e in es),
+                           "engine_gap_us": statistics.median(e["engine_gap_us"] for e in es),
                            "later_gap_ms": statistics.median(e["later_gap_ms"] for e in es),
                            "e2e_runs": [e["tok_s"] for e in es], "sampling": side[0], "overlap": side[1]}
                     first = row["sides"].get(labels[sides[0]])
@@ -237,10 +245,10 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                 c.stop()
     raw_name = "engine-bound tok/s" if sleep else "raw tok/s"
     cols = ["batch", raw_name, "e2e tok/s", "e2e/raw", "batch fill", "round trips/call", "overhead us/call",
-            "1st-2nd token ms", "later gaps ms"]
+            "1st-2nd token ms", "later gaps ms", "engine idle us/call"]
     data: list[list[Any]] = [[r["batch"], r["raw_tok_s"], r["e2e_tok_s"], r["efficiency"], r["batch_fill"],
                               r["round_trips_per_call"], r["overhead_us_per_call"], r["first_gap_ms"],
-                              r["later_gap_ms"]] for r in rows]
+                              r["later_gap_ms"], r["engine_gap_us"]] for r in rows]
     first_label = labels[sides[0]]
     if len(sides) > 1:
         cols[2:4] = [f"e2e tok/s ({first_label})", f"e2e/raw ({first_label})"]
