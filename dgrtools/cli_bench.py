@@ -215,12 +215,16 @@ def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: in
 def bench_prefix(out: Out = Path("bench-out/prefix"), sessions: int = 8, waves: int = 3, tokens: int = 16,
                  suffix: int = 16, turns: int = 6, recipe: RecipeOpt = "invariant",
                  quick: Annotated[bool, typer.Option(help="Tiny model, small sizes, no llama-server.")] = False,
+                 only: Annotated[str, typer.Option(help="Comma-separated workloads to run (shared-512, "
+                                                        "shared-2000, systems-1, systems-4, systems-16, none, "
+                                                        "chat); all by default.")] = "",
                  ) -> None:
     """The prefix cache (docs/prefix-cache.md): shared prefixes of 512 and 2,000 tokens, 1/4/16 system prompts,
     no sharing and a 6-turn conversation; dgr with the cache on and off and llama-server, in one run."""
     from dgrtools.bench.prefix import run
 
-    run(out, quick=quick, sessions=sessions, waves=waves, tokens=tokens, suffix=suffix, turns=turns, recipe=recipe)
+    run(out, quick=quick, sessions=sessions, waves=waves, tokens=tokens, suffix=suffix, turns=turns, recipe=recipe,
+        only=[w for w in only.split(",") if w])
 
 
 @bench_app.command("producer")

@@ -1,7 +1,9 @@
 """The prefix cache through the whole service path (producer -> real Redis -> worker -> llama.cpp
 `invariant`, tiny model): later sessions restore the shared prefix (hits counted) and every session's
 tokens equal the session alone with no cache, greedy and sampled, under the shape probe too (a hit whose
-KV came from another piece shape would differ); a budget of one entry evicts mid-run."""
+KV came from another piece shape would differ); a budget of one entry evicts mid-run. A conversation's
+next turn restores the answer it re-sends under a recipe that is not batch-invariant, and only the prompt
+under one that is."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import redis
 
 from consumer.engines.base import Engine
 from consumer.engines.llama import LlamaCppEngine
-from schemas import Sampling
+from producer import Producer
+from schemas import RouteHop, Sampling, SessionSpec
 from schemas.prefix import BLOCK_TOKENS, PrefixSummary, block_ids, prefix_root
 from tests.fixtures.shape_probe import ShapeProbeEngine
 from tests.fixtures.windowed import WindowedTiny
-from tests.invariance_harness import Conditions, Session, oracle, random_prompt, run_scenario
+from tests.invariance_harness import Conditions, Session, _Supervised, oracle, random_prompt, run_scenario
 
 pytestmark = pytest.mark.llama
 
@@ -96,3 +99,83 @@ def test_a_sliding_window_engine_caches_prompts_longer_than_its_window(tiny_mode
     assert out.mismatches == []
     assert out.prefix_hit_tokens >= 64 and out.prefix_hit_tokens % 64 == 0, out.prefix_hit_tokens
     assert out.cached_tokens == out.prefix_hit_tokens
+
+
+@pytest.mark.parametrize("recipe", ["fast", "invariant"])
+def test_a_next_turn_restores_the_answer_it_re_sends_unless_the_recipe_is_batch_invariant(
+        tiny_model_path: Path, client: redis.Redis, recipe: str) -> None:
+    """Turn 1: 40 prompt tokens, 24 generated (the slot then holds 63 positions: the last token is never fed).
+    Turn 2 re-sends all of it plus 10 new tokens. Under `fast` the finished session's slot was saved, so turn 2
+    restores 48 positions (3 blocks, two of them past turn 1's prompt); under `invariant` a decoded position's
+    KV is a one-row piece's, so only turn 1's prompt blocks (32) are restored and the tokens equal the cold run."""
+    def make(n_slots: int) -> Engine:
+        return LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=512)
+
+    c = Conditions(n_slots=2, prefix_cache_bytes=64 << 20, prefix_cache_scope="account")
+    wid = f"turns-{recipe}"
+    sup = _Supervised(client, wid, make, c)
+    key = sup.worker.engines.keys_of(next(iter(sup.worker.engines)))["prefill"]
+    producer = Producer(client, timeout_s=60, backpressure="wait")
+    rng = np.random.default_rng(11)
+    first = random_prompt(rng, 40, 512)
+
+    def turn(sid: str, prompt: tuple[int, ...]) -> object:
+        spec = SessionSpec(session_id=sid, account_id="acct", route=(RouteHop(worker_id=wid, key=key),),
+                           sampling=Sampling(), max_tokens=24)
+        return producer.run_many([(spec, list(prompt))])[sid]
+
+    sup.thread.start()
+    try:
+        h1 = turn("t1", first)
+        assert h1.status == "finished" and len(h1.generated) == 24  # type: ignore[attr-defined]
+        second = first + tuple(h1.generated) + random_prompt(rng, 10, 512)  # type: ignore[attr-defined]
+        h2 = turn("t2", second)
+    finally:
+        sup.stop()
+    assert h2.status == "finished" and len(h2.generated) == 24  # type: ignore[attr-defined]
+    assert h2.prompt_tokens == len(second)  # type: ignore[attr-defined]
+    if recipe == "fast":
+        assert h2.cached_tokens == 48  # type: ignore[attr-defined]
+    else:
+        assert h2.cached_tokens == 32  # type: ignore[attr-defined]
+        solo = LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=1, ctx_per_session=512)
+        assert list(h2.generated) == oracle(solo, Session(prompt=second, sampling=Sampling(), max_tokens=24))  # type: ignore[attr-defined]
+
+
+def test_restored_decoded_positions_give_what_the_prompt_split_there_gives(tiny_model_path: Path) -> None:
+    """What caching decoded positions rests on, at the engine (recipe fast): a slot that prefilled 40 tokens
+    and decoded 23 one row each, saved and restored into another slot at 48 positions, then the rest of the
+    next turn's prompt computed, gives the last prompt row's logits of that prompt computed as two pieces
+    split at 48, within FAST_ATOL (tests/test_concurrency.py; measured: equal). A restore of prompt rows
+    differs from one cold piece by as much (fast is not piece-invariant: up to 0.14 here, printed), which
+    is the fast recipe's prefix cache as it was."""
+    from consumer.batch import BatchRow, FusedBatch
+    from tests.test_concurrency import FAST_ATOL
+
+    e = LlamaCppEngine(tiny_model_path, recipe="fast", n_slots=2, ctx_per_session=512)
+    rng = np.random.default_rng(3)
+    first = list(random_prompt(rng, 40, 512))
+
+    def prefill(slot: int, start: int, tokens: list[int]) -> np.ndarray:
+        rows = [BatchRow(slot, start + i, t, i == len(tokens) - 1) for i, t in enumerate(tokens)]
+        return np.asarray(e.forward(FusedBatch.from_rows("prefill", rows)).rows[-1])
+
+    history = list(first)
+    nxt = int(np.argmax(prefill(0, 0, first)))
+    for _ in range(23):
+        history.append(nxt)
+        row = BatchRow(0, len(history) - 1, nxt, True)
+        nxt = int(np.argmax(e.forward(FusedBatch.from_rows("decode", [row])).rows[0]))
+    second = [*history, nxt, *random_prompt(rng, 10, 512)]
+    e.restore_prefix(1, e.save_prefix(0), 48)
+    warm = prefill(1, 48, second[48:])
+    e.release(0)
+    e.release(1)
+    prefill(0, 0, second[:48])
+    split = prefill(0, 48, second[48:])
+    e.release(0)
+    cold = prefill(0, 0, second)
+    worst = float(np.max(np.abs(warm - split)))
+    print(f"restored decoded positions against the split prompt: max abs logit diff {worst:.3g} (tolerance "
+          f"{FAST_ATOL}); split against one piece {float(np.max(np.abs(split - cold))):.3g}")
+    assert worst <= FAST_ATOL

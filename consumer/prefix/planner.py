@@ -43,8 +43,15 @@ def prompt_cap(spec: SessionSpec) -> int | None:
 
 
 class PrefixPlanner:
-    def __init__(self, store: PrefixStore, key_digest: str, scope: Scope, window: int = 0) -> None:
+    def __init__(self, store: PrefixStore, key_digest: str, scope: Scope, window: int = 0, *,
+                 decoded: bool = False) -> None:
         self.store, self.key_digest, self.scope = store, key_digest, scope
+        # Decoded positions are cached too (a recipe that is not batch-invariant: its KV of a position is the
+        # same within its tolerance however it was computed), so a conversation's next turn, which re-sends
+        # the answer, restores it instead of computing it (PrefixPlanning._prefix_decoded). Under a
+        # batch-invariant recipe a decoded position's KV is a one-row piece's, not what the next turn's cold
+        # run computes as a prompt row: never cached.
+        self.decoded = decoded
         # A sliding-window engine's window, down to a block edge (0: none): see PrefixPlanning._prefix_cut.
         self.window = window // store.block_tokens * store.block_tokens
 

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from schemas import Phase
 from schemas.prefix import SCOPES, PrefixSummary, Scope
 
-from .planner import PrefixPlanner
+from .planner import PrefixPlanner, Save
 from .store import PrefixStore
 
 if TYPE_CHECKING:
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
     from ..config import WorkerSettings
     from ..sched import ScheduledBatch, Scheduler
 
-__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary"]
+__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary", "save_finished"]
+
+log = logging.getLogger("dgr.prefix")
 
 
 def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
@@ -32,7 +35,9 @@ def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
     scope: Scope = settings.prefix_cache_scope
     store = PrefixStore(settings.prefix_cache_bytes, scope=scope)
     window = getattr(engine, "prefix_window", None)
-    scheduler.prefix = PrefixPlanner(store, keys["prefill"].digest, scope, window() if window is not None else 0)
+    key = keys["prefill"]
+    scheduler.prefix = PrefixPlanner(store, key.digest, scope, window() if window is not None else 0,
+                                     decoded=not key.recipe.batch_invariant)
     return store
 
 
@@ -66,3 +71,13 @@ def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: Scheduled
     for s in batch.saves:
         store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot))
     return out
+
+
+def save_finished(engine: Any, store: PrefixStore, save: Save) -> None:
+    """Save a finished session's slot before it is cleared (a recipe that caches decoded positions: the
+    answer a next turn re-sends). Runs only while no call is in flight on the engine; a failure loses the
+    entry, never the release."""
+    try:
+        store.put(engine.save_prefix(save.slot), save.ids, save.n_tokens, floor=engine.prefix_floor(save.slot))
+    except Exception as e:  # the cache is an optimisation: the slot is released regardless
+        log.warning("slot %d: saving the finished session's %d positions failed: %s", save.slot, save.n_tokens, e)

@@ -38,6 +38,8 @@ class Batching(SchedulerState):
         batch = ScheduledBatch.build(phase, items)
         if phase == "prefill":
             batch = self._prefix_directives(batch)  # type: ignore[attr-defined]  # PrefixPlanning
+        else:
+            self._prefix_decoded(batch)  # type: ignore[attr-defined]  # PrefixPlanning
         if phase == "decode":
             self.stats.calls_decode += 1
             self.stats.rows_decode += len(batch.fused)

@@ -4,6 +4,8 @@ queue as restored (counted as cached, never against the prefill budget, the pace
 and the call that carries the session's first computed piece restores them first. After a prefill call a
 slot whose prompt rows now cover a block the cache does not hold is saved, so a block is filled by the
 first session that computes it, and only once the call that computed it succeeded (never half-written).
+Under a recipe that caches decoded positions (PrefixPlanner.decoded), a session that finishes has its slot
+saved before it is cleared, so a conversation's next turn restores the answer it re-sends.
 
 What keeps the tokens bit-identical to the cold run (docs/invariance.md): the restored KV is what a prompt
 piece of two or more rows computed (flash attention off: any such split gives the same KV); at least two
@@ -18,6 +20,7 @@ from dataclasses import replace
 
 from ..prefix.planner import PrefixPlanner, Restore, Save
 from .outputs import ScheduledBatch
+from .session_table import CloseKind
 from .state import SchedulerState, SessionQueue
 
 __all__ = ["PrefixPlanning"]
@@ -38,7 +41,7 @@ class PrefixPlanning(SchedulerState):
             return
         head = lane.jobs[0]
         start = head.job.start_position
-        if head.job.phase != "prefill" or lane.entry.position != start or len(lane.prompt_seen) != start:
+        if head.job.phase != "prefill" or lane.entry.position != start or len(lane.cacheable) != start:
             return
         spec = lane.entry.spec
         if not lane.prefix_checked:
@@ -52,7 +55,7 @@ class PrefixPlanning(SchedulerState):
             cap = min(cap, spec.prompt_len - MIN_COMPUTED)
         if cap < start + planner.store.block_tokens:
             return
-        tokens = [*lane.prompt_seen, *head.job.tokens]
+        tokens = [*lane.cacheable, *head.job.tokens]
         hit = planner.lookup(root, tokens, cap, have=start)
         if hit is None:
             return
@@ -60,7 +63,7 @@ class PrefixPlanning(SchedulerState):
         head.consumed = k
         head.cached_tokens += k
         self._queues["prefill"].take(k, job_done=False)
-        lane.prompt_seen = tokens[:hit.n_tokens]
+        lane.cacheable = tokens[:hit.n_tokens]
         lane.pending_restore = Restore(lane.entry.slot, hit, tuple(tokens[:hit.n_tokens]))
 
     def _prefix_cut(self, lane: SessionQueue, start: int, n: int, prompt_end: int | None) -> int:
@@ -95,16 +98,44 @@ class PrefixPlanning(SchedulerState):
                 lane.pending_restore = None
             spec = lane.entry.spec
             cap = spec.prompt_len if spec.prompt_len is not None else it.first_position + it.n_tokens
-            seen = lane.prompt_seen
+            seen = lane.cacheable
             if len(seen) == it.first_position and it.first_position < cap:
                 seen.extend(it.job.tokens[it.offset:it.offset + min(it.n_tokens, cap - it.first_position)])
             ends[it.job.session_id] = len(seen)
         for sid, n in ends.items():
             lane = self._lanes[sid]
             assert lane.prefix_root is not None
-            save = planner.save(lane.entry.slot, lane.prefix_root, lane.prompt_seen, n)
+            save = planner.save(lane.entry.slot, lane.prefix_root, lane.cacheable, n)
             if save is not None:
                 saves.append(save)
         if not (restores or saves):
             return batch
         return replace(batch, restores=tuple(restores), saves=tuple(saves))
+
+    def _prefix_decoded(self, batch: ScheduledBatch) -> None:
+        """A decode call under a recipe that caches decoded positions: each row's input token joins its
+        session's cacheable tokens (while they are contiguous from position 0: a replay's one-row positions
+        past prompt_len stop them)."""
+        planner = self.prefix
+        if planner is None or not planner.decoded:
+            return
+        for it in batch.items:
+            lane = self._lanes.get(it.job.session_id)
+            if lane is None or lane.prefix_root is None:
+                continue
+            seen = lane.cacheable
+            if len(seen) == it.first_position:
+                seen.append(it.token if it.token is not None else it.job.tokens[it.offset])
+
+    def _prefix_closed(self, lane: SessionQueue, kind: CloseKind, busy: bool) -> None:
+        """A session that finished with no call in flight, under a recipe that caches decoded positions: its
+        slot (prompt and answer, all but the last sampled token, which was never fed) is saved before it is
+        cleared when that adds a block (Scheduler.finished_save). A cancelled or failed session's slot is
+        not: what it holds was not answered in full."""
+        planner = self.prefix
+        if planner is None or not planner.decoded or kind != "finished" or busy or lane.prefix_root is None:
+            return
+        seen = lane.cacheable
+        save = planner.save(lane.entry.slot, lane.prefix_root, seen, len(seen))
+        if save is not None:
+            self._finished_saves[save.slot] = save

@@ -69,6 +69,7 @@ from dataclasses import replace
 
 from schemas import Phase
 
+from ..prefix.planner import Save
 from .admission import JobAdmission
 from .batching import Batching
 from .config import SchedulerConfig
@@ -157,7 +158,14 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
         """Slots released since the last call: call engine.release on each, then slot_cleared."""
         return self.table.drain_released()
 
+    def finished_save(self, slot: int) -> Save | None:
+        """The prefix-cache save to run on a slot drain_released returned, before engine.release (a finished
+        session's answer: PrefixPlanning._prefix_closed); None: none."""
+        save: Save | None = self._finished_saves.pop(slot, None)
+        return save
+
     def slot_cleared(self, slot: int) -> None:
+        self._finished_saves.pop(slot, None)  # never run on the slot's next session
         self.table.slot_cleared(slot)
 
     def drain_closed(self) -> list[ClosedSession]:

@@ -47,10 +47,11 @@ class SessionQueue:
     ready_phase: Phase | None = None
     closed: CloseKind | None = None  # closed while busy: slot released once nothing is in flight
     # The prefix cache (consumer/sched/prefix_plan.py): looked up once, the block root (None: not cached),
-    # the prompt tokens handed out so far, a restore to run before its first computed piece.
+    # the tokens of the slot's cacheable positions from 0 on (prompt rows; decoded rows too under a recipe
+    # that caches them), a restore to run before its first computed piece.
     prefix_checked: bool = False
     prefix_root: bytes | None = None
-    prompt_seen: list[int] = field(default_factory=list)
+    cacheable: list[int] = field(default_factory=list)
     pending_restore: Any = None
 
     @property
@@ -88,6 +89,9 @@ class SchedulerState:
         self._attempts: OrderedDict[str, int] = OrderedDict()
         # Bounded: a worker that never drains it loses the oldest (counted in stats.closed_dropped).
         self._closed_log: deque[ClosedSession] = deque(maxlen=self.CLOSED_LOG_MAX)
+        # slot -> the prefix-cache save to run before the slot is cleared (a finished session's answer under a
+        # recipe that caches decoded positions: PrefixPlanning._prefix_closed); dropped when the slot is.
+        self._finished_saves: dict[int, Any] = {}
 
     # ---- answers --------------------------------------------------------------------------------
 
@@ -162,6 +166,7 @@ class SchedulerState:
         self._awaiting.discard(sid)
         self._continuing.discard(sid)
         busy = bool(lane.inflight)
+        self._prefix_closed(lane, kind, busy)
         closed = self.table.close(sid, kind, release_slot=not busy)
         del self._lanes[sid]
         lane.closed = kind
@@ -174,6 +179,9 @@ class SchedulerState:
         if len(self._closed_log) == self._closed_log.maxlen:
             self.stats.closed_dropped += 1
         self._closed_log.append(closed)
+
+    def _prefix_closed(self, lane: SessionQueue, kind: CloseKind, busy: bool) -> None:
+        """A closing session's prefix-cache save (PrefixPlanning overrides it; nothing without a cache)."""
 
     def _drop_restore(self, lane: SessionQueue) -> None:
         """A restore that will not run (its session closed first): its entry unpinned (prefix cache)."""

@@ -277,9 +277,10 @@ class EntryAdmission:
             return False
         if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
             answers.extend(sched.supersede(job, inb.digest))
-            # The dropped attempt's slot is cleared now (no engine call runs during admission), so the new
-            # attempt can take it: a full worker re-opens every session of a replayed route.
-            lane.release_slots()
+            # The dropped attempt's slot is cleared now, so the new attempt can take it: a full worker re-opens
+            # every session of a replayed route. A call may compute meanwhile (overlap on): no prefix-cache
+            # save reads the engine here.
+            lane.release_slots(save=False)
         if job.session is not None and job.session.sampling.constrained and not lane.hops.produces_hidden:
             grammar_refusal = self._grammar_refusal(lane, job, inb)
             if grammar_refusal is not None:

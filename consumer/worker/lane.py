@@ -23,7 +23,7 @@ from schemas import CompatibilityKey, Phase
 from ..config import WorkerSettings
 from ..engines.base import Engine
 from ..engines.engine_set import EngineSet
-from ..prefix.run import prefix_store
+from ..prefix.run import prefix_store, save_finished
 from ..sampler import BatchSampler, Vocabulary
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
 from ..sched.round_robin import SmoothRoundRobin
@@ -75,9 +75,15 @@ class Lane:
         its session's prompt is not decoding yet, so a wave of openings still gets the burst)."""
         return self.scheduler.awaiting_decode() > 0 or self.scheduler.ready("decode") > 0
 
-    def release_slots(self) -> None:
+    def release_slots(self, *, save: bool = True) -> None:
+        """Clear the slots closed sessions gave back; a finished session's is saved into the prefix cache first
+        when the scheduler asks (a recipe that caches decoded positions). `save` False: a call may be in
+        flight on the engine (admission's path), so nothing is read from it and the saves are dropped."""
         sched, engine = self.scheduler, self.engine
         for slot in sched.drain_released():
+            finished = sched.finished_save(slot)
+            if finished is not None and save and self.prefix is not None:
+                save_finished(engine, self.prefix, finished)
             engine.release(slot)
             sched.slot_cleared(slot)
 

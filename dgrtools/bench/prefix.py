@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +142,9 @@ def _summary(res: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, tokens: int = 16, suffix: int = 16,
-        turns: int = 6, threads: int = 2, recipe: str = "invariant",
+        turns: int = 6, threads: int = 2, recipe: str = "invariant", only: Collection[str] = (),
         echo: Callable[[str], object] = print) -> dict[str, Any]:
+    """`only`: the workloads to run (their names, "chat" for the conversation); empty: all."""
     from consumer.runtime import resolve_model
     from dgrtools.localredis import LocalRedis
     from dgrtools.process import ConsumerProcess
@@ -155,7 +156,12 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
     vocab = 384 if quick else 262_144
     rng = np.random.default_rng(7)
     loads = workloads(rng, vocab, quick, sessions, waves, suffix)
-    longest = max(len(p) for w in loads.values() for wave in w for p in wave)
+    unknown = set(only) - {*loads, "chat"}
+    if unknown:
+        raise ValueError(f"unknown workloads {sorted(unknown)}: choose from {[*loads, 'chat']}")
+    if only:
+        loads = {name: w for name, w in loads.items() if name in only}
+    longest = max((len(p) for w in loads.values() for wave in w for p in wave), default=0)
     ctx = max(1024, 1024 * ((longest + tokens + 6 * (suffix + tokens)) // 1024 + 1))
     report: dict[str, Any] = {"model": str(model), "recipe": recipe, "sessions": sessions, "waves": waves,
                               "tokens": tokens, "suffix": suffix, "workloads": {}}
@@ -166,7 +172,7 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
         off = ConsumerProcess(rs.url, "pfx-off", model, Path(tmp), recipe=recipe, slots=sessions, threads=threads,
                               extra=common)
         srv = None
-        if not quick:
+        if not quick and loads:
             from dgrtools.bench.llama_server import LlamaServer
             from dgrtools.bench.llamacpp_build import build_server, default_cache_dir
 
@@ -197,7 +203,8 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
                     entry["speed_vs_llama_server"] = summ["llama-server"]["wall_later"] / base["wall_later"]
                 report["workloads"][name] = entry
                 echo(f"{name}: {json.dumps({k: v for k, v in entry.items() if k != 'sides'})}")
-            report["chat"] = chat(producer, on, keys["pfx-on"], rng, vocab, turns, suffix, tokens)
+            report["chat"] = chat(producer, on, keys["pfx-on"], rng, vocab, turns, suffix, tokens) \
+                if not only or "chat" in only else []
             for t in report["chat"]:
                 echo(f"chat turn {t['turn']}: prompt {t['prompt_tokens']} tokens, computed {t['computed']}")
         finally:
