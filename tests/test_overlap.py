@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from consumer.engines.sleep import SleepEngine
 from consumer.transport import LeaseLost, RedisTransport
 from consumer.worker import Worker, WorkerSettings
-from producer import Producer
+from producer import Producer, job_id
 from schemas import (
     RouteHop,
     Sampling,
@@ -299,33 +299,36 @@ def test_the_engine_gap_is_the_engine_idle_between_calls_the_loop_had_ready(real
     assert means[0.02] >= 0.02 and means[0.0] < 0.03, means
 
 
+class Guarded(SleepEngine):
+    """Counts the times the engine is entered while it computes (a call, or a slot release, during a call)."""
+
+    def __init__(self, step_s: float = 0.002) -> None:
+        super().__init__(step_s, n_slots=8, ctx_per_session=256)
+        self.inside = threading.Lock()
+        self.clashes = 0
+        self.threads: set[str] = set()
+
+    def step(self, batch):  # type: ignore[no-untyped-def]
+        if not self.inside.acquire(blocking=False):
+            self.clashes += 1
+            return super().step(batch)
+        try:
+            self.threads.add(threading.current_thread().name)
+            return super().step(batch)
+        finally:
+            self.inside.release()
+
+    def release(self, slot: int) -> None:
+        if not self.inside.acquire(blocking=False):
+            self.clashes += 1
+            return
+        self.inside.release()
+
+
 def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: redis.Redis) -> None:
     """Overlap on, fused calls on the engine thread: the engine is never entered twice at once (a call and
     another call, or a call and a slot release: sessions cancelled and finished while calls compute),
     calls start in the loop's order, and every session still ends as with the loop alone."""
-    class Guarded(SleepEngine):
-        def __init__(self) -> None:
-            super().__init__(0.002, n_slots=8, ctx_per_session=256)
-            self.inside = threading.Lock()
-            self.clashes = 0
-            self.threads: set[str] = set()
-
-        def step(self, batch):  # type: ignore[no-untyped-def]
-            if not self.inside.acquire(blocking=False):
-                self.clashes += 1
-                return super().step(batch)
-            try:
-                self.threads.add(threading.current_thread().name)
-                return super().step(batch)
-            finally:
-                self.inside.release()
-
-        def release(self, slot: int) -> None:
-            if not self.inside.acquire(blocking=False):
-                self.clashes += 1
-                return
-            self.inside.release()
-
     wid = f"ov{next(_runs)}"
     engine = Guarded()
     w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
@@ -345,6 +348,50 @@ def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: re
     seen_off, _ = _drive(real_redis, plans, overlap=False)
     assert {i: [(r.status, r.reason, r.position, r.token, r.finished) for r in rs] for i, rs in d.seen.items()} == \
            {i: [row[:5] for row in rs] for i, rs in seen_off.items()}
+
+
+def test_a_replay_that_supersedes_an_attempt_waits_for_the_call_in_flight(real_redis: redis.Redis) -> None:
+    """A route's replay re-opens a waiting session (attempts 1, 2, 3 at position 0) while the worker decodes
+    three others under continuation credit, overlap on: admission drops the older attempt and clears its slot
+    at once (so a full worker can re-open it), which it may do only once the call computing meanwhile has
+    ended (a slot release during a call is a second thread in llama.cpp's context: 3 clashes without the
+    wait). Each new attempt is answered with a token."""
+    wid = f"ov{next(_runs)}"
+    engine = Guarded(0.01)
+    w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
+               WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8, overlap=True))
+    w.start()
+    d = Driver(real_redis, w, wid, [])
+    prompt = (5, 6, 7)
+
+    def opening(i: int, attempt: int) -> StepJob:
+        spec = SessionSpec(session_id=d.sid(i), account_id="acct", route=(RouteHop(worker_id=wid, key=d.key),),
+                           sampling=Sampling(), max_tokens=200)
+        return StepJob(job_id=job_id(d.sid(i), 0, "prefill", 0, attempt), session_id=d.sid(i), phase="prefill",
+                       compat=d.key.digest, start_position=0, tokens=prompt, created_at=time.time(), session=spec,
+                       attempt=attempt)
+
+    def credit(i: int, attempt: int) -> StepJob:  # the session's next 64 tokens, fed its own last one each
+        return StepJob(job_id=job_id(d.sid(i), 0, "decode", 3, attempt), session_id=d.sid(i), phase="decode",
+                       compat=d.key.for_phase("decode").digest, start_position=3, tokens=(), n=64,
+                       created_at=time.time(), attempt=attempt, with_opening=True)
+
+    for i in range(4):
+        d.push(opening(i, 0))
+        if i:  # s0 waits for its next step after its first token (its route's next hop lost it, say)
+            d.push(credit(i, 0))
+    reopened = []
+    for it in range(60):
+        if it in (10, 20, 30):  # while the others decode: s0 replayed (attempts 1, 2, 3)
+            job = opening(0, it // 10)
+            d.push(job)
+            reopened.append(job.job_id)
+        w.run_once(flush=False)
+    w.flush()
+    answered = {r.job_id: r for i in range(4) for _, f in real_redis.xrange(d.keys.results(d.sid(i)))
+                for r in results_from_fields(f)}
+    assert engine.clashes == 0
+    assert all(answered[j].token is not None for j in reopened), [answered.get(j) for j in reopened]
 
 
 def test_every_fused_call_runs_on_one_thread_whether_it_overlaps_or_not(real_redis: redis.Redis) -> None:

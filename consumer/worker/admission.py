@@ -70,12 +70,13 @@ class Admitted:
 
 class EntryAdmission:
     """Reads and admits entries for the worker's lanes. `computing`: whether a fused call is in flight (a
-    read never blocks for new entries while one computes)."""
+    read never blocks for new entries while one computes); `wait_engine`: wait until that call has ended on
+    the engine thread (it stays to be finished by the loop), before admission touches an engine."""
 
     def __init__(self, lanes: Lanes, transport: Transport, settings: WorkerSettings, stats: LoopStats,
-                 idle: IdleSessions | None, computing: Callable[[], bool]) -> None:
+                 idle: IdleSessions | None, computing: Callable[[], bool], wait_engine: Callable[[], None]) -> None:
         self.lanes, self.transport, self.settings, self.stats = lanes, transport, settings, stats
-        self.idle, self.computing = idle, computing
+        self.idle, self.computing, self.wait_engine = idle, computing, wait_engine
         # Continuation jobs read before their session's prompt (early.py): a few per slot, for a while.
         self.early = EarlySteps(capacity=4 * lanes.slots(), hold_s=settings.early_hold_s)
 
@@ -278,9 +279,11 @@ class EntryAdmission:
         if job.attempt > 0 and job.start_position == 0:  # a newer attempt re-opens (a route's replay)
             answers.extend(sched.supersede(job, inb.digest))
             # The dropped attempt's slot is cleared now, so the new attempt can take it: a full worker re-opens
-            # every session of a replayed route. A call may compute meanwhile (overlap on): no prefix-cache
-            # save reads the engine here.
-            lane.release_slots(save=False)
+            # every session of a replayed route. A call computing meanwhile (overlap on) is waited for first:
+            # a release during it would be a second thread in the engine (llama.cpp's context is not safe so).
+            if sched.table.n_dirty:
+                self.wait_engine()
+                lane.release_slots()
         if job.session is not None and job.session.sampling.constrained and not lane.hops.produces_hidden:
             grammar_refusal = self._grammar_refusal(lane, job, inb)
             if grammar_refusal is not None:

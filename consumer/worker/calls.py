@@ -29,7 +29,8 @@ from .lane import Lane, mark_answered
 from .sampled import apply_sampled
 from .stats import LoopStats
 
-__all__ = ["CallContext", "EngineIdle", "InFlight", "InFlightCall", "finish_fused", "run_fused", "start_fused"]
+__all__ = ["CallContext", "EngineIdle", "InFlight", "InFlightCall", "finish_fused", "run_fused", "run_here",
+           "start_fused"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -59,6 +60,20 @@ def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch) -> list[Answer]
     except Exception as e:  # any engine fault must not take the worker down
         return _failed(w, lane, batch, e, time.perf_counter() - t)
     return _answered(w, lane, batch, output, time.perf_counter() - t)
+
+
+def run_here(w: CallContext, idle: EngineIdle, lane: Lane, batch: ScheduledBatch, *,
+             after_call: bool) -> tuple[list[Answer], FusedCallStats]:
+    """The fused call in the loop's thread (overlap off): its answers and stats. `after_call`: a call ran just
+    before (the engine's idle since is counted)."""
+    before = w.stats.engine_seconds
+    entered = time.perf_counter()
+    idle.entered(entered, counted=after_call)
+    answers = run_fused(w, lane, batch)
+    engine_s = w.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
+    idle.ended(entered + engine_s)  # its end without the sampling that followed it
+    return answers, FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
+                                   engine_seconds=engine_s)
 
 
 # What the engine thread hands back: the call's output (or the error it raised), its time, and when it ended
@@ -208,6 +223,11 @@ class InFlightCall:
         f, entered_at = start_fused(lane, batch)
         self._call = (lane, batch, f)
         self.idle.entered(entered_at, counted=after_finish)
+
+    def wait(self) -> None:
+        """Wait until the call in flight (if any) has ended on the engine thread; the loop still finishes it."""
+        if self._call is not None:
+            self._call[2].result()
 
     def finish(self) -> tuple[Lane, list[Answer], FusedCallStats] | None:
         """The call in flight's lane, answers (waiting for it) and stats (None: no call)."""

@@ -75,14 +75,14 @@ class Lane:
         its session's prompt is not decoding yet, so a wave of openings still gets the burst)."""
         return self.scheduler.awaiting_decode() > 0 or self.scheduler.ready("decode") > 0
 
-    def release_slots(self, *, save: bool = True) -> None:
-        """Clear the slots closed sessions gave back; a finished session's is saved into the prefix cache first
-        when the scheduler asks (a recipe that caches decoded positions). `save` False: a call may be in
-        flight on the engine (admission's path), so nothing is read from it and the saves are dropped."""
+    def release_slots(self) -> None:
+        """Clear the slots closed sessions gave back (only while no call computes on the engine); a finished
+        session's is saved into the prefix cache first when the scheduler asks (a recipe that caches decoded
+        positions)."""
         sched, engine = self.scheduler, self.engine
         for slot in sched.drain_released():
             finished = sched.finished_save(slot)
-            if finished is not None and save and self.prefix is not None:
+            if finished is not None and self.prefix is not None:
                 save_finished(engine, self.prefix, finished)
             engine.release(slot)
             sched.slot_cleared(slot)

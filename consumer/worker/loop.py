@@ -42,11 +42,11 @@ from ..engines.base import Engine
 from ..engines.engine_set import EngineSet
 from ..metrics import Metrics
 from ..prefix.run import prefix_summary
-from ..sched import Answer, ScheduledBatch
+from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Filing, FusedCallStats, Transport
 from .admission import Admitted, EntryAdmission, Prefetched
-from .calls import CallContext, EngineIdle, InFlightCall, run_fused
+from .calls import CallContext, EngineIdle, InFlightCall, run_here
 from .idle import IdleSessions
 from .io_thread import IOThread
 from .lane import Lane, Lanes, read_lanes
@@ -78,7 +78,7 @@ class Worker:
         self.engine_idle = EngineIdle(self.calls)  # the engine's idle between two calls (both paths)
         self.in_flight = InFlightCall(self.calls, self.engine_idle)  # overlap on: the fused call on the engine thread
         self.admission = EntryAdmission(self.lanes, transport, settings, self.stats, self.idle,
-                                        lambda: self.in_flight.busy)
+                                        lambda: self.in_flight.busy, self.in_flight.wait)
         self._registered = False
         self._stop = threading.Event()
         self._last_heartbeat = 0.0
@@ -261,8 +261,10 @@ class Worker:
                 self._prefetch()
                 self.in_flight.start(lane, batch, after_finish=call is not None)  # call k + 1 computes from here on
             else:
-                call = self._run_here(lane, batch, answers, after_call=self._called or call is not None)
-                waited = call.engine_seconds
+                ran, call = run_here(self.calls, self.engine_idle, lane, batch,
+                                     after_call=self._called or call is not None)
+                answers[lane.index].extend(ran)
+                self._last_call_s = waited = call.engine_seconds
         self._called = picked is not None
         latencies: list[tuple[Phase, float]] = []
         honest = self.lanes.completions(answers, latencies)
@@ -313,20 +315,6 @@ class Worker:
             else:
                 answers[lane.index].extend(self._cancel(lane, sid))
         return answers, not_held
-
-    def _run_here(self, lane: Lane, batch: ScheduledBatch, answers: list[list[Answer]], *,
-                  after_call: bool) -> FusedCallStats:
-        """The fused call in the loop's thread (overlap off); its answers into answers[lane]. `after_call`: a
-        call ran just before (the engine's idle since is counted)."""
-        before = self.stats.engine_seconds
-        entered = time.perf_counter()
-        self.engine_idle.entered(entered, counted=after_call)
-        answers[lane.index].extend(run_fused(self.calls, lane, batch))
-        engine_s = self.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-        self.engine_idle.ended(entered + engine_s)  # its end without the sampling that followed it
-        self._last_call_s = engine_s
-        return FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
-                              engine_seconds=engine_s)
 
     def _count_overhead(self, t0: float, call: FusedCallStats, waited: float, read_s: float) -> None:
         now = time.perf_counter()
