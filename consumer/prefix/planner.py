@@ -54,6 +54,7 @@ class PrefixPlanner:
         self.decoded = decoded
         # A sliding-window engine's window, down to a block edge (0: none): see PrefixPlanning._prefix_cut.
         self.window = window // store.block_tokens * store.block_tokens
+        self._window_positions = window
 
     def root(self, spec: SessionSpec) -> bytes | None:
         """The session's block root, or None when its scope does not cache it."""
@@ -67,11 +68,17 @@ class PrefixPlanner:
         n = max(0, max_tokens) // bt * bt
         return self.store.lookup(block_ids(tokens[:n], root, bt), n, have)
 
+    def wants(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> bool:
+        """Whether a save of the first n_tokens positions would add a block not held."""
+        bt = self.store.block_tokens
+        n = n_tokens // bt * bt
+        return n > 0 and self.store.wants(block_ids(tokens[:n], root, bt), n)
+
     def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int) -> Save | None:
         """A save of the slot after the call, when its first n_tokens positions add a block not held."""
         bt = self.store.block_tokens
         n = n_tokens // bt * bt
-        if n == 0:
-            return None
+        if n == 0 or 0 < self._window_positions < n_tokens:
+            return None  # a sliding window's slot past its window cannot be trimmed back: nothing to index
         ids = block_ids(tokens[:n], root, bt)
         return Save(slot, tuple(ids), n) if self.store.wants(ids, n) else None

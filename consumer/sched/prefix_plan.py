@@ -75,11 +75,30 @@ class PrefixPlanning(SchedulerState):
         gives the same KV: docs/invariance.md), and only prompt positions are cut."""
         planner = self.prefix
         w = planner.window if planner is not None else 0
-        if not w or lane.prefix_root is None or not start + 2 <= w < start + n:
+        if planner is None or not w or lane.prefix_root is None or not start + 2 <= w < start + n:
             return n
         if prompt_end is not None and prompt_end - w < 2:
             return n
+        # Already held up to the edge (a session that restored the shared prefix short of it: its job ended
+        # there): the cut would save nothing and cost the session another prefill turn.
+        head = self._queued_tokens(lane, start, w - start)
+        if len(lane.cacheable) == start and len(head) == w - start and \
+                not planner.wants(lane.prefix_root, [*lane.cacheable, *head], w):
+            return n
         return w - start
+
+    @staticmethod
+    def _queued_tokens(lane: SessionQueue, start: int, k: int) -> list[int]:
+        """Up to k token ids of the lane's queued prefill jobs from position `start` on (fewer: not queued)."""
+        out: list[int] = []
+        for q in lane.jobs:
+            at = q.job.start_position + q.consumed
+            if q.job.phase != "prefill" or at != start + len(out):
+                break
+            out.extend(q.job.tokens[q.consumed:q.consumed + k - len(out)])
+            if len(out) >= k:
+                break
+        return out
 
     def _prefix_directives(self, batch: ScheduledBatch) -> ScheduledBatch:
         """The prefill call with its restores (before) and saves (after)."""
