@@ -5,10 +5,17 @@ one piece once the blocks up to it are held, instead of taking another prefill t
 
 from __future__ import annotations
 
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from consumer.prefix import PrefixStore
 from consumer.prefix.planner import PrefixPlanner
 from consumer.sched import ScheduledBatch, Scheduler
-from tests.test_scheduler import admit, make, opening, prefill, run
+from schemas import StepJob
+from schemas.prefix import block_ids
+from tests.test_scheduler import DIGESTS, admit, make, opening, prefill, run, spec
 
 WINDOW = 64
 PROMPT = tuple(range(3, 83))  # 80 tokens: a first job of 64 (the window) and a second of 16 that samples
@@ -49,3 +56,62 @@ def test_a_piece_crosses_the_window_edge_once_the_blocks_up_to_it_are_held() -> 
     assert [r.hit.n_tokens for r in b.restores] == [48]
     assert sum(it.n_tokens for it in b.items if it.session_id == "b") == 32
     assert any(it.samples for it in b.items) and not b.saves
+
+
+@settings(max_examples=80, deadline=None)
+@given(sessions=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 70), st.integers(1, 40)), min_size=1,
+                         max_size=3),
+       window=st.sampled_from([0, WINDOW]), budget=st.integers(3, 128), seed=st.integers(0, 1 << 16))
+def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[int, int, int]], window: int,
+                                                          budget: int, seed: int) -> None:
+    """Counterexample search for the saves (a recipe that caches decoded positions: PrefixPlanner.decoded): any
+    prompts (length, producer chunk), answers (a continuation job for the rest, fed the session's own tokens),
+    prefill budgets and windows, sessions one after the other on two slots so later ones hit earlier ones.
+    Against a model of each slot built from the fused calls' rows alone (slot, position, token): every save,
+    after a prefill call or of a finished session's slot, is indexed by the blocks of exactly the tokens its
+    slot holds, and every restore writes the tokens of the save it came from."""
+    s = make(n_slots=2, ctx=256, max_tokens_per_call=128, vocab=100, prefill_budget=budget)
+    store = PrefixStore(1 << 20)
+    s.prefix = PrefixPlanner(store, "00000000000000aa", "global", window, decoded=True)
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 100) for _ in range(70)]
+    slots: dict[int, list[int]] = {0: [], 1: []}
+    saved: dict[tuple[str, ...], list[int]] = {}
+    root = s.prefix.root(spec("x", account="acct"))
+    assert root is not None
+
+    def check_save(slot: int, ids: tuple[str, ...], n: int) -> None:
+        assert list(ids) == block_ids(slots[slot][:n], root), (slot, n)
+        store.put(b"state", ids, n)
+        saved[ids] = slots[slot][:n]
+
+    for k, (length, chunk, max_tokens) in enumerate(sessions):
+        sid = f"s{k}"
+        prompt = tuple(shared[:length // 2] + [rng.randrange(3, 100) for _ in range(length - length // 2)])
+        for at in range(0, length, chunk):
+            part = prompt[at:at + chunk]
+            job = opening(sid, part, sample=at + chunk >= length, max_tokens=max_tokens) if at == 0 else \
+                prefill(sid, at, part, sample=at + chunk >= length)
+            assert admit(s, job) is None
+        if max_tokens > 1:
+            assert admit(s, StepJob(job_id=f"c{k}", session_id=sid, phase="decode", compat=DIGESTS["decode"],
+                                    start_position=length, tokens=(), n=min(64, max_tokens - 1),
+                                    created_at=0.0)) is None
+        while (b := s.next_batch()) is not None:
+            for r in b.restores:
+                assert list(r.tokens) == saved[r.hit.entry.ids][:r.hit.n_tokens]
+                slots[r.slot] = list(r.tokens)
+            for slot, pos, tok in zip(b.fused.slots.tolist(), b.fused.positions.tolist(), b.fused.tokens.tolist(),
+                                      strict=True):
+                del slots[slot][pos:]
+                assert len(slots[slot]) == pos, "a row past the slot's end"
+                slots[slot].append(tok)
+            run(s, b, target=lambda sid, pos: 3 + (pos * 31 + 7 * int(sid[1:]) + seed) % 97)
+            for save in b.saves:
+                check_save(save.slot, save.ids, save.n_tokens)
+            for slot in s.drain_released():
+                finished = s.finished_save(slot)
+                if finished is not None:
+                    check_save(slot, finished.ids, finished.n_tokens)
+                slots[slot] = []
+                s.slot_cleared(slot)

@@ -70,15 +70,21 @@ class PrefixPlanner:
 
     def wants(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> bool:
         """Whether a save of the first n_tokens positions would add a block not held."""
-        bt = self.store.block_tokens
-        n = n_tokens // bt * bt
-        return n > 0 and self.store.wants(block_ids(tokens[:n], root, bt), n)
+        return self._new_blocks(root, tokens, n_tokens) is not None
 
     def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int) -> Save | None:
         """A save of the slot after the call, when its first n_tokens positions add a block not held."""
+        if 0 < self._window_positions < n_tokens:
+            return None  # a sliding window's slot past its window cannot be trimmed back: nothing to index
+        blocks = self._new_blocks(root, tokens, n_tokens)
+        return None if blocks is None else Save(slot, *blocks)
+
+    def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> tuple[tuple[str, ...], int] | None:
+        """The ids of the whole blocks in the first n_tokens positions and their positions, when they add a block
+        the store lacks; else None."""
         bt = self.store.block_tokens
         n = n_tokens // bt * bt
-        if n == 0 or 0 < self._window_positions < n_tokens:
-            return None  # a sliding window's slot past its window cannot be trimmed back: nothing to index
-        ids = block_ids(tokens[:n], root, bt)
-        return Save(slot, tuple(ids), n) if self.store.wants(ids, n) else None
+        if n == 0:
+            return None
+        ids = tuple(block_ids(tokens[:n], root, bt))
+        return (ids, n) if self.store.wants(ids, n) else None
