@@ -25,9 +25,9 @@ from schemas.prefix import (
     BLOCK_TOKENS,
     SCOPES,
     SUMMARY_MAX_IDS,
+    BlockIdMemo,
     PrefixSummary,
     Scope,
-    block_ids,
     prefix_root,
     salt_for,
 )
@@ -113,21 +113,43 @@ def _int(v: object, default: int) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
 
 
+class SentPrompts:
+    """The block ids of the prompts this Tracker sent one worker, the last sent first kept: at most `limit` ids
+    counted per prompt (a system prompt sent again stays while its prompts are recent). By prompt, not by id,
+    so that noting a session is one dictionary operation, not one per block."""
+
+    def __init__(self, limit: int = SUMMARY_MAX_IDS) -> None:
+        self.limit, self.count = limit, 0
+        self.prompts: OrderedDict[str, Sequence[str]] = OrderedDict()  # by the prompt's last block id
+
+    def add(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        old = self.prompts.pop(ids[-1], None)  # the same last id: the same prompt (ids chain their parents)
+        self.count += len(ids) - (len(old) if old is not None else 0)
+        self.prompts[ids[-1]] = ids
+        while self.count > self.limit and len(self.prompts) > 1:
+            self.count -= len(self.prompts.popitem(last=False)[1])
+
+    def ids(self) -> set[str]:
+        return set().union(*self.prompts.values())
+
+
 @dataclass
 class FleetView:
     """What this Tracker knows of the fleet between two reads of it (`read_at`, monotonic): the workers, their
     Candidates (built once per read: heartbeat ages as of the read, so a worker goes stale at most
     discover_cache_s late), and per worker the wall times of the sessions placed there (load until a heartbeat
-    newer than them: the next read counts them again), the prompt block ids sent there (an LRU of
-    SUMMARY_MAX_IDS: the next session with the same system prompt follows it before the worker's summary says
-    so) and the counters `dgr inspect` and the bench show."""
+    newer than them: the next read counts them again), the prompt block ids sent there (SentPrompts,
+    the last prompts of SUMMARY_MAX_IDS ids: the next session with the same system prompt follows it before the
+    worker's summary says so) and the counters `dgr inspect` and the bench show."""
 
     workers: list[WorkerInfo] = field(default_factory=list)
     read_at: float = -math.inf
     candidates: dict[str, Candidate] = field(default_factory=dict)
     pools: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # digests -> worker ids advertising
     placed_at: dict[str, list[float]] = field(default_factory=dict)
-    sent_ids: dict[str, OrderedDict[str, None]] = field(default_factory=dict)
+    sent: dict[str, SentPrompts] = field(default_factory=dict)  # per worker
     placed: dict[str, int] = field(default_factory=dict)  # sessions placed, per worker
     refused_full: dict[str, int] = field(default_factory=dict)  # eligible, but passed over: full
     last: dict[str, Choice] = field(default_factory=dict)  # per worker: the last choice of it
@@ -141,6 +163,9 @@ class FleetView:
     # ids this Tracker sent a worker without one: (0, None)); kept up to date by note(), cleared by load().
     groups: dict[tuple[str, str], set[tuple[int, str | None]]] = field(default_factory=dict)
     indexes: dict[tuple[str, str], PoolIndex] = field(default_factory=dict)  # digests -> its pool's index
+    # A prompt's block ids, its shared leading blocks taken from the last prompt that started the same way: the
+    # most of a placement's cost when hashed whole each time (docs/placement.md, "Cost").
+    block_ids: BlockIdMemo = field(default_factory=BlockIdMemo)
 
     def digests(self, key: CompatibilityKey) -> tuple[str, str]:
         got = self.key_digests.get(id(key))
@@ -154,7 +179,7 @@ class FleetView:
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
-        self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self.sent_ids.get(w.worker_id, ()), now)
+        self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self._sent_ids(w.worker_id), now)
                            for w in workers}
         for w in workers:
             ts = w.heartbeat.get("ts")
@@ -162,6 +187,10 @@ class FleetView:
                 self.lose(w.worker_id, self.lost[w.worker_id])  # out until it beats again
             elif w.worker_id in self.lost:
                 del self.lost[w.worker_id]
+
+    def _sent_ids(self, worker_id: str) -> set[str]:
+        sent = self.sent.get(worker_id)
+        return sent.ids() if sent is not None else set()
 
     def lose(self, worker_id: str, at: float) -> None:
         """The worker is out (no placement on it) until a heartbeat newer than `at`."""
@@ -209,19 +238,18 @@ class FleetView:
         self.placed_at.setdefault(w, []).append(time.time())
         self.placed[w] = self.placed.get(w, 0) + 1
         self.last[w] = choice
-        lru = self.sent_ids.setdefault(w, OrderedDict())
-        for i in ids:
-            lru[i] = None
-            lru.move_to_end(i)
-        while len(lru) > SUMMARY_MAX_IDS:
-            lru.popitem(last=False)
+        self.sent.setdefault(w, SentPrompts()).add(ids)
         c = self.candidates.get(w)
         if c is not None:
+            gained = isinstance(c.held, set) and bool(ids)
             if isinstance(c.held, set):
                 c.held.update(ids)  # the Tracker's own copy (candidate() builds it): no copy per session
             self.candidates[w] = new = replace(c, load=c.load + 1)
+            own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
                 index.update(new)
+                if gained:
+                    index.gained(w, own, ids)
             if c.block_tokens is None and ids:  # it may hold what it was sent now
                 for digests, group in self.groups.items():
                     if w in self.pools.get(digests, ()):
@@ -291,7 +319,7 @@ class Placer:
             for bt, scope in self.fleet.pool_groups(digests):
                 # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
                 salt = _salt(scope, cache_salt, template.account_id)
-                ids_for[(bt, scope)] = [] if salt is None else block_ids(
+                ids_for[(bt, scope)] = [] if salt is None else self.fleet.block_ids(
                     prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
             choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
@@ -303,7 +331,8 @@ class Placer:
             ids = ids_for.get((bt, scope))
             if ids is None:
                 salt = _salt(scope, cache_salt, template.account_id)
-                ids = [] if salt is None else block_ids(prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
+                root = prefix_root(digests[0], salt) if salt is not None else b""
+                ids = self.fleet.block_ids(prompt, root, bt or BLOCK_TOKENS) if salt is not None else []
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")
             full = [w for w in full_now if w != choice.worker_id]

@@ -44,6 +44,9 @@ class PoolIndex:
         self.by_cost: dict[bool, list[tuple[float, int, str]]] = {True: [], False: []}
         self.by_load: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
         self.groups: dict[Group, list[str]] = {}
+        # group -> a prompt's first block id -> the members holding it, found once per fleet read by a pass over
+        # the group and then kept by `gained`: a session's choice looks at the few holders, not the whole pool
+        self.holders: dict[Group, dict[str, list[str]]] = {}
         for c in candidates:
             if eligible(c, digests, policy):
                 self.ok[c.worker_id] = c
@@ -74,6 +77,22 @@ class PoolIndex:
             self.ok[new.worker_id] = new
             self._add(new)
 
+    def gained(self, worker_id: str, group: Group, ids: Sequence[str]) -> None:
+        """The worker (of `group`) now holds `ids` too (this Tracker sent it a prompt of those blocks)."""
+        firsts = self.holders.get(group)
+        if firsts:
+            for first in filter(firsts.__contains__, ids):
+                got = firsts[first]
+                if worker_id not in got:
+                    got.append(worker_id)
+
+    def _holders(self, group: Group, first: str) -> list[str]:
+        firsts = self.holders.setdefault(group, {})
+        got = firsts.get(first)
+        if got is None:
+            got = firsts[first] = [w for w in self.groups[group] if first in self.ok[w].held]
+        return got
+
     def full(self) -> list[str]:
         """The eligible workers with no room (choose passes them over while another has room)."""
         return [w for _, w in self.by_load[False]]
@@ -90,18 +109,19 @@ class PoolIndex:
         if guarded:
             return self._choice(self.ok[by_load[0][1]], ids_for, guarded)
         best: tuple[Any, ...] = self.by_cost[roomy][0]
-        for group, members in self.groups.items():
+        best_hit = -1  # not counted yet: the pool's cheapest by cost0 (it may hold blocks of another group)
+        for group in self.groups:
             ids = ids_for.get(group)
             if not ids:
                 continue
-            first = ids[0]
-            for w in members:
+            for w in self._holders(group, ids[0]):
                 c = self.ok[w]
-                if c.held and first in c.held and (c.slots > c.load) == roomy and self._floor(c) < best:
-                    rank = self._rank(c, ids)
+                if (c.slots > c.load) == roomy and self._floor(c) < best:
+                    hit = leading(ids, c.held)
+                    rank = self._rank(c, len(ids), hit)
                     if rank < best:
-                        best = rank
-        return self._choice(self.ok[best[-1]], ids_for, guarded)
+                        best, best_hit = rank, hit
+        return self._choice(self.ok[best[-1]], ids_for, guarded, best_hit)
 
     def _floor(self, c: Candidate) -> tuple[float, int, str]:
         """The rank c would have holding every block (miss 0): no lower, the float operations being monotone."""
@@ -109,16 +129,15 @@ class PoolIndex:
         return self.policy.overlap_weight * 0.0 + c.load / s + self.policy.queue_weight * c.queued / s, c.load, \
             c.worker_id
 
-    def _rank(self, c: Candidate, ids: Sequence[str]) -> tuple[float, int, str]:
-        n = len(ids)
-        hit = leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
+    def _rank(self, c: Candidate, n: int, hit: int) -> tuple[float, int, str]:
         s = c.slots if c.slots > 1 else 1
         cost = self.policy.overlap_weight * ((n - hit) / n if n else 1.0) + c.load / s \
             + self.policy.queue_weight * c.queued / s
         return cost, c.load, c.worker_id
 
-    def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool) -> Choice:
+    def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool, hit: int = -1) -> Choice:
         ids = ids_for.get((c.block_tokens or 0, c.scope), ())
-        hit = leading(ids, c.held) if ids and c.held and ids[0] in c.held else 0
-        return self.choice(c.worker_id, self._rank(c, ids)[0], hit, len(ids), c.load, c.slots - c.load, guarded,
-                      len(self.ok))
+        if hit < 0:
+            hit = leading(ids, c.held) if ids and c.held and ids[0] in c.held else 0
+        return self.choice(c.worker_id, self._rank(c, len(ids), hit)[0], hit, len(ids), c.load, c.slots - c.load,
+                           guarded, len(self.ok))

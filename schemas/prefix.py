@@ -69,6 +69,70 @@ def block_ids(tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKE
     return out
 
 
+class BlockIdMemo:
+    """`block_ids` for a caller that sees the same leading blocks again and again (the Tracker's placement: one
+    system prompt on every chat, earlier turns re-sent): it keeps the last prompt seen per (root, block size,
+    first block) and its ids, and a prompt that starts as that one takes the ids of the blocks they share and
+    hashes only the rest. The same ids as `block_ids` (tests/test_prefix_ids.py); bounded by `max_tokens`
+    (the prompts kept, the oldest dropped first)."""
+
+    def __init__(self, max_tokens: int = 1 << 20) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        # (root, block size, first block) -> the last such prompt: its tokens, block digests and ids, and how many
+        # blocks it shared with the one before it (where the next is likely to part from it too)
+        self.chains: dict[tuple[bytes, int, tuple[int, ...]], tuple[list[int], list[bytes], list[str], int]] = {}
+
+    def __call__(self, tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[str]:
+        bt = block_tokens
+        if bt < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {bt}")
+        n = len(tokens) - len(tokens) % bt
+        if n == 0:
+            return []
+        toks = list(tokens[:n])  # a list, so slices compare in C (a tuple never equals a list)
+        key = (root, bt, tuple(toks[:bt]))
+        chain = self.chains.pop(key, None)
+        k = 0 if chain is None else _shared_blocks(toks, chain[0], bt, chain[3])
+        parents, ids = (chain[1][:k], chain[2][:k]) if chain is not None else ([], [])
+        parent = parents[-1] if parents else root
+        data = memoryview(struct.pack(f"<{n - k * bt}q", *toks[k * bt:]))
+        step = 8 * bt
+        for start in range(0, len(data), step):
+            h = hashlib.sha256(parent)
+            h.update(data[start:start + step])
+            parent = h.digest()[:16]
+            parents.append(parent)
+            ids.append(parent.hex())
+        if chain is not None:
+            self.tokens -= len(chain[0])
+        self.chains[key] = (toks, parents, ids, k)  # the newest last: the oldest is dropped first
+        self.tokens += n
+        while self.tokens > self.max_tokens and len(self.chains) > 1:
+            self.tokens -= len(self.chains.pop(next(iter(self.chains)))[0])
+        return list(ids)
+
+
+def _shared_blocks(a: list[int], b: list[int], bt: int, hint: int = 0) -> int:
+    """The number of leading blocks of `bt` tokens a and b have in common, the first known equal: `hint` (where
+    b parted from the prompt before it: one system prompt, other suffixes) tried first, then a binary search of
+    slice comparisons (each in C)."""
+    m = min(len(a), len(b)) // bt
+    h = hint * bt
+    if 0 < hint < m and a[h:h + bt] != b[h:h + bt] and a[:h] == b[:h]:
+        return hint
+    if a[:m * bt] == b[:m * bt]:
+        return m
+    lo, hi = 1, m - 1  # blocks [0, lo) equal; the answer is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo * bt:mid * bt] == b[lo * bt:mid * bt]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def cached_blocks(ids: Sequence[str], held: set[str] | frozenset[str]) -> int:
     """How many of the prompt's leading blocks are in `held` (a prefix match: the first miss ends it)."""
     n = 0

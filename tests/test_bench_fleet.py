@@ -58,7 +58,8 @@ def test_solo_tokens_are_the_engines_greedy_tokens_and_a_restore_changes_none() 
 
 def test_cost_on_a_small_fleet_places_every_session(tmp_path: Path) -> None:
     r = fleet.cost(workers=6, slots=4, prompt_len=96, sessions=20, repeats=1)
-    assert min(r["place_loaded_us"], r["choice_us"], r["choose_us"], r["block_ids_us"]) > 0
+    assert min(r["place_loaded_us"], r["named_spec_us"], r["choice_us"], r["choose_us"], r["block_ids_us"],
+               r["block_ids_memo_us"]) > 0
     res = CliRunner().invoke(command_line(), ["bench", "fleet", "--cost", "--quick", "--workers", "5",
                                               "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output

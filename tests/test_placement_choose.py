@@ -232,3 +232,27 @@ def test_the_pool_index_chooses_as_choose_placement_after_placement(cs: list[Can
         if got is None:
             return
         view.note(got, IDS[:3 + k], [])
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9)), max_size=40), st.integers(1, 30))
+def test_sent_prompts_keep_the_last_within_the_bound(sends: list[tuple[int, int]], limit: int) -> None:
+    """The ids a Tracker remembers sending one worker: the last prompt's always, at most `limit` counted per
+    prompt unless one prompt alone is longer, and an older prompt's only while the later ones leave room."""
+    from producer.placement import SentPrompts
+
+    sent = SentPrompts(limit)
+    prompts = [block_ids(list(range(16 * (n + 1))) + [s] * 16, prefix_root("pre", "a:acct"), 16) for s, n in sends]
+    for i, ids in enumerate(prompts):
+        sent.add(ids)
+        assert set(ids) <= sent.ids()
+        assert sent.count == sum(len(p) for p in sent.prompts.values())
+        assert sent.count <= limit or len(sent.prompts) == 1
+        kept, room = [], limit
+        for p in reversed(prompts[:i + 1]):  # the newest first, each prompt once
+            if p[-1] in {q[-1] for q in kept}:
+                continue
+            if kept and len(p) > room:
+                break
+            kept.append(p)
+            room -= len(p)
+        assert sent.ids() == set().union(*kept)

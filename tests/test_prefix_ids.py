@@ -4,7 +4,16 @@ across roots (model, recipe, hop, salt); the heartbeat summary bounded and parse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.prefix import ID_HEX, SUMMARY_MAX_IDS, PrefixSummary, block_ids, cached_blocks, prefix_root, salt_for
+from schemas.prefix import (
+    ID_HEX,
+    SUMMARY_MAX_IDS,
+    BlockIdMemo,
+    PrefixSummary,
+    block_ids,
+    cached_blocks,
+    prefix_root,
+    salt_for,
+)
 
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=80)
 
@@ -21,6 +30,25 @@ def test_ids_match_exactly_the_common_full_blocks(a, b, bt):
     shared = cached_blocks(ib, set(ia))
     assert shared == min(common // bt, len(ib))
     assert all(len(i) == ID_HEX for i in ia)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bases=st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=3),
+       picks=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(0, 3), max_size=24),
+                                st.sampled_from([b"r" * 16, b"s" * 16]), st.integers(1, 6)), min_size=1, max_size=12),
+       budget=st.sampled_from([1, 24, 1 << 20]))
+def test_memo_gives_block_ids(bases, picks, budget):
+    """Prompts that share prefixes of any length with earlier ones (a small alphabet: many equal blocks, prompts
+    equal up to any point), other roots and block sizes, the memo under budgets that keep one prompt or all:
+    always block_ids' ids, and the memo within its budget whenever it keeps more than one prompt."""
+    memo = BlockIdMemo(max_tokens=budget)
+    for which, cut, own, root, bt in picks:
+        base = bases[which % len(bases)]
+        prompt = base[:cut] + own
+        assert memo(prompt, root, bt) == block_ids(prompt, root, bt)
+        assert memo(tuple(prompt), root, bt) == block_ids(prompt, root, bt)
+        assert memo.tokens == sum(len(c[0]) for c in memo.chains.values())
+        assert memo.tokens <= budget or len(memo.chains) == 1
 
 
 @given(t=st.lists(st.integers(0, 1000), min_size=4, max_size=40))

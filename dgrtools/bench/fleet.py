@@ -337,13 +337,14 @@ def cost_fleet(workers: int, slots: int, systems: Sequence[Sequence[int]], seed:
 
 def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: int = 1000,
          repeats: int = 5) -> dict[str, Any]:
-    """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O), of the choice alone
-    (block ids given) through the fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()`
-    defines it (one pass over the candidates), and of the prompt's block ids alone; medians over `repeats`
-    fresh fleets."""
+    """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O), of the SessionSpec a
+    named worker gets (what opening costs without placement), of the choice alone (block ids given) through the
+    fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the
+    candidates), and of the prompt's block ids hashed whole and through the Tracker's memo (`BlockIdMemo`, what
+    place_loaded runs, cold at each repeat); medians over `repeats` fresh fleets."""
     from producer import ProducerCore, SessionTemplate
     from producer.placement import choose
-    from schemas.prefix import block_ids, prefix_root
+    from schemas.prefix import BlockIdMemo, block_ids, prefix_root
 
     rng = np.random.default_rng(5)
     systems = [[int(t) for t in rng.integers(3, VOCAB, prompt_len - 64)] for _ in range(64)]
@@ -351,7 +352,7 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
     fleet = cost_fleet(workers, slots, systems)
     key = fleet[0].keys[0]
     digests = (key.digest, fleet[0].keys[1].digest)
-    place, pick, index, ids = [], [], [], []
+    place, named, pick, index, ids, memo = [], [], [], [], [], []
     for r in range(repeats):
         core = ProducerCore()
         core.fleet.load(fleet, time.monotonic())
@@ -360,12 +361,21 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
         for tm, p in zip(tmpls, prompts, strict=True):
             core.place_loaded(tm, p)
         place.append((time.perf_counter() - t) / sessions)
+        t = time.perf_counter()
+        for tm in tmpls:
+            tm.spec([fleet[0].worker_id])
+        named.append((time.perf_counter() - t) / sessions)
         cands = core.fleet.pool(digests)
         root = prefix_root(digests[0], "a:bench")
         t = time.perf_counter()
         for p in prompts:
             block_ids(p, root)
         ids.append((time.perf_counter() - t) / sessions)
+        ids_memo = BlockIdMemo()
+        t = time.perf_counter()
+        for p in prompts:
+            ids_memo(p, root)
+        memo.append((time.perf_counter() - t) / sessions)
         ids_for: dict[tuple[int, str | None], list[str]] = {(16, "account"): block_ids(prompts[0], root)}
         t = time.perf_counter()
         for _ in range(sessions):
@@ -376,17 +386,19 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
             core.fleet.choose(digests, core.policy, ids_for)
         index.append((time.perf_counter() - t) / sessions)
     return {"workers": workers, "slots": slots, "prompt_len": prompt_len, "sessions": sessions, "repeats": repeats,
-            "place_loaded_us": 1e6 * statistics.median(place), "choice_us": 1e6 * statistics.median(index),
+            "place_loaded_us": 1e6 * statistics.median(place), "named_spec_us": 1e6 * statistics.median(named),
+            "choice_us": 1e6 * statistics.median(index),
             "choose_us": 1e6 * statistics.median(pick),
-            "block_ids_us": 1e6 * statistics.median(ids)}
+            "block_ids_us": 1e6 * statistics.median(ids), "block_ids_memo_us": 1e6 * statistics.median(memo)}
 
 
 def run_cost(out: Path, **kw: Any) -> dict[str, Any]:
     r = cost(**kw)
     console.print(table(f"placement cost per session: {r['workers']} workers x {r['slots']} slots, "
-                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "choice µs", "choose() µs",
-                                                              "block ids µs"],
-                        [[r["place_loaded_us"], r["choice_us"], r["choose_us"], r["block_ids_us"]]]))
+                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "named worker µs", "choice µs",
+                                                              "choose() µs", "block ids µs", "memo µs"],
+                        [[r["place_loaded_us"], r["named_spec_us"], r["choice_us"], r["choose_us"],
+                          r["block_ids_us"], r["block_ids_memo_us"]]]))
     save(out, "fleet-cost", r)
     return r
 
