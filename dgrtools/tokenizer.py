@@ -57,6 +57,9 @@ class Tokenizer:
         self.eos_id = impl.eos_id
         self.vocab_size = impl.vocab_size
         self.stop_tokens: tuple[int, ...] = impl.stop_tokens  # end-of-generation tokens (eos, eot)
+        # A token's bytes never change: kept once asked (at most the vocabulary), so that streaming a token costs
+        # a dictionary lookup, not a call into llama.cpp with a buffer made for it (dgr serve, per token)
+        self._pieces: dict[int, bytes] = {}
 
     def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         """`special`: text naming a control token (`<start_of_turn>`) becomes that token, as a chat template's
@@ -66,7 +69,10 @@ class Tokenizer:
     def piece_bytes(self, token: int) -> bytes:
         """One token's bytes (a byte token: its one byte; control tokens: none): what an incremental
         detokenizer joins, so that a character split over tokens is never cut."""
-        return self._impl.piece_bytes(token)
+        got = self._pieces.get(token)
+        if got is None:
+            got = self._pieces[token] = self._impl.piece_bytes(token)
+        return got
 
     def decode(self, tokens: list[int]) -> str:
         """As llama_detokenize(remove_special=True): a leading BOS is dropped, control tokens print nothing."""

@@ -31,6 +31,13 @@ def test_detokenizer_chunks_join_to_the_whole(tok: Tokenizer) -> None:
     check()
 
 
+def test_kept_pieces_are_llama_cpps(tok: Tokenizer) -> None:
+    """The pieces the tokenizer keeps once asked are the bytes llama.cpp gives, asked first or again."""
+    for _ in range(2):
+        assert [tok.piece_bytes(t) for t in range(tok.vocab_size)] == [
+            tok._impl.piece_bytes(t) for t in range(tok.vocab_size)]
+
+
 def test_a_character_split_over_byte_tokens_is_sent_whole(tok: Tokenizer) -> None:
     ids = tok.encode("é€😀", add_bos=False)  # the tiny vocabulary spells these in byte tokens
     d = Detokenizer(tok)
