@@ -256,3 +256,26 @@ def test_sent_prompts_keep_the_last_within_the_bound(sends: list[tuple[int, int]
             kept.append(p)
             room -= len(p)
         assert sent.ids() == set().union(*kept)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 3), st.lists(st.integers(0, 2), min_size=16, max_size=64),
+                                max_size=4), min_size=1, max_size=4))
+def test_summaries_parsed_once_per_change_hold_what_a_fresh_parse_holds(reads: list[dict[int, list[int]]]) -> None:
+    """Fleet reads one after another, each worker's summary changed, kept, dropped or new (each read's
+    heartbeats fresh objects, as decoded from Redis): the candidates hold what parsing every summary anew gives."""
+    import json
+
+    from producer.placement import FleetView, candidate
+
+    view = FleetView()
+    for summaries in reads:
+        workers = fleet(4, summaries)
+        for w in workers:
+            w.heartbeat = json.loads(json.dumps(w.heartbeat))
+        view.load(workers, 0.0)
+        for w in workers:
+            fresh = candidate(w, 0, view._sent_ids(w.worker_id))
+            got = view.candidates[w.worker_id]
+            assert (got.held, got.block_tokens, got.scope) == (fresh.held, fresh.block_tokens, fresh.scope)
+        assert set(view.summaries.last) == {w.worker_id for w in workers}
