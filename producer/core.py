@@ -52,6 +52,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         self.settings = ProducerSettings.of(settings, options)
         self.lag: dict[str, tuple[float, int]] = {}  # stream -> (monotonic time asked, lag)
         self.discovered: dict[str, tuple[float, WorkerInfo]] = {}
+        self.prefix_summaries: dict[str, tuple[str, dict[str, Any]]] = {}
         self.driven: dict[str, SessionHandle] = {}  # by session id: sessions a Run drives
         self.by_hand: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()
         self.reads: dict[str, dict[str, int]] = {}  # worker -> {result stream: driven sessions reading it}

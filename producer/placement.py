@@ -99,8 +99,10 @@ def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None
     if summary is None:
         parsed = PrefixSummary.parse(hb.get("prefix"))
         summary = parsed, frozenset(parsed.ids) if parsed is not None else frozenset()
-    ids = set(summary[1])  # a copy of a set's table, not 4,096 insertions
-    ids.update(held)
+    sent = held if isinstance(held, set | frozenset) else set(held)
+    # the parsed summary's own set while this Tracker sent the worker nothing since (note() copies it before
+    # it adds to it): no copy of 4,096 ids per worker and fleet read, nor one more set for the GC to walk
+    ids: frozenset[str] | set[str] = summary[1] if not sent else summary[1] | sent
     summary_of = summary[0]
     return Candidate(worker_id=w.worker_id, digests=frozenset(w.digests), slots=slots,
                      load=_int(hb.get("busy_slots"), 0) + placed, queued=_int(hb.get("queued"), 0),
@@ -133,6 +135,8 @@ class SummaryCache:
             return prev[1], prev[2]
         parsed = PrefixSummary.parse(raw)
         ids = frozenset(parsed.ids) if parsed is not None else frozenset()
+        if parsed is not None:  # its block size and scope kept, its ids in the set only
+            parsed = PrefixSummary(block_tokens=parsed.block_tokens, scope=parsed.scope, ids=[])
         self.last[worker_id] = (raw, parsed, ids)
         return parsed, ids
 
@@ -273,14 +277,17 @@ class FleetView:
         self.sent.setdefault(w, SentPrompts()).add(ids)
         c = self.candidates.get(w)
         if c is not None:
-            gained = isinstance(c.held, set) and bool(ids)
-            if isinstance(c.held, set):
-                c.held.update(ids)  # the Tracker's own copy (candidate() builds it): no copy per session
-            self.candidates[w] = new = replace(c, load=c.load + 1)
+            held = c.held
+            if ids:
+                # the Tracker's own copy, made at the first session sent since the read (candidate() may share
+                # the parsed summary's set): no copy per session
+                held = c.held if isinstance(c.held, set) else set(c.held)
+                held.update(ids)
+            self.candidates[w] = new = replace(c, load=c.load + 1, held=held)
             own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
                 index.update(new)
-                if gained:
+                if ids:
                     index.gained(w, own, ids)
             if c.block_tokens is None and ids:  # it may hold what it was sent now
                 for digests, group in self.groups.items():

@@ -16,6 +16,7 @@ from schemas import CompatibilityKey, Reason, SessionSpec, WireError, WorkerKeys
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
 from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, WIRE_VERSION, is_id
+from schemas.prefix import PrefixSummary
 
 from .commands import Exists, Get, Plan, Read, Sleep, SMembers, XInfoGroups, XLen
 from .errors import Backpressure
@@ -118,11 +119,20 @@ class WorkerInfo:
                           alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
 
 
+def _json_object(raw: bytes | str | None) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class TrackerAdmission:
-    """The advertisement and backpressure checks: state (`discovered`, `lag`) and plans."""
+    """The advertisement and backpressure checks: state (`discovered`, `lag`, `prefix_summaries`) and plans."""
 
     settings: ProducerSettings
     discovered: dict[str, tuple[float, WorkerInfo]]
+    prefix_summaries: dict[str, tuple[str, dict[str, Any]]]  # worker -> (version, its summary as read)
     lag: dict[str, tuple[float, int]]  # stream -> (monotonic time asked, lag)
 
     def discover(self, worker_id: str) -> Plan[WorkerInfo]:
@@ -146,7 +156,33 @@ class TrackerAdmission:
             if info is not None:
                 info.draining = bool(replies[3 * i + 2])
                 infos.append(info)
+        yield from self.prefix_summaries_of(infos)
         return infos
+
+    def prefix_summaries_of(self, infos: list[WorkerInfo]) -> Plan[None]:
+        """Each worker's prefix summary put in its heartbeat (`prefix`), read from its own key only when the
+        version its heartbeat names is not the one last read (docs/wire-format.md): a fleet read of 100
+        workers is 100 small heartbeats, not 100 summaries of up to ~135 kB. A version not found (the key
+        lost, or a newer one written since the heartbeat) leaves the worker without one until a later read."""
+        cache = self.prefix_summaries
+        here = {i.worker_id for i in infos}
+        for gone in [w for w in cache if w not in here]:
+            del cache[gone]
+        named = {i.worker_id: v for i in infos if (v := PrefixSummary.ref_version(i.heartbeat.get("prefix")))}
+        need = [w for w, v in named.items() if cache.get(w, ("", {}))[0] != v]
+        if need:
+            raws = yield Read(tuple(Get(WorkerKeys(w).prefix_summary) for w in need))
+            for w, raw in zip(need, raws, strict=True):
+                doc = _json_object(raw)
+                if doc is not None and doc.get("version") == named[w]:
+                    cache[w] = (named[w], doc)
+        for i in infos:
+            if i.worker_id in named:
+                got = cache.get(i.worker_id)
+                if got is not None and got[0] == named[i.worker_id]:
+                    i.heartbeat["prefix"] = got[1]  # the same object while unchanged (SummaryCache compares it)
+                else:
+                    del i.heartbeat["prefix"]
 
     def remember(self, info: WorkerInfo) -> None:
         self.discovered[info.worker_id] = (time.monotonic(), info)

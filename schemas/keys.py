@@ -138,6 +138,12 @@ class WorkerKeys:
         return f"{self.base}:hb"
 
     @property
+    def prefix_summary(self) -> str:
+        """The prefix cache's summary (JSON PrefixSummary with its version), written when it changes; the
+        heartbeat names its version, so a Tracker reads it only when that changed (docs/wire-format.md)."""
+        return f"{self.base}:prefix"
+
+    @property
     def lease(self) -> str:
         """'<epoch>:<instance>' of the one consumer process serving this worker id (SET NX PX)."""
         return f"{self.base}:lease"

@@ -163,6 +163,25 @@ class PrefixSummary(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def as_json(self) -> dict[str, object]:
         return {"block_tokens": self.block_tokens, "scope": self.scope, "ids": list(self.ids)}
 
+    def version(self) -> str:
+        """A digest of what the summary says: equal summaries, equal versions."""
+        h = hashlib.sha256(f"{self.block_tokens}\0{self.scope}\0".encode())
+        h.update("\n".join(self.ids).encode())
+        return h.hexdigest()[:ID_HEX]
+
+    def ref(self) -> dict[str, object]:
+        """What the heartbeat carries in place of the ids (they are at WorkerKeys.prefix_summary): a few
+        bytes a beat instead of up to ~135 kB, parsed by every Tracker at every read of the fleet."""
+        return {"block_tokens": self.block_tokens, "scope": self.scope, "n": len(self.ids), "version": self.version()}
+
+    @staticmethod
+    def ref_version(raw: object) -> str | None:
+        """The version a heartbeat's `prefix` names when it is a ref (`ref()`), else None."""
+        if isinstance(raw, dict) and "ids" not in raw:
+            v = raw.get("version")
+            return v if isinstance(v, str) and len(v) == ID_HEX else None
+        return None
+
     @staticmethod
     def parse(raw: object) -> PrefixSummary | None:
         """From a heartbeat's `prefix` value; None when absent or malformed (a worker's summary is advisory:

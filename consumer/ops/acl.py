@@ -62,7 +62,8 @@ def worker_rules(worker_id: str) -> list[str]:
 
 def producer_rules() -> list[str]:
     w = ANY_WORKER
-    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"%R~{w.drain}",
+    return ["resetkeys", f"%R~{WORKERS_INDEX}", f"%R~{w.spec}", f"%R~{w.heartbeat}", f"%R~{w.prefix_summary}",
+            f"%R~{w.drain}",
             f"~{w.input_pattern}",
             f"%R~{w.results('*')}", f"%W~{w.cancellations}", "resetchannels", "-@all", *CONNECTION, *PRODUCER_COMMANDS,
             PRODUCER_STATE_SELECTOR, PRODUCER_MOVE_SELECTOR, *PRODUCER_RELAY_SELECTORS]

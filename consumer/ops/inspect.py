@@ -161,9 +161,10 @@ def _placement_inputs(hb: dict[str, Any], info: dict[str, Any], draining: bool) 
     sched = hb.get("scheduler") if isinstance(hb.get("scheduler"), dict) else None  # openings refused: full
     summary = None
     if isinstance(prefix, dict):
-        ids = prefix.get("ids")
+        ids, n = prefix.get("ids"), prefix.get("n")  # the ids themselves (an older worker), or their count
         summary = {"block_tokens": prefix.get("block_tokens"), "scope": prefix.get("scope"),
-                   "ids": len(ids) if isinstance(ids, list) else None}
+                   "ids": len(ids) if isinstance(ids, list) else _int(n) if n is not None else None,
+                   "version": prefix.get("version")}
     return {"slots": _int(hb.get("slots", info.get("slots"))), "busy_slots": _int(hb.get("busy_slots")),
             "queued": _int(hb.get("queued")), "stopped": bool(hb.get("stopped")),
             "draining": draining or bool(hb.get("draining")), "advertises_draining": bool(hb.get("draining")),

@@ -13,6 +13,7 @@ from schemas import GROUP, WIRE_VERSION, CompatibilityKey, StepJob
 from schemas.accounting import parse_tally
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
+from schemas.prefix import PrefixSummary
 from schemas.replies import as_str
 
 from .connection import RedisIO
@@ -42,6 +43,7 @@ class Upkeep:
         # advertises both, for placement (docs/placement.md) and `dgr inspect`.
         self.draining = False
         self.queued = 0
+        self.summary_version: str | None = None  # of the prefix summary last written (None: write it)
 
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
         """Create the consumer group on every key's input stream (id 0, MKSTREAM; BUSYGROUP ignored),
@@ -68,12 +70,37 @@ class Upkeep:
         return streams
 
     def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
-        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s."""
+        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s. A prefix summary
+        in `info` (its ids) goes to keys.prefix_summary, written only when it changed and kept alive with the
+        heartbeat; the heartbeat names its version (`PrefixSummary.ref`)."""
         io = self.io
         body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name,
                 "draining": self.draining, "queued": self.queued, **(info or {})}
+        listed = body.get("prefix")
+        summary = PrefixSummary.parse(listed) if isinstance(listed, dict) and "ids" in listed else None
+        if summary is None:
+            raw = json.dumps(body, default=str, separators=(",", ":"))
+            io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
+            return
+        ref = summary.ref()
+        body["prefix"] = ref
         raw = json.dumps(body, default=str, separators=(",", ":"))
-        io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
+        version, ttl = str(ref["version"]), io.settings.heartbeat_ttl_s
+        write = version != self.summary_version
+        doc = json.dumps({**summary.as_json(), "version": version}, separators=(",", ":")) if write else ""
+
+        def beat() -> list[Any]:
+            pipe = io.client.pipeline(transaction=False)
+            if write:  # before the heartbeat that names it: a Tracker never reads a version not yet written
+                pipe.set(io.keys.prefix_summary, doc, ex=ttl)
+            else:
+                pipe.expire(io.keys.prefix_summary, ttl)
+            pipe.set(io.keys.heartbeat, raw, ex=ttl)
+            return list(pipe.execute())
+
+        replies = io.io(beat)
+        # written now, or still there: the next beat only refreshes it (a key Redis lost is written again)
+        self.summary_version = version if (write or bool(replies[0])) else None
 
     def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         """(the job ids of the steps already answered, the session ids with a cancel marker), in one
