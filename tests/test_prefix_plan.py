@@ -1,7 +1,7 @@
 """The scheduler's side of the prefix cache on a sliding-window engine (consumer/sched/prefix_plan.py), pure:
 a cacheable prompt's piece ends on the window's edge only while that saves something. A later session whose
-restore stops short of the edge (its first job ends there: the producer's chunks) computes across the edge in
-one piece once the blocks up to it are held, instead of taking another prefill turn for the rest."""
+first job ends on the edge (the producer's chunks) restores it whole once the blocks up to it are held and
+computes only the rest, in the same prefill turn."""
 
 from __future__ import annotations
 
@@ -52,9 +52,10 @@ def test_a_piece_crosses_the_window_edge_once_the_blocks_up_to_it_are_held() -> 
     assert [it.n_tokens for it in rest.items] == [16] and not rest.saves
     _open(s, "b")
     b = _call(s, store)
-    # restored up to its first job's end less two rows (48: three blocks), then 48..80 computed in one piece
-    assert [r.hit.n_tokens for r in b.restores] == [48]
-    assert sum(it.n_tokens for it in b.items if it.session_id == "b") == 32
+    # its first job restored whole (64: up to the edge, answered by an item of no rows), then 64..80 computed
+    assert [r.hit.n_tokens for r in b.restores] == [64]
+    assert [(it.n_tokens, it.completes_job) for it in b.items if it.session_id == "b"] == [(0, True), (16, True)]
+    assert len(b.fused) == 16
     assert any(it.samples for it in b.items) and not b.saves
 
 

@@ -108,7 +108,9 @@ class BatchSampler:
                 restored.pop(it.slot, None)
             elif slot is None:
                 slot = self._slots[it.slot] = _Slot(broken=True)
-            if not slot.plain:  # a plain greedy session needs no context: nothing to keep
+            # a plain greedy session needs no context: nothing to keep; a job restored whole fed no row (and a
+            # write at its first position would cut the restored context there)
+            if not slot.plain and it.n_tokens:
                 slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
 
     def release(self, slot: int) -> None:

@@ -109,11 +109,16 @@ class Batching(SchedulerState):
 
     def _prefill_extent(self, lane: SessionQueue) -> tuple[int, int, int | None]:
         """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
-        head = lane.jobs[0]
+        jobs = list(lane.jobs)
+        first = 0  # jobs restored whole from the prefix cache come first: they add no row (_take_piece)
+        while first + 1 < len(jobs) and jobs[first].job.phase == "prefill" \
+                and jobs[first].consumed == len(jobs[first].job.tokens):
+            first += 1
+        head = jobs[first]
         start = head.job.start_position + head.consumed
         queued_end = start
         sampled_end: int | None = None  # where a sampling job (or a decode step) ends the prefill
-        for q in lane.jobs:
+        for q in jobs[first:]:
             if q.job.start_position + q.consumed != queued_end:
                 break
             if q.job.phase != "prefill":  # a decode step follows on: the prompt ends here

@@ -138,6 +138,8 @@ def _fuse(phase: Phase, items: Iterable[BatchItem]) -> tuple[FusedBatch, tuple[B
         out.append(it)
         n = it.n_tokens
         first = it.job.start_position + it.offset
+        if n == 0:  # a job restored whole from the prefix cache: answered by this call, no row of its own
+            continue
         if n == 1:
             slots.append(it.slot)
             positions.append(first)

@@ -21,7 +21,7 @@ from dataclasses import replace
 from ..prefix.planner import PrefixPlanner, Restore, Save
 from .outputs import ScheduledBatch
 from .session_table import CloseKind
-from .state import SchedulerState, SessionQueue
+from .state import SchedulerState, SessionQueue, _Queued
 
 __all__ = ["PrefixPlanning"]
 
@@ -50,18 +50,25 @@ class PrefixPlanning(SchedulerState):
         root = lane.prefix_root
         if root is None:
             return
-        cap = head.job.end_position - MIN_COMPUTED
+        # The restore may cover whole jobs of the prompt queued after this one (a prompt longer than the
+        # producer's chunk, a shared prefix of 512 tokens ending one): each such job is answered with no row of
+        # its own in the call that computes the rows after the hit (batching: an item of 0 rows), so only the
+        # last queued job needs its two computed rows.
+        run = self._prompt_run(lane)
+        cap = run[-1].job.end_position - MIN_COMPUTED
         if spec.prompt_len is not None:
             cap = min(cap, spec.prompt_len - MIN_COMPUTED)
         if cap < start + planner.store.block_tokens:
             return
-        tokens = [*lane.cacheable, *head.job.tokens]
+        tokens = [*lane.cacheable, *(t for q in run for t in q.job.tokens)]
         hit = planner.lookup(root, tokens, cap, have=start)
         if hit is None:
             return
-        k = hit.n_tokens - start
-        head.consumed = k
-        head.cached_tokens += k
+        k = left = hit.n_tokens - start
+        for q in run:  # each job charged the cached tokens of its own positions
+            q.consumed = min(left, len(q.job.tokens))
+            q.cached_tokens += q.consumed
+            left -= q.consumed
         self._queues["prefill"].take(k, job_done=False)
         lane.cacheable = tokens[:hit.n_tokens]
         lane.pending_restore = Restore(lane.entry.slot, hit, tuple(tokens[:hit.n_tokens]))
@@ -88,10 +95,27 @@ class PrefixPlanning(SchedulerState):
         return w - start
 
     @staticmethod
+    def _prompt_run(lane: SessionQueue) -> list[_Queued]:
+        """The lane's head prefill job and the untouched prefill jobs queued after it that follow on, up to
+        and with the first that samples."""
+        out: list[_Queued] = []
+        at = lane.jobs[0].job.start_position
+        for q in lane.jobs:
+            if q.job.phase != "prefill" or q.job.start_position != at or (out and q.consumed):
+                break
+            out.append(q)
+            at = q.job.end_position
+            if q.job.sample:
+                break
+        return out
+
+    @staticmethod
     def _queued_tokens(lane: SessionQueue, start: int, k: int) -> list[int]:
         """Up to k token ids of the lane's queued prefill jobs from position `start` on (fewer: not queued)."""
         out: list[int] = []
         for q in lane.jobs:
+            if q.job.phase == "prefill" and q.consumed == len(q.job.tokens):
+                continue  # restored whole: answered with no row of its own
             at = q.job.start_position + q.consumed
             if q.job.phase != "prefill" or at != start + len(out):
                 break
