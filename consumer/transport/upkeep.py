@@ -78,29 +78,30 @@ class Upkeep:
                 "draining": self.draining, "queued": self.queued, **(info or {})}
         listed = body.get("prefix")
         summary = PrefixSummary.parse(listed) if isinstance(listed, dict) and "ids" in listed else None
-        if summary is None:
-            raw = json.dumps(body, default=str, separators=(",", ":"))
-            io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=io.settings.heartbeat_ttl_s))
-            return
-        ref = summary.ref()
-        body["prefix"] = ref
+        ref = summary.ref() if summary is not None else None
+        if ref is not None:
+            body["prefix"] = ref
         raw = json.dumps(body, default=str, separators=(",", ":"))
-        version, ttl = str(ref["version"]), io.settings.heartbeat_ttl_s
+        ttl = io.settings.heartbeat_ttl_s
+        if summary is None or ref is None:
+            io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=ttl))
+            return
+        version = str(ref["version"])
+        doc = json.dumps({**summary.as_json(), "version": version}, separators=(",", ":"))
         write = version != self.summary_version
-        doc = json.dumps({**summary.as_json(), "version": version}, separators=(",", ":")) if write else ""
 
-        def beat() -> list[Any]:
+        def beat() -> bool:
             pipe = io.client.pipeline(transaction=False)
             if write:  # before the heartbeat that names it: a Tracker never reads a version not yet written
                 pipe.set(io.keys.prefix_summary, doc, ex=ttl)
             else:
                 pipe.expire(io.keys.prefix_summary, ttl)
             pipe.set(io.keys.heartbeat, raw, ex=ttl)
-            return list(pipe.execute())
+            return bool(pipe.execute()[0])
 
-        replies = io.io(beat)
-        # written now, or still there: the next beat only refreshes it (a key Redis lost is written again)
-        self.summary_version = version if (write or bool(replies[0])) else None
+        if not io.io(beat):  # Redis lost the key (EXPIRE answered 0): written again now, not a beat later
+            io.io(lambda: io.client.set(io.keys.prefix_summary, doc, ex=ttl))
+        self.summary_version = version
 
     def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         """(the job ids of the steps already answered, the session ids with a cancel marker), in one
