@@ -73,7 +73,7 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
     for c in pool:
         ids = get((c.block_tokens or 0, c.scope), ())
         n = len(ids)
-        hit = leading(ids, c.held) if n and c.held and ids[0] in c.held else 0
+        hit = leading(ids, c.held, c.sent) if n and (ids[0] in c.held or ids[0] in c.sent) else 0
         s = c.slots if c.slots > 1 else 1
         cost = ow * ((n - hit) / n if n else 1.0) + c.load / s + qw * c.queued / s
         rank = (c.load, c.worker_id) if guarded else (cost, c.load, c.worker_id)
@@ -84,10 +84,10 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
     return Choice(c.worker_id, cost, hit, n, c.load, c.slots - c.load, guarded, len(ok))
 
 
-def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None = None,
+def candidate(w: WorkerInfo, placed: int, sent: Iterable[str], now: float | None = None,
               summary: tuple[PrefixSummary | None, frozenset[str]] | None = None) -> Candidate:
     """A Candidate from a worker's advertisement and heartbeat (absent fields: no slots, no summary), `placed`
-    sessions this Tracker put on it since its beat and the prompt ids it sent there (`held`); `summary`: its
+    sessions this Tracker put on it since its beat and the prompt ids it sent there (`sent`); `summary`: its
     heartbeat's prefix summary already parsed (SummaryCache), else parsed here."""
     hb = w.heartbeat
     now = time.time() if now is None else now
@@ -99,16 +99,13 @@ def candidate(w: WorkerInfo, placed: int, held: Iterable[str], now: float | None
     if summary is None:
         parsed = PrefixSummary.parse(hb.get("prefix"))
         summary = parsed, frozenset(parsed.ids) if parsed is not None else frozenset()
-    sent = held if isinstance(held, set | frozenset) else set(held)
-    # the parsed summary's own set while this Tracker sent the worker nothing since (note() copies it before
-    # it adds to it): no copy of 4,096 ids per worker and fleet read, nor one more set for the GC to walk
-    ids: frozenset[str] | set[str] = summary[1] if not sent else summary[1] | sent
     summary_of = summary[0]
     return Candidate(worker_id=w.worker_id, digests=frozenset(w.digests), slots=slots,
                      load=_int(hb.get("busy_slots"), 0) + placed, queued=_int(hb.get("queued"), 0),
                      heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
                      block_tokens=summary_of.block_tokens if summary_of is not None else None,
-                     scope=summary_of.scope if summary_of is not None else None, held=ids)
+                     scope=summary_of.scope if summary_of is not None else None, held=summary[1],
+                     sent=sent if isinstance(sent, set | frozenset) else set(sent))
 
 
 def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
@@ -200,6 +197,7 @@ class FleetView:
     # most of a placement's cost when hashed whole each time (docs/placement.md, "Cost").
     block_ids: BlockIdMemo = field(default_factory=BlockIdMemo)
     summaries: SummaryCache = field(default_factory=SummaryCache)  # the workers' prefix summaries, parsed
+    roots: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (key digest, salt) -> prefix_root
 
     def digests(self, key: CompatibilityKey) -> tuple[str, str]:
         got = self.key_digests.get(id(key))
@@ -210,6 +208,16 @@ class FleetView:
         d = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
         self.key_digests[id(key)] = (key, d)
         return d
+
+    def root(self, key_digest: str, salt: str) -> bytes:
+        """prefix_root(key_digest, salt), kept (a SHA-256 and two encodes per session otherwise; bounded: one
+        salt per account under scope `account`)."""
+        got = self.roots.get((key_digest, salt))
+        if got is None:
+            if len(self.roots) >= 4096:
+                self.roots.clear()
+            got = self.roots[(key_digest, salt)] = prefix_root(key_digest, salt)
+        return got
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
@@ -247,7 +255,7 @@ class FleetView:
         got = self.groups.get(digests)
         if got is None:
             got = self.groups[digests] = {(c.block_tokens, c.scope) if c.block_tokens is not None else (0, None)
-                                          for c in self.pool(digests) if c.block_tokens is not None or c.held}
+                                          for c in self.pool(digests) if c.block_tokens is not None or c.held or c.sent}
         return got
 
     def choose(self, digests: tuple[str, str], policy: PlacementPolicy,
@@ -277,13 +285,11 @@ class FleetView:
         self.sent.setdefault(w, SentPrompts()).add(ids)
         c = self.candidates.get(w)
         if c is not None:
-            held = c.held
-            if ids:
-                # the Tracker's own copy, made at the first session sent since the read (candidate() may share
-                # the parsed summary's set): no copy per session
-                held = c.held if isinstance(c.held, set) else set(c.held)
-                held.update(ids)
-            self.candidates[w] = new = replace(c, load=c.load + 1, held=held)
+            sent = c.sent
+            if ids:  # the candidate's own set (load() made it), or a new one for a candidate made without
+                sent = sent if isinstance(sent, set) else set(sent)
+                sent.update(ids)
+            self.candidates[w] = new = c.placed_one(sent)
             own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
                 index.update(new)
@@ -359,7 +365,7 @@ class Placer:
                 # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
                 salt = _salt(scope, cache_salt, template.account_id)
                 ids_for[(bt, scope)] = [] if salt is None else self.fleet.block_ids(
-                    prompt, prefix_root(digests[0], salt), bt or BLOCK_TOKENS)
+                    prompt, self.fleet.root(digests[0], salt), bt or BLOCK_TOKENS)
             choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"
@@ -370,7 +376,7 @@ class Placer:
             ids = ids_for.get((bt, scope))
             if ids is None:
                 salt = _salt(scope, cache_salt, template.account_id)
-                root = prefix_root(digests[0], salt) if salt is not None else b""
+                root = self.fleet.root(digests[0], salt) if salt is not None else b""
                 ids = self.fleet.block_ids(prompt, root, bt or BLOCK_TOKENS) if salt is not None else []
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")

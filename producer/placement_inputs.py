@@ -54,8 +54,10 @@ class PlacementPolicy:
 class Candidate:
     """One worker's advertised inputs, as placement sees them. `load`: sessions it holds (its heartbeat's
     busy_slots) plus those this Tracker placed on it since that beat; `queued`: steps waiting on its input
-    streams (its heartbeat's `queued`, when it says); `held`: prefix block ids it holds (its summary, plus the
-    ids of the prompts this Tracker placed on it)."""
+    streams (its heartbeat's `queued`, when it says); `held`: prefix block ids its summary says it holds (the
+    parsed summary's own set, shared, never written); `sent`: the block ids of the prompts this Tracker sent it
+    that the summary may not show yet (its own set, added to as sessions are placed). A block counts as held
+    when it is in either (pool_index.leading): no copy of a 4,096-id summary per worker and fleet read."""
 
     worker_id: str
     digests: frozenset[str]
@@ -67,10 +69,17 @@ class Candidate:
     block_tokens: int | None = None
     scope: str | None = None
     held: Set[str] = frozenset()
+    sent: Set[str] = frozenset()
 
     @property
     def room(self) -> int:
         return self.slots - self.load
+
+    def placed_one(self, sent: Set[str]) -> Candidate:
+        """This candidate with one session more placed on it, sending it `sent` (the constructor called directly:
+        dataclasses.replace costs more than the rest of FleetView.note)."""
+        return Candidate(self.worker_id, self.digests, self.slots, self.load + 1, self.queued, self.heartbeat_age_s,
+                         self.draining, self.block_tokens, self.scope, self.held, sent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,22 +15,36 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence, Set
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .placement_inputs import Candidate, Choice, PlacementPolicy
 
-__all__ = ["PoolIndex", "leading"]
+__all__ = ["PoolIndex", "holds", "leading"]
 
 Group = tuple[int, str | None]
 
 
-def leading(ids: Sequence[str], held: Set[str]) -> int:
-    """schemas.prefix.cached_blocks(ids, held) over any set, the loop in C (takewhile of the set's own membership
-    test): it runs for every worker holding a prompt's first block, per session (tests/test_placement_choose.py
-    checks choose against the choice as first written, with cached_blocks)."""
-    return len(list(takewhile(held.__contains__, ids)))
+def leading(ids: Sequence[str], held: Set[str], sent: Set[str] = frozenset()) -> int:
+    """schemas.prefix.cached_blocks(ids, held | sent) without building the union, the loops in C (takewhile of
+    each set's own membership test): it runs for every worker holding a prompt's first block, per session
+    (tests/test_placement_choose.py checks choose against the choice as first written, with cached_blocks).
+    Most prompts stop in `held` (the worker's summary) at an id not in `sent` either: one lookup more."""
+    n = len(list(takewhile(held.__contains__, ids)))
+    if not sent:
+        return n
+    end = len(ids)
+    while n < end and ids[n] in sent:  # a run of blocks sent since the summary, then maybe a held one, and so on
+        n += len(list(takewhile(sent.__contains__, islice(ids, n, None))))
+        if n < end and ids[n] in held:
+            n += len(list(takewhile(held.__contains__, islice(ids, n, None))))
+    return n
+
+
+def holds(c: Candidate, block_id: str) -> bool:
+    """The candidate holds the block: in its summary or sent to it since."""
+    return block_id in c.held or block_id in c.sent
 
 
 class PoolIndex:
@@ -90,7 +104,7 @@ class PoolIndex:
         firsts = self.holders.setdefault(group, {})
         got = firsts.get(first)
         if got is None:
-            got = firsts[first] = [w for w in self.groups[group] if first in self.ok[w].held]
+            got = firsts[first] = [w for w in self.groups[group] if holds(self.ok[w], first)]
         return got
 
     def full(self) -> list[str]:
@@ -110,24 +124,27 @@ class PoolIndex:
             return self._choice(self.ok[by_load[0][1]], ids_for, guarded)
         best: tuple[Any, ...] = self.by_cost[roomy][0]
         best_hit = -1  # not counted yet: the pool's cheapest by cost0 (it may hold blocks of another group)
+        ow, qw, ok = p.overlap_weight, p.queue_weight, self.ok
         for group in self.groups:
             ids = ids_for.get(group)
             if not ids:
                 continue
+            n = len(ids)
             for w in self._holders(group, ids[0]):
-                c = self.ok[w]
-                if (c.slots > c.load) == roomy and self._floor(c) < best:
-                    hit = leading(ids, c.held)
-                    rank = self._rank(c, len(ids), hit)
+                c = ok[w]
+                if (c.slots > c.load) != roomy:
+                    continue
+                # the rank c would have holding every block (miss 0) is no lower than its rank, the float
+                # operations being monotone: below the best so far, count its blocks. Inlined as _rank computes
+                # it (the same floats): this loop runs per holder of the first block, per session.
+                s = c.slots if c.slots > 1 else 1
+                per_slot, queue = c.load / s, qw * c.queued / s  # summed left to right as choose() sums them
+                if (ow * 0.0 + per_slot + queue, c.load, c.worker_id) < best:
+                    hit = leading(ids, c.held, c.sent)
+                    rank = (ow * ((n - hit) / n) + per_slot + queue, c.load, c.worker_id)
                     if rank < best:
                         best, best_hit = rank, hit
-        return self._choice(self.ok[best[-1]], ids_for, guarded, best_hit)
-
-    def _floor(self, c: Candidate) -> tuple[float, int, str]:
-        """The rank c would have holding every block (miss 0): no lower, the float operations being monotone."""
-        s = c.slots if c.slots > 1 else 1
-        return self.policy.overlap_weight * 0.0 + c.load / s + self.policy.queue_weight * c.queued / s, c.load, \
-            c.worker_id
+        return self._choice(ok[best[-1]], ids_for, guarded, best_hit)
 
     def _rank(self, c: Candidate, n: int, hit: int) -> tuple[float, int, str]:
         s = c.slots if c.slots > 1 else 1
@@ -138,6 +155,6 @@ class PoolIndex:
     def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool, hit: int = -1) -> Choice:
         ids = ids_for.get((c.block_tokens or 0, c.scope), ())
         if hit < 0:
-            hit = leading(ids, c.held) if ids and c.held and ids[0] in c.held else 0
+            hit = leading(ids, c.held, c.sent) if ids and holds(c, ids[0]) else 0
         return self.choice(c.worker_id, self._rank(c, len(ids), hit)[0], hit, len(ids), c.load, c.slots - c.load,
                            guarded, len(self.ok))

@@ -90,7 +90,8 @@ class BlockIdMemo:
         n = len(tokens) - len(tokens) % bt
         if n == 0:
             return []
-        toks = list(tokens[:n])  # a list, so slices compare in C (a tuple never equals a list)
+        # a list, so slices compare in C (a tuple never equals a list); a list's slice is one already
+        toks = tokens[:n] if isinstance(tokens, list) else list(tokens[:n])
         key = (root, bt, tuple(toks[:bt]))
         chain = self.chains.pop(key, None)
         k = 0 if chain is None else _shared_blocks(toks, chain[0], bt, chain[3])

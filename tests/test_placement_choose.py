@@ -176,7 +176,8 @@ def choose_as_first_written(candidates: list[Candidate], digests: tuple[str, ...
     best: tuple[tuple[float, int, str], Choice] | None = None
     for c in pool:
         ids = ids_for.get((c.block_tokens or 0, c.scope), ())
-        hit = cached_blocks(ids, frozenset(c.held)) if ids and c.held else 0
+        held = frozenset(c.held) | frozenset(c.sent)  # what the worker holds: its summary and what was sent it
+        hit = cached_blocks(ids, held) if ids and held else 0
         miss = (len(ids) - hit) / len(ids) if ids else 1.0
         cost = (policy.overlap_weight * miss + c.load / max(1, c.slots)
                 + policy.queue_weight * c.queued / max(1, c.slots))
@@ -189,7 +190,7 @@ def choose_as_first_written(candidates: list[Candidate], digests: tuple[str, ...
 @st.composite
 def mixed(draw: st.DrawFn) -> list[Candidate]:
     """Candidates of two block sizes, some without a summary, loads on both sides of the guard, many equal costs
-    (4 slots at load 2 and 8 at load 4)."""
+    (4 slots at load 2 and 8 at load 4), the blocks held split between the summary and the ids sent since."""
     out = []
     for i in range(draw(st.integers(1, 12))):
         bt = draw(st.sampled_from([16, 32, None]))
@@ -199,7 +200,9 @@ def mixed(draw: st.DrawFn) -> list[Candidate]:
             load=draw(st.one_of(st.integers(0, 12), st.integers(0, 70))), queued=draw(st.sampled_from([0, 0, 4, 9])),
             heartbeat_age_s=draw(st.sampled_from([0.0, 1.0, None, 7.0])), draining=draw(st.booleans()),
             block_tokens=bt, scope=None if bt is None else "account",
-            held=frozenset(IDS[:draw(st.integers(0, len(IDS)))])))
+            held=frozenset(IDS[:draw(st.integers(0, len(IDS)))]),
+            # ids sent since the summary: any of them, so a prompt's leading blocks alternate between the two sets
+            sent=frozenset(draw(st.lists(st.sampled_from(IDS), max_size=len(IDS))))))
     return out
 
 
@@ -277,5 +280,15 @@ def test_summaries_parsed_once_per_change_hold_what_a_fresh_parse_holds(reads: l
         for w in workers:
             fresh = candidate(w, 0, view._sent_ids(w.worker_id))
             got = view.candidates[w.worker_id]
-            assert (got.held, got.block_tokens, got.scope) == (fresh.held, fresh.block_tokens, fresh.scope)
+            assert (got.held, got.sent, got.block_tokens, got.scope) == (fresh.held, fresh.sent, fresh.block_tokens,
+                                                                         fresh.scope)
         assert set(view.summaries.last) == {w.worker_id for w in workers}
+
+
+@given(st.sets(st.sampled_from(IDS)), st.sets(st.sampled_from(IDS)), st.integers(0, len(IDS)))
+def test_leading_counts_the_blocks_held_in_either_set(held: set[str], sent: set[str], n: int) -> None:
+    """pool_index.leading over a summary and the ids sent since is cached_blocks over their union."""
+    from producer.pool_index import leading
+
+    assert leading(IDS[:n], frozenset(held), sent) == cached_blocks(IDS[:n], held | sent)
+    assert leading(IDS[:n], held) == cached_blocks(IDS[:n], held)
