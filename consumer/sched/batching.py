@@ -111,8 +111,7 @@ class Batching(SchedulerState):
         """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
         jobs = list(lane.jobs)
         first = 0  # jobs restored whole from the prefix cache come first: they add no row (_take_piece)
-        while first + 1 < len(jobs) and jobs[first].job.phase == "prefill" \
-                and jobs[first].consumed == len(jobs[first].job.tokens):
+        while first + 1 < len(jobs) and jobs[first].restored_whole:
             first += 1
         head = jobs[first]
         start = head.job.start_position + head.consumed

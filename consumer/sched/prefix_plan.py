@@ -114,8 +114,8 @@ class PrefixPlanning(SchedulerState):
         """Up to k token ids of the lane's queued prefill jobs from position `start` on (fewer: not queued)."""
         out: list[int] = []
         for q in lane.jobs:
-            if q.job.phase == "prefill" and q.consumed == len(q.job.tokens):
-                continue  # restored whole: answered with no row of its own
+            if q.restored_whole:
+                continue  # answered with no row of its own
             at = q.job.start_position + q.consumed
             if q.job.phase != "prefill" or at != start + len(out):
                 break

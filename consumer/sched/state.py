@@ -35,6 +35,12 @@ class _Queued:
     engine_seconds: float = 0.0
     answered: bool = False
 
+    @property
+    def restored_whole(self) -> bool:
+        """A queued prefill job whose every token the prefix cache restored (a job handed to the engine whole
+        leaves the queue): answered by an item of no rows in the call that computes the rows after it."""
+        return self.job.phase == "prefill" and self.consumed == len(self.job.tokens)
+
 
 @dataclass(slots=True, eq=False)
 class SessionQueue:
