@@ -26,12 +26,14 @@ import redis
 from consumer.batch import BatchRow, FusedBatch
 from consumer.engines.base import Engine
 from consumer.engines.engine_set import EngineSet
+from consumer.prefix.run import prefix_summary
 from consumer.sampling import RowContext, RowStatus, Vocabulary, sample_row
 from consumer.sampling.grammar import Grammar, gbnf_of
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec
+from schemas.prefix import PrefixSummary
 
 _worker_ids = itertools.count()
 
@@ -71,6 +73,7 @@ class Outcome:
     prefix_hit_tokens: int = 0  # prompt tokens the last worker restored from its prefix cache
     cached_tokens: int = 0  # prompt tokens the sessions were charged as cached (SessionHandle.cached_tokens)
     info: dict[str, Any] = field(default_factory=dict)  # the last worker's heartbeat body at the end
+    summary: PrefixSummary | None = None  # and the prefix summary it beats with
 
 
 class _Crash(BaseException):
@@ -221,7 +224,7 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
         sup.stop()
     out = Outcome(crashed=sup.crashed, prefix_hit_tokens=sum(
         lane.prefix.stats.hit_tokens for lane in sup.worker.lanes if lane.prefix is not None),
-        info=sup.worker._info())
+        info=sup.worker._info(), summary=prefix_summary(sup.worker.lanes, sup.worker.metrics))
     out.cached_tokens = sum(h.cached_tokens for h in handles.values())
     for sid, h in handles.items():
         s = by_sid[sid]

@@ -18,6 +18,7 @@ from typing import Literal
 from consumer.sched.outputs import Answer
 from consumer.transport.protocol import DeadLetter, Delivery, Filing, FusedCallStats, Inbound, Refusal
 from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
+from schemas.prefix import PrefixSummary
 from schemas.step import end_job_id, result_job_id
 
 
@@ -86,9 +87,9 @@ class MemoryTransport:
             names.append(name)
         return names
 
-    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
-        if info is not None:
-            self.info = dict(info)
+    def heartbeat(self, info: Mapping[str, object] | None = None, summary: PrefixSummary | None = None) -> None:
+        if info is not None:  # the summary as a Tracker reads it back (consumer/transport/upkeep.py)
+            self.info = {**info, **({"prefix": summary.as_json()} if summary is not None else {})}
 
     def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
              more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:

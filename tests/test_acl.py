@@ -91,7 +91,7 @@ def test_producer_user_drives_sessions_but_reads_no_accounting(acl_server: Local
     assert {w.worker_id for w in prod.workers()} >= {"w1", "w2"}
     from schemas.prefix import PrefixSummary
 
-    t1.heartbeat({"slots": 4, "prefix": PrefixSummary.of(16, "account", ["ab" * 16]).as_json()})
+    t1.heartbeat({"slots": 4}, PrefixSummary.of(16, "account", ["ab" * 16]))
     (w1,) = [w for w in prod.workers() if w.worker_id == "w1"]  # the summary's own key, read as the Tracker
     assert w1.heartbeat["prefix"]["ids"] == ["ab" * 16]
     info = prod.discover("w1")

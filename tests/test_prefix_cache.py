@@ -18,7 +18,7 @@ from consumer.engines.base import Engine
 from consumer.engines.llama import LlamaCppEngine
 from producer import Producer
 from schemas import RouteHop, Sampling, SessionSpec
-from schemas.prefix import BLOCK_TOKENS, PrefixSummary, block_ids, prefix_root
+from schemas.prefix import BLOCK_TOKENS, block_ids, prefix_root
 from tests.fixtures.shape_probe import ShapeProbeEngine
 from tests.fixtures.windowed import WindowedTiny
 from tests.invariance_harness import Conditions, Session, _Supervised, oracle, random_prompt, run_scenario
@@ -63,7 +63,7 @@ def test_hits_are_bit_identical_to_solo(tiny_model_path: Path, client: redis.Red
     assert out.cached_tokens == out.prefix_hit_tokens
     # advertised: the shared prefix's blocks (rooted in the prefill key's digest, scope global) are in the
     # heartbeat's bounded summary, and the counters in the lane's info
-    summary = PrefixSummary.parse(out.info["prefix"])
+    summary = out.summary
     assert summary is not None and summary.scope == "global" and summary.block_tokens == BLOCK_TOKENS
     digest = out.info["engines"][0]["digests"]["prefill"]
     held = block_ids(ss[0].prompt[:192], prefix_root(digest, ""))

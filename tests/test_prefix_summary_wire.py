@@ -29,7 +29,7 @@ def server() -> Iterator[LocalRedis]:
 
 
 def beat(t: object, ids: list[str]) -> None:
-    t.heartbeat({"slots": 4, "prefix": PrefixSummary.of(16, "account", ids).as_json()})  # type: ignore[attr-defined]
+    t.heartbeat({"slots": 4}, PrefixSummary.of(16, "account", ids))  # type: ignore[attr-defined]
 
 
 def test_the_worker_writes_its_summary_apart_and_only_when_it_changed(server: LocalRedis) -> None:

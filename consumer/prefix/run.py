@@ -41,17 +41,17 @@ def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
     return store
 
 
-def prefix_summary(lanes: Iterable[Any], metrics: Any) -> dict[str, object] | None:
-    """The heartbeat's `prefix`: the first caching engine's bounded PrefixSummary (schemas/prefix.py, the
+def prefix_summary(lanes: Iterable[Any], metrics: Any) -> PrefixSummary | None:
+    """The heartbeat's summary: the first caching engine's bounded PrefixSummary (schemas/prefix.py, the
     input of placement); every caching engine's counters go to /metrics on the way."""
-    first: dict[str, object] | None = None
+    first: PrefixSummary | None = None
     for lane in lanes:
         store: PrefixStore | None = lane.prefix
         if store is None:
             continue
         metrics.observe_prefix(lane.name, store.stats.as_dict(), store.bytes)
         if first is None:
-            first = PrefixSummary.of(store.block_tokens, store.scope, store.held_ids()).as_json()
+            first = PrefixSummary.of(store.block_tokens, store.scope, store.held_ids())
     return first
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 import redis
 
 from schemas import CompatibilityKey, Phase, Signer, StepJob, WorkerKeys
+from schemas.prefix import PrefixSummary
 from schemas.retry import OutageListener
 
 from ..config import TransportSettings
@@ -127,8 +128,8 @@ class RedisTransport:
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
         return self.upkeep.register(keys, info)
 
-    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
-        self.upkeep.heartbeat(info)
+    def heartbeat(self, info: Mapping[str, object] | None = None, summary: PrefixSummary | None = None) -> None:
+        self.upkeep.heartbeat(info, summary)
 
     def input_lag(self) -> dict[str, dict[str, int]]:
         return self.upkeep.input_lag()

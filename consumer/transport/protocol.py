@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from schemas import CompatibilityKey, Phase, Reason, StepJob
+from schemas.prefix import PrefixSummary
 
 from ..sched.outputs import Answer
 
@@ -125,7 +126,9 @@ class Transport(Protocol):
         """Listen for jobs of these keys, advertise them with `info`; returns names for logs. Idempotent."""
         ...
 
-    def heartbeat(self, info: Mapping[str, object] | None = None) -> None: ...
+    def heartbeat(self, info: Mapping[str, object] | None = None, summary: PrefixSummary | None = None) -> None:
+        """The worker is alive, with `info`; `summary`: its prefix summary (the input of placement)."""
+        ...
 
     def read(self, want: Mapping[Phase, int], *, block_ms: int | None = None, gather_ms: float | None = None,
              more: Callable[[Mapping[Phase, int]], bool] | None = None) -> list[Inbound]:

@@ -69,15 +69,13 @@ class Upkeep:
         self.intake.add_streams(streams)
         return streams
 
-    def heartbeat(self, info: Mapping[str, object] | None = None) -> None:
-        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s. A prefix summary
-        in `info` (its ids) goes to keys.prefix_summary, written only when it changed and kept alive with the
-        heartbeat; the heartbeat names its version (`PrefixSummary.ref`)."""
+    def heartbeat(self, info: Mapping[str, object] | None = None, summary: PrefixSummary | None = None) -> None:
+        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s. The prefix
+        `summary` (its ids) goes to keys.prefix_summary, written only when it changed and kept alive with the
+        heartbeat; the heartbeat's `prefix` names its version (`PrefixSummary.ref`)."""
         io = self.io
         body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name,
                 "draining": self.draining, "queued": self.queued, **(info or {})}
-        listed = body.get("prefix")
-        summary = PrefixSummary.parse(listed) if isinstance(listed, dict) and "ids" in listed else None
         ref = summary.ref() if summary is not None else None
         if ref is not None:
             body["prefix"] = ref

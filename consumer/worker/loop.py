@@ -154,7 +154,8 @@ class Worker:
             self.io.close()
             return
         try:
-            self.transport.heartbeat({**self._info(), "stopped": True})  # the last word: what it held at exit
+            # the last word: what it held at exit
+            self.transport.heartbeat({**self._info(), "stopped": True}, prefix_summary(self.lanes, self.metrics))
             self.transport.release_lease()
         except Stopping:
             log.warning("stopped while redis was unreachable: lease left to expire", extra={"worker": self._m})
@@ -389,7 +390,7 @@ class Worker:
         if due_beat:
             self._last_heartbeat = now
             tr.renew_lease()  # LeaseLost when another process took over (a long pause)
-            tr.heartbeat(self._info())
+            tr.heartbeat(self._info(), prefix_summary(self.lanes, self.metrics))  # docs/prefix-cache.md
             lags = tr.input_lag()
             for stream, lag in lags.items():
                 self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
@@ -433,9 +434,7 @@ class Worker:
         `EngineSet.advertise()` says, its busy slots, calls and `describe()`."""
         cap = self.engine.capacity
         engines = [{**ad, **lane.info()} for ad, lane in zip(self.engines.advertise(), self.lanes, strict=True)]
-        prefix = prefix_summary(self.lanes, self.metrics)  # the prefix cache (docs/prefix-cache.md)
-        return {**({"prefix": prefix} if prefix is not None else {}),
-                "worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
+        return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
                 "slots": self.lanes.slots(), "busy_slots": self.lanes.busy_slots(), "engines": engines,
                 "scheduler": self.scheduler.stats.as_dict(),
                 "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
