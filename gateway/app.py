@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,7 +37,9 @@ from .text import TextModel
 log = logging.getLogger("dgr.serve")
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"
 MAX_BODY_BYTES = 1 << 20
+MAX_BODY_DEPTH = 64  # JSON nesting levels of a request body: a response_format schema of ~30 nested objects fits
 T = TypeVar("T")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the escapes json.loads may leave unpaired
 
 
 _JSON = msgspec.json.Encoder()
@@ -94,6 +97,13 @@ class Gateway:
             obj = json.loads(text)
         except ValueError as e:
             raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
+        except RecursionError:  # nesting past the parser's own limit: the same refusal as any nesting too deep
+            raise bad_request(f"the body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json") from None
+        if _depth(obj) > MAX_BODY_DEPTH:
+            raise bad_request(f"the body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json")
+        # A \uD800-\uDFFF escape not paired is no character: no tokenizer, template or Redis write takes it.
+        if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(obj):
+            raise bad_request("the body holds an unpaired UTF-16 surrogate (\\uD800-\\uDFFF)", code="invalid_encoding")
         if not isinstance(obj, dict):
             raise bad_request("the body must be a JSON object", code="invalid_json")
         return obj
@@ -220,6 +230,40 @@ class Gateway:
             data.append({"id": m.name, "object": "model", "created": 0, "owned_by": "dgr",
                          "workers": workers, "chat_template": m.template.source if m.template else None})
         return {"object": "list", "data": data}
+
+
+def _depth(obj: Any) -> int:
+    """How deep the parsed JSON nests (a scalar: 0), without recursion; stops counting past MAX_BODY_DEPTH.
+    Every later stage (pydantic, the JSON schema's encoding and grammar) recurses over what it is given."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            if d + 1 > deepest:
+                deepest = d + 1
+                if deepest > MAX_BODY_DEPTH:
+                    return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _lone_surrogate(obj: Any) -> bool:
+    """Any string (key or value) of the parsed body holding a code point json.loads left unpaired."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
