@@ -25,6 +25,7 @@ from dgrtools.tokenizer import Tokenizer  # noqa: E402
 from gateway.stack import ServeProcess  # noqa: E402
 from producer import Producer  # noqa: E402
 from schemas import RouteHop, Sampling, SessionSpec, WorkerKeys  # noqa: E402
+from tests.serve_support import tiny_worker  # noqa: E402
 
 WORKER = "w-serve"
 
@@ -48,8 +49,8 @@ def stack(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pyt
           ) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("serve-logs")
     redis.Redis.from_url(redis_server.url).flushall()
-    with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", logs, slots=4, threads=1,
-                         extra=["--prefix-cache-bytes", str(16 << 20)], env={"GGML_CPU_TILED_MM": "0"}) as consumer, \
+    with tiny_worker(redis_server.url, WORKER, tiny_model_path, logs, slots=4,
+                     extra=["--prefix-cache-bytes", str(16 << 20)]) as consumer, \
             ServeProcess(redis_server.url, [f"tiny={tiny_model_path}"], free_port(), logs) as serve:
         yield Stack(redis_server.url, serve.url, tiny_model_path, consumer)
 

@@ -17,13 +17,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
 from dgrtools.localredis import LocalRedis  # noqa: E402
-from dgrtools.process import ConsumerProcess  # noqa: E402
 from dgrtools.tiny_model import write_tiny_model  # noqa: E402
 from gateway.app import ServeConfig, make_app  # noqa: E402
 from gateway.text import TextModel  # noqa: E402
 from producer import ProducerSettings  # noqa: E402
 from schemas import WorkerKeys  # noqa: E402
 from schemas.keys import WORKERS_INDEX  # noqa: E402
+from tests.serve_support import serving_alone  # noqa: E402
 
 WORKER, STUCK = "w-err", "w-stuck"
 KEY = "sk-good"
@@ -32,10 +32,8 @@ KEY = "sk-good"
 @pytest.fixture(scope="module")
 def worker(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", tmp_path_factory.mktemp("err-logs"),
-                         slots=2, threads=1, env={"GGML_CPU_TILED_MM": "0"}):
+    with serving_alone(redis_server.url, WORKER, tiny_model_path, tmp_path_factory.mktemp("err-logs"),
+                       slots=2) as client:
         yield client
 
 

@@ -27,6 +27,7 @@ from gateway.app import ServeConfig, make_app  # noqa: E402
 from gateway.text import TextModel  # noqa: E402
 from producer import PlacementPolicy, ProducerSettings  # noqa: E402
 from schemas import WorkerKeys  # noqa: E402
+from tests.serve_support import tiny_worker  # noqa: E402
 
 WORKERS = ("wf-a", "wf-b")
 BEAT = ("--heartbeat-s", "0.2")  # the loss bound below is a few beats
@@ -58,8 +59,7 @@ def fleet(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pyt
                          producer=settings)
     server = uvicorn.Server(uvicorn.Config(make_app(config), host="127.0.0.1", port=free_port(), log_level="warning"))
     def start(worker: str) -> ConsumerProcess:
-        return ConsumerProcess(redis_server.url, worker, f"tiny={tiny_model_path}", logs, slots=4, threads=1,
-                               extra=BEAT, env={"GGML_CPU_TILED_MM": "0"})
+        return tiny_worker(redis_server.url, worker, tiny_model_path, logs, slots=4, extra=BEAT)
 
     with ThreadPoolExecutor(2) as pool:  # both start at once: the module's setup is one consumer's start
         starting = [pool.submit(start, w) for w in WORKERS]

@@ -21,10 +21,10 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
 from dgrtools.localredis import LocalRedis  # noqa: E402
-from dgrtools.process import ConsumerProcess  # noqa: E402
 from gateway.app import ServeConfig, make_app  # noqa: E402
 from gateway.text import TextModel  # noqa: E402
 from schemas import WorkerKeys  # noqa: E402
+from tests.serve_support import serving_alone  # noqa: E402
 
 WORKER = "w-fuzz"
 KEY = "sk-fuzz"
@@ -58,10 +58,8 @@ class App:
 @pytest.fixture(scope="module")
 def worker(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    with ConsumerProcess(redis_server.url, WORKER, f"tiny={tiny_model_path}", tmp_path_factory.mktemp("fuzz-logs"),
-                         slots=4, threads=1, env={"GGML_CPU_TILED_MM": "0"}):
+    with serving_alone(redis_server.url, WORKER, tiny_model_path, tmp_path_factory.mktemp("fuzz-logs"),
+                       slots=4) as client:
         yield client
 
 
