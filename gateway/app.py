@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,7 +38,6 @@ PLAYGROUND = Path(__file__).with_name("static") / "index.html"
 MAX_BODY_BYTES = 1 << 20
 MAX_BODY_DEPTH = 64  # JSON nesting levels of a request body: a response_format schema of ~30 nested objects fits
 T = TypeVar("T")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the escapes json.loads may leave unpaired
 
 
 _JSON = msgspec.json.Encoder()
@@ -98,11 +96,12 @@ class Gateway:
         except ValueError as e:
             raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
         except RecursionError:  # nesting past the parser's own limit: the same refusal as any nesting too deep
-            raise bad_request(f"the body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json") from None
-        if _depth(obj) > MAX_BODY_DEPTH:
+            fault: str | None = "depth"
+        else:
+            fault = _shape_fault(obj)
+        if fault == "depth":
             raise bad_request(f"the body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json")
-        # A \uD800-\uDFFF escape not paired is no character: no tokenizer, template or Redis write takes it.
-        if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(obj):
+        if fault == "surrogate":
             raise bad_request("the body holds an unpaired UTF-16 surrogate (\\uD800-\\uDFFF)", code="invalid_encoding")
         if not isinstance(obj, dict):
             raise bad_request("the body must be a JSON object", code="invalid_json")
@@ -232,38 +231,26 @@ class Gateway:
         return {"object": "list", "data": data}
 
 
-def _depth(obj: Any) -> int:
-    """How deep the parsed JSON nests (a scalar: 0), without recursion; stops counting past MAX_BODY_DEPTH.
-    Every later stage (pydantic, the JSON schema's encoding and grammar) recurses over what it is given."""
-    deepest, stack = 0, [(obj, 0)]
+def _shape_fault(obj: Any) -> str | None:
+    """What no later stage could take in the parsed body (None: nothing), in one walk without recursion: nesting
+    deeper than MAX_BODY_DEPTH (pydantic, the JSON schema's encoding and its grammar all recurse over what they
+    are given), or a string (key or value) holding a UTF-16 surrogate json.loads left unpaired (no character:
+    no tokenizer, template or Redis write takes it)."""
+    stack: list[tuple[Any, int]] = [(obj, 0)]
     while stack:
         v, d = stack.pop()
-        if isinstance(v, dict | list):
-            if d + 1 > deepest:
-                deepest = d + 1
-                if deepest > MAX_BODY_DEPTH:
-                    return deepest
-            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
-def _lone_surrogate(obj: Any) -> bool:
-    """Any string (key or value) of the parsed body holding a code point json.loads left unpaired."""
-    stack = [obj]
-    while stack:
-        v = stack.pop()
         if isinstance(v, str):
             if not v.isascii():
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
+                    return "surrogate"
+        elif isinstance(v, dict | list):
+            if d >= MAX_BODY_DEPTH:
+                return "depth"
+            inner = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+            stack.extend((x, d + 1) for x in inner)
+    return None
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -180,3 +180,13 @@ def test_any_bytes_are_refused_in_openai_shape(app: App, worker: redis.Redis, ra
     before = started(worker)
     r = app.post("/v1/chat/completions", raw)
     check(r, before, worker, False)
+
+
+@pytest.mark.parametrize(("levels", "code"), [(64, "invalid_value"), (65, "invalid_json")])
+def test_the_depth_limit_is_64_levels(app: App, worker: redis.Redis, levels: int, code: str) -> None:
+    """The body object is a level: 63 arrays inside it pass the depth check (and are then refused as the
+    wrong type for `user`), 64 are refused as too deep."""
+    inner = levels - 1
+    raw = b'{"model":"tiny","prompt":"hi","user":' + b"[" * inner + b"]" * inner + b"}"
+    r = app.post("/v1/completions", raw)
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text[:300]
