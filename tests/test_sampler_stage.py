@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer.batch import EngineOutput
-from consumer.sampling import BatchSampler, RowStatus, SampledCall, Vocabulary
+from consumer.sampling import BatchSampler, RowStatus, SampledCall, Vocabulary, reference
 from consumer.sched.outputs import BatchItem, ScheduledBatch
 from schemas import Phase, RouteHop, Sampling, SessionSpec, StepJob
 from tests.sampling_support import samplings
@@ -305,3 +305,26 @@ def test_rejects_rows_that_do_not_fit_the_call() -> None:
         BatchSampler(vocab).sample(batch, EngineOutput.hidden(np.zeros((2, 4), np.float32)))
     quiet = ScheduledBatch.build("prefill", [_item(s, 0, "prefill", 0, [1, 2], False, s.spec(None))])
     assert len(BatchSampler(vocab).sample(quiet, EngineOutput.logits(np.zeros((0, vocab), np.float32)))) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_plain_greedy_rows_are_the_oracles_tokens_on_special_argmaxes(data: st.DataObject) -> None:
+    """The stage's shortcut for plain greedy rows (the argmax, looked up in the special mask) against the
+    oracle, row for row, with the rows' maxima drawn onto special tokens often: a special argmax goes to the
+    full path unless the session allows special tokens."""
+    vocab = data.draw(st.sampled_from([8, 300]))
+    special = np.array(sorted(data.draw(st.sets(st.integers(3, vocab - 1), max_size=vocab // 2))), np.int32)
+    voc = Vocabulary(n_vocab=vocab, special=special, eog=np.array([2], np.int32))
+    n = data.draw(st.integers(1, 6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    sessions = []
+    for r in range(n):
+        if special.size and data.draw(st.booleans()):
+            logits[r, special[data.draw(st.integers(0, special.size - 1))]] = 50.0  # its argmax is special
+        sessions.append(Session(f"g{r}", [1], Sampling(allow_special=data.draw(st.booleans()))))
+    items = [_item(s, r, "prefill", 0, [1], True, s.spec(1)) for r, s in enumerate(sessions)]
+    out = BatchSampler(voc).sample(ScheduledBatch.build("prefill", items), EngineOutput.logits(logits))
+    assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 1, vocab=voc)
+                                   for r, s in enumerate(sessions)]

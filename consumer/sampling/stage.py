@@ -200,9 +200,8 @@ class BatchSampler:
         top = np.argmax(arr, axis=1)
         picked = arr[np.arange(n), top]
         plain &= ~np.isnan(picked)
-        special = self.vocab.special
-        if special.size:
-            hit = np.isin(top, special)
+        if self.vocab.special.size:
+            hit = self.vocab.special_mask[top]
             if hit.any():
                 allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
                                       np.bool_, n)

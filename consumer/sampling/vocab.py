@@ -75,6 +75,14 @@ class Vocabulary:
         return self.special.astype(np.intp)
 
     @functools.cached_property
+    def special_mask(self) -> npt.NDArray[np.bool_]:
+        """Per token id, whether it is special: a lookup per row (np.isin against Gemma's 6,247 special ids
+        took 0.8 ms per call of 8 rows, on the path between two engine calls)."""
+        mask = np.zeros(self.n_vocab, np.bool_)
+        mask[self.special] = True
+        return mask
+
+    @functools.cached_property
     def eog_ids(self) -> npt.NDArray[np.intp]:
         return self.eog.astype(np.intp)
 
