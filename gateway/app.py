@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -96,7 +96,7 @@ class Gateway:
         except ValueError as e:
             raise bad_request(f"the body is not JSON: {e}", code="invalid_json") from None
         except RecursionError:  # nesting past the parser's own limit: the same refusal as any nesting too deep
-            fault: str | None = "depth"
+            fault: _Fault | None = "depth"
         else:
             fault = _shape_fault(obj)
         if fault == "depth":
@@ -231,7 +231,10 @@ class Gateway:
         return {"object": "list", "data": data}
 
 
-def _shape_fault(obj: Any) -> str | None:
+_Fault = Literal["depth", "surrogate"]
+
+
+def _shape_fault(obj: Any) -> _Fault | None:
     """What no later stage could take in the parsed body (None: nothing), in one walk without recursion: nesting
     deeper than MAX_BODY_DEPTH (pydantic, the JSON schema's encoding and its grammar all recurse over what they
     are given), or a string (key or value) holding a UTF-16 surrogate json.loads left unpaired (no character:

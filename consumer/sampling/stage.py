@@ -200,12 +200,11 @@ class BatchSampler:
         top = np.argmax(arr, axis=1)
         picked = arr[np.arange(n), top]
         plain &= ~np.isnan(picked)
-        if self.vocab.special.size:
-            hit = self.vocab.special_mask[top]
-            if hit.any():
-                allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
-                                      np.bool_, n)
-                plain &= ~hit | allowed
+        hit = self.vocab.special_mask[top]
+        if hit.any():
+            allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
+                                  np.bool_, n)
+            plain &= ~hit | allowed
         return plain, top
 
     def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
