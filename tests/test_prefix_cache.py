@@ -106,8 +106,10 @@ def test_a_next_turn_restores_the_answer_it_re_sends_unless_the_recipe_is_batch_
         tiny_model_path: Path, client: redis.Redis, recipe: str) -> None:
     """Turn 1: 40 prompt tokens, 24 generated (the slot then holds 63 positions: the last token is never fed).
     Turn 2 re-sends all of it plus 10 new tokens. Under `fast` the finished session's slot was saved, so turn 2
-    restores 48 positions (3 blocks, two of them past turn 1's prompt); under `invariant` a decoded position's
-    KV is a one-row piece's, so only turn 1's prompt blocks (32) are restored and the tokens equal the cold run."""
+    restores all 63 positions it holds (3 blocks, then the answer's 15 tokens past them, compared token by
+    token) and computes the answer's last token and its 10 new ones; under `invariant` a decoded position's KV
+    is a one-row piece's, so only turn 1's prompt (2 blocks and its 8 tokens past them: 40) is restored and
+    the tokens equal the cold run."""
     def make(n_slots: int) -> Engine:
         return LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=512)
 
@@ -135,9 +137,9 @@ def test_a_next_turn_restores_the_answer_it_re_sends_unless_the_recipe_is_batch_
     assert h2.status == "finished" and len(h2.generated) == 24  # type: ignore[attr-defined]
     assert h2.prompt_tokens == len(second)  # type: ignore[attr-defined]
     if recipe == "fast":
-        assert h2.cached_tokens == 48  # type: ignore[attr-defined]
+        assert h2.cached_tokens == 63  # type: ignore[attr-defined]
     else:
-        assert h2.cached_tokens == 32  # type: ignore[attr-defined]
+        assert h2.cached_tokens == 40  # type: ignore[attr-defined]
         solo = LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=1, ctx_per_session=512)
         assert list(h2.generated) == oracle(solo, Session(prompt=second, sampling=Sampling(), max_tokens=24))  # type: ignore[attr-defined]
 

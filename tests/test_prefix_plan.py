@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer.prefix import PrefixStore
-from consumer.prefix.planner import PrefixPlanner
+from consumer.prefix.planner import PrefixPlanner, Save
 from consumer.sched import ScheduledBatch, Scheduler
 from schemas import StepJob
 from schemas.prefix import block_ids
@@ -39,7 +39,7 @@ def _call(s: Scheduler, store: PrefixStore) -> ScheduledBatch:
     assert b is not None
     run(s, b)
     for save in b.saves:
-        store.put(b"state", save.ids, save.n_tokens)
+        store.put(b"state", save.ids, save.n_tokens, tokens=save.tokens)
     return b
 
 
@@ -81,10 +81,12 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
     root = s.prefix.root(spec("x", account="acct"))
     assert root is not None
 
-    def check_save(slot: int, ids: tuple[str, ...], n: int) -> None:
-        assert list(ids) == block_ids(slots[slot][:n], root), (slot, n)
-        store.put(b"state", ids, n)
-        saved[ids] = slots[slot][:n]
+    def check_save(save: Save) -> None:
+        slot, n = save.slot, save.n_tokens
+        assert list(save.ids) == block_ids(slots[slot][:n], root), (slot, n)
+        assert list(save.tokens) == slots[slot][:n], (slot, n)  # the positions past the last block too
+        store.put(b"state", save.ids, n, tokens=save.tokens)
+        saved[save.ids] = slots[slot][:n]
 
     for k, (length, chunk, max_tokens) in enumerate(sessions):
         sid = f"s{k}"
@@ -109,10 +111,10 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
                 slots[slot].append(tok)
             run(s, b, target=lambda sid, pos: 3 + (pos * 31 + 7 * int(sid[1:]) + seed) % 97)
             for save in b.saves:
-                check_save(save.slot, save.ids, save.n_tokens)
+                check_save(save)
             for slot in s.drain_released():
                 finished = s.finished_save(slot)
                 if finished is not None:
-                    check_save(slot, finished.ids, finished.n_tokens)
+                    check_save(finished)
                 slots[slot] = []
                 s.slot_cleared(slot)

@@ -26,30 +26,62 @@ def _ids(tokens: list[int]) -> list[str]:
 @example(ops=[([0, 0, 0, 0], 31, True), ([1, 0, 0, 1], 1, True), ([1, 0, 0, 1], 1, True)], budget=32)
 def test_budget_lru_and_longest_match(ops: list[tuple[list[int], int, bool]], budget: int) -> None:
     store = PrefixStore(budget, block_tokens=B, scope="global")
-    model: list[tuple[tuple[str, ...], int]] = []  # (ids, size), least recent first: what the store should hold
+    # (ids, size, positions), least recent first: what the store should hold
+    model: list[tuple[tuple[str, ...], int, int]] = []
     for tokens, size, is_put in ops:
         ids = _ids(tokens)
         if is_put:
-            e = store.put(b"x" * size, ids, len(tokens))
+            e = store.put(b"x" * size, ids, len(tokens), tokens=tokens)
             if e is not None:
-                model = [m for m in model if not set(e.ids).issuperset(m[0])]
-                model.append((e.ids, size))
-                while sum(s for _, s in model) > budget:
+                assert e.n_tokens == len(tokens) and e.tokens == tuple(tokens)
+                model = [m for m in model if not (set(e.ids).issuperset(m[0]) and
+                                                  (m[0][-1] != e.ids[-1] or m[2] <= e.n_tokens))]
+                model.append((e.ids, size, e.n_tokens))
+                while sum(m[1] for m in model) > budget:
                     model.pop(0)
             else:
                 assert not ids or size > budget
         else:
-            hit = store.lookup(ids, len(tokens))
+            hit = store.lookup(ids, len(tokens), tokens=tokens)
             want = max((k + 1 for k in range(len(ids)) for m in model if ids[k] in m[0]), default=0)
             assert (hit.blocks if hit else 0) == want
             if hit is not None:
                 assert ids[hit.blocks - 1] in hit.entry.ids
+                # past its whole blocks, a hit restores exactly the positions whose tokens the entry shares
+                held = hit.entry.tokens
+                shared = next((i for i in range(min(len(held), len(tokens))) if held[i] != tokens[i]),
+                              min(len(held), len(tokens)))
+                assert hit.n_tokens == shared >= hit.blocks * B
                 store.let_go(hit)
                 m = next(m for m in reversed(model) if ids[hit.blocks - 1] in m[0])
                 model.remove(m)
                 model.append(m)
         assert store.bytes <= budget
-        assert store.bytes == sum(s for _, s in model)
+        assert store.bytes == sum(m[1] for m in model)
+
+
+def test_a_hit_extends_past_its_last_block_only_over_shared_tokens() -> None:
+    """A conversation's next turn re-sends the answer's last, partial block: the positions past the last whole
+    block are restored while their tokens match, never past max_tokens or the entry's positions, and an entry
+    stored without its token ids restores whole blocks only."""
+    store = PrefixStore(100, block_tokens=B)
+    held = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # two blocks and two positions
+    assert store.put(b"x", _ids(held), len(held), tokens=held) is not None
+
+    def restored(prompt: list[int], max_tokens: int) -> int:
+        hit = store.lookup(_ids(prompt[:max_tokens]), max_tokens, tokens=prompt[:max_tokens])
+        assert hit is not None
+        store.let_go(hit)
+        return hit.n_tokens
+
+    assert restored([*held, 1, 2, 3], 11) == 10  # all it holds
+    assert restored([*held[:9], 1, 2, 3], 11) == 9  # up to the first token that differs
+    assert restored([*held[:8], 1, 2, 3], 11) == 8  # the block edge
+    assert restored([*held, 1, 2, 3], 9) == 9  # the rows that must be computed stay computed
+    plain = PrefixStore(100, block_tokens=B)
+    assert plain.put(b"x", _ids(held), len(held)) is not None
+    hit = plain.lookup(_ids(held), len(held), tokens=held)
+    assert hit is not None and hit.n_tokens == 8
 
 
 def test_pinned_entry_survives_and_is_not_overfilled() -> None:

@@ -34,6 +34,7 @@ class Save:
     slot: int
     ids: tuple[str, ...]
     n_tokens: int
+    tokens: tuple[int, ...]  # the token ids of those positions (a hit compares the ones past the last block)
 
 
 def prompt_cap(spec: SessionSpec) -> int | None:
@@ -65,8 +66,9 @@ class PrefixPlanner:
         """The cached blocks the prompt starts with, restoring at most max_tokens positions, more than the
         `have` the slot holds."""
         bt = self.store.block_tokens
-        n = max(0, max_tokens) // bt * bt
-        return self.store.lookup(block_ids(tokens[:n], root, bt), n, have)
+        cap = max(0, min(max_tokens, len(tokens)))
+        n = cap // bt * bt
+        return self.store.lookup(block_ids(tokens[:n], root, bt), cap, have, tokens[:cap])
 
     def wants(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> bool:
         """Whether a save of the first n_tokens positions would add a block not held."""
@@ -76,15 +78,18 @@ class PrefixPlanner:
         """A save of the slot after the call, when its first n_tokens positions add a block not held."""
         if 0 < self._window_positions < n_tokens:
             return None  # a sliding window's slot past its window cannot be trimmed back: nothing to index
-        blocks = self._new_blocks(root, tokens, n_tokens)
-        return None if blocks is None else Save(slot, *blocks)
+        ids = self._new_blocks(root, tokens, n_tokens)
+        if ids is None:
+            return None
+        n = min(n_tokens, len(tokens))  # the positions past the last whole block go with their token ids
+        return Save(slot, ids, n, tuple(tokens[:n]))
 
-    def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> tuple[tuple[str, ...], int] | None:
-        """The ids of the whole blocks in the first n_tokens positions and their positions, when they add a block
-        the store lacks; else None."""
+    def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> tuple[str, ...] | None:
+        """The ids of the whole blocks in the first n_tokens positions, when they add a block the store lacks;
+        else None."""
         bt = self.store.block_tokens
         n = n_tokens // bt * bt
         if n == 0:
             return None
         ids = tuple(block_ids(tokens[:n], root, bt))
-        return (ids, n) if self.store.wants(ids, n) else None
+        return ids if self.store.wants(ids, n) else None

@@ -69,7 +69,7 @@ def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: Scheduled
             store.let_go(r.hit)
     out = cast("EngineOutput", engine.forward(fused))
     for s in batch.saves:
-        store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot))
+        store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot), tokens=s.tokens)
     return out
 
 
@@ -78,6 +78,7 @@ def save_finished(engine: Any, store: PrefixStore, save: Save) -> None:
     answer a next turn re-sends). Runs only while no call is in flight on the engine; a failure loses the
     entry, never the release."""
     try:
-        store.put(engine.save_prefix(save.slot), save.ids, save.n_tokens, floor=engine.prefix_floor(save.slot))
+        store.put(engine.save_prefix(save.slot), save.ids, save.n_tokens, floor=engine.prefix_floor(save.slot),
+                  tokens=save.tokens)
     except Exception as e:  # the cache is an optimisation: the slot is released regardless
         log.warning("slot %d: saving the finished session's %d positions failed: %s", save.slot, save.n_tokens, e)

@@ -2,9 +2,10 @@
 (schemas/prefix.py), within a byte budget, least recently used evicted first (docs/prefix-cache.md).
 
 An entry is one slot's whole saved state (the engine's `save_prefix`) after a prefill call, valid for its
-first `n_tokens` positions; it is indexed under the ids of the blocks it covers. A hit on block k of an
-entry restores the entry and trims it to (k + 1) * block_tokens positions (`restore_prefix`), so one long
-entry serves every shorter prompt that shares its leading blocks. An id points to the most recently
+first `n_tokens` positions; it is indexed under the ids of the blocks it covers and keeps those positions'
+token ids. A hit on block k of an entry restores the entry and trims it (`restore_prefix`) to (k + 1) *
+block_tokens positions and then past them while the prompt's tokens equal the entry's, so one long entry
+serves every shorter prompt that shares its leading tokens. An id points to the most recently
 saved entry that covers it. Entries are pinned (`hold` / `let_go`) while a restore uses them: eviction
 skips a pinned entry (a Hit keeps its bytes alive in any case). An entry whose blocks a newer, longer one
 all covers is dropped when that one is stored. Pure Python, no engine: the scheduler asks it (loop thread),
@@ -26,14 +27,18 @@ __all__ = ["CacheStats", "Entry", "Hit", "PrefixStore"]
 @dataclass(eq=False, slots=True)
 class Entry:
     data: bytes
-    n_tokens: int  # positions of `data` that are a prompt's (block-aligned ones are indexed)
+    n_tokens: int  # positions of `data` that are cacheable (whole blocks of them are indexed)
     ids: tuple[str, ...]  # ids of the blocks it is indexed under (those it can be trimmed to), in order
+    # The token ids of its cacheable positions: a hit on its blocks extends token by token past the last block
+    # the prompt shares whole (a conversation's next turn re-sends the answer's last, partial block).
+    tokens: tuple[int, ...] = ()
     pins: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """A restore: write `entry.data` into the slot, keep `n_tokens` positions (`blocks` whole blocks)."""
+    """A restore: write `entry.data` into the slot, keep `n_tokens` positions (`blocks` whole blocks, then the
+    tokens past them that the prompt shares with the entry)."""
 
     entry: Entry
     blocks: int
@@ -75,14 +80,15 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, ids: Sequence[str], max_tokens: int, have: int = 0) -> Hit | None:
-        """The longest run of the prompt's leading blocks held, restoring at most `max_tokens` positions
-        (the caller keeps the rows that must be computed) and more than the `have` its slot holds, pinned:
-        the caller must `let_go(hit)` once the restore ran or was dropped. None: a miss."""
+    def lookup(self, ids: Sequence[str], max_tokens: int, have: int = 0, tokens: Sequence[int] = ()) -> Hit | None:
+        """The longest run of the prompt's leading blocks held, then as many of the prompt's `tokens` past them
+        as the entry holds too, restoring at most `max_tokens` positions (the caller keeps the rows that must
+        be computed) and more than the `have` its slot holds, pinned: the caller must `let_go(hit)` once the
+        restore ran or was dropped. None: a miss."""
         with self._lock:
-            return self._lookup(ids, max_tokens, have)
+            return self._lookup(ids, max_tokens, have, tokens)
 
-    def _lookup(self, ids: Sequence[str], max_tokens: int, have: int) -> Hit | None:
+    def _lookup(self, ids: Sequence[str], max_tokens: int, have: int, tokens: Sequence[int]) -> Hit | None:
         self.stats.lookups += 1
         best: Hit | None = None
         # The deepest block held wins: an entry indexed under block k's id holds blocks < k too (ids are
@@ -90,7 +96,8 @@ class PrefixStore:
         for k in range(min(len(ids), max_tokens // self.block_tokens) - 1, -1, -1):
             e = self._by_block.get(ids[k])
             if e is not None:
-                best = Hit(e, k + 1, (k + 1) * self.block_tokens)
+                best = Hit(e, k + 1, _common_end(e.tokens, tokens, (k + 1) * self.block_tokens,
+                                                 min(max_tokens, e.n_tokens)))
                 break
         if best is None or best.n_tokens <= have:
             self.stats.misses += 1
@@ -111,15 +118,18 @@ class PrefixStore:
         with self._lock:
             return self.enabled and n > 0 and ids[n - 1] not in self._by_block
 
-    def put(self, data: bytes, ids: Sequence[str], n_tokens: int, floor: int = 0) -> Entry | None:
-        """Store a saved state valid for its first n_tokens positions, under the ids of the whole blocks
-        in them that end at or past `floor` (the fewest positions it can be trimmed to exactly); evict
-        least recently used unpinned entries to stay within the budget. None when nothing was stored (no
-        whole block, or larger than the budget)."""
+    def put(self, data: bytes, ids: Sequence[str], n_tokens: int, floor: int = 0,
+            tokens: Sequence[int] = ()) -> Entry | None:
+        """Store a saved state valid for its first n_tokens positions (whose token ids are `tokens`, when
+        given: a hit may then restore past its last whole block), under the ids of the whole blocks in them
+        that end at or past `floor` (the fewest positions it can be trimmed to exactly); evict least recently
+        used unpinned entries to stay within the budget. None when nothing was stored (no whole block, or
+        larger than the budget)."""
         with self._lock:
-            return self._put(data, ids, n_tokens, floor)
+            return self._put(data, ids, n_tokens, floor, tuple(tokens[:n_tokens]))
 
-    def _put(self, data: bytes, ids: Sequence[str], n_tokens: int, floor: int) -> Entry | None:
+    def _put(self, data: bytes, ids: Sequence[str], n_tokens: int, floor: int,
+             tokens: tuple[int, ...]) -> Entry | None:
         n = min(len(ids), n_tokens // self.block_tokens)
         lo = max(0, -(-floor // self.block_tokens) - 1)  # first block k with (k + 1) * block_tokens >= floor
         if n == 0 or lo >= n or not self.enabled:
@@ -127,12 +137,16 @@ class PrefixStore:
         if len(data) > self.budget_bytes:
             self.stats.too_big += 1
             return None
-        e = Entry(data=data, n_tokens=n * self.block_tokens, ids=tuple(ids[lo:n]))
-        # Entries every block of which is in e are redundant once e is stored: their bytes count as free
-        # room, so a re-save of the same prefix never evicts another entry to make room for itself.
+        # Positions past the last whole block count only with their token ids (what a hit compares).
+        e = Entry(data=data, n_tokens=max(n * self.block_tokens, min(n_tokens, len(tokens))), ids=tuple(ids[lo:n]),
+                  tokens=tokens)
+        # Entries every block of which is in e are redundant once e is stored (unless one holds more positions
+        # past those blocks): their bytes count as free room, so a re-save of the same prefix never evicts
+        # another entry to make room for itself.
         covered = set(e.ids)
         redundant = [old for old in {self._by_block[i] for i in e.ids if i in self._by_block}
-                     if not old.pins and covered.issuperset(old.ids)]
+                     if not old.pins and covered.issuperset(old.ids) and
+                     (old.ids[-1] != e.ids[-1] or old.n_tokens <= e.n_tokens)]
         self._make_room(len(data) - sum(len(old.data) for old in redundant), spare={id(old) for old in redundant})
         if self.bytes - sum(len(old.data) for old in redundant) + len(data) > self.budget_bytes:
             self.stats.too_big += 1  # everything left is pinned
@@ -179,3 +193,13 @@ class PrefixStore:
             for i in other.ids:
                 self._by_block.setdefault(i, other)
         self.stats.evictions += 1
+
+
+def _common_end(held: Sequence[int], prompt: Sequence[int], start: int, limit: int) -> int:
+    """How far from `start` (the end of the whole blocks a hit shares) the entry's tokens and the prompt's
+    agree, up to `limit` positions: a position restored past a block edge is one whose token is the same."""
+    n = start
+    end = min(limit, len(held), len(prompt))
+    while n < end and held[n] == prompt[n]:
+        n += 1
+    return n
