@@ -537,3 +537,32 @@ def test_forged_early_continuations_are_bounded_and_answered_after_the_hold() ->
     assert ghosts == {f"ghost{i}": Status.STATE_LOST for i in range(12)}, ghosts
     assert w.stats.early_expired >= 4
     assert not any(q for q in t.queues.values()) and all(a.final for a in t.answers if a.result.session_id in ghosts)
+
+
+def test_a_continuation_held_for_a_session_whose_prompt_is_still_coming_outlives_the_hold() -> None:
+    """A wave of long prompts: the worker reads a session's opening chunk and its continuation, but not yet the
+    prompt's last chunk (it takes no prefill entries while enough prompt tokens are queued). Past early_hold_s
+    the continuation stays held while its session is open here with the prompt short of it (admitted then, it
+    would be refused position_gap and end a session being served: seen on Gemma with 8 prompts of 2,016
+    tokens), then follows the last chunk: the tokens of the session alone."""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0,
+                                                   early_hold_s=0.1))
+    w.start()
+    t.push(_open(w, "long", sample=False))  # positions 0-2 of a 6-token prompt, the first of two chunks
+    for _ in range(3):
+        w.run_once()
+    t.push(StepJob(job_id="long-c", session_id="long", phase="decode", compat=w.keys["decode"].digest,
+                   start_position=6, tokens=(), n=4, created_at=1.0, with_opening=True))
+    w.run_once()
+    time.sleep(0.15)
+    for _ in range(3):
+        w.run_once()
+    assert not [a for a in t.answers if a.result.job_id.startswith("long-c")], "answered before its prompt came"
+    t.push(StepJob(job_id="long-p3", session_id="long", phase="prefill", compat=w.keys["prefill"].digest,
+                   start_position=3, tokens=(6, 7, 8), sample=True, created_at=1.0))
+    for _ in range(20):
+        w.run_once()
+    assert all(a.result.status == Status.OK for a in t.answers if a.result.session_id == "long")
+    toks = [a.result.token for a in t.answers if a.result.session_id == "long" and a.result.token is not None]
+    assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5

@@ -241,9 +241,20 @@ class EntryAdmission:
 
     def _admit_expired(self, out: Admitted) -> None:
         """Continuation jobs held past early_hold_s: admitted as they are (their sessions never came)."""
-        for inb in self.early.expired(time.monotonic()):
+        for inb in self.early.expired(time.monotonic(), self._prompt_coming):
             self.stats.early_expired += 1
             self.admit(inb, out, may_hold=False)
+
+    def _prompt_coming(self, inb: Inbound) -> bool:
+        """Whether a held continuation's session is open here at its attempt with its prompt queued short of
+        it: its later prompt chunks are unread, not lost (early.py `expired`)."""
+        job = inb.job
+        if job is None:
+            return False
+        sched = self.lanes.for_entry(inb).scheduler
+        held = sched.table.get(job.session_id)
+        return held is not None and sched.attempt(job.session_id) == job.attempt and \
+            held.queued_position < job.start_position
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
                      wire_rejects: list[Answer], acks: list[Delivery], may_hold: bool = True) -> bool:

@@ -11,7 +11,8 @@ worker does not hold) and the Tracker would replay a session that was never lost
 So such a job is held here, unanswered (its entry stays pending, as any entry read and not yet answered), until
 its session's last prompt chunk is admitted, and then admitted right behind it. Bounded both ways: at most
 `capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
-it is admitted as it is: `state_lost` if its session never came). Only a job that could be such a continuation
+it is admitted as it is: `state_lost` if its session never came) unless its session is open here and its
+prompt still coming (then for as long as the session lives: `expired`). Only a job that could be such a continuation
 is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
 the opening), for a session this worker does not hold yet (nor remembers closed), holds or remembers at an older
 attempt only (a replay's: its new opening has not come, and checked against the old attempt the job would be
@@ -70,12 +71,21 @@ class EarlySteps:
         self._n -= len(out)
         return out
 
-    def expired(self, now: float) -> list[Inbound]:
-        """The entries held longer than hold_s, released (their sessions' prompts never came)."""
+    def expired(self, now: float, coming: Callable[[Inbound], bool] = lambda _inb: False) -> list[Inbound]:
+        """The entries held longer than hold_s, released (their sessions' prompts never came). An entry whose
+        prompt is `coming` (its session open here at its attempt, the prompt queued short of it: the reader
+        takes no prefill entries while enough prompt tokens are queued, so a wave of long prompts can leave a
+        session's last chunks unread for longer than hold_s) is held for another hold_s instead: admitted
+        now, it would be refused (position_gap) and end a session that is being served. The session's own
+        life bounds that: once it is closed, its entry is no longer coming."""
         if not self._n:
             return []
         out: list[Inbound] = []
         for sid in [s for s, held in self._held.items() if now - held[0][1] >= self.hold_s]:
+            held = self._held[sid]
+            if all(coming(inb) for inb, _ in held):
+                self._held[sid] = [(inb, now) for inb, _ in held]
+                continue
             out += self.release(sid)
         return out
 
