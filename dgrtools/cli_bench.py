@@ -218,13 +218,16 @@ def bench_prefix(out: Out = Path("bench-out/prefix"), sessions: int = 8, waves: 
                  only: Annotated[str, typer.Option(help="Comma-separated workloads to run (shared-512, "
                                                         "shared-2000, systems-1, systems-4, systems-16, none, "
                                                         "chat); all by default.")] = "",
+                 llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server",
+                                                            help="Run llama-server too (built once, cached)."
+                                                            )] = True,
                  ) -> None:
     """The prefix cache (docs/prefix-cache.md): shared prefixes of 512 and 2,000 tokens, 1/4/16 system prompts,
     no sharing and a 6-turn conversation; dgr with the cache on and off and llama-server, in one run."""
     from dgrtools.bench.prefix import run
 
     run(out, quick=quick, sessions=sessions, waves=waves, tokens=tokens, suffix=suffix, turns=turns, recipe=recipe,
-        only=[w for w in only.split(",") if w])
+        only=[w for w in only.split(",") if w], llama_server=llama_server)
 
 
 @bench_app.command("producer")

@@ -585,13 +585,14 @@ class LlamaCppEngine(LogitsEngine):
     def prefix_floor(self, slot: int) -> int:
         """The fewest positions the slot's state, saved now, can be trimmed back to exactly. 0 for a full
         KV cache, and for a sliding-window cache (Gemma 3) while the slot holds at most n_swa positions
-        (no cell is masked yet, so none was dropped). Past that, the saved window may lack the cells a
-        trim needs: measured on Gemma 3, a 2,000-token slot restored and trimmed to 16 positions held
-        none of them in its window (while the live slot's seq_pos_min said 0), so such a slot is not
-        worth an entry: the floor is past its end (nothing indexed)."""
+        (no cell is masked yet, so none was dropped). Past that, the saved window lacks the cells a trim
+        needs: measured on Gemma 3, a 2,000-token slot restored and trimmed to 16 positions held none of
+        them in its window (while the live slot's seq_pos_min said 0), trimmed to 1,990 it differs, and
+        untrimmed it is exact (docs/prefix-cache.md). So the floor is its end: such a state is a
+        checkpoint, restored whole or not at all."""
         n_swa = int(self._L.llama_model_n_swa(self._model))
         end = int(self._next[slot])
-        return 0 if n_swa <= 0 or end <= n_swa else end + 1
+        return 0 if n_swa <= 0 or end <= n_swa else end
 
     def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
         """Write a saved state into the (empty) slot and keep its first n_tokens positions (seq_rm of the

@@ -53,7 +53,8 @@ class PrefixPlanner:
         # batch-invariant recipe a decoded position's KV is a one-row piece's, not what the next turn's cold
         # run computes as a prompt row: never cached.
         self.decoded = decoded
-        # A sliding-window engine's window, down to a block edge (0: none): see PrefixPlanning._prefix_cut.
+        # A sliding-window engine's window, down to a block edge (0: none): the spacing of the checkpoints saved
+        # past it (save; PrefixPlanning._prefix_cut).
         self.window = window // store.block_tokens * store.block_tokens
         self._window_positions = window
 
@@ -76,8 +77,12 @@ class PrefixPlanner:
 
     def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int) -> Save | None:
         """A save of the slot after the call, when its first n_tokens positions add a block not held."""
-        if 0 < self._window_positions < n_tokens:
-            return None  # a sliding window's slot past its window cannot be trimmed back: nothing to index
+        if 0 < self._window_positions < n_tokens and (not self.window or n_tokens % self.window):
+            # A sliding window's slot past its window cannot be trimmed back (its floor is its end): it is saved
+            # only as a checkpoint at a multiple of the window (PrefixPlanning._prefix_cut ends pieces there),
+            # so a prompt that shares a long prefix restores the last checkpoint in it; a slot ending anywhere
+            # else would cost a save that only the very same prompt could use.
+            return None
         ids = self._new_blocks(root, tokens, n_tokens)
         if ids is None:
             return None

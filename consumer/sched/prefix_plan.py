@@ -75,24 +75,26 @@ class PrefixPlanning(SchedulerState):
 
     def _prefix_cut(self, lane: SessionQueue, start: int, n: int, prompt_end: int | None) -> int:
         """The rows of a cacheable session's prefill piece on a sliding-window engine: a piece that would
-        cross the window's edge ends on it, so that when the call is saved the slot holds no more positions
-        than the window and its blocks up to the edge are stored (a slot past the window cannot be trimmed
-        back exactly: LlamaCppEngine.prefix_floor). Without the cut, a prompt longer than the window is
-        cached only when a call happened to end inside it. Both sides keep two or more rows (any such split
-        gives the same KV: docs/invariance.md), and only prompt positions are cut."""
+        cross a multiple of the window ends on it. At the window's edge the saved slot holds no more
+        positions than the window, so its blocks up to the edge are stored trimmable; at a later multiple it
+        is a checkpoint, restored whole (a slot past the window cannot be trimmed back exactly:
+        LlamaCppEngine.prefix_floor, PrefixPlanner.save). Without the cut, a prompt longer than the window is
+        cached only when a call happened to end on such an edge. Both sides keep two or more rows (any such
+        split gives the same KV: docs/invariance.md), and only prompt positions are cut."""
         planner = self.prefix
         w = planner.window if planner is not None else 0
-        if planner is None or not w or lane.prefix_root is None or not start + 2 <= w < start + n:
+        if planner is None or not w or lane.prefix_root is None:
             return n
-        if prompt_end is not None and prompt_end - w < 2:
+        edge = (start + 2 + w - 1) // w * w  # the first multiple of the window that leaves two rows before it
+        if not edge < start + n or (prompt_end is not None and prompt_end - edge < 2):
             return n
         # Already held up to the edge (a session that restored the shared prefix short of it: its job ended
         # there): the cut would save nothing and cost the session another prefill turn.
-        head = self._queued_tokens(lane, start, w - start)
-        if len(lane.cacheable) == start and len(head) == w - start and \
-                not planner.wants(lane.prefix_root, [*lane.cacheable, *head], w):
+        head = self._queued_tokens(lane, start, edge - start)
+        if len(lane.cacheable) == start and len(head) == edge - start and \
+                not planner.wants(lane.prefix_root, [*lane.cacheable, *head], edge):
             return n
-        return w - start
+        return edge - start
 
     @staticmethod
     def _prompt_run(lane: SessionQueue) -> list[_Queued]:

@@ -143,7 +143,7 @@ def _summary(res: list[dict[str, Any]]) -> dict[str, float]:
 
 def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, tokens: int = 16, suffix: int = 16,
         turns: int = 6, threads: int = 2, recipe: str = "invariant", only: Collection[str] = (),
-        echo: Callable[[str], object] = print) -> dict[str, Any]:
+        llama_server: bool = True, echo: Callable[[str], object] = print) -> dict[str, Any]:
     """`only`: the workloads to run (their names, "chat" for the conversation); empty: all."""
     from consumer.runtime import resolve_model
     from dgrtools.localredis import LocalRedis
@@ -172,7 +172,7 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
         off = ConsumerProcess(rs.url, "pfx-off", model, Path(tmp), recipe=recipe, slots=sessions, threads=threads,
                               extra=common)
         srv = None
-        if not quick and loads:
+        if not quick and loads and llama_server:
             from dgrtools.bench.llama_server import LlamaServer
             from dgrtools.bench.llamacpp_build import build_server, default_cache_dir
 
