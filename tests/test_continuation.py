@@ -566,3 +566,39 @@ def test_a_continuation_held_for_a_session_whose_prompt_is_still_coming_outlives
     assert all(a.result.status == Status.OK for a in t.answers if a.result.session_id == "long")
     toks = [a.result.token for a in t.answers if a.result.session_id == "long" and a.result.token is not None]
     assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
+
+
+def test_a_continuation_whose_opening_is_unread_behind_queued_prompts_outlives_the_hold() -> None:
+    """The reader takes no prefill entries while two calls' worth of prompt tokens are queued: a session's
+    continuation (on the decode stream) is read and held while its opening waits in the prefill stream behind
+    another session's long prompt, longer than early_hold_s. Held on while the reader takes no prompt entries
+    (admitted at the hold it was answered state_lost, and its Tracker replayed a session never lost), it
+    follows its opening once that is read: the tokens of the session alone."""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0,
+                                                   early_hold_s=0.05, prefill_budget=4))
+    w.start()
+    hop = RouteHop(worker_id=WID, key=w.keys["prefill"])
+    t.push(_open(w, "dec"))  # a session decoding throughout: prefill calls take at most prefill_budget tokens
+    w.run_once()
+    t.push(_decode(w, "dec", 3, (), 29))
+    w.run_once()
+    t.push(StepJob(job_id="big-open", session_id="big", phase="prefill", compat=w.keys["prefill"].digest,
+                   start_position=0, tokens=tuple(range(3, 43)), sample=True, created_at=1.0,
+                   session=SessionSpec(session_id="big", account_id="a", route=(hop,), max_tokens=2)))
+    for _ in range(2):
+        w.run_once()  # 40 prompt tokens queued: the reader takes no prefill entries until fewer than 8 are
+    t.push(StepJob(job_id="late-c", session_id="late", phase="decode", compat=w.keys["decode"].digest,
+                   start_position=3, tokens=(), n=4, created_at=1.0, with_opening=True))
+    t.push(_open(w, "late"))
+    w.run_once()
+    for _ in range(3):
+        time.sleep(0.06)
+        w.run_once()
+    assert not [a for a in t.answers if a.result.session_id == "late"], "answered before its opening was read"
+    for _ in range(40):
+        w.run_once()
+    late = [a.result for a in t.answers if a.result.session_id == "late"]
+    assert all(r.status == Status.OK for r in late), late
+    toks = [r.token for r in late if r.token is not None]
+    assert toks == oracle(Sess(prompt=(3, 4, 5), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5

@@ -246,12 +246,16 @@ class EntryAdmission:
             self.admit(inb, out, may_hold=False)
 
     def _prompt_coming(self, inb: Inbound) -> bool:
-        """Whether a held continuation's session is open here at its attempt with its prompt queued short of
-        it: its later prompt chunks are unread, not lost (early.py `expired`)."""
+        """Whether a held continuation's prompt may still be unread rather than lost (early.py `expired`): its
+        lane's reader takes no prompt entries now (two calls' worth of prompt tokens are queued: its opening
+        may be waiting in the stream behind them), or its session is open here at its attempt with its prompt
+        queued short of it."""
         job = inb.job
         if job is None:
             return False
         sched = self.lanes.for_entry(inb).scheduler
+        if not sched.want().get("prefill", 0):
+            return True
         held = sched.table.get(job.session_id)
         return held is not None and sched.attempt(job.session_id) == job.attempt and \
             held.queued_position < job.start_position

@@ -11,8 +11,9 @@ worker does not hold) and the Tracker would replay a session that was never lost
 So such a job is held here, unanswered (its entry stays pending, as any entry read and not yet answered), until
 its session's last prompt chunk is admitted, and then admitted right behind it. Bounded both ways: at most
 `capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
-it is admitted as it is: `state_lost` if its session never came) unless its session is open here and its
-prompt still coming (then for as long as the session lives: `expired`). Only a job that could be such a continuation
+it is admitted as it is: `state_lost` if its session never came) unless its prompt may still be unread:
+while the reader takes no prompt entries, or while its session is open here with its prompt short of it
+(`expired`). Only a job that could be such a continuation
 is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
 the opening), for a session this worker does not hold yet (nor remembers closed), holds or remembers at an older
 attempt only (a replay's: its new opening has not come, and checked against the old attempt the job would be
@@ -73,11 +74,12 @@ class EarlySteps:
 
     def expired(self, now: float, coming: Callable[[Inbound], bool] = lambda _inb: False) -> list[Inbound]:
         """The entries held longer than hold_s, released (their sessions' prompts never came). An entry whose
-        prompt is `coming` (its session open here at its attempt, the prompt queued short of it: the reader
-        takes no prefill entries while enough prompt tokens are queued, so a wave of long prompts can leave a
-        session's last chunks unread for longer than hold_s) is held for another hold_s instead: admitted
-        now, it would be refused (position_gap) and end a session that is being served. The session's own
-        life bounds that: once it is closed, its entry is no longer coming."""
+        prompt is `coming` is held for another hold_s instead: the reader takes no prefill entries while
+        enough prompt tokens are queued, so a wave of long prompts can leave a session's opening or last
+        chunks unread for longer than hold_s, and admitted then the entry would be answered state_lost (a
+        replay of a session never lost) or refused position_gap (a session being served ended). Coming: the
+        reader takes no prompt entries now, or the session is open here at the entry's attempt with its
+        prompt short of it (then its own life bounds the hold)."""
         if not self._n:
             return []
         out: list[Inbound] = []

@@ -40,14 +40,20 @@ def _dgr_wave(producer: Any, wid: str, key: Any, prompts: list[list[int]], token
     first: dict[str, float] = {}
     toks: dict[str, list[int]] = {s.session_id: [] for s, _ in specs}
 
+    last: dict[str, str] = {}
+
     def on_result(_h: Any, r: Any) -> None:
+        last[r.session_id] = f"{r.job_id} {r.status} {r.reason} {r.detail} at {r.position}"
         if r.token is not None:
             first.setdefault(r.session_id, time.perf_counter())
             toks[r.session_id].append(int(r.token))
 
     t0 = time.perf_counter()
-    producer.run_many(specs, on_result=on_result)
+    handles = producer.run_many(specs, on_result=on_result)
     wall = time.perf_counter() - t0
+    ended = {sid: (h.status, last.get(sid)) for sid, h in handles.items() if h.status != "finished"}
+    if ended:
+        raise RuntimeError(f"{tag}: sessions that did not finish: {ended}")
     return {"wall": wall, "ttft": statistics.median(first[s.session_id] - t0 for s, _ in specs),
             "tokens": [toks[s.session_id] for s, _ in specs]}
 
