@@ -247,14 +247,15 @@ class EntryAdmission:
 
     def _prompt_coming(self, inb: Inbound) -> bool:
         """Whether a held continuation's prompt may still be unread rather than lost (early.py `expired`): its
-        lane's reader takes no prompt entries now (two calls' worth of prompt tokens are queued: its opening
-        may be waiting in the stream behind them), or its session is open here at its attempt with its prompt
-        queued short of it."""
+        lane has prompt jobs queued (the reader takes prompt entries a few at a time, none while two calls'
+        worth of tokens are queued: its opening may wait in the stream behind a wave of long prompts; once
+        the queue is empty the reader takes what the stream holds, and the hold runs out hold_s later), or
+        its session is open here at its attempt with its prompt queued short of it."""
         job = inb.job
         if job is None:
             return False
         sched = self.lanes.for_entry(inb).scheduler
-        if not sched.want().get("prefill", 0):
+        if sched.queued("prefill"):
             return True
         held = sched.table.get(job.session_id)
         return held is not None and sched.attempt(job.session_id) == job.attempt and \

@@ -12,7 +12,7 @@ So such a job is held here, unanswered (its entry stays pending, as any entry re
 its session's last prompt chunk is admitted, and then admitted right behind it. Bounded both ways: at most
 `capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
 it is admitted as it is: `state_lost` if its session never came) unless its prompt may still be unread:
-while the reader takes no prompt entries, or while its session is open here with its prompt short of it
+while prompt jobs are queued on its lane, or while its session is open here with its prompt short of it
 (`expired`). Only a job that could be such a continuation
 is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
 the opening), for a session this worker does not hold yet (nor remembers closed), holds or remembers at an older
@@ -77,9 +77,9 @@ class EarlySteps:
         prompt is `coming` is held for another hold_s instead: the reader takes no prefill entries while
         enough prompt tokens are queued, so a wave of long prompts can leave a session's opening or last
         chunks unread for longer than hold_s, and admitted then the entry would be answered state_lost (a
-        replay of a session never lost) or refused position_gap (a session being served ended). Coming: the
-        reader takes no prompt entries now, or the session is open here at the entry's attempt with its
-        prompt short of it (then its own life bounds the hold)."""
+        replay of a session never lost) or refused position_gap (a session being served ended). Coming: its
+        lane has prompt jobs queued (the hold then runs out hold_s after they are all taken), or the session
+        is open here at the entry's attempt with its prompt short of it (its own life bounds the hold)."""
         if not self._n:
             return []
         out: list[Inbound] = []
