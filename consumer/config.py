@@ -108,8 +108,11 @@ class WorkerSettings:
     # Answers remembered by result id (one per token), re-sent for a late duplicate of their job (a Tracker's
     # re-push after an outage): ~250 bytes each, so the default holds 1,024 tokens of 256 sessions (~64 MB).
     # consumer/worker/early.py: continuation jobs read before their session's prompt wait this long for it
-    early_hold_s: float = setting(10.0, "Hold a continuation job read before its session's prompt this long (s), "
-                                        "counted while no prompt jobs are queued.")
+    early_hold_s: float = setting(10.0, "Hold a continuation job read before its session's prompt this long (s).")
+    # ... and up to this long while its prompt may still be unread (no read since got fewer prompt entries than it
+    # asked for, or its session is open with the prompt short of it): a wave of long prompts keeps the reader from
+    # the prefill stream.
+    early_hold_max_s: float = setting(120.0, "Hold it up to this long while its prompt may still be unread (s).")
     answered_memory: int = setting(262_144, 'Answers remembered by job id, re-sent for a late duplicate.')
     # Entries one iteration may read in all. When entries read are refused at admission (malformed,
     # forged, for unknown sessions), the worker reads past them at once, doubling the read each time,

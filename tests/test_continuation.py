@@ -114,19 +114,24 @@ class Run:
 
 
 def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None, ramp: bool = False,
-        max_iterations: int = 5_000) -> Run:
+        max_iterations: int = 5_000, prefill_budget: int = 512, hold: int | None = None) -> Run:
     """Drive the sessions through ProducerCore (credit) and a Worker on the in-memory transport. A crash
     (after the iteration's completion) replaces worker and engine; entries read and not acked are handed
-    out again, as the transport's recovery does."""
+    out again, as the transport's recovery does. `hold`: the early hold (consumer/worker/early.py) runs on a
+    clock of one second an iteration and lasts that many (a small `prefill_budget` keeps the reader from the
+    prefill stream meanwhile)."""
     t = MemoryTransport()
     engines: list[HistoryEngine] = []
-    cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0)
-
+    cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0,
+                         prefill_budget=prefill_budget, early_hold_s=float(hold or 10), early_hold_max_s=1e9)
+    clock = [0.0]
     workers: list[Worker] = []
 
     def new_worker() -> Worker:
         engines.append(HistoryEngine(n_slots))
         w = Worker(engines[-1], t, cfg)
+        if hold is not None:
+            w.admission.clock = lambda: clock[0]
         w.start()
         workers.append(w)
         return w
@@ -170,6 +175,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     for it in range(max_iterations):
         if all(h.finished for h in handles.values()):
             break
+        clock[0] += 1.0
         w.run_once()
         for a in t.answers[seen:]:  # what the completion acked (with the results, in one script)
             if isinstance(a.ref, Delivery) and a.final:
@@ -288,6 +294,20 @@ def sessions(draw: st.DrawFn) -> list[Sess]:
 def test_continuation_tokens_results_and_charges_equal_n1_alone(ss: list[Sess], extra_slots: int, max_batch: int,
                                                                  crash_at: int | None, ramp: bool) -> None:
     r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp)
+    check(ss, r)
+
+
+@settings(max_examples=400 if SOAK else 40, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ss=sessions(), extra_slots=st.integers(0, 3), max_batch=st.integers(1, 8),
+       crash_at=st.none() | st.integers(0, 60), budget=st.integers(2, 8), hold=st.integers(1, 4))
+def test_ramped_continuations_survive_holds_shorter_than_their_prompts_take(
+        ss: list[Sess], extra_slots: int, max_batch: int, crash_at: int | None, budget: int, hold: int) -> None:
+    """Counterexample search for the early hold: every first continuation read before its prompt, a prefill
+    budget of a few tokens (the reader takes no prompt entries while two calls' worth are queued), and a hold
+    of 1-4 iterations, far shorter than the prompts take to be read: no session is replayed or refused for
+    it, and every one gets its tokens alone (with crashes, cancels, stops and twice-pushed jobs drawn too)."""
+    r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp=True, prefill_budget=budget, hold=hold)
     check(ss, r)
 
 

@@ -33,3 +33,18 @@ def test_expired_after_hold_s_and_only_those() -> None:
     assert e.expired(1.9) == []
     assert e.expired(2.0) == [old] and len(e) == 1
     assert e.expired(3.5) == [new] and len(e) == 0
+
+
+def test_a_coming_prompt_holds_past_hold_s_and_never_past_max_hold_s() -> None:
+    e = EarlySteps(capacity=8, hold_s=2.0, max_hold_s=5.0)
+    a, b = _held("a", 0), _held("b", 0)
+    e.hold("a", a, 0.0)
+    e.hold("b", b, 0.0)
+
+    def coming(inb: Inbound, since: float) -> bool:
+        return inb is a and since == 0.0
+
+    assert e.expired(1.9, coming) == []
+    assert e.expired(2.0, coming) == [b]  # its prompt is not coming: released at hold_s
+    assert e.expired(4.9, coming) == [] and len(e) == 1
+    assert e.expired(5.0, coming) == [a] and len(e) == 0  # coming or not, never past max_hold_s

@@ -42,8 +42,8 @@ pytestmark = pytest.mark.llama
 class Engines:
     """Engine factories for the service and a solo engine for the oracle (cached per session)."""
 
-    def __init__(self, path: Path, probe: bool, windowed: bool = False) -> None:
-        self.path, self.probe, self.windowed = path, probe, windowed
+    def __init__(self, path: Path, probe: bool, windowed: bool = False, ctx: int = CTX) -> None:
+        self.path, self.probe, self.windowed, self.ctx = path, probe, windowed, ctx
         self.solo_engine = self._engine(LlamaCppEngine, 1)  # the oracle: never windowed
         self._cache: dict[tuple[object, ...], list[int]] = {}
 
@@ -51,7 +51,7 @@ class Engines:
         return self._engine(WindowedTiny if self.windowed else LlamaCppEngine, n_slots)
 
     def _engine(self, kind: type[LlamaCppEngine], n_slots: int) -> Engine:
-        eng: Engine = kind(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=CTX)
+        eng: Engine = kind(self.path, recipe="invariant", n_slots=n_slots, ctx_per_session=self.ctx)
         return ShapeProbeEngine(eng) if self.probe else eng  # type: ignore[return-value]
 
     def solo(self, s: Session, stops: tuple[int, ...]) -> list[int]:
@@ -79,6 +79,11 @@ def windowed(tiny_model_path: Path) -> Engines:
 @pytest.fixture(scope="module")
 def gemma(gemma_model_path: Path) -> Engines:
     return Engines(gemma_model_path, probe=False)
+
+
+@pytest.fixture(scope="module")
+def gemma_long(gemma_model_path: Path) -> Engines:
+    return Engines(gemma_model_path, probe=False, ctx=2048)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +184,7 @@ def window_edge_scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
     would cross it; the cache's budget from none to plenty."""
     w = WindowedTiny.WINDOW
     rng = np.random.default_rng(draw(st.integers(0, 2**20)))
-    shared = random_prompt(rng, draw(st.sampled_from([w - 17, w - 1, w, w + 1, w + 15, 2 * w + 3])), 512)
+    shared = random_prompt(rng, draw(st.sampled_from([w - 17, w - 1, w, w + 1, w + 15, 2 * w + 3, 3 * w + 5])), 512)
     ss = draw(sessions(max_prompt=150, max_sessions=4).filter(lambda x: len(x) >= 2))
     out = []
     for k, s in enumerate(ss):
@@ -252,6 +257,58 @@ def test_service_tokens_equal_solo_gemma(gemma: Engines, client: redis.Redis,
                                          scenario: tuple[list[Session], Conditions]) -> None:
     """Gemma 3 is the model that shows causes 2-5 of docs/invariance.md for real (DGR_SLOW=1)."""
     _check(gemma, client, *scenario)
+
+
+@st.composite
+def checkpoint_scenarios(draw: st.DrawFn) -> tuple[list[Session], Conditions]:
+    """Gemma 3 (a window of 512): prompts sharing a prefix past 1,024 positions, so that later sessions restore
+    the checkpoint saved at 1,024 (restored whole: its window cells are the last 512 only), then compute the
+    rest; chunks, budgets and a crash drawn."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**20)))
+    shared = random_prompt(rng, draw(st.sampled_from([1026, 1041, 1100])), 262_144)
+    out = []
+    for k in range(draw(st.integers(2, 3))):
+        tail = random_prompt(rng, draw(st.sampled_from([0, 2, 16, 17])), 262_144) if k else ()
+        sampling = draw(st.sampled_from([Sampling(), Sampling(temperature=0.9, seed=3)]))
+        out.append(Session(prompt=shared + tail, sampling=sampling, max_tokens=draw(st.integers(2, 6)),
+                           start_s=5.0 * k))  # one after the other: later ones find the checkpoint
+    c = Conditions(n_slots=len(out), prefill_budget=draw(st.sampled_from([64, 512])),
+                   prefill_chunk=draw(st.sampled_from([99, 512, 2048])), crash_at=draw(st.none() | st.integers(1, 6)),
+                   prefix_cache_bytes=512 << 20, prefix_cache_scope="global")
+    return out, c
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0 if SOAK else 900)
+@settings(max_examples=20 if SOAK else 3, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(scenario=checkpoint_scenarios())
+def test_prefix_cache_checkpoints_past_the_window_equal_solo_gemma(gemma_long: Engines, client: redis.Redis,
+                                                                   scenario: tuple[list[Session], Conditions]) -> None:
+    """Issue 31 on a real sliding window (DGR_SLOW=1): a checkpoint past Gemma's window, restored whole, gives
+    the solo tokens. Without a crash, and with each prompt in one job, every later session restores it (1,024
+    positions or more); a prompt in several jobs restores only as far as the jobs queued when its first piece
+    is planned reach (docs/prefix-cache.md)."""
+    ss, c = scenario
+    out = _check(gemma_long, client, ss, c)
+    if c.crash_at is None and c.prefill_chunk >= max(len(x.prompt) for x in ss):
+        assert out.prefix_hit_tokens >= 1024 * (len(ss) - 1), out.prefix_hit_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_prefix_cache_checkpoint_is_restored_whole_gemma(gemma_long: Engines, client: redis.Redis) -> None:
+    """The case the search above may not draw (DGR_SLOW=1): three prompts sharing 1,041 tokens, each in one job,
+    one after the other: the later two restore the checkpoint at 1,024 (without it, 512 each) and get the solo
+    tokens."""
+    rng = np.random.default_rng(5)
+    shared = random_prompt(rng, 1041, 262_144)
+    ss = [Session(prompt=shared + random_prompt(rng, k, 262_144), sampling=Sampling(), max_tokens=3, start_s=5.0 * i)
+          for i, k in enumerate((0, 2, 17))]
+    out = _check(gemma_long, client, ss, Conditions(n_slots=3, prefill_chunk=2048, prefix_cache_bytes=512 << 20,
+                                                    prefix_cache_scope="global"))
+    assert out.prefix_hit_tokens >= 2 * 1024, out.prefix_hit_tokens
 
 
 # ---- the check bites ---------------------------------------------------------------------------------

@@ -26,18 +26,16 @@ def _ids(tokens: list[int]) -> list[str]:
 @example(ops=[([0, 0, 0, 0], 31, True), ([1, 0, 0, 1], 1, True), ([1, 0, 0, 1], 1, True)], budget=32)
 def test_budget_lru_and_longest_match(ops: list[tuple[list[int], int, bool]], budget: int) -> None:
     store = PrefixStore(budget, block_tokens=B, scope="global")
-    # (ids, size, positions), least recent first: what the store should hold
-    model: list[tuple[tuple[str, ...], int, int]] = []
+    model: list[tuple[tuple[str, ...], int]] = []  # (ids, size), least recent first: what the store should hold
     for tokens, size, is_put in ops:
         ids = _ids(tokens)
         if is_put:
             e = store.put(b"x" * size, ids, len(tokens), tokens=tokens)
             if e is not None:
                 assert e.n_tokens == len(tokens) and e.tokens == tuple(tokens)
-                model = [m for m in model if not (set(e.ids).issuperset(m[0]) and
-                                                  (m[0][-1] != e.ids[-1] or m[2] <= e.n_tokens))]
-                model.append((e.ids, size, e.n_tokens))
-                while sum(m[1] for m in model) > budget:
+                model = [m for m in model if not set(e.ids).issuperset(m[0])]
+                model.append((e.ids, size))
+                while sum(s for _, s in model) > budget:
                     model.pop(0)
             else:
                 assert not ids or size > budget
@@ -57,7 +55,7 @@ def test_budget_lru_and_longest_match(ops: list[tuple[list[int], int, bool]], bu
                 model.remove(m)
                 model.append(m)
         assert store.bytes <= budget
-        assert store.bytes == sum(m[1] for m in model)
+        assert store.bytes == sum(s for _, s in model)
 
 
 def test_a_hit_extends_past_its_last_block_only_over_shared_tokens() -> None:

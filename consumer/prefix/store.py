@@ -138,15 +138,13 @@ class PrefixStore:
             self.stats.too_big += 1
             return None
         # Positions past the last whole block count only with their token ids (what a hit compares).
-        e = Entry(data=data, n_tokens=max(n * self.block_tokens, min(n_tokens, len(tokens))), ids=tuple(ids[lo:n]),
-                  tokens=tokens)
-        # Entries every block of which is in e are redundant once e is stored (unless one holds more positions
-        # past those blocks): their bytes count as free room, so a re-save of the same prefix never evicts
-        # another entry to make room for itself.
+        e = Entry(data=data, n_tokens=max(n * self.block_tokens, len(tokens)), ids=tuple(ids[lo:n]), tokens=tokens)
+        # Entries every block of which is in e are redundant once e is stored (no id points at them any more):
+        # their bytes count as free room, so a re-save of the same prefix never evicts another entry to make
+        # room for itself.
         covered = set(e.ids)
         redundant = [old for old in {self._by_block[i] for i in e.ids if i in self._by_block}
-                     if not old.pins and covered.issuperset(old.ids) and
-                     (old.ids[-1] != e.ids[-1] or old.n_tokens <= e.n_tokens)]
+                     if not old.pins and covered.issuperset(old.ids)]
         self._make_room(len(data) - sum(len(old.data) for old in redundant), spare={id(old) for old in redundant})
         if self.bytes - sum(len(old.data) for old in redundant) + len(data) > self.budget_bytes:
             self.stats.too_big += 1  # everything left is pinned

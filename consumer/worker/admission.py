@@ -39,6 +39,7 @@ class Prefetched:
     refused: list[DeadLetter]  # cancel entries that are not cancellations
     fetched: dict[str, bytes | None]
     seconds: float
+    asked: Want  # the entries the read asked for, per lane and phase (what it got fewer of was drained)
 
 
 @dataclass
@@ -78,7 +79,12 @@ class EntryAdmission:
         self.lanes, self.transport, self.settings, self.stats = lanes, transport, settings, stats
         self.idle, self.computing, self.wait_engine = idle, computing, wait_engine
         # Continuation jobs read before their session's prompt (early.py): a few per slot, for a while.
-        self.early = EarlySteps(capacity=4 * lanes.slots(), hold_s=settings.early_hold_s)
+        self.early = EarlySteps(capacity=4 * lanes.slots(), hold_s=settings.early_hold_s,
+                                max_hold_s=settings.early_hold_max_s)
+        self.clock = time.monotonic  # the holds' clock (a test drives its own)
+        # Per lane: when a read last got fewer prefill entries than it asked for (the prompt streams held no
+        # more): a continuation held since before then has no opening left unread (_prompt_coming).
+        self._drained: dict[int, float] = {}
 
     # ---- what to read ---------------------------------------------------------------------------
     def should_read(self) -> bool:
@@ -112,9 +118,11 @@ class EntryAdmission:
         queued: Want = dict.fromkeys(want, 0)
         asked = dict(want)
         total = 0
+        first: Want | None = None  # what the first read took, of what was wanted
         while got:
             total += len(got)
             took, refused = self._admit_counted(got, None, out, queued)
+            first = took if first is None else first
             more: Want = {}
             room = self.settings.max_read_entries - total
             for k, n in asked.items():
@@ -130,8 +138,16 @@ class EntryAdmission:
             got = read_lanes(self.transport, self.lanes.streams, more, block_ms=0, gather_ms=0)
             self.stats.reads += 1
             read_s += time.perf_counter() - t
+        self._note_drained(want, first or {})
         out.entries, out.read_s = total, read_s
         return out
+
+    def _note_drained(self, asked: Want, took: Want) -> None:
+        """A read that took fewer prefill entries than it asked for found its lane's prompt streams drained."""
+        now = self.clock()
+        for (i, phase), n in asked.items():
+            if phase == "prefill" and took.get((i, phase), 0) < n:
+                self._drained[i] = now
 
     def _read(self) -> tuple[list[Inbound], Want, float]:
         counts = self.want()
@@ -165,14 +181,18 @@ class EntryAdmission:
         return got, counts, time.perf_counter() - t
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit_all(self, inbound: Sequence[Inbound], fetched: dict[str, bytes | None] | None) -> Admitted:
+    def admit_all(self, inbound: Sequence[Inbound], fetched: dict[str, bytes | None] | None,
+                  asked: Want | None = None) -> Admitted:
         """Admit entries read (by the I/O thread: `fetched` holds their activation blobs; None: fetch
-        them now)."""
+        them now). `asked`: what the read asked for (None: a recovery's re-read, which says nothing of what the
+        streams hold)."""
         out = Admitted.empty(len(self.lanes))
         self._admit_expired(out)
+        took, refused = self._admit_counted(inbound, fetched, out, {}) if inbound else ({}, {})
+        if asked is not None:
+            self._note_drained(asked, took)
         if not inbound:
             return out
-        took, refused = self._admit_counted(inbound, fetched, out, {})
         # A prefetch whose prefill entries were all refused reads past them on the next one, doubling.
         cap = self.settings.max_read_entries
         for lane in self.lanes:
@@ -241,22 +261,23 @@ class EntryAdmission:
 
     def _admit_expired(self, out: Admitted) -> None:
         """Continuation jobs held past early_hold_s: admitted as they are (their sessions never came)."""
-        for inb in self.early.expired(time.monotonic(), self._prompt_coming):
+        for inb in self.early.expired(self.clock(), self._prompt_coming):
             self.stats.early_expired += 1
             self.admit(inb, out, may_hold=False)
 
-    def _prompt_coming(self, inb: Inbound) -> bool:
-        """Whether a held continuation's prompt may still be unread rather than lost (early.py `expired`): its
-        lane has prompt jobs queued (the reader takes prompt entries a few at a time, none while two calls'
-        worth of tokens are queued: its opening may wait in the stream behind a wave of long prompts; once
-        the queue is empty the reader takes what the stream holds, and the hold runs out hold_s later), or
-        its session is open here at its attempt with its prompt queued short of it."""
+    def _prompt_coming(self, inb: Inbound, since: float) -> bool:
+        """Whether a held continuation's prompt may still be unread rather than lost (early.py `expired`): no
+        read of its lane since it was held found the prompt streams drained (the reader takes prompt entries a
+        few at a time, none while two calls' worth of tokens are queued: its opening may wait behind a wave of
+        long prompts; the Tracker pushes the opening with it, so a later read that got fewer than it asked for
+        would have taken it), or its session is open here at its attempt with its prompt queued short of it."""
         job = inb.job
         if job is None:
             return False
-        sched = self.lanes.for_entry(inb).scheduler
-        if sched.queued("prefill"):
+        lane = self.lanes.for_entry(inb)
+        if self._drained.get(lane.index, float("-inf")) <= since:
             return True
+        sched = lane.scheduler
         held = sched.table.get(job.session_id)
         return held is not None and sched.attempt(job.session_id) == job.attempt and \
             held.queued_position < job.start_position
@@ -279,7 +300,7 @@ class EntryAdmission:
             return False
         held = sched.table.get(job.session_id)
         if (may_hold and job.with_opening and _before_its_prompt(sched, job, held)
-                and not lane.ledger.remembered(job) and self.early.hold(job.session_id, inb, time.monotonic())):
+                and not lane.ledger.remembered(job) and self.early.hold(job.session_id, inb, self.clock())):
             # A continuation ahead of its session's prompt: admitted behind it (early.py), after the opening's
             # own checks (a cancel marker answers the opening first, with its account, then this one).
             self.stats.early_held += 1

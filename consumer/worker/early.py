@@ -10,10 +10,10 @@ worker does not hold) and the Tracker would replay a session that was never lost
 
 So such a job is held here, unanswered (its entry stays pending, as any entry read and not yet answered), until
 its session's last prompt chunk is admitted, and then admitted right behind it. Bounded both ways: at most
-`capacity` jobs held (past that, a job is admitted at once, as before), each for at most `hold_s` seconds (then
-it is admitted as it is: `state_lost` if its session never came) unless its prompt may still be unread:
-while prompt jobs are queued on its lane, or while its session is open here with its prompt short of it
-(`expired`). Only a job that could be such a continuation
+`capacity` jobs held (past that, a job is admitted at once, as before), each for `hold_s` seconds (then it is
+admitted as it is: `state_lost` if its session never came), longer while its prompt may still be unread (no
+read since found the prompt streams drained, or its session is open here with its prompt short of it:
+`expired`), and never past `max_hold_s`. Only a job that could be such a continuation
 is held: one the Tracker marked `with_opening` (schemas/step.py: a token-less decode job of hop 0 pushed with
 the opening), for a session this worker does not hold yet (nor remembers closed), holds or remembers at an older
 attempt only (a replay's: its new opening has not come, and checked against the old attempt the job would be
@@ -35,6 +35,7 @@ __all__ = ["EarlySteps"]
 class EarlySteps:
     capacity: int
     hold_s: float
+    max_hold_s: float = float("inf")
     _held: dict[str, list[tuple[Inbound, float]]] = field(default_factory=dict)  # session -> (entry, since)
     _n: int = 0
 
@@ -72,21 +73,20 @@ class EarlySteps:
         self._n -= len(out)
         return out
 
-    def expired(self, now: float, coming: Callable[[Inbound], bool] = lambda _inb: False) -> list[Inbound]:
-        """The entries held longer than hold_s, released (their sessions' prompts never came). An entry whose
-        prompt is `coming` is held for another hold_s instead: the reader takes no prefill entries while
-        enough prompt tokens are queued, so a wave of long prompts can leave a session's opening or last
-        chunks unread for longer than hold_s, and admitted then the entry would be answered state_lost (a
-        replay of a session never lost) or refused position_gap (a session being served ended). Coming: its
-        lane has prompt jobs queued (the hold then runs out hold_s after they are all taken), or the session
-        is open here at the entry's attempt with its prompt short of it (its own life bounds the hold)."""
+    def expired(self, now: float, coming: Callable[[Inbound, float], bool] = lambda _inb, _since: False
+                ) -> list[Inbound]:
+        """The entries held hold_s or longer, released (their sessions' prompts never came), but for those whose
+        prompt is `coming` (asked with the time each was held), held until max_hold_s: the reader takes no
+        prefill entries while enough prompt tokens are queued, so a wave of long prompts can leave a session's
+        opening or last chunks unread for longer than hold_s, and admitted then the entry would be answered
+        state_lost (a replay of a session never lost) or refused position_gap (a session being served
+        ended)."""
         if not self._n:
             return []
         out: list[Inbound] = []
         for sid in [s for s, held in self._held.items() if now - held[0][1] >= self.hold_s]:
             held = self._held[sid]
-            if all(coming(inb) for inb, _ in held):
-                self._held[sid] = [(inb, now) for inb, _ in held]
+            if now - held[0][1] < self.max_hold_s and all(coming(inb, since) for inb, since in held):
                 continue
             out += self.release(sid)
         return out

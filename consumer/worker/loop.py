@@ -235,7 +235,7 @@ class Worker:
             t = time.perf_counter()
             got = read_lanes(tr, streams, want, block_ms=0, gather_ms=0) if want else []
             cancels, refused = tr.cancellations()
-            return Prefetched(got, cancels, refused, lanes.fetch_blobs(tr, got), time.perf_counter() - t)
+            return Prefetched(got, cancels, refused, lanes.fetch_blobs(tr, got), time.perf_counter() - t, want)
 
         self._prefetched = self.io.submit(work)
 
@@ -294,7 +294,7 @@ class Worker:
         cancel entries refused). A call computing was preceded by a read ahead: reading again would only
         cost round trips."""
         if got is not None:
-            admitted = self.admission.admit_all(got.inbound, got.fetched)
+            admitted = self.admission.admit_all(got.inbound, got.fetched, got.asked)
             admitted.read_s += got.seconds
             cancelled, refused = list(got.cancels), list(got.refused)
         else:
