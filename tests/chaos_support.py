@@ -28,7 +28,7 @@ from consumer.runtime import make_engine
 from dgrtools.localredis import LocalRedis, free_port
 from dgrtools.process import ConsumerProcess as _ConsumerProcess
 from producer import Producer, SessionHandle
-from schemas import RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys
+from schemas import GROUP, RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys
 
 from .support import ConsumerProcess, session_results, solo_generate
 
@@ -248,6 +248,35 @@ def wait_idle_heartbeat(client: redis.Redis, worker: str, timeout_s: float = 20.
             return hb
         time.sleep(0.05)
     raise AssertionError(f"busy slots left: {hb.get('busy_slots')} ({hb})")
+
+
+def stall_report(client: redis.Redis, worker: str, session_ids: Sequence[str]) -> str:
+    """What a stalled run leaves in Redis, for its failure message: the worker's heartbeat, each input stream's
+    length and pending entries (the step jobs read and not answered, with their fields), and each session's
+    last result."""
+    hb = client.get(WorkerKeys(worker).heartbeat)
+    lines = [f"heartbeat: {hb.decode(errors='replace') if hb else None}"]
+    for raw in client.scan_iter(match=f"dgr:{{{worker}}}:in:*", count=1000):
+        stream = raw.decode()
+        try:
+            pending = client.xpending_range(stream, GROUP, "-", "+", 50)
+        except redis.ResponseError as e:
+            lines.append(f"{stream}: {e}")
+            continue
+        lines.append(f"{stream}: length {client.xlen(stream)}, pending {len(pending)}")
+        for p in pending:
+            got = client.xrange(stream, p["message_id"], p["message_id"])
+            fields = {k.decode(errors="replace"): v[:200] for k, v in got[0][1].items()} if got else None
+            lines.append(f"  {p['message_id']!r} {p['consumer']!r} x{p['times_delivered']}: {fields}")
+    for sid in session_ids:
+        try:
+            res = stream_results(client, worker, sid)
+        except Exception as e:  # a result the parser refuses is itself worth seeing
+            lines.append(f"{sid}: {e!r}")
+            continue
+        last = repr(res[-1])[:400] if res else None
+        lines.append(f"{sid}: {len(res)} results, last {last}")
+    return "\n".join(lines)
 
 
 def pause(proc: _ConsumerProcess | subprocess.Popen[bytes], seconds: float) -> None:
