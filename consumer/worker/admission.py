@@ -85,6 +85,7 @@ class EntryAdmission:
         # Per lane: when a read last got fewer prefill entries than it asked for (the prompt streams held no
         # more): a continuation held since before then has no opening left unread (_prompt_coming).
         self._drained: dict[int, float] = {}
+        self._said_held: set[str] = set()  # the job ids logged as held past early_hold_s
 
     # ---- what to read ---------------------------------------------------------------------------
     def should_read(self) -> bool:
@@ -266,6 +267,18 @@ class EntryAdmission:
             self.admit(inb, out, may_hold=False)
 
     def _prompt_coming(self, inb: Inbound, since: float) -> bool:
+        coming = self._why_coming(inb, since)
+        if coming and inb.job is not None and inb.job.job_id not in self._said_held:
+            # Once per job: a hold past early_hold_s is rare (a wave of long prompts) and worth seeing.
+            if len(self._said_held) >= 4096:
+                self._said_held.clear()
+            self._said_held.add(inb.job.job_id)
+            log.info("continuation held past early_hold_s for its prompt", extra={
+                "session": inb.job.session_id, "job": inb.job.job_id, "why": coming,
+                "held_s": round(self.clock() - since, 3)})
+        return bool(coming)
+
+    def _why_coming(self, inb: Inbound, since: float) -> str:
         """Whether a held continuation's prompt may still be unread rather than lost (early.py `expired`): no
         read of its lane since it was held found the prompt streams drained (the reader takes prompt entries a
         few at a time, none while two calls' worth of tokens are queued: its opening may wait behind a wave of
@@ -273,14 +286,16 @@ class EntryAdmission:
         would have taken it), or its session is open here at its attempt with its prompt queued short of it."""
         job = inb.job
         if job is None:
-            return False
+            return ""
         lane = self.lanes.for_entry(inb)
         if self._drained.get(lane.index, float("-inf")) <= since:
-            return True
+            return "no read since found the prompt streams drained"
         sched = lane.scheduler
         held = sched.table.get(job.session_id)
-        return held is not None and sched.attempt(job.session_id) == job.attempt and \
-            held.queued_position < job.start_position
+        if held is not None and sched.attempt(job.session_id) == job.attempt and \
+                held.queued_position < job.start_position:
+            return f"its session is open with its prompt queued to {held.queued_position} of {job.start_position}"
+        return ""
 
     def _admit_entry(self, lane: Lane, inb: Inbound, answers: list[Answer], dead: list[DeadLetter],
                      wire_rejects: list[Answer], acks: list[Delivery], may_hold: bool = True) -> bool:
