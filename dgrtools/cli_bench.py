@@ -217,7 +217,7 @@ def bench_prefix(out: Out = Path("bench-out/prefix"), sessions: int = 8, waves: 
                  quick: Annotated[bool, typer.Option(help="Tiny model, small sizes, no llama-server.")] = False,
                  only: Annotated[str, typer.Option(help="Comma-separated workloads to run (shared-512, "
                                                         "shared-2000, systems-1, systems-4, systems-16, none, "
-                                                        "chat); all by default.")] = "",
+                                                        "none-2000, chat); all by default.")] = "",
                  llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server",
                                                             help="Run llama-server too (built once, cached)."
                                                             )] = True,

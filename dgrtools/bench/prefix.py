@@ -118,6 +118,8 @@ def workloads(rng: np.random.Generator, vocab: int, quick: bool, sessions: int, 
         systems = [rand(system) for _ in range(k)]
         out[f"systems-{k}"] = [[systems[i % k] + rand(suffix) for i in range(sessions)] for _ in range(waves)]
     out["none"] = [[rand(system + suffix) for _ in range(sessions)] for _ in range(waves)]
+    # long prompts that share nothing: what saving checkpoints past a sliding window costs when no one reuses them
+    out[f"none-{sizes[1]}"] = [[rand(sizes[1] + suffix) for _ in range(sessions)] for _ in range(waves)]
     return out
 
 
@@ -142,9 +144,13 @@ def chat(producer: Any, cons: Any, key: Any, rng: np.random.Generator, vocab: in
     return out
 
 
-def _summary(res: list[dict[str, Any]]) -> dict[str, float]:
+def _summary(res: list[dict[str, Any]], work: int) -> dict[str, float]:
+    """The waves after the first (all when there is one): their wall time, median time to first token and
+    `work` (prompt + generated tokens of one wave) per second."""
     later = res[1:] or res
-    return {"wall_later": sum(r["wall"] for r in later), "ttft_later": statistics.median(r["ttft"] for r in later)}
+    wall = sum(r["wall"] for r in later)
+    return {"wall_later": wall, "ttft_later": statistics.median(r["ttft"] for r in later),
+            "speed": work * len(later) / wall}
 
 
 def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, tokens: int = 16, suffix: int = 16,
@@ -200,7 +206,8 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
                         echo(f"{name} wave {w} {side:12s} wall {r['wall']:.3f} s ttft {1e3 * r['ttft']:.0f} ms")
                 same = all(a == b for x, y in zip(res["dgr-cache"], res["dgr-nocache"], strict=True)
                            for a, b in zip(x["tokens"], y["tokens"], strict=True))
-                summ = {side: _summary(rs_) for side, rs_ in res.items() if rs_}
+                work = sum(len(p) + tokens for p in wave_prompts[-1])
+                summ = {side: _summary(rs_, work) for side, rs_ in res.items() if rs_}
                 entry: dict[str, Any] = {"sides": summ, "cache_tokens_equal_nocache": same}
                 base = summ["dgr-cache"]
                 entry["speed_vs_nocache"] = summ["dgr-nocache"]["wall_later"] / base["wall_later"]
@@ -220,4 +227,40 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
                 srv.stop()
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix.json").write_text(json.dumps(report, indent=1))
+    if report["workloads"] or report["chat"]:
+        echo(f"plot: {plot_report(out, report)}")
     return report
+
+
+def plot_report(out: Path, report: dict[str, Any]) -> Path:
+    """prefix.png: per workload the waves after the first in prompt + generated tokens per second of wall
+    time, per side; beside it the conversation's prompt tokens per turn and what the cache-on worker computed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .common import save_figure
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=110, gridspec_kw={"width_ratios": [2, 1]})
+    names = list(report["workloads"])
+    sides = ("dgr-cache", "dgr-nocache", "llama-server")
+    w = 0.8 / len(sides)
+    for j, side in enumerate(sides):
+        ys = [report["workloads"][n]["sides"].get(side, {}).get("speed", float("nan")) for n in names]
+        bars = ax.bar([i + (j - 1) * w for i in range(len(names))], ys, width=w, label=side)
+        ax.bar_label(bars, fmt="%.0f", fontsize=6)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylabel("tokens/s, waves after the first (prompt + generated)")
+    ax.set_title(f"prefix cache, {report['sessions']} sessions a wave, recipe {report['recipe']}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    turns = report["chat"]
+    bx.plot([t["turn"] for t in turns], [t["prompt_tokens"] for t in turns], marker="o", label="prompt tokens")
+    bx.plot([t["turn"] for t in turns], [t["computed"] for t in turns], marker="o", label="computed (cache on)")
+    bx.set_xticks([t["turn"] for t in turns])
+    bx.set_xlabel("turn")
+    bx.set_title("a conversation re-sending its turns")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=8)
+    return save_figure(fig, out, "prefix")
