@@ -1,5 +1,6 @@
 """The scheduler's side of the prefix cache on a sliding-window engine (consumer/sched/prefix_plan.py), pure:
-a cacheable prompt's piece ends on the window's edge only while that saves something. A later session whose
+a cacheable prompt's piece ends on the window's edge, and past it where the prompt parts from one seen before,
+only while that saves something. A later session whose
 first job ends on the edge (the producer's chunks) restores it whole once the blocks up to it are held and
 computes only the rest, in the same prefill turn."""
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer.prefix import PrefixStore
-from consumer.prefix.planner import PrefixPlanner, Save
+from consumer.prefix.planner import PrefixPlanner, Save, common_prefix
 from consumer.sched import ScheduledBatch, Scheduler
 from schemas import StepJob
 from schemas.prefix import block_ids
@@ -89,15 +90,19 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
         assert list(save.tokens) == slots[slot][:n], (slot, n)  # the positions past the last block too
         end = len(slots[slot])  # the engine's floor (LlamaCppEngine.prefix_floor): past the window, its end
         floor = 0 if not window or end <= window else end
-        assert not floor or n % window == 0, "past the window only checkpoints at its multiples are saved"
+        # past the window only checkpoints, where the prompt parts from an earlier one
+        assert not floor or n in partings, (n, partings)
         e = store.put(b"state", save.ids, n, floor=floor, tokens=save.tokens)
         if e is not None:
             saved[id(e)] = (slots[slot][:n], floor)
 
+    earlier: list[tuple[int, ...]] = []
     for k, (length, chunk, max_tokens) in enumerate(sessions):
         sid = f"s{k}"
         common = length * share // 4  # of the prompt shared with the other sessions (4: all of it)
         prompt = tuple(shared[:common] + [rng.randrange(3, 100) for _ in range(length - common)])
+        partings = {min(common_prefix(prompt, e), length - 2) // 16 * 16 for e in earlier}
+        earlier.append(prompt)
         for at in range(0, length, chunk):
             part = prompt[at:at + chunk]
             job = opening(sid, part, sample=at + chunk >= length, max_tokens=max_tokens) if at == 0 else \
@@ -129,30 +134,57 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
                 s.slot_cleared(slot)
 
 
-def test_past_the_window_checkpoints_at_its_multiples_are_restored_whole() -> None:
-    """A 160-token prompt on a window of 64: its pieces end at 64 and 128 and are saved there (64 trimmable, 128
-    a checkpoint whose floor is its end); a later prompt sharing 150 tokens restores the checkpoint whole (128),
-    never trimmed to a block edge below it, and a prompt sharing 120 restores only the trimmable 64."""
+def test_where_prompts_part_past_the_window_a_checkpoint_is_saved_and_restored_whole() -> None:
+    """One system prompt of 150 tokens, other questions (window 64): the first prompt is saved at the window's
+    edge only (64, trimmable; past it no one is known to share it); the second restores 64, ends a piece at 144
+    (the last block edge before the two part) and saves a checkpoint there; the third restores the 144 whole
+    and computes only the rest; a fourth sharing 120 cannot use it (a checkpoint is restored whole or not at
+    all): it restores 64 and saves where it parts, at 112."""
     s, store = _scheduler()
-    long = tuple(3 + i * 37 % 97 for i in range(160))  # token ids within the vocabulary of 100
+    system = tuple(3 + i * 37 % 97 for i in range(150))
 
-    def run_prompt(sid: str, prompt: tuple[int, ...]) -> list[ScheduledBatch]:
+    def run_prompt(sid: str, prompt: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
         assert admit(s, opening(sid, prompt, sample=True, max_tokens=1)) is None
-        out = []
+        restores, pieces, saves = [], [], []
         while (b := s.next_batch()) is not None:
             run(s, b)
             for save in b.saves:
-                floor = 0 if save.n_tokens <= WINDOW else save.n_tokens
-                store.put(b"state", save.ids, save.n_tokens, floor=floor, tokens=save.tokens)
-            out.append(b)
+                store.put(b"state", save.ids, save.n_tokens, floor=0 if save.n_tokens <= WINDOW else save.n_tokens,
+                          tokens=save.tokens)
+            restores += [r.hit.n_tokens for r in b.restores]
+            pieces += [it.n_tokens for it in b.items if it.n_tokens]
+            saves += [x.n_tokens for x in b.saves]
             for slot in s.drain_released():
                 s.slot_cleared(slot)
-        return out
+        return restores, pieces, saves
 
-    first = run_prompt("a", long)
-    assert [it.n_tokens for b in first for it in b.items] == [64, 64, 32]
-    assert [x.n_tokens for b in first for x in b.saves] == [64, 128]
-    later = run_prompt("b", (*long[:150], 1, 2))
-    assert [r.hit.n_tokens for b in later for r in b.restores] == [128]
-    other = run_prompt("c", long[:120] + (2,) * 32)
-    assert [r.hit.n_tokens for b in other for r in b.restores] == [64]
+    assert run_prompt("a", (*system, *(5,) * 10)) == ([], [64, 96], [64])
+    assert run_prompt("b", (*system, *(6,) * 10)) == ([64], [80, 16], [144])
+    assert run_prompt("c", (*system, *(7,) * 12)) == ([144], [18], [])
+    assert run_prompt("d", (*system[:120], *(8,) * 30)) == ([64], [48, 38], [112])
+
+
+def test_parting_is_where_a_remembered_prompt_of_the_same_root_parts_and_memory_is_bounded() -> None:
+    from consumer.prefix import planner as pl
+
+    store = PrefixStore(1 << 20)
+    p = PrefixPlanner(store, "00000000000000aa", "global", WINDOW)
+    root, other_root = b"r" * 16, b"o" * 16
+    system = list(range(3, 103))  # 100 tokens
+    p.remember(root, [*system, 1, 1, 1])
+    assert p.parting(root, [*system, 2, 2, 2], 0, 200) == 96  # they part at 100: the block edge before it
+    assert p.parting(root, [*system, 2, 2, 2], 0, 95) == 0  # not within [lo, hi]
+    assert p.parting(root, [*system, 1], 0, 200) == 0  # it goes on as the remembered one, as far as known
+    assert p.parting(root, [*system, 1, 1, 1, 4, 4], 0, 200) == 96  # the remembered prompt ends at 103
+    assert p.parting(other_root, [*system, 2, 2, 2], 0, 200) == 0  # another root learns nothing from it
+    # the same prompt again, whole: the last block edge its two last rows leave
+    assert p.parting(root, [*system, 1, 1, 1], 0, 200) == 0
+    assert p.parting(root, [*system, 1, 1, 1], 0, 101, whole=True) == 96
+    assert pl.common_prefix([1, 2, 3], (1, 2, 4)) == 2 and pl.common_prefix([1, 2], [1, 2, 3]) == 2
+    for k in range(pl.FIRST_BLOCKS_KEPT + 10):  # past both bounds (~2,000 tokens each), each its own first block
+        p.remember(root, [k, *system] * 20)
+    assert p._prompt_tokens <= pl.PROMPT_TOKENS_KEPT and len(p._prompts) <= pl.FIRST_BLOCKS_KEPT
+    assert p._prompt_tokens == sum(len(x) for kept in p._prompts.values() for _, x in kept)
+    p.remember(root, [*system, 9, 9], "s1")
+    assert p.parting(root, [*system, 9, 9], 0, 101, whole=True, session_id="s1") == 0  # never its own prompt
+    assert p.parting(root, [*system, 9, 9], 0, 100, whole=True, session_id="s2") == 96

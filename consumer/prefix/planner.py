@@ -7,6 +7,7 @@ A session's blocks are rooted in the compatibility key's prefill digest and its 
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,13 @@ from schemas.session import SessionSpec
 
 from .store import Hit, PrefixStore
 
-__all__ = ["PrefixPlanner", "Restore", "Save", "prompt_cap"]
+__all__ = ["PrefixPlanner", "Restore", "Save", "common_prefix", "prompt_cap"]
+
+# Prompts remembered to find where a new one parts from them (PrefixPlanner.parting): the last few per first
+# block, for so many first blocks and so many tokens in all (the oldest first block dropped first).
+PROMPTS_PER_FIRST_BLOCK = 4
+FIRST_BLOCKS_KEPT = 256
+PROMPT_TOKENS_KEPT = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +60,13 @@ class PrefixPlanner:
         # batch-invariant recipe a decoded position's KV is a one-row piece's, not what the next turn's cold
         # run computes as a prompt row: never cached.
         self.decoded = decoded
-        # A sliding-window engine's window, down to a block edge (0: none): the spacing of the checkpoints saved
-        # past it (save; PrefixPlanning._prefix_cut).
+        # A sliding-window engine's window, down to a block edge (0: none): where a piece is cut so that the
+        # slot is saved trimmable; past it, checkpoints where prompts part (save; PrefixPlanning._prefix_cut).
         self.window = window // store.block_tokens * store.block_tokens
         self._window_positions = window
+        # (root, first block's tokens) -> the last prompts seen starting so, with their sessions (parting)
+        self._prompts: OrderedDict[tuple[bytes, tuple[int, ...]], deque[tuple[str, list[int]]]] = OrderedDict()
+        self._prompt_tokens = 0
 
     def root(self, spec: SessionSpec) -> bytes | None:
         """The session's block root, or None when its scope does not cache it."""
@@ -75,19 +85,63 @@ class PrefixPlanner:
         """Whether a save of the first n_tokens positions would add a block not held."""
         return self._new_blocks(root, tokens, n_tokens) is not None
 
-    def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int) -> Save | None:
-        """A save of the slot after the call, when its first n_tokens positions add a block not held."""
-        if 0 < self._window_positions < n_tokens and (not self.window or n_tokens % self.window):
+    def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int, *,
+             parting: bool = False) -> Save | None:
+        """A save of the slot after the call, when its first n_tokens positions add a block not held.
+        `parting`: n_tokens is where the prompt parts from one seen before (a checkpoint past a window)."""
+        if 0 < self._window_positions < n_tokens and not parting:
             # A sliding window's slot past its window cannot be trimmed back (its floor is its end): it is saved
-            # only as a checkpoint at a multiple of the window (PrefixPlanning._prefix_cut ends pieces there),
-            # so a prompt that shares a long prefix restores the last checkpoint in it; a slot ending anywhere
-            # else would cost a save that only the very same prompt could use.
+            # only as a checkpoint where the prompt parts from one seen before (PrefixPlanning._prefix_cut ends
+            # a piece there), so a prompt that shares as much restores it; a slot ending anywhere else would
+            # cost a save (up to 36 ms on Gemma) that only the very same prompt could use.
             return None
         ids = self._new_blocks(root, tokens, n_tokens)
         if ids is None:
             return None
         n = min(n_tokens, len(tokens))  # the positions past the last whole block go with their token ids
         return Save(slot, ids, n, tuple(tokens[:n]))
+
+    def remember(self, root: bytes, prompt: Sequence[int], session_id: str = "") -> None:
+        """A whole prompt (its positions computed as prompt rows) that a later one may part from, and whose."""
+        bt = self.store.block_tokens
+        if len(prompt) <= bt:
+            return
+        key = (root, tuple(prompt[:bt]))
+        kept = self._prompts.pop(key, None) or deque()
+        p = list(prompt)
+        if all(other != p for _, other in kept):
+            kept.append((session_id, p))
+            self._prompt_tokens += len(p)
+            if len(kept) > PROMPTS_PER_FIRST_BLOCK:
+                self._prompt_tokens -= len(kept.popleft()[1])
+        self._prompts[key] = kept  # the newest last
+        while len(self._prompts) > 1 and (len(self._prompts) > FIRST_BLOCKS_KEPT
+                                          or self._prompt_tokens > PROMPT_TOKENS_KEPT):
+            self._prompt_tokens -= sum(len(x) for _, x in self._prompts.popitem(last=False)[1])
+
+    def parting(self, root: bytes, tokens: Sequence[int], lo: int, hi: int, *, whole: bool = False,
+                session_id: str = "") -> int:
+        """The first block edge in [lo, hi] at or before which `tokens` (a prompt's positions from 0, as far as
+        they are known; `whole`: all of it) parts from a prompt remembered under the same root: that prompt
+        differs there or ends there, or this one ends within it (the same prompt again: the last edge before
+        its end); never its own (`session_id`'s). 0: none. Where two prompts part is where the next one sharing
+        as much with either parts too (one system prompt, different questions), so a checkpoint there is what
+        it restores."""
+        bt = self.store.block_tokens
+        kept = self._prompts.get((root, tuple(tokens[:bt]))) if len(tokens) > bt else None
+        best = 0
+        for owner, other in kept or ():
+            if session_id and owner == session_id:
+                continue  # its own prompt
+            n = common_prefix(tokens, other)
+            if n >= len(tokens) and not whole:
+                continue  # it goes on as this one does, as far as this one is known
+            if n > hi and not whole:
+                continue  # they part past this piece
+            edge = min(n, hi) // bt * bt  # whole: its last two rows stay computed
+            if lo <= edge and (not best or edge < best):
+                best = edge
+        return best
 
     def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> tuple[str, ...] | None:
         """The ids of the whole blocks in the first n_tokens positions, when they add a block the store lacks;
@@ -98,3 +152,19 @@ class PrefixPlanner:
             return None
         ids = tuple(block_ids(tokens[:n], root, bt))
         return ids if self.store.wants(ids, n) else None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share: a binary search of slice comparisons (each in C)."""
+    x, y = (a if isinstance(a, list) else list(a)), (b if isinstance(b, list) else list(b))
+    hi = min(len(x), len(y))
+    if x[:hi] == y[:hi]:
+        return hi
+    lo = 0  # x[:lo] == y[:lo]; they differ before hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x[lo:mid] == y[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

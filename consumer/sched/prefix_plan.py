@@ -55,12 +55,15 @@ class PrefixPlanning(SchedulerState):
         # its own in the call that computes the rows after the hit (batching: an item of 0 rows), so only the
         # last queued job needs its two computed rows.
         run = self._prompt_run(lane)
+        tokens = [*lane.cacheable, *(t for q in run for t in q.job.tokens)]
+        if run[-1].job.sample and planner.window:  # the whole prompt: a later one may part from it (_prefix_cut)
+            planner.remember(root, tokens[:spec.prompt_len] if spec.prompt_len is not None else tokens,
+                             spec.session_id)
         cap = run[-1].job.end_position - MIN_COMPUTED
         if spec.prompt_len is not None:
             cap = min(cap, spec.prompt_len - MIN_COMPUTED)
         if cap < start + planner.store.block_tokens:
             return
-        tokens = [*lane.cacheable, *(t for q in run for t in q.job.tokens)]
         hit = planner.lookup(root, tokens, cap, have=start)
         if hit is None:
             return
@@ -75,26 +78,42 @@ class PrefixPlanning(SchedulerState):
 
     def _prefix_cut(self, lane: SessionQueue, start: int, n: int, prompt_end: int | None) -> int:
         """The rows of a cacheable session's prefill piece on a sliding-window engine: a piece that would
-        cross a multiple of the window ends on it. At the window's edge the saved slot holds no more
-        positions than the window, so its blocks up to the edge are stored trimmable; at a later multiple it
-        is a checkpoint, restored whole (a slot past the window cannot be trimmed back exactly:
-        LlamaCppEngine.prefix_floor, PrefixPlanner.save). Without the cut, a prompt longer than the window is
-        cached only when a call happened to end on such an edge. Both sides keep two or more rows (any such
-        split gives the same KV: docs/invariance.md), and only prompt positions are cut."""
+        cross the window's edge, or past it the block edge where the prompt parts from one seen before
+        (PrefixPlanner.parting: one system prompt, other questions), ends there. At the window's edge the
+        saved slot holds no more positions than the window, so its blocks up to the edge are stored
+        trimmable; past it a save is a checkpoint, restored whole (a slot past the window cannot be trimmed
+        back exactly: LlamaCppEngine.prefix_floor, PrefixPlanner.save), so it is made only where a later
+        prompt is likely to part too. Cutting at every multiple of the window instead cost long prompts that
+        share nothing a third more time to first token under load (docs/benchmarks.md: each cut is one more
+        prefill turn). Both sides keep two or more rows (any such split gives the same KV: docs/invariance.md),
+        and only prompt positions are cut."""
         planner = self.prefix
         w = planner.window if planner is not None else 0
-        if planner is None or not w or lane.prefix_root is None:
+        root = lane.prefix_root
+        if planner is None or not w or root is None:
             return n
-        edge = (start + 2 + w - 1) // w * w  # the first multiple of the window that leaves two rows before it
-        if not edge < start + n or (prompt_end is not None and prompt_end - edge < 2):
-            return n
-        # Already held up to the edge (a session that restored the shared prefix short of it: its job ended
-        # there): the cut would save nothing and cost the session another prefill turn.
-        head = self._queued_tokens(lane, start, edge - start)
-        if len(lane.cacheable) == start and len(head) == edge - start and \
-                not planner.wants(lane.prefix_root, [*lane.cacheable, *head], edge):
-            return n
-        return edge - start
+        last = start + n - 1  # a cut leaves two rows before it and two to the prompt's end
+        if prompt_end is not None:
+            last = min(last, prompt_end - 2)
+        known = [*lane.cacheable, *self._queued_tokens(lane, start, n)] if len(lane.cacheable) == start else []
+        cuts = [w] if start + 2 <= w <= last else []
+        prompt_len = lane.entry.spec.prompt_len  # a replay's positions from there on are not prompt rows
+        if prompt_len is not None:
+            last = min(last, prompt_len - 2)
+        whole = prompt_end is not None and start + n >= prompt_end and prompt_len is None
+        parting = planner.parting(root, known, max(start + 2, w + 1), last, whole=whole,
+                                  session_id=lane.session_id) if known else 0
+        if parting:
+            cuts.append(parting)
+        for cut in sorted(cuts):
+            # Already held up to the cut (a session that restored a shared prefix short of it): it would save
+            # nothing and cost the session another prefill turn.
+            if len(known) >= cut and not planner.wants(root, known[:cut], cut):
+                continue
+            if cut == parting:
+                lane.parting = cut
+            return cut - start
+        return n
 
     @staticmethod
     def _prompt_run(lane: SessionQueue) -> list[_Queued]:
@@ -147,11 +166,13 @@ class PrefixPlanning(SchedulerState):
             if len(seen) == it.first_position and it.first_position < cap:
                 seen.extend(it.job.tokens[it.offset:it.offset + min(it.n_tokens, cap - it.first_position)])
             ends[it.job.session_id] = len(seen)
+        saving: set[tuple[str, ...]] = set()
         for sid, n in ends.items():
             lane = self._lanes[sid]
             assert lane.prefix_root is not None
-            save = planner.save(lane.entry.slot, lane.prefix_root, lane.cacheable, n)
-            if save is not None:
+            save = planner.save(lane.entry.slot, lane.prefix_root, lane.cacheable, n, parting=n == lane.parting)
+            if save is not None and save.ids not in saving:  # sessions of one prompt in one call: saved once
+                saving.add(save.ids)
                 saves.append(save)
         if not (restores or saves):
             return batch

@@ -59,6 +59,7 @@ class SessionQueue:
     prefix_root: bytes | None = None
     cacheable: list[int] = field(default_factory=list)
     pending_restore: Any = None
+    parting: int = 0  # a piece ends here, where the prompt parts from one seen before: saved as a checkpoint
 
     @property
     def session_id(self) -> str:
