@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import redis
 from redis.exceptions import NoPermissionError
-from rq import SimpleWorker
 
 from consumer.ops.acl import ops_rules, producer_rules, setuser, worker_rules
 from consumer.ops.common import connect
@@ -24,6 +23,7 @@ from consumer.ops.rollup import read_ledger, rollup
 from dgrtools.localredis import LocalRedis, find_redis_server
 from schemas import WorkerKeys, job_from_fields, job_to_fields
 from schemas.keys import WORKERS_INDEX
+from tests.support import BurstWorker
 from tests.test_ops_support import make_key, read_all, register, serve, step_job
 
 
@@ -143,7 +143,7 @@ def test_ops_user_runs_the_control_plane_and_rq(acl_server: LocalRedis) -> None:
     reap(c, 3600, dry_run=True)
     q = queue(ops_url)
     job = enqueue_rollup(q, ops_url)
-    SimpleWorker([q], connection=q.connection).work(burst=True)
+    BurstWorker([q], connection=q.connection).work(burst=True)
     job.refresh()
     assert job.get_status() == "finished", job.latest_result()
     assert json.dumps(job.return_value())

@@ -97,3 +97,8 @@ def test_cli_inspect_and_ops(redis_server: LocalRedis, real_redis: redis.Redis) 
     out = runner.invoke(app, ["ops", "enqueue-rollup"], env=env)
     assert out.exit_code == 0 and "on dgr-ops" in out.output
     assert real_redis.llen("rq:queue:dgr-ops") == 1  # waits for `rq worker dgr-ops`
+    # ... which never comes here: left queued on the shared server, the next test's burst worker would run it
+    # against this test's address (a 60 s outage retry in tests/test_ops_jobs.py)
+    from consumer.ops.jobs import queue
+
+    queue(env["DGR_REDIS_URL"]).empty()

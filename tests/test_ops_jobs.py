@@ -11,7 +11,6 @@ import fakeredis
 import pytest
 import redis
 import yaml
-from rq import SimpleWorker
 from rq.cron import CronScheduler
 from typer.testing import CliRunner
 
@@ -31,6 +30,7 @@ from consumer.ops.rollup import read_ledger
 from consumer.ops.rq_settings import settings
 from dgrtools.localredis import LocalRedis
 from tests.fixtures.sentinel import SentinelGroup, sentinel_group  # noqa: F401 (fixture)
+from tests.support import BurstWorker
 from tests.test_ops_support import register, serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,15 +70,16 @@ def test_compose_runs_the_ops_queue_and_schedule() -> None:
 
 def test_jobs_through_a_real_queue_and_worker(redis_server: LocalRedis, real_redis: redis.Redis,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """What `rq worker dgr-ops` does, in-process (SimpleWorker: no fork), with the URL from its env."""
+    """What `rq worker dgr-ops` does, in-process (rq's SimpleWorker: no fork), with the URL from its env."""
     monkeypatch.setenv("DGR_REDIS_URL", redis_server.url)
     t = register(real_redis, "w1")
     serve(t, {"s1": ("acct-a", 0)})
     q = queue(redis_server.url)
+    q.empty()  # only this test's jobs (the server is shared by the session's tests)
     j1 = enqueue_rollup(q, "")  # no URL in the job: the worker's DGR_REDIS_URL
     j2 = enqueue_reap(q, "", 3600)
     assert "$DGR_REDIS_URL" in (j1.description or "")
-    SimpleWorker([q], connection=q.connection).work(burst=True)
+    BurstWorker([q], connection=q.connection).work(burst=True)
     assert (j1.return_value() or {})["folded"] == 1 and (j2.return_value() or {})["cancelled"] == 0
     assert read_ledger(real_redis, "acct-a").totals["steps"] == 1
 
@@ -149,7 +150,7 @@ def test_queue_and_jobs_follow_a_sentinel_group(sentinel_group: SentinelGroup, t
     assert conn.info("replication")["role"] == "master" and conn.connection_pool.connection_kwargs["db"] == 0
     q = queue("", connection=conn)
     job = enqueue_rollup(q, "")
-    SimpleWorker([q], connection=conn).work(burst=True)
+    BurstWorker([q], connection=conn).work(burst=True)
     assert (job.return_value() or {})["folded"] == 1, job.exc_info
     assert read_ledger(master, "acct-a").totals["steps"] == 1
     for k in env:  # the CLI, from its options alone
