@@ -156,42 +156,29 @@ class Sessions:
         self._cancelling: set[asyncio.Future[None]] = set()
 
     async def events(self) -> AsyncIterator[tuple[int, StepResult] | dict[str, SessionHandle]]:
-        """(choice index, result) for each answer as it comes, then the handles by session id. Leaving early
-        (the iterator closed or cancelled) cancels every unfinished session on its worker."""
+        """(choice index, result) for each answer as it comes, then the handles by session id. The answers are
+        driven in the task that streams them (AsyncProducer.stream_many: no queue and no second task per
+        answer). Leaving early (the iterator closed or cancelled) cancels every unfinished session on its
+        worker."""
         index = {t.session_id: i for i, t in enumerate(self.templates)}
-        queue: asyncio.Queue[tuple[int, StepResult] | dict[str, SessionHandle] | BaseException] = asyncio.Queue()
-
-        def on_result(h: SessionHandle, r: StepResult) -> None:
-            self.handles[index[h.session_id]] = h
-            queue.put_nowait((index[h.session_id], r))
-
-        async def run() -> None:
-            try:
-                queue.put_nowait(await self.producer.run_many([(t, self.prompt) for t in self.templates],
-                                                              on_result=on_result))
-            except BaseException as e:
-                queue.put_nowait(e)
-                raise
-
-        task = asyncio.ensure_future(run())
+        answers = self.producer.stream_many([(t, self.prompt) for t in self.templates])
         done = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise _api_error(item) from None
-                if isinstance(item, dict):
-                    done = True
-                    yield item
-                    return
-                yield item
+            try:
+                async for h, r in answers:
+                    i = index[h.session_id]
+                    self.handles[i] = h
+                    yield i, r
+            except Exception as e:
+                raise _api_error(e) from None
+            done = True
+            yield answers.handles
         finally:
             if not done:
-                # run_many, cancelled, cancels what it opened (release_abandoned); the cancels below name the
+                # the answers, closed, cancel what they opened (release_abandoned); the cancels below name the
                 # workers the answers came from, in case a session moved after its last answer
-                task.cancel()
                 with contextlib.suppress(BaseException):
-                    await task
+                    await asyncio.shield(answers.aclose())
                 await asyncio.shield(self._cancel_all())
 
     def stop(self, i: int) -> None:

@@ -18,8 +18,8 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing, suppress
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -34,12 +34,30 @@ from .session import SessionHandle, Sessions
 from .settings import ProducerSettings
 from .tracker import TrackerOps, aexecute
 
-__all__ = ["AsyncProducer"]
+__all__ = ["Answers", "AsyncProducer"]
 
 T = TypeVar("T")
 log = logging.getLogger("dgr.producer")
 OnResult = Callable[[SessionHandle, StepResult], "Awaitable[None] | None"]
 _ASKED_ONCE = (Get, XLen, XInfoGroups)  # reads many tasks ask at once: one question in flight per equal Read
+
+
+class Answers:
+    """`AsyncProducer.stream_many`: `async for handle, result in answers`; `handles` (by session id, in the order
+    given) once it has ended; `aclose()` to leave early."""
+
+    def __init__(self, answers: AsyncGenerator[tuple[SessionHandle, StepResult], None], run: Run) -> None:
+        self._answers, self._run = answers, run
+
+    def __aiter__(self) -> AsyncGenerator[tuple[SessionHandle, StepResult], None]:
+        return self._answers
+
+    async def aclose(self) -> None:
+        await self._answers.aclose()
+
+    @property
+    def handles(self) -> dict[str, SessionHandle]:
+        return self._run.out()
 
 
 class AsyncProducer(TrackerOps):
@@ -183,20 +201,41 @@ class AsyncProducer(TrackerOps):
         a callback sees its handle as it is then (the pump may have moved it on: read the result's fields). The
         handles by id (resumed first, then in the order given)."""
         run = self.core.start(sessions, start_times, resume, replay_state_lost, on_result is not None)
+        async with aclosing(self._answers(run)) as answers:
+            async for h, r in answers:
+                assert on_result is not None  # a run collects answers only for a callback
+                out = on_result(h, r)
+                if inspect.isawaitable(out):
+                    await out
+        return run.out()
+
+    def stream_many(self, sessions: Sessions, replay_state_lost: bool = True,
+                    start_times: Sequence[float] | None = None) -> Answers:
+        """run_many as an async iterator: (handle, result) per answer as it comes, in the task that iterates
+        (no callback task and no queue between the pump and a caller that streams each answer on: `dgr serve`).
+        Closing it early (`aclose()`, or the task cancelled) stops driving the sessions left and cancels them on
+        their workers, as a cancelled run_many does; `handles` once it has ended."""
+        run = self.core.start(sessions, start_times, (), replay_state_lost, True)
+        return Answers(self._answers(run), run)
+
+    async def _answers(self, run: Run) -> AsyncGenerator[tuple[SessionHandle, StepResult], None]:
+        """Drive `run` to its end: its answers (a run that collects them) as they come."""
         run.waker = asyncio.Event()
         t0 = time.monotonic()
+        first = True
         try:
             while True:
-                await self._start(run, run.due(time.monotonic() - t0))
-                if on_result is not None:
-                    for h, r in run.take():
-                        out = on_result(h, r)
-                        if inspect.isawaitable(out):
-                            await out
+                due = run.due(time.monotonic() - t0)
+                if due or first or self._pump is None or self._pump.done():
+                    # opening sessions, or the pump to start: its read follows the streams of what it drives
+                    await self._start(run, due)
+                    first = False
+                for answer in run.take():
+                    yield answer
                 if run.error is not None:
                     raise run.error
                 if run.done:
-                    return run.out()
+                    return
                 until = run.until_next(time.monotonic() - t0)
                 with suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(run.waker.wait(), None if until is None else max(until, 0.005))
