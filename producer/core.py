@@ -229,11 +229,16 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
 
     def release_abandoned(self) -> Plan[None]:
         """Send the cancels of the sessions abandoned (`retire`): the durable cancel path (`_cancel`: one transaction
-        per worker, sent again after an outage). One left unsent (Redis away) goes with the next turn."""
+        per worker, sent again after an outage). One left unsent (Redis away) goes with the next turn. Taken off the
+        queue before it is sent: AsyncProducer runs this plan in the pump and in a task leaving a run at once, and
+        both taking the first entry sent it twice and popped one never sent (or an empty queue)."""
         while self.abandoned:
-            worker_id, session_id = self.abandoned[0]
-            yield from self._cancel([worker_id], session_id)
-            self.abandoned.popleft()
+            entry = self.abandoned.popleft()
+            try:
+                yield from self._cancel([entry[0]], entry[1])
+            except BaseException:  # not sent (the I/O failed, or the plan was dropped): first in the next turn
+                self.abandoned.appendleft(entry)
+                raise
 
     # ---------------------------------------------------------------- reading, applying, advancing
 

@@ -141,3 +141,25 @@ def test_an_async_run_cancelled_by_its_caller_is_cancelled(real_redis: redis.Red
 
     asyncio.run(main())
     eventually(lambda: running.scheduler.table.busy_slots == 0, "the slot was not freed")
+
+
+def test_async_answers_closed_early_are_cancelled_and_read_to_the_end_give_the_handles(
+        real_redis: redis.Redis, running: Worker) -> None:
+    """AsyncProducer.stream_many: its answers as they come; closed after the first, the session is cancelled on
+    the worker (as a cancelled run_many); read to the end, `handles` are run_many's."""
+    async def main() -> None:
+        client = async_client_for(real_redis)
+        async with AsyncProducer(client, decode_n=1) as p:
+            answers = p.stream_many([(spec_for(running, "s-early"), PROMPT)])
+            async for h, r in answers:
+                assert h.session_id == "s-early" and r.session_id == "s-early"
+                break
+            await answers.aclose()
+            eventually(lambda: running.scheduler.table.busy_slots == 0, "the slot was not freed")
+            whole = p.stream_many([(spec_for(running, "s-whole", max_tokens=5), PROMPT)])
+            seen = [r.token async for _, r in whole if r.token is not None]
+            (h,) = whole.handles.values()
+            assert h.status == "finished" and h.generated == seen and len(seen) == 5
+        await client.aclose()
+
+    asyncio.run(main())
