@@ -244,6 +244,37 @@ def test_disconnect_cancels_the_session_on_the_worker(stack: Stack) -> None:
     assert acct is not None
 
 
+def test_clients_leaving_mid_stream_leave_the_other_streams_whole(stack: Stack) -> None:
+    """Streams closed mid-answer, one after another, while two others stream on (the worker has 4 slots): each
+    leaving cancels its own session (the producer's abandoned cancels, sent from the leaving request's task while
+    the pump sends others), and every stream that stays gets all its tokens, the text of the same request alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = stack.client()
+    alone = {k: c.completions.create(model="tiny", prompt=f"stay {k}", max_tokens=40, seed=k,
+                                     extra_body={"ignore_eos": True}).choices[0].text for k in range(2)}
+
+    def stay(k: int) -> str:
+        stream = c.completions.create(model="tiny", prompt=f"stay {k}", max_tokens=40, stream=True, seed=k,
+                                      extra_body={"ignore_eos": True})
+        return "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    def leave(k: int) -> None:
+        for j in range(8):
+            stream = c.completions.create(model="tiny", prompt=f"leave {k} {j}", max_tokens=900, stream=True,
+                                          seed=j, extra_body={"ignore_eos": True})
+            for _ in zip(range(1 + j % 3), stream, strict=False):
+                pass
+            stream.close()
+
+    with ThreadPoolExecutor(3) as pool:
+        stays = [pool.submit(stay, k) for k in range(2)]
+        leaves = [pool.submit(leave, 0)]
+        for f in leaves:
+            f.result(60)
+        assert {k: f.result(60) for k, f in enumerate(stays)} == alone
+
+
 def test_a_non_streaming_client_that_disconnects_cancels_its_session(stack: Stack) -> None:
     """Raw HTTP: a socket sends a whole (not streamed) request and closes once its session is open; the gateway,
     watching for `http.disconnect`, cancels the session (no reaper): the cancel marker is set, the session ends
