@@ -301,11 +301,13 @@ def test_kill_9_mid_prefill_of_shared_prefixes_with_the_prefix_cache(
             acct = client.hgetall(WorkerKeys(worker).session_account(spec.session_id))
             assert 0 <= int(acct.get(b"cached_tokens", b"0")) <= int(acct[b"prompt_tokens"]) == len(prompt), acct
             assert handles[spec.session_id].cached_tokens <= len(prompt)
-        # The same prompts again, one at a time, on the consumer that survived: a prompt it computed is a hit
-        # from the second time on, with the tokens it gives alone.
+        # The same prompt again, twice, one after the other, on the consumer that survived, each in one job (a
+        # hit reaches only the jobs queued when it is looked up): the second restores all but its last rows,
+        # with the tokens it gives alone.
         again = [(spec.model_copy(update={"account_id": "acct-again"}), prompt)  # an account of their own
                  for spec, prompt in specs_for(client, worker, "pfx-again", [ps[0], ps[0]], TOKENS)]
-        handles = _producer(redis_srv.url).run_many(again, start_times=[0.0, 1.0])
+        again_producer = _producer(redis_srv.url, prefill_chunk=512)
+        handles = {**again_producer.run_many(again[:1]), **again_producer.run_many(again[1:])}
         check_exact(client, worker, again, handles, tiny_model_path)
         assert handles["pfx-again-1"].cached_tokens >= 64, handles["pfx-again-1"]
         wait_idle_heartbeat(client, worker)
