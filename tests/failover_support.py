@@ -80,7 +80,7 @@ def check_failover(client: redis.Redis, worker: str, specs: Sequence[tuple[Sessi
     DGR_CHAOS_REPORT, like the chaos suite's scenarios)."""
     records, accounts = read_service_record(client, worker, specs)
     lost = {"sessions": len(specs), "finished": 0, "tokens_lost": 0, "prompt_tokens_lost": 0,
-            "sessions_with_loss": 0, "unclosed": 0, "owed_positions": 0, "gap_positions": 0,
+            "sessions_with_loss": 0, "unclosed": 0, "owed_positions": 0, "gap_positions": 0, "cached_tokens": 0,
             "replays": sum(h.attempt for h in handles.values()), **extra}
     by_account: dict[str, dict[str, float]] = {}
     for spec, prompt in specs:
@@ -97,6 +97,9 @@ def check_failover(client: redis.Redis, worker: str, specs: Sequence[tuple[Sessi
         # One script writes an answer and bills it: whatever a failover lost, it lost both or neither.
         assert generated == len(rec.ok_tokens), (sid, rec.billed, len(rec.ok_tokens))
         assert generated <= len(h.generated) and prompt_billed <= len(prompt), (sid, rec.billed)
+        cached = int(rec.billed.get("cached_tokens", 0))  # the prefix cache's hits: a part of the prompt tokens
+        assert cached <= prompt_billed, (sid, rec.billed)
+        lost["cached_tokens"] += cached
         lost["tokens_lost"] += len(h.generated) - generated
         lost["prompt_tokens_lost"] += len(prompt) - prompt_billed
         # `owed` names charges the tally knows it lost: never more than were lost (docs/failover.md)

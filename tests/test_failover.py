@@ -56,17 +56,19 @@ def _producer(t: RedisTarget, decode_n: int | None = None) -> Producer:
 
 
 def _run(t: RedisTarget, model: Path, logs: Path, worker: str, fault: Any, *, decode_n: int | None = None,
-         rounds: int = 1, url: str = "", prepare: Any = None, extra: tuple[str, ...] = ()
+         rounds: int = 1, url: str = "", prepare: Any = None, extra: tuple[str, ...] = (), shared: int = 0
          ) -> tuple[list[dict[str, Any]], Any]:
     """`rounds` runs of sessions through one consumer process on `t`; `fault(drive)` breaks Redis in
     the middle of each. Returns each round's failover report and the consumer (still running). `url`:
     the consumer's --redis-url, where it is seen starting (default: the master's now); `prepare(producer)`
-    runs before each round; `extra`: more consumer options."""
+    runs before each round; `extra`: more consumer options; `shared`: the prompts start with so many tokens
+    in common (the prefix cache's case)."""
     c = consumer(url or master_url(t), worker, model, logs, extra=(*_args(t), *extra))
     client = connect(t)
     summaries = []
     for r in range(rounds):
         ps = prompts(N_SESSIONS, 300, seed=(SEED + r) % 1000, lo=3, hi=30)
+        ps = [prompts(1, 300, seed=SEED % 997, lo=shared, hi=shared)[0] + p for p in ps] if shared else ps
         specs = [(spec.model_copy(update={"account_id": f"{spec.account_id}-r{r}"}), p)  # accounts per round
                  for spec, p in specs_for(client, worker, f"{worker}-r{r}", ps, TOKENS)]  # type: ignore[arg-type]
         producer = _producer(t, decode_n)
@@ -141,13 +143,17 @@ def test_sentinel_failover_that_loses_writes(sentinel_group: SentinelGroup, tiny
     assert summary["bytes_lost"] > 0
 
 
+@pytest.mark.parametrize("cache", [False, True])
 def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group: SentinelGroup,  # noqa: F811
-                                                                   tiny_model_path: Path, tmp_path: Path) -> None:
+                                                                   tiny_model_path: Path, tmp_path: Path,
+                                                                   cache: bool) -> None:
     """The lossy failover above (decode_n 1: each token a job of its own, where losses were seen), with
     `--durable-replicas 1`: once the replica is cut off no completion counts, the worker re-sends the one
     it holds until a replica has it, the master dies, the replica is promoted (and the dead master comes
     back as its replica, so that completions can count again): the re-sent completion is filed on the new
-    master, and nothing the producer read is missing there: no token and no prompt token lost."""
+    master, and nothing the producer read is missing there: no token and no prompt token lost. `cache`: the
+    prefix cache on and prompts sharing 40 tokens (Redis losing writes under a cache: hits are charged as
+    every prompt token, in the same filing)."""
     g, rng = sentinel_group, random.Random(SEED)
     worker = "fo-durable"
 
@@ -173,10 +179,14 @@ def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group
         g.wait_synced(old, 60)
         return {"answers_read_not_on_the_new_master": ahead}
 
+    cached = ("--prefix-cache-bytes", str(16 << 20), "--prefix-cache-scope", "global") if cache else ()
     (summary,), c = _run(g.target(), tiny_model_path, tmp_path, worker, fault, decode_n=1,
-                         extra=("--durable-replicas", "1", "--durable-timeout-ms", "100"))
+                         extra=("--durable-replicas", "1", "--durable-timeout-ms", "100", *cached),
+                         shared=40 if cache else 0)
     assert (summary["tokens_lost"], summary["prompt_tokens_lost"]) == (0, 0), (SEED, summary)
     assert summary["finished"] == N_SESSIONS
+    # the late sessions (0.3 and 0.6 s) find the shared blocks the first ones computed (184-200 cached in 3 runs)
+    assert not cache or summary["cached_tokens"] > 0, "no hit: the test did not test the cache"
     assert c.stop() == 0, c.log(3000)
 
 
