@@ -25,7 +25,7 @@ from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 from producer import Producer, SessionHandle
 from producer.commands import Batch
-from schemas import Status, WorkerKeys
+from schemas import GROUP, Status, StepResult, WorkerKeys
 
 from .chaos_support import SOAK, check_exact, solo, specs_for, stream_results
 from .support import prompts
@@ -298,6 +298,51 @@ def test_steps_an_earlier_process_answered_are_not_answered_again(redis_client: 
         assert len({r.job_id for r in results}) == len(results), [(r.job_id, r.status) for r in results]
     stepper.run()
     check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+
+
+def results_of(client: redis.Redis, session_id: str) -> list[StepResult]:
+    return stream_results(client, WID, session_id)
+
+
+def test_a_cancel_of_a_session_no_process_holds_reaches_its_tracker(redis_client: redis.Redis,
+                                                                     engine: NumpyReferenceEngine,
+                                                                     tiny_model_path: Path) -> None:
+    """The stall test_a_random_schedule_of_faults showed (seed 3006: consumer kill -9, a cancel, Redis kill -9; the
+    waiting session's last answer was its continuation's second token, no worker held it, nothing was pending):
+    a continuation job part answered by a process that died; another Tracker cancels the session; the next
+    process reads that cancel for a session it does not hold (it closes it cancelled, answering no one), then
+    the continuation again (the Tracker's re-push after the outage): it answers it CANCELLED, so the Tracker
+    that waits on it ends the session. Before, `checks` took a session closed for one whose continuation
+    finished early, and the job was acked with no answer (the Tracker timed out after 45 s). Fails so."""
+    producer = Producer(redis_client, prefill_chunk=8, decode_n=16)
+    worker = make_worker(redis_client, engine)
+    (spec, prompt), = specs_for(redis_client, WID, "cx", prompts(1, 300, seed=3, lo=10, hi=10), 40)
+    stepper = Stepper(producer, worker)
+    h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    while len(h.generated) < 4:  # the prompt, then part of the first continuation job
+        stepper.step()
+    pushed = [(name, fields) for name in worker.transport.streams
+              for _id, fields in redis_client.xrange(name)]  # type: ignore[union-attr]
+    stepper.worker = worker = _crash(redis_client, engine)
+    for name in worker.transport.streams:  # what the dead process read goes nowhere (its answers were lost)
+        for p in redis_client.xpending_range(name, GROUP, "-", "+", 100):
+            redis_client.xack(name, GROUP, p["message_id"])
+    worker.run_once()
+    Producer(redis.Redis(connection_pool=redis_client.connection_pool)).cancel(WID, spec.session_id)
+    worker.run_once()  # the cancel of a session this process does not hold: closed cancelled
+    assert redis_client.hget(WorkerKeys(WID).session_account(spec.session_id), "closed") == b"cancelled"
+    part = results_of(redis_client, spec.session_id)[-1].job_id.split(".")[0]  # the job answered in part
+    again = [(name, fields) for name, fields in pushed if part.encode() in fields[b"j"]]
+    assert len(again) == 1
+    for name, fields in again:  # that job again, alone: a Tracker's re-push after a Redis outage
+        redis_client.xadd(name, fields)
+    for _ in range(50):
+        if h.finished:
+            break
+        stepper.step()
+    assert h.status == "cancelled", (h.status, h.reason, h.detail)
+    check_exact(redis_client, WID, [(spec, prompt)], stepper.handles, tiny_model_path,
+                allow_cancel={spec.session_id})
 
 
 def test_generate_rides_through_an_outage(real_redis: redis.Redis, engine: NumpyReferenceEngine,

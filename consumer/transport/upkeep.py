@@ -110,7 +110,8 @@ class Upkeep:
         nor, when it is an opening, opens a ghost session. Answered: its session's last ok answer
         published is at or past the step's last result position (the tally, or the session hash once
         closed: docs/accounting.md), or at or past its first one when the session is closed and not open
-        again (a continuation that finished early), or it was answered not ok (its `res:` marker)."""
+        again (a continuation that finished early; not when it was closed cancelled), or it was answered not
+        ok (its `res:` marker)."""
         if not steps and not session_ids:
             return set(), set()
         io, keys = self.io, self.io.keys
@@ -133,9 +134,13 @@ class Upkeep:
             led, hashed, marker = replies[3 * i: 3 * i + 3]
             last = _att_pub(led) or _att_pub(hashed[:2])
             first = j.start_position + 1 if j.phase == "decode" else j.end_position  # its first result's position
+            # A session closed `cancelled` is not taken for a continuation that finished early: a cancel of a
+            # session no process held (its worker died mid-continuation) closes it with no answer to the
+            # Tracker, which still waits on this step; answered CANCELLED (its marker), it learns of the cancel.
+            # When the process that held it answered the cancel, that answer left the step's `res:` marker.
+            closed_early = led is None and hashed[2] is not None and hashed[2] != b"cancelled"
             if int(marker) or (last is not None and (last >= (j.attempt, j.end_position)
-                                                     or (led is None and hashed[2] is not None
-                                                         and last >= (j.attempt, first)))):
+                                                     or (closed_early and last >= (j.attempt, first)))):
                 answered.add(j.job_id)
         cancelled = {sid for sid, r in zip(sids, replies[3 * len(jobs):], strict=True) if int(r)}
         return answered, cancelled
