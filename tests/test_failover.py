@@ -2,8 +2,8 @@
 
 Sentinel (tests/fixtures/sentinel.py: a master, a replica, three sentinels): the master is killed -9
 mid-run and the sentinels promote the replica; or, to make the failover lose writes for sure, the
-replica is cut off first (REPLICAOF NO ONE: it keeps what it had), the old master serves on alone for
-a few more results, is killed, and the replica is made the master by hand. Cluster (3 masters + 3
+replica is cut off first (SentinelGroup.cut_off: it keeps what it had), the old master serves on alone
+for a few more results, is killed, and the replica is made the master by hand. Cluster (3 masters + 3
 replicas): the master of the worker's slot is killed -9 and its replica takes over.
 
 Every scenario ends with `check_failover` (tests/failover_support.py): every session finished with
@@ -127,7 +127,7 @@ def test_sentinel_failover_that_loses_writes(sentinel_group: SentinelGroup, tiny
         drive.wait_results(rng.randint(drive.results + 3, drive.results + 20))
         old = g.master_port()
         (replica,) = g.replica_ports()
-        g.node(replica).execute_command("REPLICAOF", "NO", "ONE")  # the replica has what it had
+        g.cut_off(replica)  # the replica has what it had
         kept = int(g.node(replica).info("replication")["master_repl_offset"])
         seen = drive.results
         drive.wait_results(drive.results + rng.randint(2, 12))  # answered on the old master only
@@ -161,7 +161,7 @@ def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group
         drive.wait_results(rng.randint(drive.results + 3, drive.results + 20))
         old = g.master_port()
         (replica,) = g.replica_ports()
-        g.node(replica).execute_command("REPLICAOF", "NO", "ONE")
+        g.cut_off(replica)
 
         def answers_kept() -> int:  # what the cut-off replica holds of what the producer reads
             return sum(len(session_results(g.node(replica), worker, s.session_id)) for s, _ in drive.specs)
