@@ -247,6 +247,45 @@ def test_prefix_cache_tokens_equal_solo_around_a_window_edge(windowed: Engines, 
     _check(windowed, client, *scenario)
 
 
+@st.composite
+def conversations(draw: st.DrawFn) -> tuple[list[tuple[int, int, int, Sampling]], Conditions]:
+    """A conversation's turns, one after the other: (new tokens, max tokens, how many of the previous answer's
+    tokens the turn re-sends (-1: all of it), sampling); each turn's prompt is the previous turn's prompt, its
+    answer (or a part: an edited history) and the new tokens. The conditions are the search's (chunks,
+    budgets, a crash and its replay)."""
+    turns = [(draw(st.integers(1, 40)), draw(st.integers(2, 12)), draw(st.sampled_from([-1, -1, -1, 0, 1, 2, 5])),
+              draw(st.sampled_from([Sampling(), Sampling(temperature=0.8, seed=5, repetition_penalty=1.3)])))
+             for _ in range(draw(st.integers(2, 4)))]
+    c = draw(conditions(1, 200))
+    return turns, replace(c, n_slots=2, prefix_cache_bytes=draw(st.sampled_from([1, 64 << 20, 64 << 20])),
+                          prefix_cache_scope="global")
+
+
+@_TIMEOUT
+@settings(max_examples=40 if SOAK else 4, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(scenario=conversations(), seed=st.integers(0, 2**20))
+def test_prefix_cache_conversation_turns_equal_solo_shape_probe(probe: Engines, client: redis.Redis, seed: int,
+                                                               scenario: tuple[list[tuple[int, int, int, Sampling]],
+                                                                               Conditions]) -> None:
+    """Issue 31: a conversation re-sends its earlier turns with the answers. Under the invariant recipe a
+    finished answer is recomputed as prompt rows and saved (consumer/prefix/planner.py Refill), so the next
+    turn restores it: every turn's tokens equal its cold run, under the shape probe (a restored answer whose
+    KV a one-row piece computed would differ)."""
+    turns, c = scenario
+    rng = np.random.default_rng(seed)
+    prompt: tuple[int, ...] = ()
+    ss = []
+    for k, (new, max_tokens, kept, sampling) in enumerate(turns):
+        if ss:
+            answer = probe.solo(ss[-1], ())
+            prompt = ss[-1].prompt + tuple(answer if kept < 0 else answer[:kept])
+        prompt += random_prompt(rng, new, 512)
+        ss.append(Session(prompt=prompt, sampling=sampling, max_tokens=max_tokens, start_s=0.6 * k))
+    _check(probe, client, ss, c)
+
+
 @pytest.mark.slow
 @_TIMEOUT
 @settings(max_examples=40 if SOAK else 3, deadline=None, derandomize=not SOAK, database=None,

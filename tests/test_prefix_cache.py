@@ -101,20 +101,22 @@ def test_a_sliding_window_engine_caches_prompts_longer_than_its_window(tiny_mode
     assert out.cached_tokens == out.prefix_hit_tokens
 
 
-@pytest.mark.parametrize("recipe", ["fast", "invariant"])
-def test_a_next_turn_restores_the_answer_it_re_sends_unless_the_recipe_is_batch_invariant(
-        tiny_model_path: Path, client: redis.Redis, recipe: str) -> None:
+@pytest.mark.parametrize(("recipe", "probe"), [("fast", False), ("invariant", False), ("invariant", True)])
+def test_a_next_turn_restores_the_answer_it_re_sends(tiny_model_path: Path, client: redis.Redis, recipe: str,
+                                                     probe: bool) -> None:
     """Turn 1: 40 prompt tokens, 24 generated (the slot then holds 63 positions: the last token is never fed).
-    Turn 2 re-sends all of it plus 10 new tokens. Under `fast` the finished session's slot was saved, so turn 2
-    restores all 63 positions it holds (3 blocks, then the answer's 15 tokens past them, compared token by
-    token) and computes the answer's last token and its 10 new ones; under `invariant` a decoded position's KV
-    is a one-row piece's, so only turn 1's prompt (2 blocks and its 8 tokens past them: 40) is restored and
-    the tokens equal the cold run."""
+    Turn 2 re-sends all of it plus 10 new tokens and restores all 63 (3 blocks, then the answer's 15 tokens
+    past them, compared token by token), computing the answer's last token and its 10 new ones. Under `fast`
+    the finished session's slot was saved as decoded; under `invariant` a decoded position's KV is a one-row
+    piece's, so the finished answer's 23 positions were recomputed as one prompt piece first (Refill) and
+    turn 2's tokens equal its cold run, also under the shape probe (which fails a restored position computed
+    by another kind of piece than the cold run's: the decoded KV restored as it was would)."""
     def make(n_slots: int) -> Engine:
-        return LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=512)
+        e: Engine = LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=n_slots, ctx_per_session=512)
+        return ShapeProbeEngine(e) if probe else e  # type: ignore[return-value]
 
     c = Conditions(n_slots=2, prefix_cache_bytes=64 << 20, prefix_cache_scope="account")
-    wid = f"turns-{recipe}"
+    wid = f"turns-{recipe}-{probe}"
     sup = _Supervised(client, wid, make, c)
     key = sup.worker.engines.keys_of(next(iter(sup.worker.engines)))["prefill"]
     producer = Producer(client, timeout_s=60, backpressure="wait")
@@ -136,11 +138,11 @@ def test_a_next_turn_restores_the_answer_it_re_sends_unless_the_recipe_is_batch_
         sup.stop()
     assert h2.status == "finished" and len(h2.generated) == 24  # type: ignore[attr-defined]
     assert h2.prompt_tokens == len(second)  # type: ignore[attr-defined]
-    if recipe == "fast":
-        assert h2.cached_tokens == 63  # type: ignore[attr-defined]
-    else:
-        assert h2.cached_tokens == 40  # type: ignore[attr-defined]
-        solo = LlamaCppEngine(tiny_model_path, recipe=recipe, n_slots=1, ctx_per_session=512)
+    assert h2.cached_tokens == 63  # type: ignore[attr-defined]
+    refilled = sup.worker._info()["engines"][0]["prefix_cache"]["refilled_tokens"]
+    assert refilled == (0 if recipe == "fast" else 2 * 23), refilled  # turn 2's answer is refilled too
+    if recipe == "invariant":
+        solo = make(1)
         assert list(h2.generated) == oracle(solo, Session(prompt=second, sampling=Sampling(), max_tokens=24))  # type: ignore[attr-defined]
 
 

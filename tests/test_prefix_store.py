@@ -82,6 +82,30 @@ def test_a_hit_extends_past_its_last_block_only_over_shared_tokens() -> None:
     assert hit is not None and hit.n_tokens == 8
 
 
+def test_a_finished_answer_is_worth_saving_for_its_tail_alone() -> None:
+    """A finished session's save (`tail`: its answer, restored token by token past the last whole block) is
+    wanted when it holds more positions past the block than the entry held there, never for fewer or the
+    same; a prefill save (no tail) only for a new block. And the planner's Refill: two rows or more, within
+    a sliding window, and only when the save adds something."""
+    from consumer.prefix.planner import PrefixPlanner
+
+    store = PrefixStore(1 << 20, block_tokens=B, scope="global")
+    prompt = [1, 2, 3, 4, 5, 6]
+    store.put(b"x", _ids(prompt[:4]), 6, tokens=prompt)  # the prompt: one block and 2 tokens past it
+    ids = _ids([*prompt, 7, 8][:4])
+    assert not store.wants(ids, 7) and not store.wants(ids, 6, tail=True)
+    assert store.wants(ids, 7, tail=True)
+    planner, root = PrefixPlanner(store, "digest", "global", refill=64), ROOT  # scope global: no salt
+    assert planner.refill_answer(0, root, prompt, [7], 64) is None  # one row: never computed alone
+    r = planner.refill_answer(3, root, prompt, [7, 8, 9], 2)  # at most 2 rows now (the pacer's budget)
+    assert r is not None and (r.slot, r.start, r.tokens, r.save.n_tokens) == (3, 6, (7, 8), 8)
+    store.put(b"x", r.save.ids, r.save.n_tokens, tokens=r.save.tokens)
+    assert planner.refill_answer(3, root, prompt, [7, 8], 64) is None  # held already
+    windowed = PrefixPlanner(store, "digest", "global", window=8, refill=64)
+    assert windowed.refill_answer(3, root, prompt, [7, 8, 9], 64) is None  # 9 positions: past the window
+    assert PrefixPlanner(store, "digest", "global", decoded=True, refill=64).refill == 0
+
+
 def test_pinned_entry_survives_and_is_not_overfilled() -> None:
     store = PrefixStore(10, block_tokens=B)
     a = _ids([1, 1, 1, 1])

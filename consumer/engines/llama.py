@@ -594,6 +594,17 @@ class LlamaCppEngine(LogitsEngine):
         end = int(self._next[slot])
         return 0 if n_swa <= 0 or end <= n_swa else end
 
+    def keep_prefix(self, slot: int, n_tokens: int) -> None:
+        """Keep the slot's first n_tokens positions, drop the rest (a finished answer recomputed as prompt rows:
+        consumer/prefix/run.py refill_finished). Exact while prefix_floor(slot) <= n_tokens."""
+        if self._ctx is None:
+            raise EngineError("engine is closed")
+        if not 0 <= n_tokens <= self._next[slot] or self.prefix_floor(slot) > n_tokens:
+            raise EngineError(f"slot {slot}: cannot keep {n_tokens} of its {int(self._next[slot])} positions", (slot,))
+        if not self._L.llama_memory_seq_rm(self._mem, slot, n_tokens, -1):
+            raise EngineError(f"slot {slot}: llama_memory_seq_rm from {n_tokens} refused", (slot,))
+        self._next[slot] = n_tokens
+
     def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
         """Write a saved state into the (empty) slot and keep its first n_tokens positions (seq_rm of the
         rest): the KV of positions < n_tokens is byte for byte what the saving session computed."""

@@ -247,6 +247,11 @@ class NumpyReferenceEngine(LogitsEngine):
         n = int(self._n_past[slot])
         return n.to_bytes(8, "little") + self._k[slot, :, :n].tobytes() + self._v[slot, :, :n].tobytes()
 
+    def keep_prefix(self, slot: int, n_tokens: int) -> None:
+        if not 0 <= n_tokens <= self._n_past[slot]:
+            raise EngineError(f"slot {slot}: cannot keep {n_tokens} of {int(self._n_past[slot])} positions", (slot,))
+        self._n_past[slot] = n_tokens  # cache rows past n_past are ignored
+
     def restore_prefix(self, slot: int, data: bytes, n_tokens: int) -> None:
         n = int.from_bytes(data[:8], "little")
         if not 0 < n_tokens <= n:

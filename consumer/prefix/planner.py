@@ -16,7 +16,7 @@ from schemas.session import SessionSpec
 
 from .store import Hit, PrefixStore
 
-__all__ = ["PrefixPlanner", "Restore", "Save", "common_prefix", "prompt_cap"]
+__all__ = ["PrefixPlanner", "Refill", "Restore", "Save", "common_prefix", "prompt_cap"]
 
 # Prompts remembered to find where a new one parts from them (PrefixPlanner.parting): the last few per first
 # block, for so many first blocks and so many tokens in all (the oldest first block dropped first).
@@ -44,6 +44,20 @@ class Save:
     tokens: tuple[int, ...]  # the token ids of those positions (a hit compares the ones past the last block)
 
 
+@dataclass(frozen=True, slots=True)
+class Refill:
+    """A finished session's answer under a batch-invariant recipe, before its slot is cleared: keep the slot's
+    first `start` positions (its prompt rows), compute `tokens` (the answer's decoded positions) there as one
+    prompt piece of two or more rows, then run `save`. A decoded position's KV is a one-row piece's, which the
+    next turn's cold run does not compute; recomputed as a prompt piece it is what that run computes (any
+    split into pieces of two or more rows gives the same KV: docs/invariance.md)."""
+
+    slot: int
+    start: int
+    tokens: tuple[int, ...]
+    save: Save
+
+
 def prompt_cap(spec: SessionSpec) -> int | None:
     """Where the positions computed as prompt rows end (a replay's positions from prompt_len on were
     decoded one row each, so their KV is not what a prompt row computes: never cached nor restored)."""
@@ -52,7 +66,7 @@ def prompt_cap(spec: SessionSpec) -> int | None:
 
 class PrefixPlanner:
     def __init__(self, store: PrefixStore, key_digest: str, scope: Scope, window: int = 0, *,
-                 decoded: bool = False) -> None:
+                 decoded: bool = False, refill: int = 0) -> None:
         self.store, self.key_digest, self.scope = store, key_digest, scope
         # Decoded positions are cached too (a recipe that is not batch-invariant: its KV of a position is the
         # same within its tolerance however it was computed), so a conversation's next turn, which re-sends
@@ -60,6 +74,9 @@ class PrefixPlanner:
         # batch-invariant recipe a decoded position's KV is a one-row piece's, not what the next turn's cold
         # run computes as a prompt row: never cached.
         self.decoded = decoded
+        # Under a batch-invariant recipe instead: a finished session's answer, up to so many positions, is
+        # recomputed as prompt rows and saved (Refill; 0: never, an engine that cannot trim a slot).
+        self.refill = 0 if decoded else refill
         # A sliding-window engine's window, down to a block edge (0: none): where a piece is cut so that the
         # slot is saved trimmable; past it, checkpoints where prompts part (save; PrefixPlanning._prefix_cut).
         self.window = window // store.block_tokens * store.block_tokens
@@ -86,20 +103,34 @@ class PrefixPlanner:
         return self._new_blocks(root, tokens, n_tokens) is not None
 
     def save(self, slot: int, root: bytes, tokens: Sequence[int], n_tokens: int, *,
-             parting: bool = False) -> Save | None:
+             parting: bool = False, tail: bool = False) -> Save | None:
         """A save of the slot after the call, when its first n_tokens positions add a block not held.
-        `parting`: n_tokens is where the prompt parts from one seen before (a checkpoint past a window)."""
+        `parting`: n_tokens is where the prompt parts from one seen before (a checkpoint past a window);
+        `tail`: or positions past the last whole block (a finished session: PrefixStore.wants)."""
         if 0 < self._window_positions < n_tokens and not parting:
             # A sliding window's slot past its window cannot be trimmed back (its floor is its end): it is saved
             # only as a checkpoint where the prompt parts from one seen before (PrefixPlanning._prefix_cut ends
             # a piece there), so a prompt that shares as much restores it; a slot ending anywhere else would
             # cost a save (up to 36 ms on Gemma) that only the very same prompt could use.
             return None
-        ids = self._new_blocks(root, tokens, n_tokens)
+        ids = self._new_blocks(root, tokens, n_tokens, tail=tail)
         if ids is None:
             return None
         n = min(n_tokens, len(tokens))  # the positions past the last whole block go with their token ids
         return Save(slot, ids, n, tuple(tokens[:n]))
+
+    def refill_answer(self, slot: int, root: bytes, prompt: Sequence[int], answer: Sequence[int],
+                      max_rows: int) -> Refill | None:
+        """The Refill of a finished session whose slot holds `prompt` as prompt rows then `answer` decoded,
+        computing at most max_rows of the answer, when that adds a block. None under two rows (a prompt row is
+        never computed alone) and past a sliding window (a slot there cannot be trimmed back exactly)."""
+        n = min(len(answer), max_rows, self.refill)
+        end = len(prompt) + n
+        if n < 2 or 0 < self._window_positions < end:
+            return None
+        tokens = [*prompt, *answer[:n]]
+        save = self.save(slot, root, tokens, end, tail=True)
+        return Refill(slot, len(prompt), tuple(answer[:n]), save) if save is not None else None
 
     def remember(self, root: bytes, prompt: Sequence[int], session_id: str = "") -> None:
         """A whole prompt (its positions computed as prompt rows) that a later one may part from, and whose."""
@@ -143,15 +174,16 @@ class PrefixPlanner:
                 best = edge
         return best
 
-    def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int) -> tuple[str, ...] | None:
-        """The ids of the whole blocks in the first n_tokens positions, when they add a block the store lacks;
-        else None."""
+    def _new_blocks(self, root: bytes, tokens: Sequence[int], n_tokens: int, *,
+                    tail: bool = False) -> tuple[str, ...] | None:
+        """The ids of the whole blocks in the first n_tokens positions, when they add a block the store lacks
+        (`tail`: or positions past the last one); else None."""
         bt = self.store.block_tokens
         n = n_tokens // bt * bt
         if n == 0:
             return None
         ids = tuple(block_ids(tokens[:n], root, bt))
-        return ids if self.store.wants(ids, n) else None
+        return ids if self.store.wants(ids, min(n_tokens, len(tokens)) if tail else n, tail=tail) else None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,18 +7,21 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
+
 from schemas import Phase
 from schemas.prefix import SCOPES, PrefixSummary, Scope
 
-from .planner import PrefixPlanner, Save
+from ..batch import FusedBatch
+from .planner import PrefixPlanner, Refill, Save
 from .store import PrefixStore
 
 if TYPE_CHECKING:
-    from ..batch import EngineOutput, FusedBatch
+    from ..batch import EngineOutput
     from ..config import WorkerSettings
     from ..sched import ScheduledBatch, Scheduler
 
-__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary", "save_finished"]
+__all__ = ["forward_with_prefix", "prefix_store", "prefix_summary", "refill_finished", "save_finished"]
 
 log = logging.getLogger("dgr.prefix")
 
@@ -36,8 +39,10 @@ def prefix_store(engine: Any, scheduler: Scheduler, keys: Mapping[Phase, Any],
     store = PrefixStore(settings.prefix_cache_bytes, scope=scope)
     window = getattr(engine, "prefix_window", None)
     key = keys["prefill"]
+    # A batch-invariant recipe refills finished answers when the engine can trim a slot back to its prompt.
+    refill = scheduler.config.capacity.max_tokens_per_call if hasattr(engine, "keep_prefix") else 0
     scheduler.prefix = PrefixPlanner(store, key.digest, scope, window() if window is not None else 0,
-                                     decoded=not key.recipe.batch_invariant)
+                                     decoded=not key.recipe.batch_invariant, refill=refill)
     return store
 
 
@@ -82,3 +87,22 @@ def save_finished(engine: Any, store: PrefixStore, save: Save) -> None:
                   tokens=save.tokens)
     except Exception as e:  # the cache is an optimisation: the slot is released regardless
         log.warning("slot %d: saving the finished session's %d positions failed: %s", save.slot, save.n_tokens, e)
+
+
+def refill_finished(engine: Any, store: PrefixStore, refill: Refill) -> None:
+    """Recompute a finished session's answer as one prompt piece and save the slot (a batch-invariant recipe:
+    PrefixPlanner.refill_answer), before it is cleared. Runs only while no call is in flight on the engine; a
+    failure loses the entry, never the release."""
+    n = len(refill.tokens)
+    piece = FusedBatch(phase="prefill", slots=np.full(n, refill.slot, np.int32),
+                       positions=np.arange(refill.start, refill.start + n, dtype=np.int32),
+                       tokens=np.asarray(refill.tokens, dtype=np.int32),
+                       wants_logits=np.arange(n) == n - 1)  # one logits row, as any prompt piece that ends
+    try:
+        engine.keep_prefix(refill.slot, refill.start)
+        engine.forward(piece)
+    except Exception as e:  # the cache is an optimisation: the slot is released regardless
+        log.warning("slot %d: recomputing the finished session's %d answer positions failed: %s", refill.slot, n, e)
+        return
+    store.stats.refilled_tokens += n
+    save_finished(engine, store, refill.save)

@@ -54,10 +54,11 @@ class CacheStats:
     saved: int = 0  # entries stored
     evictions: int = 0  # entries evicted for the budget
     too_big: int = 0  # entries refused: larger than the whole budget
+    refilled_tokens: int = 0  # finished answers' positions recomputed as prompt rows to be saved (Refill)
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("lookups", "hits", "misses", "hit_tokens", "saved", "evictions",
-                                              "too_big")}
+                                              "too_big", "refilled_tokens")}
 
 
 class PrefixStore:
@@ -112,11 +113,14 @@ class PrefixStore:
         with self._lock:
             hit.entry.pins = max(0, hit.entry.pins - 1)
 
-    def wants(self, ids: Sequence[str], n_tokens: int) -> bool:
-        """Whether an entry of `n_tokens` positions would add a block not held (worth saving)."""
+    def wants(self, ids: Sequence[str], n_tokens: int, *, tail: bool = False) -> bool:
+        """Whether an entry of `n_tokens` positions would add a block not held (worth saving); with `tail`, also
+        when it holds more positions past its last whole block than the entry held there (a finished answer:
+        the next turn restores them token by token)."""
         n = min(len(ids), n_tokens // self.block_tokens)
         with self._lock:
-            return self.enabled and n > 0 and ids[n - 1] not in self._by_block
+            held = self._by_block.get(ids[n - 1]) if self.enabled and n > 0 else None
+            return self.enabled and n > 0 and (held is None or (tail and held.n_tokens < n_tokens))
 
     def put(self, data: bytes, ids: Sequence[str], n_tokens: int, floor: int = 0,
             tokens: Sequence[int] = ()) -> Entry | None:

@@ -5,7 +5,8 @@ and the call that carries the session's first computed piece restores them first
 slot whose prompt rows now cover a block the cache does not hold is saved, so a block is filled by the
 first session that computes it, and only once the call that computed it succeeded (never half-written).
 Under a recipe that caches decoded positions (PrefixPlanner.decoded), a session that finishes has its slot
-saved before it is cleared, so a conversation's next turn restores the answer it re-sends.
+saved before it is cleared, so a conversation's next turn restores the answer it re-sends; under a
+batch-invariant one its answer is first recomputed as prompt rows (PrefixPlanner.refill_answer).
 
 What keeps the tokens bit-identical to the cold run (docs/invariance.md): the restored KV is what a prompt
 piece of two or more rows computed (flash attention off: any such split gives the same KV); at least two
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..prefix.planner import PrefixPlanner, Restore, Save
+from ..prefix.planner import PrefixPlanner, Refill, Restore, Save
 from .outputs import ScheduledBatch
 from .session_table import CloseKind
 from .state import SchedulerState, SessionQueue, _Queued
@@ -181,27 +182,46 @@ class PrefixPlanning(SchedulerState):
     def _prefix_decoded(self, batch: ScheduledBatch) -> None:
         """A decode call under a recipe that caches decoded positions: each row's input token joins its
         session's cacheable tokens (while they are contiguous from position 0: a replay's one-row positions
-        past prompt_len stop them)."""
+        past prompt_len stop them). Under one that refills answers instead it joins the session's answer, while
+        that follows the cacheable tokens without a gap (up to the most a refill computes)."""
         planner = self.prefix
-        if planner is None or not planner.decoded:
+        if planner is None or not (planner.decoded or planner.refill):
             return
         for it in batch.items:
             lane = self._lanes.get(it.job.session_id)
             if lane is None or lane.prefix_root is None:
                 continue
+            token = it.token if it.token is not None else it.job.tokens[it.offset]
             seen = lane.cacheable
-            if len(seen) == it.first_position:
-                seen.append(it.token if it.token is not None else it.job.tokens[it.offset])
+            if planner.decoded:
+                if len(seen) == it.first_position:
+                    seen.append(token)
+            elif len(seen) + len(lane.answer) == it.first_position and len(lane.answer) < planner.refill:
+                lane.answer.append(token)
 
     def _prefix_closed(self, lane: SessionQueue, kind: CloseKind, busy: bool) -> None:
-        """A session that finished with no call in flight, under a recipe that caches decoded positions: its
+        """A session that finished with no call in flight: under a recipe that caches decoded positions its
         slot (prompt and answer, all but the last sampled token, which was never fed) is saved before it is
-        cleared when that adds a block (Scheduler.finished_save). A cancelled or failed session's slot is
+        cleared when that adds a block; under one that refills answers, its answer is kept for
+        `_prefix_finished` (both run by Scheduler.finished_save). A cancelled or failed session's slot is
         not: what it holds was not answered in full."""
         planner = self.prefix
-        if planner is None or not planner.decoded or kind != "finished" or busy or lane.prefix_root is None:
+        if planner is None or kind != "finished" or busy or lane.prefix_root is None:
             return
-        seen = lane.cacheable
-        save = planner.save(lane.entry.slot, lane.prefix_root, seen, len(seen))
-        if save is not None:
-            self._finished_saves[save.slot] = save
+        if planner.decoded:
+            seen = lane.cacheable
+            save = planner.save(lane.entry.slot, lane.prefix_root, seen, len(seen), tail=True)
+            if save is not None:
+                self._finished_saves[save.slot] = save
+        elif len(lane.answer) >= MIN_COMPUTED:
+            self._finished_saves[lane.entry.slot] = lane
+
+    def _prefix_finished(self, slot: int, max_rows: int) -> Save | Refill | None:
+        """What to keep of the finished session on `slot` before it is cleared, its answer refilled in at most
+        max_rows (the size of a prefill call now: the worker's pacer)."""
+        kept = self._finished_saves.pop(slot, None)
+        if not isinstance(kept, SessionQueue):
+            return kept
+        planner = self.prefix
+        assert planner is not None and kept.prefix_root is not None
+        return planner.refill_answer(slot, kept.prefix_root, kept.cacheable, kept.answer, max_rows)

@@ -69,7 +69,7 @@ from dataclasses import replace
 
 from schemas import Phase
 
-from ..prefix.planner import Save
+from ..prefix.planner import Refill, Save
 from .admission import JobAdmission
 from .batching import Batching
 from .config import SchedulerConfig
@@ -158,11 +158,15 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
         """Slots released since the last call: call engine.release on each, then slot_cleared."""
         return self.table.drain_released()
 
-    def finished_save(self, slot: int) -> Save | None:
-        """The prefix-cache save to run on a slot drain_released returned, before engine.release (a finished
-        session's answer: PrefixPlanning._prefix_closed); None: none."""
-        save: Save | None = self._finished_saves.pop(slot, None)
-        return save
+    def saves_finished(self, slot: int) -> bool:
+        """Whether finished_save has something to keep of the session that closed on `slot`."""
+        return slot in self._finished_saves
+
+    def finished_save(self, slot: int, refill_rows: int = 0) -> Save | Refill | None:
+        """What the prefix cache keeps of the finished session on a slot drain_released returned, to run before
+        engine.release (its answer: PrefixPlanning._prefix_closed): a Save, a Refill computing at most
+        `refill_rows` positions (the size of a prefill call now), or None."""
+        return self._prefix_finished(slot, refill_rows)
 
     def slot_cleared(self, slot: int) -> None:
         self._finished_saves.pop(slot, None)  # never run on the slot's next session

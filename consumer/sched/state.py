@@ -58,6 +58,9 @@ class SessionQueue:
     prefix_checked: bool = False
     prefix_root: bytes | None = None
     cacheable: list[int] = field(default_factory=list)
+    # Under a batch-invariant recipe: the input tokens of the positions decoded right after the cacheable ones,
+    # recomputed as prompt rows when the session finishes (PrefixPlanner.refill_answer).
+    answer: list[int] = field(default_factory=list)
     pending_restore: Any = None
     parting: int = 0  # a piece ends here, where the prompt parts from one seen before: saved as a checkpoint
 
@@ -96,8 +99,9 @@ class SchedulerState:
         self._attempts: OrderedDict[str, int] = OrderedDict()
         # Bounded: a worker that never drains it loses the oldest (counted in stats.closed_dropped).
         self._closed_log: deque[ClosedSession] = deque(maxlen=self.CLOSED_LOG_MAX)
-        # slot -> the prefix-cache save to run before the slot is cleared (a finished session's answer under a
-        # recipe that caches decoded positions: PrefixPlanning._prefix_closed); dropped when the slot is.
+        # slot -> what the prefix cache keeps of a finished session before its slot is cleared: a Save (a recipe
+        # that caches decoded positions), or the lane whose answer to refill (PrefixPlanning._prefix_closed,
+        # Scheduler.finished_save); dropped when the slot is.
         self._finished_saves: dict[int, Any] = {}
 
     # ---- answers --------------------------------------------------------------------------------

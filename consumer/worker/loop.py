@@ -221,7 +221,7 @@ class Worker:
         lane, got, call = done
         answers[lane.index].extend(got)
         self._last_call_s = call.engine_seconds
-        self._release_slots()
+        self._release_slots(defer_saves=True)  # a finished session's save after its last answer is filed
         return call
 
     def _prefetch(self) -> None:
@@ -370,10 +370,10 @@ class Worker:
         todo += [Closure(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
         return todo
 
-    def _release_slots(self) -> None:
+    def _release_slots(self, *, defer_saves: bool = False) -> None:
         if self.in_flight.busy:
             return  # an engine is computing: its slots are cleared once the call is finished
-        self.lanes.release_slots()
+        self.lanes.release_slots(defer_saves=defer_saves)
 
     # ---- periodic --------------------------------------------------------------------------
     def _housekeeping(self) -> None:
