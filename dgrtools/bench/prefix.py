@@ -123,23 +123,27 @@ def workloads(rng: np.random.Generator, vocab: int, quick: bool, sessions: int, 
     return out
 
 
-def _hit_tokens(cons: Any) -> int:
-    hb = cons.wait_heartbeat(since=time.time())
-    return int(hb["engines"][0].get("prefix_cache", {}).get("hit_tokens", 0))
+def _cache_counts(cons: Any) -> tuple[int, int]:
+    """The worker's restored prompt tokens and refilled answer positions so far (a fresh heartbeat)."""
+    stats = cons.wait_heartbeat(since=time.time())["engines"][0].get("prefix_cache", {})
+    return int(stats.get("hit_tokens", 0)), int(stats.get("refilled_tokens", 0))
 
 
 def chat(producer: Any, cons: Any, key: Any, rng: np.random.Generator, vocab: int, turns: int, suffix: int,
          tokens: int) -> list[dict[str, Any]]:
-    """One conversation: each turn re-sends the whole history; what the cache-on worker computed of it."""
+    """One conversation: each turn re-sends the whole history; what the cache-on worker computed of it, and
+    (`refilled`) the answer positions it recomputed as prompt rows after the turn finished (a batch-invariant
+    recipe: consumer/prefix/planner.py Refill), off the next turn's critical path."""
     prompt: list[int] = []
     out = []
+    hit0, refilled0 = _cache_counts(cons)
     for t in range(turns):
         prompt = prompt + [int(x) for x in rng.integers(3, vocab, suffix)]
-        before = _hit_tokens(cons)
         r = _dgr_wave(producer, cons.worker_id, key, [prompt], tokens, f"chat{t}-{time.monotonic_ns()}")
-        hit = _hit_tokens(cons) - before
-        out.append({"turn": t + 1, "prompt_tokens": len(prompt), "computed": len(prompt) - hit,
-                    "ttft": r["ttft"], "wall": r["wall"]})
+        hit, refilled = _cache_counts(cons)  # the refill runs when the finished session's slot is released
+        out.append({"turn": t + 1, "prompt_tokens": len(prompt), "computed": len(prompt) - (hit - hit0),
+                    "refilled": refilled - refilled0, "ttft": r["ttft"], "wall": r["wall"]})
+        hit0, refilled0 = hit, refilled
         prompt = prompt + r["tokens"][0]
     return out
 
@@ -219,7 +223,8 @@ def run(out: Path, *, quick: bool = False, sessions: int = 8, waves: int = 3, to
             report["chat"] = chat(producer, on, keys["pfx-on"], rng, vocab, turns, suffix, tokens) \
                 if not only or "chat" in only else []
             for t in report["chat"]:
-                echo(f"chat turn {t['turn']}: prompt {t['prompt_tokens']} tokens, computed {t['computed']}")
+                echo(f"chat turn {t['turn']}: prompt {t['prompt_tokens']} tokens, computed {t['computed']}, then "
+                     f"{t['refilled']} answer positions refilled")
         finally:
             on.stop()
             off.stop()
