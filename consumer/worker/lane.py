@@ -81,19 +81,22 @@ class Lane:
         """Clear the slots closed sessions gave back (only while no call computes on the engine); a finished
         session's is saved into the prefix cache first when the scheduler asks (its answer: under a recipe
         that is not batch-invariant as decoded, else recomputed as prompt rows, in what an idle engine's
-        prefill call takes, and only while the engine has nothing else to do: under load a refill would cost
-        every session that is never continued, where the next turn computes the answer only when it comes).
+        prefill call takes, one session per release and only while the engine has nothing else to do: under
+        load, or for a wave of sessions ending together, a refill would cost every session that is never
+        continued, where the next turn computes the answer only when it comes).
         `defer_saves`: the answers of the call that closed them are not filed yet; a slot with a save to run is
         kept until the next release (its session's last answer is not held back by it: 55 ms on Gemma)."""
         sched, engine = self.scheduler, self.engine
         drained = sched.drain_released()
         kept = [s for s in drained if sched.saves_finished(s)] if defer_saves else []
         slots, self._saves_after_publish = [*self._saves_after_publish, *(s for s in drained if s not in kept)], kept
+        refills = 1
         for slot in slots:
-            idle = not (self.decoding() or sched.ready("prefill"))
+            idle = refills > 0 and not (self.decoding() or sched.ready("prefill"))
             finished = sched.finished_save(slot, self.pacer.budget(False) if idle else 0)
             if finished is not None and self.prefix is not None:
                 if isinstance(finished, Refill):
+                    refills -= 1
                     refill_finished(engine, self.prefix, finished)
                 else:
                     save_finished(engine, self.prefix, finished)
