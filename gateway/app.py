@@ -23,7 +23,6 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from producer import AsyncProducer, ProducerSettings, SessionHandle
 from schemas import Reason, Status, StepResult
@@ -137,8 +136,8 @@ class Gateway:
                 raise overloaded(f"no free slot for choice {first[0]} on the worker: {first[1].detail}".strip())
             self.metrics.ttft.observe(time.monotonic() - t0)
             if req.stream:  # from here Starlette watches the client: it cancels the stream when it goes
-                return EventStream(self.sse(shape, choices, first, events, sessions, req.include_usage),
-                                   request.scope.get(SERVER_SEND))
+                return StreamingResponse(self.sse(shape, choices, first, events, sessions, req.include_usage),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             handles = await until_disconnected(request, self.collect(choices, first, events, sessions))
         except ClientDisconnect:
             await events.aclose()  # type: ignore[attr-defined]  # cancels the sessions on their workers
@@ -233,36 +232,6 @@ class Gateway:
 
 
 _Fault = Literal["depth", "surrogate"]
-SERVER_SEND = "dgr.server_send"  # the scope's key for the server's own `send` (_App)
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose chunks go straight to the server's `send` (`server_send`: _App puts it in the
-    scope). Starlette's two exception middlewares wrap `send` in a coroutine each, per streamed token, to see
-    whether the response started; the start still goes through them, so they know, and an error after it ends
-    the stream as before (the client's disconnect is still an OSError from the server's send)."""
-
-    def __init__(self, events: AsyncIterator[bytes], server_send: Send | None) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.server_send = server_send
-
-    async def stream_response(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        out = self.server_send or send
-        async for chunk in self.body_iterator:
-            await out({"type": "http.response.body", "body": chunk, "more_body": True})
-        await out({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _App(Starlette):
-    def build_middleware_stack(self) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-        inner = super().build_middleware_stack()
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http":
-                scope[SERVER_SEND] = send
-            await inner(scope, receive, send)
-        return app
 
 
 def _shape_fault(obj: Any) -> _Fault | None:
@@ -373,7 +342,7 @@ def make_app(config: ServeConfig, client: aioredis.Redis | None = None) -> Starl
               Route("/metrics", _endpoint("metrics", _metrics)), Route("/v1/models", _endpoint("models", _models)),
               Route("/v1/completions", _endpoint("completions", _completions), methods=["POST"]),
               Route("/v1/chat/completions", _endpoint("chat", _chat), methods=["POST"])]
-    return _App(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 def no_room(r: StepResult) -> bool:
