@@ -122,8 +122,9 @@ class PrefixPlanner:
     def refill_answer(self, slot: int, root: bytes, prompt: Sequence[int], answer: Sequence[int],
                       max_rows: int) -> Refill | None:
         """The Refill of a finished session whose slot holds `prompt` as prompt rows then `answer` decoded,
-        computing at most max_rows of the answer, when that adds a block. None under two rows (a prompt row is
-        never computed alone) and past a sliding window (a slot there cannot be trimmed back exactly)."""
+        computing at most max_rows of the answer, when that adds positions the store lacks (a block, or a longer
+        tail past the last one). None under two rows (a prompt row is never computed alone) and past a sliding
+        window (a slot there cannot be trimmed back exactly)."""
         n = min(len(answer), max_rows, self.refill)
         end = len(prompt) + n
         if n < 2 or 0 < self._window_positions < end:
