@@ -80,8 +80,9 @@ class Lane:
     def release_slots(self, *, defer_saves: bool = False) -> None:
         """Clear the slots closed sessions gave back (only while no call computes on the engine); a finished
         session's is saved into the prefix cache first when the scheduler asks (its answer: under a recipe
-        that is not batch-invariant as decoded, else recomputed as prompt rows, in what an idle engine's
-        prefill call takes, one session per release and only while the engine has nothing else to do: under
+        that is not batch-invariant as decoded, else recomputed as prompt rows, in at most what a prefill call
+        takes while sessions decode (`--prefill-budget`: a prompt arriving meanwhile waits no longer than for
+        one), one session per release and only while the engine has nothing else to do: under
         load, or for a wave of sessions ending together, a refill would cost every session that is never
         continued, where the next turn computes the answer only when it comes).
         `defer_saves`: the answers of the call that closed them are not filed yet; a slot with a save to run is
@@ -93,7 +94,7 @@ class Lane:
         refills = 1
         for slot in slots:
             idle = refills > 0 and not (self.decoding() or sched.ready("prefill"))
-            finished = sched.finished_save(slot, self.pacer.budget(False) if idle else 0)
+            finished = sched.finished_save(slot, self.pacer.max_tokens if idle else 0)
             if finished is not None and self.prefix is not None:
                 if isinstance(finished, Refill):
                     refills -= 1
