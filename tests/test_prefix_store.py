@@ -106,6 +106,37 @@ def test_a_finished_answer_is_worth_saving_for_its_tail_alone() -> None:
     assert PrefixPlanner(store, "digest", "global", decoded=True, refill=64).refill == 0
 
 
+def test_a_refill_that_fails_stores_nothing_and_raises_nothing() -> None:
+    """The refill runs on the release path: an engine that refuses the trim or fails the piece loses the
+    entry (logged), never the release (consumer/prefix/run.py refill_finished)."""
+    from consumer.engines.base import EngineError
+    from consumer.prefix.planner import PrefixPlanner
+    from consumer.prefix.run import refill_finished
+
+    class Failing:
+        def __init__(self, where: str) -> None:
+            self.where, self.saved = where, 0
+
+        def keep_prefix(self, slot: int, n_tokens: int) -> None:
+            if self.where == "trim":
+                raise EngineError("refused", (slot,))
+
+        def forward(self, batch: object) -> None:
+            raise EngineError("failed", (0,))
+
+        def save_prefix(self, slot: int) -> bytes:
+            self.saved += 1
+            return b"x"
+
+    store = PrefixStore(1 << 20, block_tokens=B, scope="global")
+    refill = PrefixPlanner(store, "digest", "global", refill=64).refill_answer(1, ROOT, [1, 2, 3], [4, 5, 6], 64)
+    assert refill is not None
+    for where in ("trim", "forward"):
+        engine = Failing(where)
+        refill_finished(engine, store, refill)
+        assert engine.saved == 0 and len(store) == 0 and store.stats.refilled_tokens == 0
+
+
 def test_pinned_entry_survives_and_is_not_overfilled() -> None:
     store = PrefixStore(10, block_tokens=B)
     a = _ids([1, 1, 1, 1])
