@@ -263,6 +263,9 @@ def plot_report(out: Path, report: dict[str, Any]) -> Path:
     turns = report["chat"]
     bx.plot([t["turn"] for t in turns], [t["prompt_tokens"] for t in turns], marker="o", label="prompt tokens")
     bx.plot([t["turn"] for t in turns], [t["computed"] for t in turns], marker="o", label="computed (cache on)")
+    if any(t.get("refilled") for t in turns):
+        bx.plot([t["turn"] for t in turns], [t.get("refilled", 0) for t in turns], marker="o", linestyle=":",
+                label="answer refilled after the turn")
     bx.set_xticks([t["turn"] for t in turns])
     bx.set_xlabel("turn")
     bx.set_title("a conversation re-sending its turns")
