@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumer.prefix import PrefixStore
-from consumer.prefix.planner import PrefixPlanner, Save, common_prefix
+from consumer.prefix.planner import PrefixPlanner, Refill, Save, common_prefix
 from consumer.sched import ScheduledBatch, Scheduler
 from schemas import StepJob
 from schemas.prefix import block_ids
@@ -126,8 +126,7 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
             run(s, b, target=lambda sid, pos: 3 + (pos * 31 + 7 * int(sid[1:]) + seed) % 97)
             for save in b.saves:
                 check_save(save)
-            for slot in s.drain_released():
-                finished = s.finished_save(slot)
+            for slot, finished in s.finished_saves(s.drain_released()):
                 if finished is not None:
                     check_save(finished)
                 slots[slot] = []
@@ -188,3 +187,36 @@ def test_parting_is_where_a_remembered_prompt_of_the_same_root_parts_and_memory_
     p.remember(root, [*system, 9, 9], "s1")
     assert p.parting(root, [*system, 9, 9], 0, 101, whole=True, session_id="s1") == 0  # never its own prompt
     assert p.parting(root, [*system, 9, 9], 0, 100, whole=True, session_id="s2") == 96
+
+
+def _finish_together(n_sessions: int, also_decoding: bool) -> list[object]:
+    """Sessions of their own 20-token prompts, 6 tokens each, run in lockstep to their end (one more, with 40
+    tokens to go, when `also_decoding`): what the scheduler keeps of the finished ones at the release."""
+    s = make(n_slots=n_sessions + 1, ctx=256, max_tokens_per_call=128, vocab=100, prefill_budget=128)
+    store = PrefixStore(1 << 20)
+    s.prefix = PrefixPlanner(store, "00000000000000aa", "global", refill=128)
+    sids = [f"s{k}" for k in range(n_sessions)] + (["long"] if also_decoding else [])
+    for k, sid in enumerate(sids):
+        prompt = tuple(3 + (7 * k + i) % 90 for i in range(20))
+        max_tokens = 40 if sid == "long" else 6
+        assert admit(s, opening(sid, prompt, max_tokens=max_tokens)) is None
+        assert admit(s, StepJob(job_id=f"c-{sid}", session_id=sid, phase="decode", compat=DIGESTS["decode"],
+                                start_position=20, tokens=(), n=max_tokens - 1, created_at=0.0)) is None
+    released: list[int] = []
+    while not released and (b := s.next_batch()) is not None:
+        _ = run(s, b)
+        for save in b.saves:
+            store.put(b"state", save.ids, save.n_tokens, tokens=save.tokens)
+        released = s.drain_released()
+    assert len(released) == n_sessions, released  # the short ones ended in one call
+    return [kept for _, kept in s.finished_saves(released, 128)]
+
+
+def test_a_release_refills_one_finished_answer_and_only_on_an_idle_engine() -> None:
+    """Scheduler.finished_saves under a batch-invariant recipe: a wave of sessions ending in one call gets one
+    Refill (of its answer's 5 fed positions after its 20 prompt rows), not one each; with a session still
+    decoding, none (the refill would stand in front of its next call)."""
+    kept = _finish_together(3, also_decoding=False)
+    refills = [k for k in kept if isinstance(k, Refill)]
+    assert len(refills) == 1 and (refills[0].start, len(refills[0].tokens)) == (20, 5), kept
+    assert not any(isinstance(k, Refill) for k in _finish_together(3, also_decoding=True))

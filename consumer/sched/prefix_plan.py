@@ -203,7 +203,7 @@ class PrefixPlanning(SchedulerState):
         """A session that finished with no call in flight: under a recipe that caches decoded positions its
         slot (prompt and answer, all but the last sampled token, which was never fed) is saved before it is
         cleared when that adds a block; under one that refills answers, its answer is kept for
-        `_prefix_finished` (both run by Scheduler.finished_save). A cancelled or failed session's slot is
+        `_prefix_finished` (both run by Scheduler.finished_saves). A cancelled or failed session's slot is
         not: what it holds was not answered in full."""
         planner = self.prefix
         if planner is None or kind != "finished" or busy or lane.prefix_root is None:

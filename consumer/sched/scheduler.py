@@ -65,6 +65,7 @@ closure with its kind ("finished", "cancelled", "failed") and tallies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from schemas import Phase
@@ -159,14 +160,24 @@ class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
         return self.table.drain_released()
 
     def saves_finished(self, slot: int) -> bool:
-        """Whether finished_save has something to keep of the session that closed on `slot`."""
+        """Whether finished_saves has something to keep of the session that closed on `slot`."""
         return slot in self._finished_saves
 
-    def finished_save(self, slot: int, refill_rows: int = 0) -> Save | Refill | None:
-        """What the prefix cache keeps of the finished session on a slot drain_released returned, to run before
-        engine.release (its answer: PrefixPlanning._prefix_closed): a Save, a Refill computing at most
-        `refill_rows` positions (the size of a prefill call now), or None."""
-        return self._prefix_finished(slot, refill_rows)
+    def finished_saves(self, slots: Sequence[int], refill_rows: int = 0) -> list[tuple[int, Save | Refill | None]]:
+        """What the prefix cache keeps of the finished sessions on slots drain_released returned, each to run
+        before engine.release (their answers: PrefixPlanning._prefix_closed): a Save, a Refill, or None. A Refill
+        recomputes work no one asked for yet, so at most one, of at most `refill_rows` positions, and only while
+        nothing waits for the engine (no session decoding, no prompt ready): under load, or for a wave of
+        sessions ending together, it would cost every answer never continued, where a next turn computes the
+        answer only when it comes."""
+        out: list[tuple[int, Save | Refill | None]] = []
+        refills = 1
+        for slot in slots:
+            idle = refills > 0 and not (self.awaiting_decode() or self.ready("decode") or self.ready("prefill"))
+            kept = self._prefix_finished(slot, refill_rows if idle else 0)
+            refills -= isinstance(kept, Refill)
+            out.append((slot, kept))
+        return out
 
     def slot_cleared(self, slot: int) -> None:
         self._finished_saves.pop(slot, None)  # never run on the slot's next session

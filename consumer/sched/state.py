@@ -101,7 +101,7 @@ class SchedulerState:
         self._closed_log: deque[ClosedSession] = deque(maxlen=self.CLOSED_LOG_MAX)
         # slot -> what the prefix cache keeps of a finished session before its slot is cleared: a Save (a recipe
         # that caches decoded positions), or the lane whose answer to refill (PrefixPlanning._prefix_closed,
-        # Scheduler.finished_save); dropped when the slot is.
+        # Scheduler.finished_saves); dropped when the slot is.
         self._finished_saves: dict[int, Any] = {}
 
     # ---- answers --------------------------------------------------------------------------------

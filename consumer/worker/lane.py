@@ -79,25 +79,19 @@ class Lane:
 
     def release_slots(self, *, defer_saves: bool = False) -> None:
         """Clear the slots closed sessions gave back (only while no call computes on the engine); a finished
-        session's is saved into the prefix cache first when the scheduler asks (its answer: under a recipe
-        that is not batch-invariant as decoded, else recomputed as prompt rows, in at most what a prefill call
-        takes while sessions decode (`--prefill-budget`: a prompt arriving meanwhile waits no longer than for
-        one), one session per release and only while the engine has nothing else to do: under
-        load, or for a wave of sessions ending together, a refill would cost every session that is never
-        continued, where the next turn computes the answer only when it comes).
-        `defer_saves`: the answers of the call that closed them are not filed yet; a slot with a save to run is
-        kept until the next release (its session's last answer is not held back by it: 55 ms on Gemma)."""
+        session's is saved into the prefix cache first when the scheduler asks (Scheduler.finished_saves: its
+        answer as decoded under a recipe that is not batch-invariant, else recomputed as prompt rows in at most
+        `--prefill-budget` rows, so a prompt arriving meanwhile waits no longer than for a prefill call while
+        sessions decode). `defer_saves`: the answers of the call that closed them are not filed yet; a slot
+        with a save to run is kept until the next release (its session's last answer is not held back by it:
+        55 ms on Gemma)."""
         sched, engine = self.scheduler, self.engine
         drained = sched.drain_released()
         kept = [s for s in drained if sched.saves_finished(s)] if defer_saves else []
         slots, self._saves_after_publish = [*self._saves_after_publish, *(s for s in drained if s not in kept)], kept
-        refills = 1
-        for slot in slots:
-            idle = refills > 0 and not (self.decoding() or sched.ready("prefill"))
-            finished = sched.finished_save(slot, self.pacer.max_tokens if idle else 0)
+        for slot, finished in sched.finished_saves(slots, self.pacer.max_tokens):
             if finished is not None and self.prefix is not None:
                 if isinstance(finished, Refill):
-                    refills -= 1
                     refill_finished(engine, self.prefix, finished)
                 else:
                     save_finished(engine, self.prefix, finished)
