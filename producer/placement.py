@@ -110,7 +110,7 @@ def candidate(w: WorkerInfo, placed: int, sent: Iterable[str], now: float | None
 
 def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
     """salt_for, a worker without a summary taken as scope `account` (the prefix cache's default)."""
-    sc: Scope = next((x for x in SCOPES if x == scope), "account")
+    sc: Scope = scope if scope in SCOPES else "account"
     return salt_for(sc, cache_salt if isinstance(cache_salt, str) else None, account_id)
 
 
@@ -282,7 +282,10 @@ class FleetView:
         self.placed_at.setdefault(w, []).append(time.time())
         self.placed[w] = self.placed.get(w, 0) + 1
         self.last[w] = choice
-        self.sent.setdefault(w, SentPrompts()).add(ids)
+        sent_to = self.sent.get(w)
+        if sent_to is None:
+            sent_to = self.sent[w] = SentPrompts()
+        sent_to.add(ids)
         c = self.candidates.get(w)
         if c is not None:
             sent = c.sent

@@ -9,6 +9,11 @@ cost0. So the lowest rank (cost, load, worker id) is the lowest of the sorted co
 holders' own ranks, and the guard's (load, worker id) is the sorted loads' first. Both orders are kept per room
 class (room, full): choose's pool is the workers with room, or every eligible one when none has room. Only a
 placement changes a candidate between two reads (its load + 1): `update` moves its two entries.
+
+Per session the holders of the prompt's first block are visited cheapest floor first (their rank holding every
+block), up to the first floor not below the best so far, and each one's leading run is counted on from the run
+counted for the last prompt of the same chain (`runs`): a system prompt's next session costs a holder a lookup or
+two for its own suffix, not a pass over the system prompt's blocks.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ __all__ = ["PoolIndex", "holds", "leading"]
 Group = tuple[int, str | None]
 
 
-def leading(ids: Sequence[str], held: Set[str], sent: Set[str] = frozenset()) -> int:
+def leading(ids: Sequence[str], held: Set[str], sent: Set[str] = frozenset(), start: int = 0) -> int:
     """schemas.prefix.cached_blocks(ids, held | sent) without building the union, the loops in C (takewhile of
     each set's own membership test): it runs for every worker holding a prompt's first block, per session
     (tests/test_placement_choose.py checks choose against the choice as first written, with cached_blocks).
-    Most prompts stop in `held` (the worker's summary) at an id not in `sent` either: one lookup more."""
-    n = len(list(takewhile(held.__contains__, ids)))
+    Most prompts stop in `held` (the worker's summary) at an id not in `sent` either: one lookup more.
+    `start`: the first `start` ids are known to be held (PoolIndex.runs)."""
+    n = start + len(list(takewhile(held.__contains__, islice(ids, start, None) if start else ids)))
     if not sent:
         return n
     end = len(ids)
@@ -61,6 +67,16 @@ class PoolIndex:
         # group -> a prompt's first block id -> the members holding it, found once per fleet read by a pass over
         # the group and then kept by `gained`: a session's choice looks at the few holders, not the whole pool
         self.holders: dict[Group, dict[str, list[str]]] = {}
+        # group -> first block id -> holder -> (its summary's set and its sent set as counted, its leading run h >= 1,
+        # the prompt's id h - 1): a prompt of the same chain to that id (an id chains its parents: equal ids, equal
+        # blocks before them) has at least that run while the candidate keeps those two sets (a fleet read makes
+        # new ones; a placement only adds to the sent set), so the next session of a system prompt is counted
+        # from there (its own suffix: a lookup or two), not from its first block
+        self.runs: dict[Group, dict[str, dict[str, tuple[Set[str], Set[str], int, str]]]] = {}
+        # worker -> the rank it would have holding every block (its floor: miss 0), and (load / slots, the queue
+        # term, whether it has room): what the choice reads of a holder, computed when the candidate changes
+        self.floor: dict[str, tuple[float, int, str]] = {}
+        self.terms: dict[str, tuple[float, float, bool]] = {}
         for c in candidates:
             if eligible(c, digests, policy):
                 self.ok[c.worker_id] = c
@@ -75,6 +91,11 @@ class PoolIndex:
         roomy = c.slots > c.load
         insort(self.by_cost[roomy], (self._cost0(c), c.load, c.worker_id))
         insort(self.by_load[roomy], (c.load, c.worker_id))
+        s = c.slots if c.slots > 1 else 1
+        per_slot, queue = c.load / s, self.policy.queue_weight * c.queued / s
+        # summed left to right as choose() sums its cost: the same floats
+        self.floor[c.worker_id] = (self.policy.overlap_weight * 0.0 + per_slot + queue, c.load, c.worker_id)
+        self.terms[c.worker_id] = (per_slot, queue, roomy)
 
     def _remove(self, c: Candidate) -> None:
         roomy = c.slots > c.load
@@ -124,26 +145,37 @@ class PoolIndex:
             return self._choice(self.ok[by_load[0][1]], ids_for, guarded)
         best: tuple[Any, ...] = self.by_cost[roomy][0]
         best_hit = -1  # not counted yet: the pool's cheapest by cost0 (it may hold blocks of another group)
-        ow, qw, ok = p.overlap_weight, p.queue_weight, self.ok
+        ow, ok, floor, terms = p.overlap_weight, self.ok, self.floor, self.terms
         for group in self.groups:
             ids = ids_for.get(group)
             if not ids:
                 continue
             n = len(ids)
-            for w in self._holders(group, ids[0]):
-                c = ok[w]
-                if (c.slots > c.load) != roomy:
+            runs = self.runs.setdefault(group, {}).setdefault(ids[0], {})
+            # A holder's rank is no lower than its floor (the float operations being monotone), so the holders
+            # are visited cheapest floor first (sorted in place: one placement moved one of them since) and the
+            # visit ends at the first floor not below the best so far: a few holders, not all, per session.
+            holders = self._holders(group, ids[0])
+            holders.sort(key=floor.__getitem__)
+            for w in holders:
+                if floor[w] >= best:
+                    break
+                per_slot, queue, room = terms[w]
+                if room != roomy:
                     continue
-                # the rank c would have holding every block (miss 0) is no lower than its rank, the float
-                # operations being monotone: below the best so far, count its blocks. Inlined as _rank computes
-                # it (the same floats): this loop runs per holder of the first block, per session.
-                s = c.slots if c.slots > 1 else 1
-                per_slot, queue = c.load / s, qw * c.queued / s  # summed left to right as choose() sums them
-                if (ow * 0.0 + per_slot + queue, c.load, c.worker_id) < best:
-                    hit = leading(ids, c.held, c.sent)
-                    rank = (ow * ((n - hit) / n) + per_slot + queue, c.load, c.worker_id)
-                    if rank < best:
-                        best, best_hit = rank, hit
+                c = ok[w]
+                held, sent = c.held, c.sent
+                run = runs.get(w)
+                if run is not None and run[0] is held and run[1] is sent and run[2] <= n and ids[run[2] - 1] == run[3]:
+                    k = run[2]
+                    hit = k if k == n or (ids[k] not in held and ids[k] not in sent) else leading(ids, held, sent, k)
+                else:
+                    hit = leading(ids, held, sent)
+                    if hit:
+                        runs[w] = (held, sent, hit, ids[hit - 1])
+                rank = (ow * ((n - hit) / n) + per_slot + queue, c.load, c.worker_id)  # as _rank computes it
+                if rank < best:
+                    best, best_hit = rank, hit
         return self._choice(ok[best[-1]], ids_for, guarded, best_hit)
 
     def _rank(self, c: Candidate, n: int, hit: int) -> tuple[float, int, str]:

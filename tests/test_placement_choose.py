@@ -237,6 +237,44 @@ def test_the_pool_index_chooses_as_choose_placement_after_placement(cs: list[Can
         view.note(got, IDS[:3 + k], [])
 
 
+# Prompts of one first block that part at different blocks: a system prompt (blocks 0-3) and others sharing only
+# its first blocks, each with suffixes of its own (tokens are what parts them; block ids chain their parents).
+SYSTEM = list(range(64))
+BRANCHES = [block_ids(SYSTEM[:16 * cut] + [200 + b] * (16 * (6 - cut)), prefix_root("pre", "a:acct"), 16)
+            for cut in (1, 2, 4) for b in range(3)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, len(BRANCHES) - 1), st.integers(0, 6), st.integers(0, 9)),
+                min_size=1, max_size=8),
+       st.lists(st.tuples(st.integers(0, len(BRANCHES) - 1), st.booleans()), max_size=30),
+       st.sampled_from([PlacementPolicy(), PlacementPolicy(balance_abs=2), PlacementPolicy(overlap_weight=3.0)]))
+def test_the_pool_index_counts_prompts_that_part_after_their_first_block_as_choose(
+        workers: list[tuple[int, int, int, int]], sessions: list[tuple[int, bool]], policy: PlacementPolicy) -> None:
+    """The index keeps each holder's leading run per first block (PoolIndex.runs) and counts the next prompt of that
+    first block from it: against choose() when prompts part at any block after the first, each placement adding
+    its prompt to its worker's sent set, some prompts sent again."""
+    from producer.placement import FleetView
+
+    cs = {}
+    for i, (load, branch, held, queued) in enumerate(workers):
+        cs[f"w{i}"] = Candidate(worker_id=f"w{i}", digests=frozenset(KEYS), slots=8, load=load, queued=queued,
+                                block_tokens=16, scope="account", held=frozenset(BRANCHES[branch][:held]))
+    view = FleetView()
+    view.candidates = cs
+    view.pools = {KEYS: list(cs)}  # type: ignore[dict-item]
+    for branch, again in sessions:
+        ids = BRANCHES[branch]
+        ids_for = {(16, "account"): ids}
+        got, _ = view.choose(KEYS, policy, ids_for)  # type: ignore[arg-type]
+        assert got == choose(list(view.candidates.values()), KEYS, policy, ids_for)
+        if got is None:
+            return
+        if again:  # counted with runs kept across placements: a prompt placed just before, then another
+            assert view.choose(KEYS, policy, ids_for)[0] == got  # type: ignore[arg-type]
+        view.note(got, ids, [])
+
+
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9)), max_size=40), st.integers(1, 30))
 def test_sent_prompts_keep_the_last_within_the_bound(sends: list[tuple[int, int]], limit: int) -> None:
     """The ids a Tracker remembers sending one worker: the last prompt's always, at most `limit` counted per
