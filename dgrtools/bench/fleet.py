@@ -216,7 +216,12 @@ def run_side(producer: Any, fleet: Sequence[FleetWorker], key: Any, side: str, p
             "balance_max_over_mean": balance(per, ids), "per_worker": per, "sessions": len(prompts),
             "answered": len(first), "tokens_solo": solo,
             # a session that named a full worker (round-robin, random) may be refused: not solo then
-            "statuses": dict(Counter(f"{h.status}:{h.reason}" if h.reason else h.status for h in done.values()))}
+            "statuses": dict(Counter(f"{h.status}:{h.reason}" if h.reason else h.status for h in done.values())),
+            # per session (arrival order): what its time to first token is made of, to read a percentile by
+            "per_session": [{"system": which[i], "worker": where.get(f"{side}-{i}"),
+                             "cached": done[f"{side}-{i}"].cached_tokens,
+                             "ttft_s": first[f"{side}-{i}"] - (t0 + s) if f"{side}-{i}" in first else None}
+                            for i, s in enumerate(starts)]}
 
 
 def run_loss(producer: Any, fleet: Sequence[FleetWorker], key: Any, load: Load, seed: int = 13) -> dict[str, Any]:
@@ -283,7 +288,7 @@ def run(out: Path, load: Load = Load(), *, echo: Callable[[str], object] = print
                 r = run_side(by_load if side == "load-only" else producer, fleet, key, side, prompts, which, starts,
                              load.tokens)
                 report["sides"].append(r)
-                echo(f"{side}: {json.dumps({k: v for k, v in r.items() if k != 'per_worker'})}")
+                echo(f"{side}: {json.dumps({k: v for k, v in r.items() if k not in ('per_worker', 'per_session')})}")
             report["loss"] = run_loss(producer, fleet, key, load)
             echo(f"loss: {json.dumps(report['loss'])}")
         finally:
