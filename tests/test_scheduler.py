@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -328,9 +329,45 @@ def test_prefill_fills_the_budget_fifo_and_splits_the_last_job() -> None:
     assert out[0].result.prefill_calls == 1
     b2 = s.next_batch()
     assert b2 is not None
-    assert [(it.job.session_id, it.offset, it.n_tokens) for it in b2.items] == [("b", 6, 3), ("c", 0, 2)]
+    # the next prefill call takes the fewest rows left first (batching.py, every other call): c's 2, then b's 3
+    assert [(it.job.session_id, it.offset, it.n_tokens) for it in b2.items] == [("c", 0, 2), ("b", 6, 3)]
     # b's prompt was split over the two calls: its answer says so (the record's optional column)
     assert {o.job.session_id: o.result.prefill_calls for o in run(s, b2)} == {"b": 2, "c": 1}
+
+
+def test_a_short_prompt_behind_a_long_one_is_not_served_after_it() -> None:
+    """Every other prefill call takes the fewest rows left first (batching.py): a 4-token prompt admitted behind a
+    100-token one is answered in the second prefill call, not after the long one's 13 calls."""
+    s = make(n_slots=4, ctx=256, max_tokens_per_call=64, vocab=256, prefill_budget=8)
+    assert admit(s, opening("long", 100)) is None
+    assert admit(s, opening("short", 4)) is None
+    answered: dict[str, int] = {}
+    for call in range(1, 30):
+        b = s.next_batch()
+        if b is None:
+            break
+        assert b.phase == "prefill"
+        for a in run(s, b):
+            answered.setdefault(a.job.session_id, call)
+    assert answered == {"short": 2, "long": 13}  # admission order alone: both in the 13th
+
+
+def test_a_long_prompt_is_not_starved_by_short_prompts_that_keep_arriving() -> None:
+    """Shortest first only every other prefill call: a prompt of L tokens admitted first still finishes within
+    2 x ceil(L / (B - 1)) prefill calls while a new prompt of B tokens arrives before every call (always shortest
+    first would never serve it: each new prompt has fewer rows left)."""
+    budget, length = 8, 60
+    s = make(n_slots=64, ctx=128, max_tokens_per_call=64, vocab=256, prefill_budget=budget)
+    assert admit(s, opening("long", length)) is None
+    done_at = None
+    for call in range(1, 60):
+        assert admit(s, opening(f"s{call}", budget)) is None
+        b = s.next_batch()
+        assert b is not None and b.phase == "prefill"
+        if any(a.job.session_id == "long" for a in run(s, b)):
+            done_at = call
+            break
+    assert done_at is not None and done_at <= 2 * math.ceil(length / (budget - 1)), done_at
 
 
 def test_a_session_may_continue_in_the_same_call_unless_it_samples_first() -> None:

@@ -12,6 +12,10 @@ from .state import SchedulerState, SessionQueue
 
 __all__ = ["Batching"]
 
+def _rows_then_seq(entry: tuple[int, int, SessionQueue]) -> tuple[int, int]:
+    return entry[0], entry[1]
+
+
 # The phases' party numbers in the round-robin: decode first, so it wins a tie.
 TURN_ORDER: tuple[Phase, Phase] = ("decode", "prefill")
 
@@ -77,17 +81,19 @@ class Batching(SchedulerState):
         return items
 
     def _take_prefill(self) -> list[BatchItem]:
-        """Prefill pieces in admission order up to the budget. Each session takes one piece, which may
-        span several of its queued jobs and is sized by consumer/sched/prefill_shape.py (no single prompt row
-        left behind, replayed generated tokens one at a time), so its numbers do not depend on how the
-        prompt was cut. A session that cannot take a piece until more of its prompt arrives waits out of
-        the ready heap (admit() puts it back)."""
+        """Prefill pieces up to the budget, in admission order in one call and shortest first in the next
+        (`_shortest_first`), alternately. Each session takes one piece, which may span several of its queued
+        jobs and is sized by consumer/sched/prefill_shape.py (no single prompt row left behind, replayed
+        generated tokens one at a time), so its numbers do not depend on how the prompt was cut. A session
+        that cannot take a piece until more of its prompt arrives waits out of the ready heap (admit() puts it
+        back)."""
         items: list[BatchItem] = []
         full = self.config.prefill_budget
         budget = full
         rows = 0
+        order = self._shortest_first() if self._shortest_turn else None
         while budget > 0:
-            lane = self._pop_ready("prefill")
+            lane = self._pop_ready("prefill") if order is None else (order.pop() if order else None)
             if lane is None:
                 break
             if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
@@ -105,7 +111,29 @@ class Batching(SchedulerState):
                 continue  # waits for more of its prompt
             rows = self._take_piece(lane, n, rows, items)
             budget -= n
+        for lane in order or ():  # not reached: back in the queue, in their admission order
+            self._push_ready(lane)
+        if items:
+            self._shortest_turn = not self._shortest_turn
         return items
+
+    def _shortest_first(self) -> list[SessionQueue]:
+        """Every session waiting to prefill, the fewest prompt rows left to compute (after what the prefix cache
+        restores) last, to be popped first; ties by admission. Why: in admission order a prompt the cache
+        restores but for its own few rows waits behind every long prompt admitted before it, one budget-sized
+        call each (SGLang's scheduler orders its waiting requests by cached prefix for the same reason). Why
+        only every other call: the calls in admission order still serve the oldest prompt, so no prompt waits
+        more than twice the prefill calls it would in admission order alone (consumer/sched/pacing.py's bound,
+        doubled), however many short prompts keep arriving."""
+        lanes = []
+        while (lane := self._pop_ready("prefill")) is not None:
+            if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
+                self._prefix_open(lane)  # type: ignore[attr-defined]  # PrefixPlanning
+            start, queued_end, prompt_end = self._prefill_extent(lane)
+            end = prompt_end if prompt_end is not None and prompt_end > start else queued_end  # a replay: rows queued
+            lanes.append((end - start, lane.jobs[0].seq, lane))
+        lanes.sort(key=_rows_then_seq, reverse=True)
+        return [lane for _, _, lane in lanes]
 
     def _prefill_extent(self, lane: SessionQueue) -> tuple[int, int, int | None]:
         """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""

@@ -56,6 +56,13 @@ class PrefixPlanning(SchedulerState):
         # its own in the call that computes the rows after the hit (batching: an item of 0 rows), so only the
         # last queued job needs its two computed rows.
         run = self._prompt_run(lane)
+        # Looked up again only when an entry was stored since or more of the prompt is queued: a lane taken
+        # from the queue and put back (the shortest-first turns of batching.py look at every waiting prompt)
+        # would otherwise hash its whole prompt again for the same answer.
+        looked = (head.seq, run[-1].job.end_position, planner.store.stats.saved)
+        if lane.prefix_looked == looked:
+            return
+        lane.prefix_looked = looked
         tokens = [*lane.cacheable, *(t for q in run for t in q.job.tokens)]
         if run[-1].job.sample and planner.window:  # the whole prompt: a later one may part from it (_prefix_cut)
             planner.remember(root, tokens[:spec.prompt_len] if spec.prompt_len is not None else tokens,

@@ -62,6 +62,7 @@ class SessionQueue:
     # recomputed as prompt rows when the session finishes (PrefixPlanner.refill_answer).
     answer: list[int] = field(default_factory=list)
     pending_restore: Any = None
+    prefix_looked: tuple[int, int, int] | None = None  # what the last lookup saw (PrefixPlanning._prefix_open)
     parting: int = 0  # a piece ends here, where the prompt parts from one seen before: saved as a checkpoint
 
     @property
@@ -93,6 +94,8 @@ class SchedulerState:
         self._continuing: set[str] = set()  # sessions amid a continuation job (its next job is on its way)
         # decode, prefill (batching.TURN_ORDER): which phase the next call serves when both are ready
         self._phase_turns = SmoothRoundRobin((config.w_decode, config.w_prefill))
+        # Prefill calls alternate: admission order, then the prompts with the fewest rows left first (batching.py)
+        self._shortest_turn = False
         self._seq = 0
         # session id -> the attempt of the opening that opened it (open sessions and recently closed
         # ones, bounded like the closed LRU): a newer attempt's opening supersedes it (`supersede`).
