@@ -212,6 +212,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
             self.abandoned.extend((w, h.session_id) for w in self.release_workers(h))
         del self.driven[h.session_id]
         self.touched.pop(h.session_id, None)
+        self.fleet.started(h.session_id)
         h.run.live -= 1
         for w, stream in self.streams_of(h):
             reading = self.reads[w]
@@ -278,7 +279,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         sessions driven by hand go to their `inbox`, of driven ones to their Run's callbacks (when it has any)."""
         if not entries:
             return False
-        driven, by_hand, touched = self.driven, self.by_hand, self.touched
+        driven, by_hand, touched, prefilling = self.driven, self.by_hand, self.touched, self.fleet.prefilling
         for eid, fields in entries:
             try:
                 rec, chg = decode_record(fields)
@@ -302,6 +303,8 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
                                                        chg.k[i] if chg.k else 0):
                     continue
                 h.last_result_id, h.last_row = eid, (rec, chg, i)
+                if prefilling and sid in prefilling and (h.generated or h.finished):
+                    self.fleet.started(sid)  # its prompt is computed: no longer a wait for the next (placement)
                 run = h.run
                 if run is None:
                     h.inbox.append(row_to_result(rec, chg, i))

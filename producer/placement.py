@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Candidate", "Choice", "FleetView", "PlacementPolicy", "Placer", "SessionTemplate", "candidate", "choose"]
 
+# A session placed this long ago whose first token was never read here no longer counts as pending prefill.
+PENDING_MAX_S = 60.0
+
 
 def eligible(c: Candidate, digests: Iterable[str], policy: PlacementPolicy) -> bool:
     """Advertises every digest, beats recently, is not draining, has slots at all."""
@@ -68,14 +71,14 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
     lo, hi = min(loads), max(loads)
     guarded = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
     get = (ids_for or {}).get
-    ow, qw = policy.overlap_weight, policy.queue_weight
+    ow, qw, pr = policy.overlap_weight, policy.queue_weight, policy.pending_rows
     best: tuple[tuple[Any, ...], Candidate, float, int, int] | None = None
     for c in pool:
         ids = get((c.block_tokens or 0, c.scope), ())
         n = len(ids)
         hit = leading(ids, c.held, c.sent) if n and (ids[0] in c.held or ids[0] in c.sent) else 0
         s = c.slots if c.slots > 1 else 1
-        cost = ow * ((n - hit) / n if n else 1.0) + c.load / s + qw * c.queued / s
+        cost = ow * (((n - hit) / n if n else 1.0) + c.pending / pr) + c.load / s + qw * c.queued / s
         rank = (c.load, c.worker_id) if guarded else (cost, c.load, c.worker_id)
         if best is None or rank < best[0]:
             best = rank, c, cost, hit, n
@@ -85,10 +88,11 @@ def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: Plac
 
 
 def candidate(w: WorkerInfo, placed: int, sent: Iterable[str], now: float | None = None,
-              summary: tuple[PrefixSummary | None, frozenset[str]] | None = None) -> Candidate:
+              summary: tuple[PrefixSummary | None, frozenset[str]] | None = None, pending: int = 0) -> Candidate:
     """A Candidate from a worker's advertisement and heartbeat (absent fields: no slots, no summary), `placed`
-    sessions this Tracker put on it since its beat and the prompt ids it sent there (`sent`); `summary`: its
-    heartbeat's prefix summary already parsed (SummaryCache), else parsed here."""
+    sessions this Tracker put on it since its beat, the prompt ids it sent there (`sent`) and the prompt rows
+    it has still to compute for them (`pending`); `summary`: its heartbeat's prefix summary already parsed
+    (SummaryCache), else parsed here."""
     hb = w.heartbeat
     now = time.time() if now is None else now
     ts = hb.get("ts")
@@ -105,7 +109,7 @@ def candidate(w: WorkerInfo, placed: int, sent: Iterable[str], now: float | None
                      heartbeat_age_s=age, draining=w.draining or bool(hb.get("draining")),
                      block_tokens=summary_of.block_tokens if summary_of is not None else None,
                      scope=summary_of.scope if summary_of is not None else None, held=summary[1],
-                     sent=sent if isinstance(sent, set | frozenset) else set(sent))
+                     sent=sent if isinstance(sent, set | frozenset) else set(sent), pending=pending)
 
 
 def _salt(scope: str | None, cache_salt: object, account_id: str) -> str | None:
@@ -198,6 +202,10 @@ class FleetView:
     block_ids: BlockIdMemo = field(default_factory=BlockIdMemo)
     summaries: SummaryCache = field(default_factory=SummaryCache)  # the workers' prefix summaries, parsed
     roots: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (key digest, salt) -> prefix_root
+    # Prompt rows placed and not computed yet (Candidate.pending): session -> (monotonic time placed, its hops'
+    # (worker, rows not cached there)), until its first token (`started`); per worker, their sum.
+    prefilling: dict[str, tuple[float, list[tuple[str, int]]]] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)
 
     def digests(self, key: CompatibilityKey) -> tuple[str, str]:
         got = self.key_digests.get(id(key))
@@ -222,8 +230,10 @@ class FleetView:
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
         self.summaries.keep(w.worker_id for w in workers)
+        self._forget_prefilling(time.monotonic() - PENDING_MAX_S)
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self._sent_ids(w.worker_id), now,
-                                                  self.summaries.get(w.worker_id, w.heartbeat.get("prefix")))
+                                                  self.summaries.get(w.worker_id, w.heartbeat.get("prefix")),
+                                                  self.pending.get(w.worker_id, 0))
                            for w in workers}
         for w in workers:
             ts = w.heartbeat.get("ts")
@@ -231,6 +241,30 @@ class FleetView:
                 self.lose(w.worker_id, self.lost[w.worker_id])  # out until it beats again
             elif w.worker_id in self.lost:
                 del self.lost[w.worker_id]
+
+    def _forget_prefilling(self, before: float) -> None:
+        """Sessions placed before `before` whose first token was never read here (a session driven by hand whose
+        caller stopped reading): no longer counted as pending."""
+        for sid in [sid for sid, (at, _) in self.prefilling.items() if at < before]:
+            self.started(sid)
+
+    def started(self, session_id: str) -> None:
+        """The session's prompt is computed (its first token was read), or it ended or moved: its rows are no
+        longer pending on its workers."""
+        got = self.prefilling.pop(session_id, None)
+        if got is None:
+            return
+        for w, rows in got[1]:
+            left = self.pending.get(w, 0) - rows
+            if left > 0:
+                self.pending[w] = left
+            else:
+                self.pending.pop(w, None)
+            c = self.candidates.get(w)
+            if c is not None:
+                self.candidates[w] = new = replace(c, pending=max(0, left))
+                for index in self.indexes.values():
+                    index.update(new)
 
     def _sent_ids(self, worker_id: str) -> set[str]:
         sent = self.sent.get(worker_id)
@@ -277,8 +311,17 @@ class FleetView:
         self.placed_at[w.worker_id] = times
         return len(times)
 
-    def note(self, choice: Choice, ids: Sequence[str], passed_full: Iterable[str]) -> None:
+    def note(self, choice: Choice, ids: Sequence[str], passed_full: Iterable[str], session_id: str = "",
+             rows: int = 0) -> None:
+        """A session placed on the choice's worker: its load, the prompt's block ids sent there, and `rows` of its
+        prompt to compute there (pending until `started(session_id)`)."""
         w = choice.worker_id
+        if session_id and rows > 0:
+            got = self.prefilling.setdefault(session_id, (time.monotonic(), []))
+            got[1].append((w, rows))
+            self.pending[w] = self.pending.get(w, 0) + rows
+        else:
+            rows = 0
         self.placed_at.setdefault(w, []).append(time.time())
         self.placed[w] = self.placed.get(w, 0) + 1
         self.last[w] = choice
@@ -292,7 +335,7 @@ class FleetView:
             if ids:  # the candidate's own set (load() made it), or a new one for a candidate made without
                 sent = sent if isinstance(sent, set) else set(sent)
                 sent.update(ids)
-            self.candidates[w] = new = c.placed_one(sent)
+            self.candidates[w] = new = c.placed_one(sent, rows)
             own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
                 index.update(new)
@@ -357,7 +400,7 @@ class Placer:
         chosen: list[str | None] = []
         cache_salt = template.options.get("cache_salt")
         only = None if hops is None else set(hops)
-        choices: list[tuple[Choice, list[str], list[str]]] = []
+        choices: list[tuple[Choice, list[str], list[str], int]] = []
         for k, key in enumerate(template.keys):
             if only is not None and k not in only:
                 chosen.append(None)
@@ -384,8 +427,11 @@ class Placer:
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")
             full = [w for w in full_now if w != choice.worker_id]
-            choices.append((choice, ids, full))
+            # the rows the worker computes: the prompt past the blocks it holds
+            rows = len(prompt) - choice.cached_blocks * (picked.block_tokens or BLOCK_TOKENS)
+            choices.append((choice, ids, full, rows))
             chosen.append(choice.worker_id)
-        for choice, ids, full in choices:  # counted once every hop found its worker
-            self.fleet.note(choice, ids, full)
+        self.fleet.started(template.session_id)  # placed again (a move): its rows pending before are not
+        for choice, ids, full, rows in choices:  # counted once every hop found its worker
+            self.fleet.note(choice, ids, full, template.session_id, rows)
         return chosen

@@ -45,9 +45,17 @@ class PlacementPolicy:
     lost_s: float = 6.0
     lost_check_s: float = 0.25
     overlap_weight: float = 1.0
+    # A worker's prompt rows still to compute for sessions placed there (Candidate.pending) weigh overlap_weight x
+    # pending / pending_rows: this many rows pending cost as much as a whole prompt not cached (the time to first
+    # token of the next session placed there waits for them).
+    pending_rows: int = 2048
     queue_weight: float = 1.0
     balance_abs: int = 8
     balance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.pending_rows < 1:
+            raise ValueError(f"pending_rows must be >= 1, got {self.pending_rows}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +65,9 @@ class Candidate:
     streams (its heartbeat's `queued`, when it says); `held`: prefix block ids its summary says it holds (the
     parsed summary's own set, shared, never written); `sent`: the block ids of the prompts this Tracker sent it
     that the summary may not show yet (its own set, added to as sessions are placed). A block counts as held
-    when it is in either (pool_index.leading): no copy of a 4,096-id summary per worker and fleet read."""
+    when it is in either (pool_index.leading): no copy of a 4,096-id summary per worker and fleet read.
+    `pending`: the prompt rows it has still to compute for this Tracker's sessions (those not cached there when
+    placed, until the session's first token): a worker amid a long prompt makes the next prompt wait for it."""
 
     worker_id: str
     digests: frozenset[str]
@@ -70,16 +80,17 @@ class Candidate:
     scope: str | None = None
     held: Set[str] = frozenset()
     sent: Set[str] = frozenset()
+    pending: int = 0  # prompt rows to compute of the sessions this Tracker placed on it that have no token yet
 
     @property
     def room(self) -> int:
         return self.slots - self.load
 
-    def placed_one(self, sent: Set[str]) -> Candidate:
-        """This candidate with one session more placed on it, sending it `sent` (the constructor called directly:
-        dataclasses.replace costs more than the rest of FleetView.note)."""
+    def placed_one(self, sent: Set[str], rows: int = 0) -> Candidate:
+        """This candidate with one session more placed on it, sending it `sent` and `rows` prompt rows to compute
+        (the constructor called directly: dataclasses.replace costs more than the rest of FleetView.note)."""
         return Candidate(self.worker_id, self.digests, self.slots, self.load + 1, self.queued, self.heartbeat_age_s,
-                         self.draining, self.block_tokens, self.scope, self.held, sent)
+                         self.draining, self.block_tokens, self.scope, self.held, sent, self.pending + rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,12 +3,14 @@ one fleet read: it gives the same Choice as `choose()` (producer/placement.py, t
 Python arithmetic over every candidate per session (docs/placement.md, "Cost").
 
 Why it is the same choice: a candidate that does not hold the first block of the prompt (as its block size and
-scope root it) has miss 1, so its cost is `cost0 = overlap_weight x 1 + load / slots + queue_weight x queued /
-slots`, computed as choose computes it; with overlap_weight >= 0 a candidate holding blocks costs at most its
-cost0. So the lowest rank (cost, load, worker id) is the lowest of the sorted cost0 ranks' first and of the
-holders' own ranks, and the guard's (load, worker id) is the sorted loads' first. Both orders are kept per room
-class (room, full): choose's pool is the workers with room, or every eligible one when none has room. Only a
-placement changes a candidate between two reads (its load + 1): `update` moves its two entries.
+scope root it) has miss 1, so its cost is `cost0 = overlap_weight x (1 + pending / pending_rows) + load / slots
++ queue_weight x queued / slots`, computed as choose computes it (none of it depends on the prompt); with
+overlap_weight >= 0 a candidate holding blocks costs at most its cost0. So the lowest rank (cost, load, worker
+id) is the lowest of the sorted cost0 ranks' first and of the holders' own ranks, and the guard's (load, worker
+id) is the sorted loads' first. Both orders are kept per room class (room, full): choose's pool is the workers
+with room, or every eligible one when none has room. Only a placement (its load + 1, its pending rows + the
+prompt's) or a session's first token (its rows no longer pending) changes a candidate between two reads:
+`update` moves its two entries.
 
 Per session the holders of the prompt's first block are visited cheapest floor first (their rank holding every
 block), up to the first floor not below the best so far, and each one's leading run is counted on from the run
@@ -74,9 +76,10 @@ class PoolIndex:
         # from there (its own suffix: a lookup or two), not from its first block
         self.runs: dict[Group, dict[str, dict[str, tuple[Set[str], Set[str], int, str]]]] = {}
         # worker -> the rank it would have holding every block (its floor: miss 0), and (load / slots, the queue
-        # term, whether it has room): what the choice reads of a holder, computed when the candidate changes
+        # term, whether it has room, its pending rows' term): what the choice reads of a holder, computed when the
+        # candidate changes
         self.floor: dict[str, tuple[float, int, str]] = {}
-        self.terms: dict[str, tuple[float, float, bool]] = {}
+        self.terms: dict[str, tuple[float, float, bool, float]] = {}
         for c in candidates:
             if eligible(c, digests, policy):
                 self.ok[c.worker_id] = c
@@ -85,7 +88,8 @@ class PoolIndex:
 
     def _cost0(self, c: Candidate) -> float:
         s = c.slots if c.slots > 1 else 1
-        return self.policy.overlap_weight * 1.0 + c.load / s + self.policy.queue_weight * c.queued / s
+        return (self.policy.overlap_weight * (1.0 + c.pending / self.policy.pending_rows) + c.load / s
+                + self.policy.queue_weight * c.queued / s)
 
     def _add(self, c: Candidate) -> None:
         roomy = c.slots > c.load
@@ -94,8 +98,9 @@ class PoolIndex:
         s = c.slots if c.slots > 1 else 1
         per_slot, queue = c.load / s, self.policy.queue_weight * c.queued / s
         # summed left to right as choose() sums its cost: the same floats
-        self.floor[c.worker_id] = (self.policy.overlap_weight * 0.0 + per_slot + queue, c.load, c.worker_id)
-        self.terms[c.worker_id] = (per_slot, queue, roomy)
+        wait = c.pending / self.policy.pending_rows
+        self.floor[c.worker_id] = (self.policy.overlap_weight * (0.0 + wait) + per_slot + queue, c.load, c.worker_id)
+        self.terms[c.worker_id] = (per_slot, queue, roomy, wait)
 
     def _remove(self, c: Candidate) -> None:
         roomy = c.slots > c.load
@@ -160,7 +165,7 @@ class PoolIndex:
             for w in holders:
                 if floor[w] >= best:
                     break
-                per_slot, queue, room = terms[w]
+                per_slot, queue, room, wait = terms[w]
                 if room != roomy:
                     continue
                 c = ok[w]
@@ -173,15 +178,15 @@ class PoolIndex:
                     hit = leading(ids, held, sent)
                     if hit:
                         runs[w] = (held, sent, hit, ids[hit - 1])
-                rank = (ow * ((n - hit) / n) + per_slot + queue, c.load, c.worker_id)  # as _rank computes it
+                rank = (ow * ((n - hit) / n + wait) + per_slot + queue, c.load, c.worker_id)  # as _rank computes it
                 if rank < best:
                     best, best_hit = rank, hit
         return self._choice(ok[best[-1]], ids_for, guarded, best_hit)
 
     def _rank(self, c: Candidate, n: int, hit: int) -> tuple[float, int, str]:
         s = c.slots if c.slots > 1 else 1
-        cost = self.policy.overlap_weight * ((n - hit) / n if n else 1.0) + c.load / s \
-            + self.policy.queue_weight * c.queued / s
+        cost = self.policy.overlap_weight * (((n - hit) / n if n else 1.0) + c.pending / self.policy.pending_rows) \
+            + c.load / s + self.policy.queue_weight * c.queued / s
         return cost, c.load, c.worker_id
 
     def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool, hit: int = -1) -> Choice:

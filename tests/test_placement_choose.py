@@ -150,8 +150,23 @@ def test_place_follows_the_advertised_prefix_and_then_what_it_sent() -> None:
     other = list(range(5000, 5064))  # nobody holds it: the least loaded (w0), then it sticks there
     first = core.place_loaded(tmpl("p1"), other).route[0].worker_id
     assert first != "w2"
+    core.fleet.started("p1")  # its first token read: its 64 rows computed, no longer a wait there
     again = core.place_loaded(tmpl("p2"), [*other, 9]).route[0].worker_id
     assert again == first and core.fleet.last[first].cached_blocks == 4
+
+
+def test_a_worker_amid_a_long_prompt_is_passed_over_until_its_first_token() -> None:
+    """Pending prompt rows (Candidate.pending): with equal loads and nothing cached, a worker computing the 512
+    rows of a session placed there costs the next prompt that wait, so another takes it; once the first token
+    is read (`started`) the rows are no longer pending."""
+    core = ProducerCore()
+    core.fleet.load(fleet(2), 0.0)
+    a = core.place_loaded(tmpl("a"), list(range(3000, 3512))).route[0].worker_id
+    b = core.place_loaded(tmpl("b"), list(range(4000, 4032))).route[0].worker_id
+    assert a != b and core.fleet.candidates[a].pending == 512 and core.fleet.candidates[b].pending == 32
+    core.fleet.started("a")
+    core.fleet.started("b")
+    assert core.fleet.candidates[a].pending == 0 and core.fleet.pending == {} and core.fleet.prefilling == {}
 
 
 def test_place_by_load_alone_balances_without_any_summary() -> None:
@@ -179,7 +194,7 @@ def choose_as_first_written(candidates: list[Candidate], digests: tuple[str, ...
         held = frozenset(c.held) | frozenset(c.sent)  # what the worker holds: its summary and what was sent it
         hit = cached_blocks(ids, held) if ids and held else 0
         miss = (len(ids) - hit) / len(ids) if ids else 1.0
-        cost = (policy.overlap_weight * miss + c.load / max(1, c.slots)
+        cost = (policy.overlap_weight * (miss + c.pending / policy.pending_rows) + c.load / max(1, c.slots)
                 + policy.queue_weight * c.queued / max(1, c.slots))
         rank = (float(c.load) if guarded else cost, c.load, c.worker_id)
         if best is None or rank < best[0]:
@@ -202,7 +217,8 @@ def mixed(draw: st.DrawFn) -> list[Candidate]:
             block_tokens=bt, scope=None if bt is None else "account",
             held=frozenset(IDS[:draw(st.integers(0, len(IDS)))]),
             # ids sent since the summary: any of them, so a prompt's leading blocks alternate between the two sets
-            sent=frozenset(draw(st.lists(st.sampled_from(IDS), max_size=len(IDS))))))
+            sent=frozenset(draw(st.lists(st.sampled_from(IDS), max_size=len(IDS)))),
+            pending=draw(st.sampled_from([0, 0, 0, 64, 700, 5000]))))
     return out
 
 
@@ -253,17 +269,19 @@ def test_the_pool_index_counts_prompts_that_part_after_their_first_block_as_choo
         workers: list[tuple[int, int, int, int]], sessions: list[tuple[int, bool]], policy: PlacementPolicy) -> None:
     """The index keeps each holder's leading run per first block (PoolIndex.runs) and counts the next prompt of that
     first block from it: against choose() when prompts part at any block after the first, each placement adding
-    its prompt to its worker's sent set, some prompts sent again."""
+    its prompt to its worker's sent set and its rows to the worker's pending ones, some prompts sent again, some
+    sessions' rows no longer pending (their first token)."""
     from producer.placement import FleetView
 
     cs = {}
     for i, (load, branch, held, queued) in enumerate(workers):
         cs[f"w{i}"] = Candidate(worker_id=f"w{i}", digests=frozenset(KEYS), slots=8, load=load, queued=queued,
-                                block_tokens=16, scope="account", held=frozenset(BRANCHES[branch][:held]))
+                                block_tokens=16, scope="account", held=frozenset(BRANCHES[branch][:held]),
+                                pending=64 * (i % 3))
     view = FleetView()
     view.candidates = cs
     view.pools = {KEYS: list(cs)}  # type: ignore[dict-item]
-    for branch, again in sessions:
+    for j, (branch, again) in enumerate(sessions):
         ids = BRANCHES[branch]
         ids_for = {(16, "account"): ids}
         got, _ = view.choose(KEYS, policy, ids_for)  # type: ignore[arg-type]
@@ -272,7 +290,8 @@ def test_the_pool_index_counts_prompts_that_part_after_their_first_block_as_choo
             return
         if again:  # counted with runs kept across placements: a prompt placed just before, then another
             assert view.choose(KEYS, policy, ids_for)[0] == got  # type: ignore[arg-type]
-        view.note(got, ids, [])
+            view.started(f"s{j - 1}")  # the one before has its first token: its rows no longer pending
+        view.note(got, ids, [], f"s{j}", 700 * (branch % 4))
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9)), max_size=40), st.integers(1, 30))
