@@ -14,12 +14,14 @@ and filing per 2,048 tokens instead of per 512. With any session decoding the ca
 configured budget B (the decode bound of consumer/sched/scheduler.py counts B) and is paced as above.
 
 Time to first token is bounded in fused calls: the budget never drops below `min_tokens` (F, the
-worker's `--prefill-floor`, default 32, capped by the configured budget B). Prefill is FIFO by
-admission and served at least once in every w_decode + w_prefill calls while it has work, and a call
-takes at least F - 1 prompt tokens (the shape rule of consumer/sched/prefill_shape.py may hold one back).
-So a prompt of L tokens with Q prompt tokens admitted before it gets its first token within
-(w_decode + w_prefill) * ceil((Q + L) / (min(F, B) - 1)) fused calls, whatever the decode load
-(tests/test_worker_inprocess.py counts it).
+worker's `--prefill-floor`, default 32, capped by the configured budget B). Prefill is served at least
+once in every w_decode + w_prefill calls while it has work, every other prefill call is FIFO by admission
+(the others take the fewest prompt rows left first: consumer/sched/batching.py), and a call takes at
+least F - 1 prompt tokens (the shape rule of consumer/sched/prefill_shape.py may hold one back). So a
+prompt of L tokens with Q prompt tokens admitted before it gets its first token within
+2 * (w_decode + w_prefill) * ceil((Q + L) / (min(F, B) - 1)) fused calls, whatever the decode load, and
+within half that when no other prompt waits (tests/test_worker_inprocess.py counts the second,
+tests/test_scheduler.py the first in prefill calls).
 """
 
 from __future__ import annotations

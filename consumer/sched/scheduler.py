@@ -23,7 +23,8 @@ Bounds, with weights w_decode = a and w_prefill = b, while both phases stay back
   every a + b consecutive calls (exactly b times in each period of a + b calls of the pattern);
 * both bounds are tight: a saturated run reaches them (defaults 4:1 give D D P D D, repeated);
 * no session waits forever: decode is FIFO by admission (oldest queued first, `max_batch` sessions
-  per call), prefill is FIFO by admission with chunking, and each phase is served within the
+  per call), prefill alternates FIFO by admission and fewest rows left first, with chunking (so the
+  oldest prompt is served at least every other prefill call), and each phase is served within the
   bounds above. A stretch during which only one phase has work leaves both current weights
   untouched, so the bounds hold across such stretches too.
 
@@ -37,7 +38,8 @@ step of its own); the row's input is the session's last sampled token (SessionEn
 the job's first offset carries one. Each offset is answered under its own result id; the job's last
 answer (its n-th token, a stop, max_tokens) is `final` (it acks the entry).
 
-Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order, taking up to
+Prefill calls (chunked prefill, as in Sarathi-Serve): jobs in admission order in one call and the
+sessions with the fewest prompt rows left first in the next (batching.py), taking up to
 `prefill_budget` tokens per call; a job longer than what is left of the budget is split across
 calls (BatchItem.offset / n_tokens). Only the item that finishes a job with `job.sample` wants
 logits, on its last row. A session's next prefill job may follow it in the same call (its
