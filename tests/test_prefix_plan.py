@@ -22,8 +22,8 @@ WINDOW = 64
 PROMPT = tuple(range(3, 83))  # 80 tokens: a first job of 64 (the window) and a second of 16 that samples
 
 
-def _scheduler() -> tuple[Scheduler, PrefixStore]:
-    s = make(n_slots=2, ctx=256, max_tokens_per_call=128, vocab=100, prefill_budget=128)
+def _scheduler(n_slots: int = 2) -> tuple[Scheduler, PrefixStore]:
+    s = make(n_slots=n_slots, ctx=256, max_tokens_per_call=128, vocab=100, prefill_budget=128)
     store = PrefixStore(1 << 20)
     s.prefix = PrefixPlanner(store, "00000000000000aa", "global", WINDOW)
     return s, store
@@ -45,19 +45,39 @@ def _call(s: Scheduler, store: PrefixStore) -> ScheduledBatch:
 
 
 def test_a_piece_crosses_the_window_edge_once_the_blocks_up_to_it_are_held() -> None:
-    s, store = _scheduler()
+    s, store = _scheduler(n_slots=3)
     _open(s, "a")
-    first = _call(s, store)  # the first session: cut on the edge, saved there
-    assert [it.n_tokens for it in first.items] == [WINDOW] and [x.n_tokens for x in first.saves] == [WINDOW]
+    first = _call(s, store)  # a prompt no other session sent: not cut on the edge, not saved (past the window)
+    assert [it.n_tokens for it in first.items] == [WINDOW, 16] and not first.saves
+    _open(s, "b")
+    cut = _call(s, store)  # the second session sharing its first block: cut on the edge, saved there
+    assert [it.n_tokens for it in cut.items] == [WINDOW] and [x.n_tokens for x in cut.saves] == [WINDOW]
     rest = _call(s, store)  # the rest, sampled; nothing saved past the edge (the slot could not be trimmed back)
     assert [it.n_tokens for it in rest.items] == [16] and not rest.saves
-    _open(s, "b")
-    b = _call(s, store)
+    _open(s, "c")
+    c = _call(s, store)
     # its first job restored whole (64: up to the edge, answered by an item of no rows), then 64..80 computed
-    assert [r.hit.n_tokens for r in b.restores] == [64]
-    assert [(it.n_tokens, it.completes_job) for it in b.items if it.session_id == "b"] == [(0, True), (16, True)]
-    assert len(b.fused) == 16
-    assert any(it.samples for it in b.items) and not b.saves
+    assert [r.hit.n_tokens for r in c.restores] == [64]
+    assert [(it.n_tokens, it.completes_job) for it in c.items if it.session_id == "c"] == [(0, True), (16, True)]
+    assert len(c.fused) == 16
+    assert any(it.samples for it in c.items) and not c.saves
+
+
+def test_a_long_prompt_nobody_else_sent_is_not_cut_on_the_window_edge() -> None:
+    """Cutting on the edge costs a prefill turn; it pays only when another prompt restores the save. A prompt whose
+    first block no other session sent and the store does not hold runs whole; the same session sent again (a
+    replay under its id) neither; a held first block is reason enough."""
+    s, store = _scheduler()
+    _open(s, "a")
+    assert [it.n_tokens for it in _call(s, store).items] == [WINDOW, 16]
+    planner = s.prefix
+    assert planner is not None
+    root = planner.root(spec("x"))
+    assert root is not None and not planner.shared(root, PROMPT, "a") and planner.shared(root, PROMPT, "z")
+    other = tuple(range(90, 10, -1))
+    assert not planner.shared(root, other, "z")
+    store.put(b"state", block_ids(other[:16], root, 16), 16, tokens=other[:16])
+    assert planner.shared(root, other, "z")
 
 
 @settings(max_examples=80, deadline=None)
@@ -134,11 +154,12 @@ def test_every_save_and_restore_names_what_the_slot_holds(sessions: list[tuple[i
 
 
 def test_where_prompts_part_past_the_window_a_checkpoint_is_saved_and_restored_whole() -> None:
-    """One system prompt of 150 tokens, other questions (window 64): the first prompt is saved at the window's
-    edge only (64, trimmable; past it no one is known to share it); the second restores 64, ends a piece at 144
-    (the last block edge before the two part) and saves a checkpoint there; the third restores the 144 whole
-    and computes only the rest; a fourth sharing 120 cannot use it (a checkpoint is restored whole or not at
-    all): it restores 64 and saves where it parts, at 112."""
+    """One system prompt of 150 tokens, other questions (window 64): the first prompt runs whole, unsaved (no other
+    session sent one like it: no cut on the window's edge, and past it no one is known to share it); the second
+    ends a piece on the edge and saves it (64, trimmable), ends another at 144 (the last block edge before the
+    two part) and saves a checkpoint there; the third restores the 144 whole and computes only the rest; a
+    fourth sharing 120 cannot use it (a checkpoint is restored whole or not at all): it restores 64 and saves
+    where it parts, at 112."""
     s, store = _scheduler()
     system = tuple(3 + i * 37 % 97 for i in range(150))
 
@@ -157,8 +178,8 @@ def test_where_prompts_part_past_the_window_a_checkpoint_is_saved_and_restored_w
                 s.slot_cleared(slot)
         return restores, pieces, saves
 
-    assert run_prompt("a", (*system, *(5,) * 10)) == ([], [64, 96], [64])
-    assert run_prompt("b", (*system, *(6,) * 10)) == ([64], [80, 16], [144])
+    assert run_prompt("a", (*system, *(5,) * 10)) == ([], [128, 32], [])
+    assert run_prompt("b", (*system, *(6,) * 10)) == ([], [64, 80, 16], [64, 144])
     assert run_prompt("c", (*system, *(7,) * 12)) == ([144], [18], [])
     assert run_prompt("d", (*system[:120], *(8,) * 30)) == ([64], [48, 38], [112])
 

@@ -151,6 +151,17 @@ class PrefixPlanner:
                                           or self._prompt_tokens > PROMPT_TOKENS_KEPT):
             self._prompt_tokens -= sum(len(x) for _, x in self._prompts.popitem(last=False)[1])
 
+    def shared(self, root: bytes, tokens: Sequence[int], session_id: str = "") -> bool:
+        """Whether a prompt that starts as `tokens` may be shared: another session's prompt with the same first
+        block is remembered, or the store holds that block (a prompt of fewer tokens: cannot tell, so yes)."""
+        bt = self.store.block_tokens
+        if len(tokens) < bt:
+            return True
+        kept = self._prompts.get((root, tuple(tokens[:bt])))
+        if kept and any(owner != session_id for owner, _ in kept):
+            return True
+        return self.store.holds(block_ids(tokens[:bt], root, bt)[0])
+
     def parting(self, root: bytes, tokens: Sequence[int], lo: int, hi: int, *, whole: bool = False,
                 session_id: str = "") -> int:
         """The first block edge in [lo, hi] at or before which `tokens` (a prompt's positions from 0, as far as

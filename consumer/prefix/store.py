@@ -109,6 +109,11 @@ class PrefixStore:
         self._entries.move_to_end(id(best.entry))
         return best
 
+    def holds(self, block_id: str) -> bool:
+        """Whether an entry is indexed under the block (no pin, no counters: a question, not a lookup)."""
+        with self._lock:
+            return block_id in self._by_block
+
     def let_go(self, hit: Hit) -> None:
         with self._lock:
             hit.entry.pins = max(0, hit.entry.pins - 1)
