@@ -63,6 +63,34 @@ def test_a_piece_crosses_the_window_edge_once_the_blocks_up_to_it_are_held() -> 
     assert any(it.samples for it in c.items) and not c.saves
 
 
+def test_a_prompt_in_pieces_is_saved_at_its_end_unless_another_session_may_share_it() -> None:
+    """A prompt computed in pieces (a budget of 16 rows, no window) saves its slot once, after its last piece, while
+    no other session sent a prompt with its first block: each save of the same slot covers the one before. Once one
+    did (a second session of that first block opened), the pieces in between are saved too (a third one may
+    restore what the first computed so far)."""
+    s = make(n_slots=3, ctx=256, max_tokens_per_call=128, vocab=100, prefill_budget=16)
+    store = PrefixStore(1 << 20)
+    s.prefix = PrefixPlanner(store, "00000000000000aa", "global")
+    prompt = tuple(3 + i % 90 for i in range(64))
+
+    def saves_of(sid: str, tokens: tuple[int, ...]) -> list[int]:
+        out = []
+        assert admit(s, opening(sid, tokens, max_tokens=1)) is None
+        while (b := s.next_batch()) is not None:
+            run(s, b)
+            for save in b.saves:
+                store.put(b"state", save.ids, save.n_tokens, tokens=save.tokens)
+            out += [x.n_tokens for x in b.saves]
+            for slot in s.drain_released():
+                s.slot_cleared(slot)
+        return out
+
+    assert saves_of("a", (*prompt, 1)) == [65]  # pieces of 16, 16, 16, 17: saved once, whole
+    # another session's prompt of the same first block seen: b (its first block restored) saves each piece
+    s.prefix.remember(s.prefix.root(spec("b")) or b"", [*prompt, 9], "other")
+    assert saves_of("b", (*prompt[:16], *(50 + i % 40 for i in range(48)), 2)) == [32, 48, 65]
+
+
 def test_a_long_prompt_nobody_else_sent_is_not_cut_on_the_window_edge() -> None:
     """Cutting on the edge costs a prefill turn; it pays only when another prompt restores the save. A prompt whose
     first block no other session sent and the store does not hold runs whole; the same session sent again (a

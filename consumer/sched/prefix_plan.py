@@ -165,6 +165,7 @@ class PrefixPlanning(SchedulerState):
         restores: list[Restore] = []
         saves: list[Save] = []
         ends: dict[str, int] = {}
+        whole: set[str] = set()  # sessions whose prompt this call ends
         for it in batch.items:
             lane = self._lanes.get(it.job.session_id)
             if lane is None or lane.prefix_root is None:
@@ -178,10 +179,18 @@ class PrefixPlanning(SchedulerState):
             if len(seen) == it.first_position and it.first_position < cap:
                 seen.extend(it.job.tokens[it.offset:it.offset + min(it.n_tokens, cap - it.first_position)])
             ends[it.job.session_id] = len(seen)
+            if it.samples or (spec.prompt_len is not None and len(seen) >= spec.prompt_len):
+                whole.add(it.job.session_id)
         saving: set[tuple[str, ...]] = set()
         for sid, n in ends.items():
             lane = self._lanes[sid]
             assert lane.prefix_root is not None
+            # A piece that ends neither the prompt, nor on the window's edge, nor where it parts from another is
+            # saved only when another session may share the prompt (a later save of the same slot covers it
+            # otherwise): a 2,016-token prompt paced in 32-row pieces saved its slot after each of its first 16.
+            if (sid not in whole and n not in (planner.window, lane.parting)
+                    and not planner.shared(lane.prefix_root, lane.cacheable, sid)):
+                continue
             save = planner.save(lane.entry.slot, lane.prefix_root, lane.cacheable, n, parting=n == lane.parting)
             if save is not None and save.ids not in saving:  # sessions of one prompt in one call: saved once
                 saving.add(save.ids)
