@@ -146,6 +146,51 @@ def test_a_next_turn_restores_the_answer_it_re_sends(tiny_model_path: Path, clie
         assert list(h2.generated) == oracle(solo, Session(prompt=second, sampling=Sampling(), max_tokens=24))  # type: ignore[attr-defined]
 
 
+def test_a_finished_answer_is_refilled_after_its_last_answer_is_filed(tiny_model_path: Path,
+                                                                       client: redis.Redis) -> None:
+    """The refill of a finished session (Refill: its answer recomputed as prompt rows, then saved) runs at the
+    release after the call that finished it, once that call's answers are filed (Lane.release_slots
+    `defer_saves`): the session's last token is never held back behind the refill's engine work."""
+    made: list[LlamaCppEngine] = []
+
+    def make(n_slots: int) -> Engine:
+        e = LlamaCppEngine(tiny_model_path, recipe="invariant", n_slots=n_slots, ctx_per_session=512)
+        made.append(e)
+        return e
+
+    c = Conditions(n_slots=2, prefix_cache_bytes=64 << 20, prefix_cache_scope="account")
+    wid = "refill-order"
+    sup = _Supervised(client, wid, make, c)
+    events: list[str] = []
+    complete = sup.worker.transport.complete
+
+    def filing(f: object) -> object:
+        out = complete(f)  # type: ignore[arg-type]
+        if any(a.result.finished for a in f.answers):  # type: ignore[attr-defined]
+            events.append("final answer filed")
+        return out
+
+    sup.worker.transport.complete = filing  # type: ignore[method-assign]
+    engine = made[-1]
+    keep = engine.keep_prefix
+
+    def keep_prefix(slot: int, n: int) -> None:
+        events.append("refill")
+        keep(slot, n)
+
+    engine.keep_prefix = keep_prefix  # type: ignore[method-assign]
+    key = sup.worker.engines.keys_of(next(iter(sup.worker.engines)))["prefill"]
+    spec = SessionSpec(session_id="r1", account_id="acct", route=(RouteHop(worker_id=wid, key=key),),
+                       sampling=Sampling(), max_tokens=12)
+    sup.thread.start()
+    try:
+        h = Producer(client, timeout_s=60).run_many([(spec, list(random_prompt(np.random.default_rng(3), 40, 512)))])
+    finally:
+        sup.stop()
+    assert h["r1"].status == "finished"
+    assert events[:2] == ["final answer filed", "refill"], events
+
+
 def test_restored_decoded_positions_give_what_the_prompt_split_there_gives(tiny_model_path: Path) -> None:
     """What caching decoded positions rests on, at the engine (recipe fast): a slot that prefilled 40 tokens
     and decoded 23 one row each, saved and restored into another slot at 48 positions, then the rest of the

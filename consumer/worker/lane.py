@@ -98,6 +98,11 @@ class Lane:
             engine.release(slot)
             sched.slot_cleared(slot)
 
+    @property
+    def deferred_saves(self) -> bool:
+        """Slots kept by a release with `defer_saves`, whose saves the next release runs."""
+        return bool(self._saves_after_publish)
+
     def info(self) -> dict[str, Any]:
         """What the heartbeat says of this engine besides `EngineSet.advertise()`."""
         prefix = {"prefix_cache": {**self.prefix.stats.as_dict(), "bytes": self.prefix.bytes,
@@ -246,6 +251,9 @@ class Lanes(Sequence[Lane]):
     def release_slots(self, *, defer_saves: bool = False) -> None:
         for lane in self._lanes:
             lane.release_slots(defer_saves=defer_saves)
+
+    def deferred_saves(self) -> bool:
+        return any(lane.deferred_saves for lane in self._lanes)
 
 
 def mark_answered(lane: Lane, outcomes: Sequence[Answer]) -> None:

@@ -373,6 +373,10 @@ class Worker:
     def _release_slots(self, *, defer_saves: bool = False) -> None:
         if self.in_flight.busy:
             return  # an engine is computing: its slots are cleared once the call is finished
+        if self.lanes.deferred_saves():
+            # The saves kept for after their sessions' last answers are filed: with `overlap` the filing may still
+            # be on the I/O thread (handed over, not done), so it is waited for before the engine works on them.
+            self.io.drain()
         self.lanes.release_slots(defer_saves=defer_saves)
 
     # ---- periodic --------------------------------------------------------------------------
