@@ -28,9 +28,16 @@ def test_templates_are_spread_over_the_fleet_by_load(redis_client: redis.Redis, 
     for w in workers:
         w.t.heartbeat({"slots": 4, "busy_slots": 0})
     p = make_producer(redis_client)
+    still_pending: list[str] = []
+
+    def on_result(h: object, r: object) -> None:  # at a session's first token its rows are no longer pending
+        if r.token is not None and r.position == 2 and r.session_id in p.core.fleet.prefilling:  # type: ignore[attr-defined]
+            still_pending.append(r.session_id)  # type: ignore[attr-defined]
+
     with workers[0], workers[1], workers[2]:
         sessions = [(template(f"s{i}"), [1, 2]) for i in range(9)]
-        out = p.run_many(sessions)
+        out = p.run_many(sessions, on_result=on_result)
+    assert still_pending == []
     per: dict[str, int] = {}
     for sid, h in out.items():
         assert h.status == "finished" and h.generated == expected_tokens(sid, 2, 3)
@@ -38,6 +45,10 @@ def test_templates_are_spread_over_the_fleet_by_load(redis_client: redis.Redis, 
     assert per == {"w0": 3, "w1": 3, "w2": 3}  # 4 slots each, 9 sessions: balanced, none full
     stats = p.fleet()
     assert {w: s["placed"] for w, s in stats.items()} == per
+    # each session's prompt rows counted as pending on its worker until its first token, none left after the run
+    view = p.core.fleet
+    assert view.prefilling == {} and view.pending == {}
+    assert all(c.pending == 0 for c in view.candidates.values())
 
 
 def test_a_draining_or_stale_worker_gets_no_session(redis_client: redis.Redis, make_producer: MakeProducer) -> None:
