@@ -48,3 +48,13 @@ def test_a_coming_prompt_holds_past_hold_s_and_never_past_max_hold_s() -> None:
     assert e.expired(2.0, coming) == [b]  # its prompt is not coming: released at hold_s
     assert e.expired(4.9, coming) == [] and len(e) == 1
     assert e.expired(5.0, coming) == [a] and len(e) == 0  # coming or not, never past max_hold_s
+
+
+def test_a_job_held_past_its_bound_is_reported_once() -> None:
+    """EarlySteps.first_overdue: the first look at a job held past hold_s says so, every later one does not (the
+    worker logs it once); the record stays bounded."""
+    early = EarlySteps(capacity=4, hold_s=0.1)
+    assert early.first_overdue("j1") and not early.first_overdue("j1") and early.first_overdue("j2")
+    for k in range(5000):
+        early.first_overdue(f"k{k}")
+    assert len(early._said) <= 4096

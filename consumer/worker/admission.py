@@ -85,7 +85,6 @@ class EntryAdmission:
         # Per lane: when a read last got fewer prefill entries than it asked for (the prompt streams held no
         # more): a continuation held since before then has no opening left unread (_prompt_coming).
         self._drained: dict[int, float] = {}
-        self._said_held: set[str] = set()  # the job ids logged as held past early_hold_s
 
     # ---- what to read ---------------------------------------------------------------------------
     def should_read(self) -> bool:
@@ -268,11 +267,8 @@ class EntryAdmission:
 
     def _prompt_coming(self, inb: Inbound, since: float) -> bool:
         coming = self._why_coming(inb, since)
-        if coming and inb.job is not None and inb.job.job_id not in self._said_held:
+        if coming and inb.job is not None and self.early.first_overdue(inb.job.job_id):
             # Once per job: a hold past early_hold_s is rare (a wave of long prompts) and worth seeing.
-            if len(self._said_held) >= 4096:
-                self._said_held.clear()
-            self._said_held.add(inb.job.job_id)
             log.info("continuation held past early_hold_s for its prompt", extra={
                 "session": inb.job.session_id, "job": inb.job.job_id, "why": coming,
                 "held_s": round(self.clock() - since, 3)})

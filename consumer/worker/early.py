@@ -38,6 +38,7 @@ class EarlySteps:
     max_hold_s: float = float("inf")
     _held: dict[str, list[tuple[Inbound, float]]] = field(default_factory=dict)  # session -> (entry, since)
     _n: int = 0
+    _said: set[str] = field(default_factory=set)  # job ids already reported held past hold_s (`first_overdue`)
 
     def __len__(self) -> int:
         return self._n
@@ -90,6 +91,17 @@ class EarlySteps:
                 continue
             out += self.release(sid)
         return out
+
+
+    def first_overdue(self, job_id: str) -> bool:
+        """True the first time a job is found held past hold_s (its prompt still coming), so that it is reported
+        once, not at every look; bounded: the record is forgotten past 4,096 jobs."""
+        if job_id in self._said:
+            return False
+        if len(self._said) >= 4096:
+            self._said.clear()
+        self._said.add(job_id)
+        return True
 
 
 def _attempt(inb: Inbound) -> int:
