@@ -11,10 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from consumer.batch import EngineCapacity, EngineOutput
 from consumer.sampler import BatchSampler
 from consumer.sched import Answer, ScheduledBatch, Scheduler, SchedulerConfig
+from consumer.sched.prefill_shape import MIN_BUDGET
 from consumer.sched.session_table import SessionState
 from schemas import (
     Phase,
@@ -755,3 +758,38 @@ def test_bench_round_smoke(tmp_path: Path) -> None:
     assert all(r["round_ms_median"] > 0 for r in out["results"])
     saved = json.loads((tmp_path / "scheduler.json").read_text())
     assert len(saved["results"]) == 4 and (tmp_path / "scheduler.png").stat().st_size > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(budget=st.integers(MIN_BUDGET, 24),
+       arrivals=st.lists(st.lists(st.integers(1, 60), max_size=4), min_size=1, max_size=30))
+def test_every_prompt_is_answered_within_twice_the_admission_order_bound(budget: int,
+                                                                         arrivals: list[list[int]]) -> None:
+    """The bound of consumer/sched/pacing.py, searched for a counterexample: prompts of random lengths arriving
+    before random calls (prefill calls alternating admission order and fewest rows left first); each is answered
+    within 2 x ceil((Q + L) / (B - 1)) prefill calls of its admission, Q the prompt tokens admitted before it and
+    not yet handed out, L its own, B the budget."""
+    s = make(n_slots=128, ctx=128, max_tokens_per_call=64, vocab=256, prefill_budget=budget)
+    bound: dict[str, int] = {}
+    since: dict[str, int] = {}
+    calls = 0
+    pending = list(arrivals)
+    while pending or s.has_work():
+        for length in (pending.pop(0) if pending else []):
+            sid = f"p{len(bound)}"
+            queued = s._queues["prefill"].tokens  # prompt tokens admitted before it, not handed out yet
+            assert admit(s, opening(sid, length, max_tokens=1)) is None
+            bound[sid], since[sid] = 2 * math.ceil((queued + length) / (budget - 1)), calls
+        b = s.next_batch()
+        if b is None:
+            continue
+        assert b.phase == "prefill"
+        calls += 1
+        for a in run(s, b):
+            if a.result.token is not None:
+                sid = a.job.session_id
+                assert calls - since[sid] <= bound[sid], (sid, calls - since[sid], bound[sid])
+                since.pop(sid)
+        for slot in s.drain_released():
+            s.slot_cleared(slot)
+    assert not since
