@@ -4,6 +4,8 @@ states the bounds)."""
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from schemas import Phase
 
 from .outputs import BatchItem, ScheduledBatch
@@ -11,10 +13,6 @@ from .prefill_shape import MIN_BUDGET, piece_rows
 from .state import SchedulerState, SessionQueue
 
 __all__ = ["Batching"]
-
-
-def _rows_then_seq(entry: tuple[int, int, SessionQueue]) -> tuple[int, int]:
-    return entry[0], entry[1]
 
 
 # The phases' party numbers in the round-robin: decode first, so it wins a tie.
@@ -97,8 +95,7 @@ class Batching(SchedulerState):
             lane = self._pop_ready("prefill") if order is None else (order.pop() if order else None)
             if lane is None:
                 break
-            if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
-                self._prefix_open(lane)  # type: ignore[attr-defined]  # PrefixPlanning
+            self._look_up(lane)
             start, queued_end, prompt_end = self._prefill_extent(lane)
             if full < MIN_BUDGET:  # an engine that takes fewer rows per call: no shape rule possible
                 n = min(budget, queued_end - start)
@@ -130,13 +127,17 @@ class Batching(SchedulerState):
         order), measured on the scheduler alone."""
         lanes = []
         while (lane := self._pop_ready("prefill")) is not None:
-            if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
-                self._prefix_open(lane)  # type: ignore[attr-defined]  # PrefixPlanning
+            self._look_up(lane)
             start, queued_end, prompt_end = self._prefill_extent(lane)
             end = prompt_end if prompt_end is not None and prompt_end > start else queued_end  # a replay: rows queued
             lanes.append((end - start, lane.jobs[0].seq, lane))
-        lanes.sort(key=_rows_then_seq, reverse=True)
+        lanes.sort(key=itemgetter(0, 1), reverse=True)
         return [lane for _, _, lane in lanes]
+
+    def _look_up(self, lane: SessionQueue) -> None:
+        """At the start of a prompt job (nothing of it handed out, no restore planned): the prefix cache's lookup."""
+        if lane.jobs[0].consumed == 0 and lane.pending_restore is None:
+            self._prefix_open(lane)  # type: ignore[attr-defined]  # PrefixPlanning
 
     def _prefill_extent(self, lane: SessionQueue) -> tuple[int, int, int | None]:
         """(next position, end of the queued prefill tokens that follow on, where the prompt ends or None)."""
