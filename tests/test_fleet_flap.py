@@ -82,3 +82,4 @@ def test_a_flapping_worker_does_not_make_sessions_move_back_and_forth(redis_clie
     stats = p.fleet()
     assert stats[flapper]["moved_out"] == len(moved)
     assert sum(s["moved_in"] for s in stats.values()) == len(moved)
+    assert p.core.fleet.prefilling == {} and p.core.fleet.pending == {}  # no prompt rows left pending

@@ -69,6 +69,8 @@ def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Re
     stats = p.fleet()
     assert stats[dead[0]]["moved_out"] == len(moved) and stats[dead[0]]["lost"]
     assert sum(s["moved_in"] for s in stats.values()) == len(moved)
+    # no prompt rows left pending anywhere, the lost worker's included (a move clears what it was placed with)
+    assert p.core.fleet.prefilling == {} and p.core.fleet.pending == {}
 
 
 def test_a_silent_worker_keeps_its_sessions_until_the_bound(redis_client: redis.Redis) -> None:
