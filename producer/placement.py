@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from schemas import CompatibilityKey, SessionSpec
@@ -202,6 +203,9 @@ class FleetView:
     block_ids: BlockIdMemo = field(default_factory=BlockIdMemo)
     summaries: SummaryCache = field(default_factory=SummaryCache)  # the workers' prefix summaries, parsed
     roots: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (key digest, salt) -> prefix_root
+    # (pool digests, cache salt, account) -> group_roots: cleared with the groups
+    group_roots_of: dict[tuple[tuple[str, str], str | None, str],
+                         list[tuple[tuple[int, str | None], bytes | None]]] = field(default_factory=dict)
     # Prompt rows placed and not computed yet (Candidate.pending): session -> (monotonic time placed, its hops'
     # (worker, rows not cached there)), until its first token (`started`); per worker, their sum.
     prefilling: dict[str, tuple[float, list[tuple[str, int]]]] = field(default_factory=dict)
@@ -229,6 +233,7 @@ class FleetView:
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
+        self.group_roots_of = {}
         self.summaries.keep(w.worker_id for w in workers)
         self._forget_prefilling(time.monotonic() - PENDING_MAX_S)
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self._sent_ids(w.worker_id), now,
@@ -292,6 +297,24 @@ class FleetView:
                                           for c in self.pool(digests) if c.block_tokens is not None or c.held or c.sent}
         return got
 
+    def group_roots(self, digests: tuple[str, str], cache_salt: object,
+                    account_id: str) -> list[tuple[tuple[int, str | None], bytes | None]]:
+        """Each of the pool's groups (pool_groups) with the root a session's blocks hash from there (None: not
+        cached under its scope), kept per (pool, cache salt, account) until the groups change: a salt and a dictionary
+        lookup per group and session otherwise."""
+        k = (digests, cache_salt if isinstance(cache_salt, str) else None, account_id)
+        got = self.group_roots_of.get(k)
+        if got is None:
+            if len(self.group_roots_of) >= 4096:
+                self.group_roots_of.clear()
+            got = []
+            for bt, scope in self.pool_groups(digests):
+                # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
+                salt = _salt(scope, k[1], account_id)
+                got.append(((bt, scope), None if salt is None else self.root(digests[0], salt)))
+            self.group_roots_of[k] = got
+        return got
+
     def choose(self, digests: tuple[str, str], policy: PlacementPolicy,
                ids_for: Mapping[tuple[int, str | None], Sequence[str]]) -> tuple[Choice | None, list[str]]:
         """choose() over the pool (through its index: the same Choice), and the eligible full workers."""
@@ -334,17 +357,19 @@ class FleetView:
             sent = c.sent
             if ids:  # the candidate's own set (load() made it), or a new one for a candidate made without
                 sent = sent if isinstance(sent, set) else set(sent)
-                sent.update(ids)
+                # its first cached_blocks ids it holds already (in its summary or sent before): the rest
+                sent.update(islice(ids, choice.cached_blocks, None))
             self.candidates[w] = new = c.placed_one(sent, rows)
             own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
                 index.update(new)
                 if ids:
-                    index.gained(w, own, ids)
+                    index.gained(w, own, ids[0])
             if c.block_tokens is None and ids:  # it may hold what it was sent now
                 for digests, group in self.groups.items():
-                    if w in self.pools.get(digests, ()):
+                    if w in self.pools.get(digests, ()) and (0, None) not in group:
                         group.add((0, None))
+                        self.group_roots_of = {}
         for o in passed_full:
             self.refused_full[o] = self.refused_full.get(o, 0) + 1
 
@@ -406,12 +431,8 @@ class Placer:
                 chosen.append(None)
                 continue
             digests = self.fleet.digests(key)
-            ids_for: dict[tuple[int, str | None], list[str]] = {}
-            for bt, scope in self.fleet.pool_groups(digests):
-                # a worker without a summary yet: what this Tracker sent it, at the default block size and scope
-                salt = _salt(scope, cache_salt, template.account_id)
-                ids_for[(bt, scope)] = [] if salt is None else self.fleet.block_ids(
-                    prompt, self.fleet.root(digests[0], salt), bt or BLOCK_TOKENS)
+            ids_for = {group: [] if root is None else self.fleet.block_ids(prompt, root, group[0] or BLOCK_TOKENS)
+                       for group, root in self.fleet.group_roots(digests, cache_salt, template.account_id)}
             choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"

@@ -58,7 +58,7 @@ class PlacementPolicy:
             raise ValueError(f"pending_rows must be >= 1, got {self.pending_rows}")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made (placed_one makes another); not frozen: 4x dearer to make
 class Candidate:
     """One worker's advertised inputs, as placement sees them. `load`: sessions it holds (its heartbeat's
     busy_slots) plus those this Tracker placed on it since that beat; `queued`: steps waiting on its input
@@ -88,12 +88,13 @@ class Candidate:
 
     def placed_one(self, sent: Set[str], rows: int = 0) -> Candidate:
         """This candidate with one session more placed on it, sending it `sent` and `rows` prompt rows to compute
-        (the constructor called directly: dataclasses.replace costs more than the rest of FleetView.note)."""
+        (the constructor called directly: dataclasses.replace costs more than the rest of FleetView.note; a frozen
+        dataclass's constructor 1.4 µs, this one's 0.3)."""
         return Candidate(self.worker_id, self.digests, self.slots, self.load + 1, self.queued, self.heartbeat_age_s,
                          self.draining, self.block_tokens, self.scope, self.held, sent, self.pending + rows)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # never changed once made; not frozen, as Candidate
 class Choice:
     """The worker chosen and why (its score's inputs: what `dgr inspect --json` and the bench show)."""
 

@@ -79,6 +79,7 @@ class PoolIndex:
         # term, whether it has room, its pending rows' term): what the choice reads of a holder, computed when the
         # candidate changes
         self.floor: dict[str, tuple[float, int, str]] = {}
+        self.entries: dict[str, tuple[bool, tuple[float, int, str], tuple[int, str]]] = {}  # its two, by room
         self.terms: dict[str, tuple[float, float, bool, float]] = {}
         for c in candidates:
             if eligible(c, digests, policy):
@@ -86,45 +87,41 @@ class PoolIndex:
                 self.groups.setdefault((c.block_tokens or 0, c.scope), []).append(c.worker_id)
                 self._add(c)
 
-    def _cost0(self, c: Candidate) -> float:
-        s = c.slots if c.slots > 1 else 1
-        return (self.policy.overlap_weight * (1.0 + c.pending / self.policy.pending_rows) + c.load / s
-                + self.policy.queue_weight * c.queued / s)
-
     def _add(self, c: Candidate) -> None:
+        p, w = self.policy, c.worker_id
         roomy = c.slots > c.load
-        insort(self.by_cost[roomy], (self._cost0(c), c.load, c.worker_id))
-        insort(self.by_load[roomy], (c.load, c.worker_id))
         s = c.slots if c.slots > 1 else 1
-        per_slot, queue = c.load / s, self.policy.queue_weight * c.queued / s
+        per_slot, queue = c.load / s, p.queue_weight * c.queued / s
+        wait = c.pending / p.pending_rows
         # summed left to right as choose() sums its cost: the same floats
-        wait = c.pending / self.policy.pending_rows
-        self.floor[c.worker_id] = (self.policy.overlap_weight * (0.0 + wait) + per_slot + queue, c.load, c.worker_id)
-        self.terms[c.worker_id] = (per_slot, queue, roomy, wait)
-
-    def _remove(self, c: Candidate) -> None:
-        roomy = c.slots > c.load
-        for entries, entry in ((self.by_cost[roomy], (self._cost0(c), c.load, c.worker_id)),
-                               (self.by_load[roomy], (c.load, c.worker_id))):
-            i = bisect_left(entries, entry)
-            del entries[i]
+        by_cost, by_load = (p.overlap_weight * (1.0 + wait) + per_slot + queue, c.load, w), (c.load, w)
+        insort(self.by_cost[roomy], by_cost)
+        insort(self.by_load[roomy], by_load)
+        self.entries[w] = (roomy, by_cost, by_load)
+        self.floor[w] = (p.overlap_weight * (0.0 + wait) + per_slot + queue, c.load, w)
+        self.terms[w] = (per_slot, queue, roomy, wait)
 
     def update(self, new: Candidate) -> None:
-        """The candidate changed (a session placed on it): its entries follow."""
-        old = self.ok.get(new.worker_id)
-        if old is not None:
-            self._remove(old)
-            self.ok[new.worker_id] = new
+        """The candidate changed (a session placed on it, or its pending rows computed): its entries follow."""
+        w = new.worker_id
+        if w in self.ok:
+            roomy, by_cost, by_load = self.entries[w]
+            entries = self.by_cost[roomy]
+            del entries[bisect_left(entries, by_cost)]
+            entries = self.by_load[roomy]
+            del entries[bisect_left(entries, by_load)]
+            self.ok[w] = new
             self._add(new)
 
-    def gained(self, worker_id: str, group: Group, ids: Sequence[str]) -> None:
-        """The worker (of `group`) now holds `ids` too (this Tracker sent it a prompt of those blocks)."""
+    def gained(self, worker_id: str, group: Group, first: str) -> None:
+        """The worker (of `group`) now holds the blocks of a prompt whose first block is `first` (this Tracker sent
+        it that prompt). Only its first id can be another prompt's first: a later block's id hashes its parent's,
+        not the root (equal ids, equal blocks before them)."""
         firsts = self.holders.get(group)
         if firsts:
-            for first in filter(firsts.__contains__, ids):
-                got = firsts[first]
-                if worker_id not in got:
-                    got.append(worker_id)
+            got = firsts.get(first)
+            if got is not None and worker_id not in got:
+                got.append(worker_id)
 
     def _holders(self, group: Group, first: str) -> list[str]:
         firsts = self.holders.setdefault(group, {})
@@ -181,7 +178,7 @@ class PoolIndex:
                 rank = (ow * ((n - hit) / n + wait) + per_slot + queue, c.load, c.worker_id)  # as _rank computes it
                 if rank < best:
                     best, best_hit = rank, hit
-        return self._choice(ok[best[-1]], ids_for, guarded, best_hit)
+        return self._choice(ok[best[-1]], ids_for, guarded, best_hit, best[0] if best_hit >= 0 else None)
 
     def _rank(self, c: Candidate, n: int, hit: int) -> tuple[float, int, str]:
         s = c.slots if c.slots > 1 else 1
@@ -189,9 +186,12 @@ class PoolIndex:
             + c.load / s + self.policy.queue_weight * c.queued / s
         return cost, c.load, c.worker_id
 
-    def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool, hit: int = -1) -> Choice:
+    def _choice(self, c: Candidate, ids_for: Mapping[Group, Sequence[str]], guarded: bool, hit: int = -1,
+                cost: float | None = None) -> Choice:
+        """`hit` and `cost`: as counted and ranked in choose (a holder), or (-1, None) to count and rank here."""
         ids = ids_for.get((c.block_tokens or 0, c.scope), ())
         if hit < 0:
             hit = leading(ids, c.held, c.sent) if ids and holds(c, ids[0]) else 0
-        return self.choice(c.worker_id, self._rank(c, len(ids), hit)[0], hit, len(ids), c.load, c.slots - c.load,
-                           guarded, len(self.ok))
+        if cost is None:
+            cost = self._rank(c, len(ids), hit)[0]
+        return self.choice(c.worker_id, cost, hit, len(ids), c.load, c.slots - c.load, guarded, len(self.ok))

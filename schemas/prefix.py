@@ -59,29 +59,33 @@ def block_ids(tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKE
     n = len(tokens) - len(tokens) % block_tokens
     # The whole prompt packed once, each block a slice of it: half the cost of a pack per block (placement
     # hashes every prompt it places, docs/placement.md).
-    data = memoryview(struct.pack(f"<{n}q", *tokens[:n]))
+    data = struct.pack(f"<{n}q", *tokens[:n])
     step = 8 * block_tokens
+    sha256 = hashlib.sha256
     for start in range(0, 8 * n, step):
-        h = hashlib.sha256(parent)
-        h.update(data[start:start + step])
-        parent = h.digest()[:16]
+        parent = sha256(parent + data[start:start + step]).digest()[:16]  # one buffer: a third cheaper than update
         out.append(parent.hex())
     return out
 
 
 class BlockIdMemo:
     """`block_ids` for a caller that sees the same leading blocks again and again (the Tracker's placement: one
-    system prompt on every chat, earlier turns re-sent): it keeps the last prompt seen per (root, block size,
-    first block) and its ids, and a prompt that starts as that one takes the ids of the blocks they share and
-    hashes only the rest. The same ids as `block_ids` (tests/test_prefix_ids.py); bounded by `max_tokens`
-    (the prompts kept, the oldest dropped first)."""
+    system prompt on every chat, earlier turns re-sent): it keeps a prompt per (root, block size, first block)
+    with its ids, and a prompt that starts as that one takes the ids of the blocks they share and hashes only
+    the rest. Which prompt is kept: the last one, unless it is a sibling of the kept one (they part where the
+    kept one parted from the one before it: one system prompt, another suffix), which would teach nothing
+    more and cost a copy of its tokens. The same ids as `block_ids` (tests/test_prefix_ids.py); bounded by
+    `max_tokens` (the kept prompts' tokens, the least recently used dropped first; each also keeps the copy of
+    its shared head it is compared by, at most as long)."""
 
     def __init__(self, max_tokens: int = 1 << 20) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        # (root, block size, first block) -> the last such prompt: its tokens, block digests and ids, and how many
-        # blocks it shared with the one before it (where the next is likely to part from it too)
-        self.chains: dict[tuple[bytes, int, tuple[int, ...]], tuple[list[int], list[bytes], list[str], int]] = {}
+        # (root, block size, first block) -> the kept prompt: its tokens, block digests and ids, how many blocks
+        # it shared with the one before it (where the next is likely to part from it too) and those blocks'
+        # tokens (a copy, so that a sibling is compared with one slice of its own, not two)
+        self.chains: dict[tuple[bytes, int, tuple[int, ...]],
+                          tuple[list[int], list[bytes], list[str], int, list[int]]] = {}
 
     def __call__(self, tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[str]:
         bt = block_tokens
@@ -90,37 +94,52 @@ class BlockIdMemo:
         n = len(tokens) - len(tokens) % bt
         if n == 0:
             return []
-        # a list, so slices compare in C (a tuple never equals a list); a list's slice is one already
-        toks = tokens[:n] if isinstance(tokens, list) else list(tokens[:n])
+        # slices of a list compare in C (a tuple never equals a list)
+        toks = tokens if isinstance(tokens, list) else list(tokens)
         key = (root, bt, tuple(toks[:bt]))
         chain = self.chains.pop(key, None)
-        k = 0 if chain is None else _shared_blocks(toks, chain[0], bt, chain[3])
+        k = 0 if chain is None else _shared_blocks(toks, chain[0], bt, chain[3], chain[4])
+        parent = root if chain is None or k == 0 else chain[1][k - 1]
+        if chain is not None and k == chain[3] and k * bt < min(n, len(chain[0])):
+            # a sibling: the kept prompt stays (most recently used again), only this one's own blocks are hashed
+            self.chains[key] = chain
+            return chain[2][:k] + _hashed(toks, k * bt, n, parent, bt)[1]
         parents, ids = (chain[1][:k], chain[2][:k]) if chain is not None else ([], [])
-        parent = parents[-1] if parents else root
-        data = memoryview(struct.pack(f"<{n - k * bt}q", *toks[k * bt:]))
-        step = 8 * bt
-        for start in range(0, len(data), step):
-            h = hashlib.sha256(parent)
-            h.update(data[start:start + step])
-            parent = h.digest()[:16]
-            parents.append(parent)
-            ids.append(parent.hex())
+        new_parents, new_ids = _hashed(toks, k * bt, n, parent, bt)
+        parents += new_parents
+        ids += new_ids
         if chain is not None:
             self.tokens -= len(chain[0])
-        self.chains[key] = (toks, parents, ids, k)  # the newest last: the oldest is dropped first
+        kept = toks[:n]  # a copy: the caller's list is its own
+        self.chains[key] = (kept, parents, ids, k, kept[:k * bt])  # the newest last: the oldest is dropped first
         self.tokens += n
         while self.tokens > self.max_tokens and len(self.chains) > 1:
             self.tokens -= len(self.chains.pop(next(iter(self.chains)))[0])
         return list(ids)
 
 
-def _shared_blocks(a: list[int], b: list[int], bt: int, hint: int = 0) -> int:
+def _hashed(tokens: list[int], start: int, end: int, parent: bytes, bt: int) -> tuple[list[bytes], list[str]]:
+    """The digests and ids of the blocks tokens[start:end] (whole blocks), the first one's parent `parent`."""
+    parents: list[bytes] = []
+    ids: list[str] = []
+    # packed once, each block a slice of it: half the cost of a pack per block
+    data = struct.pack(f"<{end - start}q", *tokens[start:end])
+    step = 8 * bt
+    sha256 = hashlib.sha256
+    for s in range(0, len(data), step):
+        parent = sha256(parent + data[s:s + step]).digest()[:16]
+        parents.append(parent)
+        ids.append(parent.hex())
+    return parents, ids
+
+
+def _shared_blocks(a: list[int], b: list[int], bt: int, hint: int = 0, head: list[int] | None = None) -> int:
     """The number of leading blocks of `bt` tokens a and b have in common, the first known equal: `hint` (where
-    b parted from the prompt before it: one system prompt, other suffixes) tried first, then a binary search of
-    slice comparisons (each in C)."""
+    b parted from the prompt before it: one system prompt, other suffixes; `head`: b's first `hint` blocks'
+    tokens) tried first, then a binary search of slice comparisons (each in C)."""
     m = min(len(a), len(b)) // bt
     h = hint * bt
-    if 0 < hint < m and a[h:h + bt] != b[h:h + bt] and a[:h] == b[:h]:
+    if 0 < hint < m and a[h:h + bt] != b[h:h + bt] and a[:h] == (b[:h] if head is None else head):
         return hint
     if a[:m * bt] == b[:m * bt]:
         return m
