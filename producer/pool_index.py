@@ -106,10 +106,9 @@ class PoolIndex:
         w = new.worker_id
         if w in self.ok:
             roomy, by_cost, by_load = self.entries[w]
-            entries = self.by_cost[roomy]
-            del entries[bisect_left(entries, by_cost)]
-            entries = self.by_load[roomy]
-            del entries[bisect_left(entries, by_load)]
+            costs, loads = self.by_cost[roomy], self.by_load[roomy]
+            del costs[bisect_left(costs, by_cost)]
+            del loads[bisect_left(loads, by_load)]
             self.ok[w] = new
             self._add(new)
 
