@@ -239,6 +239,47 @@ def test_replay_after_a_crash_counts_recomputation_apart_and_honours_a_cancel(
     assert int(worker_acct[b"recomputed_tokens"]) == int(acct["recomputed_tokens"])
 
 
+class _NotInvariant(NumpyReferenceEngine):
+    """The reference engine (exact whatever the shapes) saying it is not batch-invariant, as a `fast` engine does:
+    its worker replays without the one-row rule (SchedulerConfig.exact_replay)."""
+
+    @property
+    def batch_invariant(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_replay_keeps_the_one_row_rule_only_where_the_recipe_is_invariant(
+        redis_client: redis.Redis, tiny_model_path: Path, invariant: bool) -> None:
+    """A replay's generated tokens take a prefill call each under a batch-invariant engine (exact replays), and go
+    with the prompt in a call or two where the engine promises no exact replay; the tokens (this engine is exact
+    either way) and the accounting are the same."""
+    eng = (NumpyReferenceEngine if invariant else _NotInvariant)(tiny_model_path, n_slots=4, ctx_per_session=1024)
+    try:
+        producer = Producer(redis_client, prefill_chunk=64)
+        stepper = Stepper(producer, make_worker(redis_client, eng))
+        specs = specs_for(redis_client, WID, "rr", prompts(1, 300, seed=9, lo=20, hi=20), 24)
+        (spec, prompt), = specs
+        h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+        for _ in range(80):
+            stepper.step()
+            if len(h.generated) >= 10:
+                break
+        before = len(h.generated)
+        assert 10 <= before < 24
+        stepper.worker = _crash(redis_client, eng)
+        stepper.run()
+        assert h.attempt == 1 and h.status == "finished"
+        check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
+        calls = stepper.worker.scheduler.stats.calls_prefill
+        assert calls >= before if invariant else calls <= 2, (calls, before)
+        acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
+        assert int(acct[b"prompt_tokens"]) == 20 and int(acct[b"generated_tokens"]) == 24
+        assert int(acct[b"recomputed_tokens"]) == 20 + before
+    finally:
+        eng.close()
+
+
 def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine: NumpyReferenceEngine,
                                               tiny_model_path: Path) -> None:
     """The first Tracker dies mid-session (its handle gone); another rebuilds it from Redis and

@@ -407,6 +407,22 @@ def test_prefill_without_sample_holds_one_token_back_until_the_prompt_end_is_kno
     assert [(o.result.position, o.result.token) for o in out] == [(5, None), (6, 7)]
 
 
+def test_a_replay_is_computed_as_one_prompt_unless_replays_are_exact() -> None:
+    """A replay re-sends prompt + generated tokens with the spec's prompt_len: under a batch-invariant recipe
+    (exact_replay, the default) its generated tokens go one row per prefill call, as when they were decoded; for
+    an engine that promises no exact replay they are more prompt (one call here: 6 prefill turns fewer)."""
+    for exact, calls in ((True, [4, 1, 1, 1, 1, 1, 1]), (False, [10])):
+        s = make(prefill_budget=32, exact_replay=exact)
+        assert admit(s, opening("a", 10, prompt_len=4)) is None
+        rows = []
+        while (b := s.next_batch()) is not None:
+            assert b.phase == "prefill"
+            rows.append(len(b.fused))
+            out = run(s, b)
+        assert rows == calls
+        assert [(o.result.position, o.result.token) for o in out][-1] == (10, 7)
+
+
 def test_prefill_without_sample_answers_without_a_token() -> None:
     s = make()
     assert admit(s, opening("a", 5, sample=False, prompt_len=5)) is None

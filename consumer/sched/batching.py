@@ -159,7 +159,8 @@ class Batching(SchedulerState):
             if q.job.sample:
                 sampled_end = queued_end
                 break
-        prompt_end = lane.entry.spec.prompt_len
+        # a replay's generated tokens count as its prompt when not replayed one row a call (SchedulerConfig)
+        prompt_end = lane.entry.spec.prompt_len if self.config.exact_replay else None
         if sampled_end is not None:
             prompt_end = sampled_end if prompt_end is None else min(prompt_end, sampled_end)
         return start, queued_end, prompt_end

@@ -28,6 +28,11 @@ class SchedulerConfig:
     # Most sessions one billing account may hold open on this worker at once (0: no limit), so one
     # account cannot take every slot (docs/security.md, "Fair use of slots").
     max_slots_per_account: int = WorkerSettings.max_slots_per_account
+    # A replay's generated tokens (positions from the spec's prompt_len on) computed one row per prefill call, as
+    # when they were decoded: what keeps a replay exact under a batch-invariant recipe (docs/invariance.md, cause
+    # 4), at one prefill turn per token. An engine whose recipe is not batch-invariant promises no exact replay,
+    # so the worker turns it off there (consumer/worker/lane.py) and a replay is computed as one prompt.
+    exact_replay: bool = True
 
     def __post_init__(self) -> None:
         cap = self.capacity

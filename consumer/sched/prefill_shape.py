@@ -10,7 +10,8 @@ same bits. Hence one rule, a function of the session's own positions only:
 * a prompt position is computed in a piece of at least 2 rows of its session (a 1-token prompt excepted),
   so no split may leave a single prompt row for a later call;
 * a position after the prompt (a replay re-sends the generated tokens as prefill) is computed in a piece
-  of exactly 1 row, as it was when it was decoded.
+  of exactly 1 row, as it was when it was decoded (under a batch-invariant recipe only: elsewhere the
+  scheduler passes the replay's end as the prompt's, SchedulerConfig.exact_replay).
 
 The budget, the pacer, the producer's chunking and the other sessions in the call may cut a prompt
 anywhere else. The engine keeps a session's rows of one call in one micro-batch (engines/llama.py).

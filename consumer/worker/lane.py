@@ -51,7 +51,8 @@ class Lane:
             SchedulerConfig(capacity=cap, max_batch=min(settings.max_batch, cap.n_slots),
                             prefill_budget=min(settings.prefill_budget, cap.max_tokens_per_call),
                             w_decode=settings.w_decode, w_prefill=settings.w_prefill,
-                            max_slots_per_account=settings.max_slots_per_account),
+                            max_slots_per_account=settings.max_slots_per_account,
+                            exact_replay=engine.batch_invariant),
             settings.worker_id, {p: k.digest for p, k in self.keys.items()})
         # The engine's own vocabulary when it has one (special tokens masked, grammars), else its size.
         self.sampler = BatchSampler(Vocabulary.for_engine(engine, cap.vocab_size), threads=settings.sampler_threads)
