@@ -211,6 +211,18 @@ def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: in
     run(out, sessions=sessions, calls=calls, repeats=repeats)
 
 
+@bench_app.command("replay")
+def bench_replay(out: Out = Path("bench-out/replay"), model: str = "tiny", sessions: int = 4, generated: int = 64,
+                 prompt_len: int = 64,
+                 others: Annotated[int, typer.Option(help="Sessions decoding beside the replays.")] = 4) -> None:
+    """A replay after a crash (`fast` recipe): the time to each session's next token with its generated tokens
+    one row per prefill call (what an invariant recipe does) and as one prompt (what `fast` does now)."""
+    from dgrtools.bench.replay import main
+
+    main(["--out", str(out), "--model", model, "--sessions", str(sessions), "--generated", str(generated),
+          "--prompt-len", str(prompt_len), "--others", str(others)])
+
+
 @bench_app.command("prefix")
 def bench_prefix(out: Out = Path("bench-out/prefix"), sessions: int = 8, waves: int = 3, tokens: int = 16,
                  suffix: int = 16, turns: int = 6, recipe: RecipeOpt = "invariant",
