@@ -164,13 +164,18 @@ class DeliveryLedger:
         return out
 
     def remember(self, a: Answer) -> Answer:
-        """Keep the answer by result id (bounded LRU), for a re-send to a later delivery of its job: without
-        its delivery (a prompt chunk's fields) nor a hop's output rows (the first completion wrote them)."""
+        """Keep the answer by result id (bounded LRU), for a re-send to a later delivery of its job: without a
+        hop's output rows (the first completion wrote them) nor, for a prompt chunk, its delivery (the chunk's
+        fields). A decode step's delivery is a few fields and stays (a re-send names its own delivery: `acking`,
+        and the re-sent earlier tokens replace it): a copy per token cost more than the rest of this."""
         rid = a.result.job_id
         answered = self.answered
-        answered[rid] = Answer(None, a.job, a.result, a.account_id, a.close, None, a.final, a.reply)
-        answered.move_to_end(rid)
-        while len(answered) > self.answered_memory:
+        if rid in answered:
+            answered.move_to_end(rid)
+        job = a.job
+        answered[rid] = a if a.blob is None and job is not None and job.phase == "decode" else Answer(
+            None, job, a.result, a.account_id, a.close, None, a.final, a.reply)
+        if len(answered) > self.answered_memory:
             answered.popitem(last=False)
         return a
 
