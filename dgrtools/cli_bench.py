@@ -307,6 +307,9 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
                 sessions: Annotated[int, typer.Option(help="Sessions of the workload (0: its own, 96).")] = 0,
                 span_s: Annotated[float, typer.Option(help="Seconds they arrive over (0: its own, 6).")] = 0.0,
                 system_len: Annotated[int, typer.Option(help="Tokens of each system prompt (0: its own, 448).")] = 0,
+                invariant: Annotated[bool, typer.Option("--invariant/--fast", help="The workers' engine says it is "
+                                                        "batch-invariant (exact replays: a replay's generated tokens "
+                                                        "one row per prefill call) or not, as `fast`.")] = True,
                 ) -> None:
     """Placement vs load only vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first
     token, load balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs
@@ -321,7 +324,7 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
     load = QUICK if quick else Load()
     load = replace(load, workers=workers or load.workers, row_us=row_us or load.row_us,
                    sessions=sessions or load.sessions, span_s=span_s or load.span_s,
-                   system_len=system_len or load.system_len)
+                   system_len=system_len or load.system_len, invariant=invariant)
     if cache_prompts:  # 64 KiB a saved prompt
         load = replace(load, state_bytes=1 << 16, cache_bytes=cache_prompts << 16)
     run(out, load)

@@ -65,6 +65,10 @@ class Load:
     # state: this models one, so that a worker holds only so many prompts; 0: 5 bytes, i.e. no limit).
     cache_bytes: int = 1 << 20
     state_bytes: int = 0
+    # The workers' engine says it is batch-invariant (replays exact: a replay's generated tokens one row per
+    # prefill call), or not, as a `fast` llama.cpp engine (replays computed as one prompt); its tokens are exact
+    # either way.
+    invariant: bool = True
 
 
 QUICK = Load(workers=3, slots=8, systems=3, sessions=18, system_len=192, suffix=32, tokens=8, span_s=1.5,
@@ -80,7 +84,8 @@ class FleetWorker:
         args = [sys.executable, "-m", "dgrtools.bench.fleet_worker", "--redis-url", url, "--worker-id", worker_id,
                 "--slots", str(load.slots), "--step-ms", str(load.step_ms), "--row-us", str(load.row_us),
                 "--cache-bytes", str(load.cache_bytes), "--state-bytes", str(load.state_bytes),
-                "--ctx", str(max(1024, load.system_len + load.suffix + load.loss_tokens + 64))]
+                "--ctx", str(max(1024, load.system_len + load.suffix + load.loss_tokens + 64)),
+                *([] if load.invariant else ["--not-invariant"])]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
 

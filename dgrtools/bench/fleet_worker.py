@@ -25,10 +25,18 @@ __all__ = ["PrefillSleepEngine", "main"]
 class PrefillSleepEngine(SleepEngine):
     """Sleeps `step_s + row_s x rows` per fused call; supports the prefix cache (docs/prefix-cache.md)."""
 
-    def __init__(self, step_s: float, row_s: float, state_bytes: int = 0, **kw: int) -> None:
+    def __init__(self, step_s: float, row_s: float, state_bytes: int = 0, invariant: bool = True, **kw: int) -> None:
         super().__init__(step_s, **kw)
         self.row_s = row_s
         self.state = b"\0" * state_bytes if state_bytes > 0 else b"sleep"
+        # Its tokens are exact in any shape; `invariant` False makes it say otherwise, as a `fast` llama.cpp engine
+        # does, so that the worker replays as it would there (SchedulerConfig.exact_replay)
+        self.invariant = invariant
+        self.recipe = self.recipe.model_copy(update={"batch_invariant": invariant})
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.invariant
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
         t_end = time.perf_counter() + self.row_s * len(batch)
@@ -72,9 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-bytes", type=int, default=1 << 20)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--state-bytes", type=int, default=0, help="Bytes a saved prefix takes (0: 5).")
+    ap.add_argument("--not-invariant", action="store_true", help="Say the recipe is not batch-invariant (fast).")
     a = ap.parse_args(argv)
-    engine = PrefillSleepEngine(a.step_ms * 1e-3, a.row_us * 1e-6, a.state_bytes, n_slots=a.slots,
-                                ctx_per_session=a.ctx)
+    engine = PrefillSleepEngine(a.step_ms * 1e-3, a.row_us * 1e-6, a.state_bytes, invariant=not a.not_invariant,
+                                n_slots=a.slots, ctx_per_session=a.ctx)
     client = redis.Redis.from_url(a.redis_url, socket_connect_timeout=5, socket_timeout=30)
     settings = WorkerSettings(worker_id=a.worker_id, max_batch=a.slots, heartbeat_s=a.heartbeat_s,
                               prefix_cache_bytes=a.cache_bytes, overlap=False)
