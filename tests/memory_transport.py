@@ -7,19 +7,36 @@ counts, as with the completion script.
 One stream per registered key, as a Redis transport: `mem:<phase>` for the first key of each phase (a
 worker of one engine), `mem:<digest>:<phase>` for the others (a worker of several engines, which reads
 them with `read_streams`).
+
+`checks` answers as the Redis transport's (consumer/transport/upkeep.py) from what `complete` filed, kept
+as the completion script keeps it (consumer/lua/complete_*.lua, docs/accounting.md): per session with a
+billing account its last ok answer published, (attempt, position), in its open tally entry (`tally`) or,
+once closed, in its session hash (`hashes`, with how it closed), and the result ids answered not ok (their
+`res:` markers, `markers`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from consumer.sched.outputs import Answer
 from consumer.transport.protocol import DeadLetter, Delivery, Filing, FusedCallStats, Inbound, Refusal
-from schemas import CompatibilityKey, Phase, StepJob, WorkerKeys
+from schemas import CompatibilityKey, Phase, Status, StepJob, WorkerKeys
 from schemas.prefix import PrefixSummary
-from schemas.step import end_job_id, result_job_id
+
+AttPub = tuple[int, int]  # (attempt, position) of a session's last ok answer published; (-1, -1): none yet
+
+
+@dataclass(slots=True)
+class SessionHash:
+    """What `checks` reads of a session hash (`dgr:{W}:acct:session:<sid>`): its (att, pub), written when
+    its tally entry is folded in, and `closed` (finished, cancelled, failed; None: not closed)."""
+
+    last: AttPub
+    closed: str | None = None
 
 
 class MemoryTransport:
@@ -36,7 +53,11 @@ class MemoryTransport:
         self.acked: list[Delivery] = []  # deliveries acked without an answer (answered by an earlier process)
         self.cancel_markers: set[str] = set()
         self.pending_cancels: list[str] = []
-        self.answered: set[str] = set()
+        self.answered: set[str] = set()  # every result id filed (the first filing of one is fresh)
+        # What the completion script keeps and `checks` reads (see the module's docstring):
+        self.tally: dict[str, AttPub] = {}  # open sessions with a billing account: the tally's (att, pub)
+        self.hashes: dict[str, SessionHash] = {}  # sessions closed with a tally entry or answered since
+        self.markers: set[str] = set()  # result ids answered not ok (`res:` markers)
         self.blobs: dict[str, bytes] = {}  # activations blobs (input: the test writes them; output: complete())
         self.info: dict[str, object] = {}  # what the worker registered or beat last
         self.round_trips = 0
@@ -115,13 +136,23 @@ class MemoryTransport:
         return [], []
 
     def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
+        """As the Redis transport's (consumer/transport/upkeep.py `checks`): a step is answered when its
+        session's last ok answer published (its tally entry's, else its session hash's) is at or past the
+        step's last result position (its attempt, `end_position`), or at or past its first one when the
+        session is closed (not cancelled) and has no tally entry (a continuation that finished early), or
+        when its job id was answered not ok (its marker)."""
         self.round_trips += 1
-        # answered: every answer the step can have (its last token's, or its ending one), as the Redis
-        # transport's checks find from the session's last published position
-        done = self.answered
-        return ({j.job_id for j in steps if (j.job_id if j.n == 1 else result_job_id(j.job_id, j.n - 1)) in done
-                 or (j.n > 1 and end_job_id(j.job_id) in done)},
-                {s for s in session_ids if s in self.cancel_markers})
+        answered: set[str] = set()
+        for j in steps:
+            led = self.tally.get(j.session_id)
+            hashed = self.hashes.get(j.session_id)
+            last = led if led is not None else hashed.last if hashed is not None else None
+            first = j.start_position + 1 if j.phase == "decode" else j.end_position  # its first result's position
+            closed_early = led is None and hashed is not None and hashed.closed not in (None, "cancelled")
+            if j.job_id in self.markers or (last is not None and (last >= (j.attempt, j.end_position)
+                                                                 or (closed_early and last >= (j.attempt, first)))):
+                answered.add(j.job_id)
+        return answered, {s for s in session_ids if s in self.cancel_markers}
 
     def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:
         keys = WorkerKeys(self.worker_id)
@@ -149,10 +180,67 @@ class MemoryTransport:
                 self.blobs.pop(a.job.hidden.blob, None)  # the job is answered: its input rows are dropped
             if fresh and a.blob is not None and a.result.hidden is not None and a.result.hidden.blob:
                 self.blobs[a.result.hidden.blob] = a.blob
+        self._account(filing)
         self.dead.extend(filing.dead_letters)
         if filing.call is not None:
             self.calls.append(filing.call)
         return first
+
+    def _account(self, filing: Filing) -> None:
+        """What the completion script writes that `checks` reads (consumer/lua/complete_tally.lua,
+        complete_publish.lua, complete_close.lua), in its order: the rows, grouped by result stream as
+        publish.py groups them, then the closures (the answers' own, then the filing's). Not modelled: the
+        moved fence, gaps (a re-sent answer inside one is published but moves no (att, pub)), hashes the
+        Tracker writes (a carried `hw`) and keys' expiry."""
+        entries: dict[str, AttPub] = {}  # sessions this call touched or closes: L in the script
+        late: set[str] = set()  # whose session hash is closed: their counts go straight into it
+        dirty: set[str] = set()  # changed by a fresh row
+
+        def entry(sid: str) -> AttPub:
+            e = entries.get(sid)
+            if e is None:
+                h = self.hashes.get(sid)
+                e = self.tally.get(sid) or (h.last if h is not None else (-1, -1))
+                if sid not in self.tally and h is not None and h.closed is not None:
+                    late.add(sid)
+                entries[sid] = e
+            return e
+
+        streams: dict[str, list[Answer]] = {}
+        for a in filing.answers:
+            reply = a.reply or (a.job.reply if a.job is not None else a.result.session_id)
+            streams.setdefault(reply, []).append(a)
+        for rows in streams.values():
+            for a in rows:
+                o, sid = a.result, a.result.session_id
+                e = entry(sid) if a.account_id else None
+                if o.status == Status.OK:
+                    at = (a.job.attempt if a.job is not None else 0, o.position)
+                    if e is not None and at > e:
+                        entries[sid] = at
+                        dirty.add(sid)
+                elif o.job_id not in self.markers:
+                    self.markers.add(o.job_id)
+                    if e is not None:
+                        dirty.add(sid)
+        closing: dict[str, str] = {}
+        closures = [(a.result.session_id, a.close) for a in filing.answers if a.close is not None]
+        for sid, kind in closures + [(c.session_id, c.kind) for c in filing.closures]:
+            if sid in entries or sid in self.tally:
+                entry(sid)
+                closing[sid] = kind
+            elif sid in self.hashes and self.hashes[sid].closed is None:
+                self.hashes[sid].closed = kind  # HSETNX: nothing charged since it closed
+        for sid, e in entries.items():
+            if sid in closing or sid in late:
+                if sid in dirty or sid in closing:
+                    h = self.hashes.setdefault(sid, SessionHash(e))
+                    h.last = e
+                    if h.closed is None and sid in closing:
+                        h.closed = closing[sid]
+                self.tally.pop(sid, None)
+            elif sid in dirty:
+                self.tally[sid] = e
 
     def input_lag(self) -> dict[str, dict[str, int]]:
         return {s: {"length": len(q), "lag": len(q), "pending": 0} for s, q in self.queues.items()}
