@@ -1,16 +1,19 @@
 """What placement decides from and on (docs/placement.md), as plain data: a session's route template, the score's
-weights, one worker's advertised inputs (a Candidate) and the choice. Its own module so that the settings, the
-session handle and the placement index can name these types without importing placement itself."""
+weights, one worker's advertised inputs (a Candidate) and the choice; and what the Tracker keeps of the fleet
+between two reads to build Candidates from (the parsed summaries, the prompts sent). Its own module so that the
+settings, the session handle and the placement index can name these types without importing placement itself."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import CompatibilityKey, RouteHop, SessionSpec
+from schemas.prefix import SUMMARY_MAX_IDS, PrefixSummary
 
-__all__ = ["Candidate", "Choice", "PlacementPolicy", "SessionTemplate"]
+__all__ = ["Candidate", "Choice", "PlacementPolicy", "SentPrompts", "SessionTemplate", "SummaryCache"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,3 +109,50 @@ class Choice:
     room: int
     guarded: bool  # the imbalance guard chose (least loaded), not the cost
     eligible: int  # candidates that could take it
+
+
+class SummaryCache:
+    """Each worker's prefix summary as last parsed, with the raw value it came from: a heartbeat that says the
+    same (the common case between two reads a second apart) costs one comparison in C, not a parse and a set
+    of up to SUMMARY_MAX_IDS ids (100 workers of full summaries: 19 ms a fleet read parsing, 30 building)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[object, PrefixSummary | None, frozenset[str]]] = {}
+
+    def get(self, worker_id: str, raw: object) -> tuple[PrefixSummary | None, frozenset[str]]:
+        prev = self.last.get(worker_id)
+        if prev is not None and prev[0] == raw:
+            return prev[1], prev[2]
+        parsed = PrefixSummary.parse(raw)
+        ids = frozenset(parsed.ids) if parsed is not None else frozenset()
+        if parsed is not None:  # its block size and scope kept, its ids in the set only
+            parsed = PrefixSummary(block_tokens=parsed.block_tokens, scope=parsed.scope, ids=[])
+        self.last[worker_id] = (raw, parsed, ids)
+        return parsed, ids
+
+    def keep(self, worker_ids: Iterable[str]) -> None:
+        """Only these workers' (the fleet as read): a worker gone is forgotten."""
+        keep = set(worker_ids)
+        self.last = {w: v for w, v in self.last.items() if w in keep}
+
+
+class SentPrompts:
+    """The block ids of the prompts this Tracker sent one worker, the last sent first kept: at most `limit` ids
+    counted per prompt (a system prompt sent again stays while its prompts are recent). By prompt, not by id,
+    so that noting a session is one dictionary operation, not one per block."""
+
+    def __init__(self, limit: int = SUMMARY_MAX_IDS) -> None:
+        self.limit, self.count = limit, 0
+        self.prompts: OrderedDict[str, Sequence[str]] = OrderedDict()  # by the prompt's last block id
+
+    def add(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        old = self.prompts.pop(ids[-1], None)  # the same last id: the same prompt (ids chain their parents)
+        self.count += len(ids) - (len(old) if old is not None else 0)
+        self.prompts[ids[-1]] = ids
+        while self.count > self.limit and len(self.prompts) > 1:
+            self.count -= len(self.prompts.popitem(last=False)[1])
+
+    def ids(self) -> set[str]:
+        return set().union(*self.prompts.values())
