@@ -280,6 +280,39 @@ def test_a_replay_keeps_the_one_row_rule_only_where_the_recipe_is_invariant(
         eng.close()
 
 
+def test_a_fast_llama_engine_replays_a_crash_as_one_prompt(redis_client: redis.Redis, tiny_model_path: Path) -> None:
+    """Through llama.cpp's `fast` recipe (not batch-invariant): a crash's replay goes as one prompt (a prefill call
+    or two, not one per generated token), the session finishes with all its tokens, and it is charged as after any
+    replay: the prompt once, each token once, the re-fed positions as recomputed."""
+    from consumer.engines.llama import LlamaCppEngine
+
+    eng = LlamaCppEngine(tiny_model_path, recipe="fast", n_slots=4, ctx_per_session=1024)
+    try:
+        assert not eng.batch_invariant
+        producer = Producer(redis_client, prefill_chunk=64)
+        stepper = Stepper(producer, make_worker(redis_client, eng))
+        (spec, prompt), = specs_for(redis_client, WID, "rf", prompts(1, 300, seed=9, lo=20, hi=20), 24)
+        h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+        for _ in range(80):
+            stepper.step()
+            if len(h.generated) >= 10:
+                break
+        before = list(h.generated)
+        assert 10 <= len(before) < 24
+        for slot in range(eng.capacity.n_slots):
+            eng.release(slot)
+        stepper.worker = _crash(redis_client, eng)
+        stepper.run()
+        assert h.attempt == 1 and h.status == "finished" and len(h.generated) == 24
+        assert h.generated[:len(before)] == before  # what was answered before the crash stands
+        assert stepper.worker.scheduler.stats.calls_prefill <= 2
+        acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
+        assert int(acct[b"prompt_tokens"]) == 20 and int(acct[b"generated_tokens"]) == 24
+        assert int(acct[b"recomputed_tokens"]) == 20 + len(before)
+    finally:
+        eng.close()
+
+
 def test_resume_a_session_in_another_producer(redis_client: redis.Redis, engine: NumpyReferenceEngine,
                                               tiny_model_path: Path) -> None:
     """The first Tracker dies mid-session (its handle gone); another rebuilds it from Redis and
