@@ -248,6 +248,35 @@ class _NotInvariant(NumpyReferenceEngine):
         return False
 
 
+def _replayed_once(client: redis.Redis, eng: Any, prefix: str
+                   ) -> tuple[Stepper, list[tuple[Any, list[int]]], list[int]]:
+    """One session of a 20-token prompt and 24 tokens, crashed (a new worker, the engine's slots emptied) once it
+    has 10 or more, run to its end: (the stepper, its spec and prompt, its tokens before the crash). Checks what
+    every replay must keep: attempt 1, finished with every token, those answered before the crash standing, and
+    its charges: the prompt once, each token once, the re-fed positions as recomputed."""
+    producer = Producer(client, prefill_chunk=64)
+    stepper = Stepper(producer, make_worker(client, eng))
+    specs = specs_for(client, WID, prefix, prompts(1, 300, seed=9, lo=20, hi=20), 24)
+    (spec, prompt), = specs
+    h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    for _ in range(80):
+        stepper.step()
+        if len(h.generated) >= 10:
+            break
+    before = list(h.generated)
+    assert 10 <= len(before) < 24
+    for slot in range(eng.capacity.n_slots):
+        eng.release(slot)
+    stepper.worker = _crash(client, eng)
+    stepper.run()
+    assert h.attempt == 1 and h.status == "finished" and len(h.generated) == 24
+    assert h.generated[:len(before)] == before
+    acct = client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
+    assert int(acct[b"prompt_tokens"]) == 20 and int(acct[b"generated_tokens"]) == 24
+    assert int(acct[b"recomputed_tokens"]) == 20 + len(before)
+    return stepper, specs, before
+
+
 @pytest.mark.parametrize("invariant", [True, False])
 def test_a_replay_keeps_the_one_row_rule_only_where_the_recipe_is_invariant(
         redis_client: redis.Redis, tiny_model_path: Path, invariant: bool) -> None:
@@ -256,59 +285,24 @@ def test_a_replay_keeps_the_one_row_rule_only_where_the_recipe_is_invariant(
     either way) and the accounting are the same."""
     eng = (NumpyReferenceEngine if invariant else _NotInvariant)(tiny_model_path, n_slots=4, ctx_per_session=1024)
     try:
-        producer = Producer(redis_client, prefill_chunk=64)
-        stepper = Stepper(producer, make_worker(redis_client, eng))
-        specs = specs_for(redis_client, WID, "rr", prompts(1, 300, seed=9, lo=20, hi=20), 24)
-        (spec, prompt), = specs
-        h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
-        for _ in range(80):
-            stepper.step()
-            if len(h.generated) >= 10:
-                break
-        before = len(h.generated)
-        assert 10 <= before < 24
-        stepper.worker = _crash(redis_client, eng)
-        stepper.run()
-        assert h.attempt == 1 and h.status == "finished"
+        stepper, specs, before = _replayed_once(redis_client, eng, "rr")
         check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
         calls = stepper.worker.scheduler.stats.calls_prefill
-        assert calls >= before if invariant else calls <= 2, (calls, before)
-        acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
-        assert int(acct[b"prompt_tokens"]) == 20 and int(acct[b"generated_tokens"]) == 24
-        assert int(acct[b"recomputed_tokens"]) == 20 + before
+        assert calls >= len(before) if invariant else calls <= 2, (calls, before)
     finally:
         eng.close()
 
 
 def test_a_fast_llama_engine_replays_a_crash_as_one_prompt(redis_client: redis.Redis, tiny_model_path: Path) -> None:
     """Through llama.cpp's `fast` recipe (not batch-invariant): a crash's replay goes as one prompt (a prefill call
-    or two, not one per generated token), the session finishes with all its tokens, and it is charged as after any
-    replay: the prompt once, each token once, the re-fed positions as recomputed."""
+    or two, not one per generated token), and the session ends as after any replay (`_replayed_once`)."""
     from consumer.engines.llama import LlamaCppEngine
 
     eng = LlamaCppEngine(tiny_model_path, recipe="fast", n_slots=4, ctx_per_session=1024)
     try:
         assert not eng.batch_invariant
-        producer = Producer(redis_client, prefill_chunk=64)
-        stepper = Stepper(producer, make_worker(redis_client, eng))
-        (spec, prompt), = specs_for(redis_client, WID, "rf", prompts(1, 300, seed=9, lo=20, hi=20), 24)
-        h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
-        for _ in range(80):
-            stepper.step()
-            if len(h.generated) >= 10:
-                break
-        before = list(h.generated)
-        assert 10 <= len(before) < 24
-        for slot in range(eng.capacity.n_slots):
-            eng.release(slot)
-        stepper.worker = _crash(redis_client, eng)
-        stepper.run()
-        assert h.attempt == 1 and h.status == "finished" and len(h.generated) == 24
-        assert h.generated[:len(before)] == before  # what was answered before the crash stands
+        stepper, _, _ = _replayed_once(redis_client, eng, "rf")
         assert stepper.worker.scheduler.stats.calls_prefill <= 2
-        acct = redis_client.hgetall(WorkerKeys(WID).session_account(spec.session_id))
-        assert int(acct[b"prompt_tokens"]) == 20 and int(acct[b"generated_tokens"]) == 24
-        assert int(acct[b"recomputed_tokens"]) == 20 + len(before)
     finally:
         eng.close()
 
