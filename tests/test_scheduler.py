@@ -423,6 +423,60 @@ def test_a_replay_is_computed_as_one_prompt_unless_replays_are_exact() -> None:
         assert [(o.result.position, o.result.token) for o in out][-1] == (10, 7)
 
 
+def _replay_pieces(replays: list[tuple[int, int, int]], budget: int, exact: bool
+                   ) -> tuple[int, dict[str, list[tuple[int, int]]]]:
+    """Replays (prompt_len, generated, the producer's chunk size) opened at once and run to their sampled token:
+    (the prefill calls, each session's pieces as (first position, rows))."""
+    s = make(n_slots=len(replays), ctx=128, max_tokens_per_call=64, prefill_budget=budget, exact_replay=exact)
+    for i, (p, g, chunk) in enumerate(replays):
+        total = p + g
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
+            last = start + n >= total
+            job = (opening(f"r{i}", tuple(range(1, n + 1)), sample=last, prompt_len=p) if start == 0
+                   else prefill(f"r{i}", start, tuple(range(1, n + 1)), sample=last))
+            assert admit(s, job) is None
+    pieces: dict[str, list[tuple[int, int]]] = {f"r{i}": [] for i in range(len(replays))}
+    calls = 0
+    while (b := s.next_batch()) is not None:
+        calls += 1
+        assert b.phase == "prefill" and calls < 1000
+        for k, it in enumerate(b.items):
+            got = pieces[it.job.session_id]
+            if k and b.items[k - 1].job.session_id == it.job.session_id:  # one piece across two of its jobs
+                got[-1] = (got[-1][0], got[-1][1] + it.n_tokens)
+            else:
+                got.append((it.first_position, it.n_tokens))
+        run(s, b)
+    return calls, pieces
+
+
+@settings(max_examples=150, deadline=None)
+@given(replays=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30), st.integers(1, 48)), min_size=1,
+                        max_size=4),
+       budget=st.integers(MIN_BUDGET, 64))
+def test_replay_shapes_searched(replays: list[tuple[int, int, int]], budget: int) -> None:
+    """Random replays (prompt, generated tokens re-sent, the producer's chunking) and budgets: with exact replays
+    every generated position is a piece of its own and no prompt piece crosses into them or is one row (a 1-token
+    prompt excepted); without, the replay is one prompt (no one-row piece unless it is one token), never in more
+    prefill calls; both compute every position once, in order."""
+    calls: dict[bool, int] = {}
+    for exact in (True, False):
+        calls[exact], pieces = _replay_pieces(replays, budget, exact)
+        for i, (p, g, _) in enumerate(replays):
+            got = pieces[f"r{i}"]
+            assert [start for start, _ in got] == list(itertools.accumulate([0] + [n for _, n in got[:-1]]))
+            assert sum(n for _, n in got) == p + g
+            for start, n in got:
+                if exact and start >= p:
+                    assert n == 1, (start, n)
+                elif exact:
+                    assert start + n <= p and (n >= 2 or p == 1), (start, n, p)
+                else:
+                    assert n >= 2 or p + g == 1, (start, n, p + g)
+    assert calls[False] <= calls[True], calls
+
+
 def test_prefill_without_sample_answers_without_a_token() -> None:
     s = make()
     assert admit(s, opening("a", 5, sample=False, prompt_len=5)) is None
