@@ -148,9 +148,9 @@ class SessionSpec(BaseModel):
     max_tokens: int = Field(default=128, ge=1, le=MAX_GENERATE)
     stop_tokens: tuple[int, ...] = Field(default=(), max_length=MAX_STOP_TOKENS)
     # The session's own prompt length. A replay after state_lost re-sends prompt + generated tokens as
-    # prefill; the worker computes the positions from prompt_len on one row per call, as they were
-    # computed when they were decoded, so the replay gives the same bits (docs/invariance.md).
-    # None: every prefilled token is prompt.
+    # prefill; a worker whose recipe is batch-invariant computes the positions from prompt_len on one row per
+    # call, as they were computed when they were decoded, so the replay gives the same bits
+    # (docs/invariance.md); another computes them as more prompt. None: every prefilled token is prompt.
     prompt_len: int | None = Field(default=None, ge=1, le=MAX_POSITION)
     # Prefix cache isolation (vLLM's name): set, the session shares cached prompt blocks only with sessions
     # of the same salt, whatever the worker's --prefix-cache-scope (docs/security.md, schemas/prefix.py).
