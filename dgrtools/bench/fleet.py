@@ -347,8 +347,9 @@ def cost_fleet(workers: int, slots: int, systems: Sequence[Sequence[int]], seed:
 
 def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: int = 1000,
          repeats: int = 5) -> dict[str, Any]:
-    """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O), of the SessionSpec a
-    named worker gets (what opening costs without placement), of the choice alone (block ids given) through the
+    """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O; again with prompts as a
+    tokenizer gives them, `place_loaded_fresh_us`), of the SessionSpec a named worker gets (what opening costs
+    without placement), of the choice alone (block ids given) through the
     fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the
     candidates), and of the prompt's block ids hashed whole and through the Tracker's memo (`BlockIdMemo`, what
     place_loaded runs, cold at each repeat); medians over `repeats` fresh fleets."""
@@ -359,10 +360,15 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
     rng = np.random.default_rng(5)
     systems = [[int(t) for t in rng.integers(3, VOCAB, prompt_len - 64)] for _ in range(64)]
     prompts = [systems[i % 64] + [int(t) for t in rng.integers(3, VOCAB, 64)] for i in range(sessions)]
+    # As a tokenizer gives them: ids of a 32k vocabulary, each prompt its own int objects (CPython keeps one
+    # object per id below 257 only, so the prompts above compare their shared part by identity)
+    wide = [[int(t) for t in rng.integers(300, 32_000, prompt_len - 64)] for _ in range(64)]
+    fresh = [[int(str(t)) for t in wide[i % 64]] + [int(t) for t in rng.integers(300, 32_000, 64)]
+             for i in range(sessions)]
     fleet = cost_fleet(workers, slots, systems)
     key = fleet[0].keys[0]
     digests = (key.digest, fleet[0].keys[1].digest)
-    place, named, pick, index, ids, memo = [], [], [], [], [], []
+    place, named, pick, index, ids, memo, place_fresh = [], [], [], [], [], [], []
     for r in range(repeats):
         core = ProducerCore()
         core.fleet.load(fleet, time.monotonic())
@@ -371,6 +377,14 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
         for tm, p in zip(tmpls, prompts, strict=True):
             core.place_loaded(tm, p)
         place.append((time.perf_counter() - t) / sessions)
+        real = ProducerCore()  # the same fleet, holding the wide system prompts
+        real.fleet.load(cost_fleet(workers, slots, wide), time.monotonic())
+        fresh_tmpls = [SessionTemplate(session_id=f"f{r}-{i}", account_id="bench", keys=(key,))
+                       for i in range(sessions)]
+        t = time.perf_counter()
+        for tm, p in zip(fresh_tmpls, fresh, strict=True):
+            real.place_loaded(tm, p)
+        place_fresh.append((time.perf_counter() - t) / sessions)
         t = time.perf_counter()
         for tm in tmpls:
             tm.spec([fleet[0].worker_id])
@@ -397,6 +411,7 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
         index.append((time.perf_counter() - t) / sessions)
     return {"workers": workers, "slots": slots, "prompt_len": prompt_len, "sessions": sessions, "repeats": repeats,
             "place_loaded_us": 1e6 * statistics.median(place), "named_spec_us": 1e6 * statistics.median(named),
+            "place_loaded_fresh_us": 1e6 * statistics.median(place_fresh),
             "choice_us": 1e6 * statistics.median(index),
             "choose_us": 1e6 * statistics.median(pick),
             "block_ids_us": 1e6 * statistics.median(ids), "block_ids_memo_us": 1e6 * statistics.median(memo)}
@@ -405,10 +420,11 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
 def run_cost(out: Path, **kw: Any) -> dict[str, Any]:
     r = cost(**kw)
     console.print(table(f"placement cost per session: {r['workers']} workers x {r['slots']} slots, "
-                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "named worker µs", "choice µs",
-                                                              "choose() µs", "block ids µs", "memo µs"],
-                        [[r["place_loaded_us"], r["named_spec_us"], r["choice_us"], r["choose_us"],
-                          r["block_ids_us"], r["block_ids_memo_us"]]]))
+                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "tokenizer ids µs",
+                                                              "named worker µs", "choice µs", "choose() µs",
+                                                              "block ids µs", "memo µs"],
+                        [[r["place_loaded_us"], r["place_loaded_fresh_us"], r["named_spec_us"], r["choice_us"],
+                          r["choose_us"], r["block_ids_us"], r["block_ids_memo_us"]]]))
     save(out, "fleet-cost", r)
     return r
 
