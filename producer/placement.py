@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from schemas import CompatibilityKey, SessionSpec
+from schemas import CompatibilityKey, RouteHop, SessionSpec
 from schemas.limits import WIRE_VERSION
 from schemas.prefix import (
     BLOCK_TOKENS,
@@ -154,6 +154,7 @@ class FleetView:
     block_ids: BlockIdMemo = field(default_factory=BlockIdMemo)
     summaries: SummaryCache = field(default_factory=SummaryCache)  # the workers' prefix summaries, parsed
     roots: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (key digest, salt) -> prefix_root
+    hops: dict[tuple[str, int], RouteHop] = field(default_factory=dict)  # (worker, id(key)) -> route_hop
     # (pool digests, cache salt, account) -> group_roots: cleared with the groups
     group_roots_of: dict[tuple[tuple[str, str], str | None, str],
                          list[tuple[tuple[int, str | None], bytes | None]]] = field(default_factory=dict)
@@ -171,6 +172,15 @@ class FleetView:
         d = (key.for_phase("prefill").digest, key.for_phase("decode").digest)
         self.key_digests[id(key)] = (key, d)
         return d
+
+    def route_hop(self, worker_id: str, key: CompatibilityKey) -> RouteHop:
+        """RouteHop(worker_id, key), kept (immutable: one per worker and key, not a validation per session)."""
+        got = self.hops.get((worker_id, id(key)))
+        if got is None or got.key is not key:
+            if len(self.hops) >= 4096:
+                self.hops.clear()
+            got = self.hops[(worker_id, id(key))] = RouteHop(worker_id=worker_id, key=key)
+        return got
 
     def root(self, key_digest: str, salt: str) -> bytes:
         """prefix_root(key_digest, salt), kept (a SHA-256 and two encodes per session otherwise; bounded: one
@@ -367,7 +377,7 @@ class Placer:
 
     def place_loaded(self, template: SessionTemplate, prompt: Sequence[int]) -> SessionSpec:
         """`place` on the fleet as last read (no I/O; the micro-benchmark times this)."""
-        return template.spec([w for w in self.place_hops(template, prompt) if w is not None])
+        return template.spec([w for w in self.place_hops(template, prompt) if w is not None], self.fleet.route_hop)
 
     def place_hops(self, template: SessionTemplate, prompt: Sequence[int], *, need_room: bool = False,
                    hops: Iterable[int] | None = None) -> list[str | None]:

@@ -6,7 +6,7 @@ settings, the session handle and the placement index can name these types withou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +27,13 @@ class SessionTemplate:
     keys: tuple[CompatibilityKey, ...]
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    def spec(self, workers: Sequence[str]) -> SessionSpec:
-        """The SessionSpec with hop k on workers[k]."""
+    def spec(self, workers: Sequence[str], hop: Callable[[str, CompatibilityKey], RouteHop] | None = None
+             ) -> SessionSpec:
+        """The SessionSpec with hop k on workers[k]; `hop(worker, key)` makes (or gives a kept) RouteHop."""
         if len(workers) != len(self.keys):
             raise ValueError(f"{len(self.keys)} hops, {len(workers)} workers")
-        route = tuple(RouteHop(worker_id=w, key=k) for w, k in zip(workers, self.keys, strict=True))
+        make = hop or (lambda w, k: RouteHop(worker_id=w, key=k))
+        route = tuple(make(w, k) for w, k in zip(workers, self.keys, strict=True))
         return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **dict(self.options))
 
 
