@@ -165,15 +165,16 @@ class DeliveryLedger:
 
     def remember(self, a: Answer) -> Answer:
         """Keep the answer by result id (bounded LRU), for a re-send to a later delivery of its job: without a
-        hop's output rows (the first completion wrote them) nor, for a prompt chunk, its delivery (the chunk's
-        fields). A decode step's delivery is a few fields and stays (a re-send names its own delivery: `acking`,
-        and the re-sent earlier tokens replace it): a copy per token cost more than the rest of this."""
+        hop's output rows (the first completion wrote them) nor its delivery (the entry's fields: a prompt chunk's
+        tokens), except a continuation's token: its delivery is the job's one entry, shared by its n answers, and
+        a re-send names its own delivery anyway (`acking`; the re-sent earlier tokens replace it), so it is kept
+        as it is: a copy per token cost more than the rest of this."""
         rid = a.result.job_id
         answered = self.answered
         if rid in answered:
             answered.move_to_end(rid)
         job = a.job
-        answered[rid] = a if a.blob is None and job is not None and job.phase == "decode" else Answer(
+        answered[rid] = a if a.blob is None and job is not None and job.n > 1 else Answer(
             None, job, a.result, a.account_id, a.close, None, a.final, a.reply)
         if len(answered) > self.answered_memory:
             answered.popitem(last=False)
