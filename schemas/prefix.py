@@ -54,38 +54,38 @@ def block_ids(tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKE
     """The ids (hex) of the prompt's full blocks, in order; block i's id covers tokens[: (i + 1) * block_tokens]."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    out: list[str] = []
-    parent = root
     n = len(tokens) - len(tokens) % block_tokens
-    # The whole prompt packed once, each block a slice of it: half the cost of a pack per block (placement
-    # hashes every prompt it places, docs/placement.md).
-    data = struct.pack(f"<{n}q", *tokens[:n])
-    step = 8 * block_tokens
-    sha256 = hashlib.sha256
-    for start in range(0, 8 * n, step):
-        parent = sha256(parent + data[start:start + step]).digest()[:16]  # one buffer: a third cheaper than update
-        out.append(parent.hex())
-    return out
+    return _hashed(tokens, 0, n, root, block_tokens)[1]
+
+
+Chain = tuple[list[int], list[bytes], list[str], int, list[int], "tuple[list[int], list[bytes], list[str]] | None"]
 
 
 class BlockIdMemo:
     """`block_ids` for a caller that sees the same leading blocks again and again (the Tracker's placement: one
     system prompt on every chat, earlier turns re-sent): it keeps a prompt per (root, block size, first block)
     with its ids, and a prompt that starts as that one takes the ids of the blocks they share and hashes only
-    the rest. Which prompt is kept: the last one, unless it is a sibling of the kept one (they part where the
-    kept one parted from the one before it: one system prompt, another suffix), which would teach nothing
-    more and cost a copy of its tokens. The same ids as `block_ids` (tests/test_prefix_ids.py); bounded by
-    `max_tokens` (the kept prompts' tokens, the least recently used dropped first; each also keeps the copy of
-    its shared head it is compared by, at most as long)."""
+    the rest. The kept prompt (the trunk) is replaced by the last one seen, unless that one is a sibling (it
+    parts from the trunk where the trunk parted from the one before it: one system prompt, another suffix):
+    then only the sibling's own part is kept (a small copy, not the whole prompt's: a placement 30-33 µs against
+    28-29, docs/placement.md), as the last sibling, so that the next
+    turn of its chat (its prompt, answer and a new message) also hashes only its new blocks. The same ids as
+    `block_ids` (tests/test_prefix_ids.py); bounded by `max_tokens` (the tokens kept, the least recently used
+    chain dropped first)."""
 
     def __init__(self, max_tokens: int = 1 << 20) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        # (root, block size, first block) -> the kept prompt: its tokens, block digests and ids, how many blocks
-        # it shared with the one before it (where the next is likely to part from it too) and those blocks'
-        # tokens (a copy, so that a sibling is compared with one slice of its own, not two)
-        self.chains: dict[tuple[bytes, int, tuple[int, ...]],
-                          tuple[list[int], list[bytes], list[str], int, list[int]]] = {}
+        # (root, block size, first block) -> the trunk: its tokens, block digests and ids, how many blocks it
+        # shared with the prompt before it (where the next is likely to part from it too) and those blocks' tokens
+        # (a copy, so that a sibling is compared with one slice of its own, not two); and the last sibling's own
+        # part (from that block on): its tokens, digests and ids, or None
+        self.chains: dict[tuple[bytes, int, tuple[int, ...]], Chain] = {}
+
+    @staticmethod
+    def kept(chain: Chain) -> int:
+        """The tokens a chain keeps (its trunk's and its last sibling's)."""
+        return len(chain[0]) + (len(chain[5][0]) if chain[5] is not None else 0)
 
     def __call__(self, tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[str]:
         bt = block_tokens
@@ -98,31 +98,51 @@ class BlockIdMemo:
         toks = tokens if isinstance(tokens, list) else list(tokens)
         key = (root, bt, tuple(toks[:bt]))
         chain = self.chains.pop(key, None)
-        k = 0 if chain is None else _shared_blocks(toks, chain[0], bt, chain[3], chain[4])
-        parent = root if chain is None or k == 0 else chain[1][k - 1]
-        if chain is not None and k == chain[3] and k * bt < min(n, len(chain[0])):
-            # a sibling: the kept prompt stays (most recently used again), only this one's own blocks are hashed
-            self.chains[key] = chain
-            return chain[2][:k] + _hashed(toks, k * bt, n, parent, bt)[1]
-        parents, ids = (chain[1][:k], chain[2][:k]) if chain is not None else ([], [])
-        new_parents, new_ids = _hashed(toks, k * bt, n, parent, bt)
+        if chain is not None:
+            self.tokens -= self.kept(chain)
+            k = _shared_blocks(toks, chain[0], bt, chain[3], chain[4])
+            if k == chain[3] and k * bt < min(n, len(chain[0])):  # a sibling
+                chain, ids = self._sibling(chain, toks, n, bt, k)
+                self._keep(key, chain)
+                return ids
+            parents, ids = chain[1][:k], chain[2][:k]
+        else:
+            k, parents, ids = 0, [], []
+        new_parents, new_ids = _hashed(toks, k * bt, n, parents[-1] if parents else root, bt)
         parents += new_parents
         ids += new_ids
-        if chain is not None:
-            self.tokens -= len(chain[0])
-        kept = toks[:n]  # a copy: the caller's list is its own
-        self.chains[key] = (kept, parents, ids, k, kept[:k * bt])  # the newest last: the oldest is dropped first
-        self.tokens += n
-        while self.tokens > self.max_tokens and len(self.chains) > 1:
-            self.tokens -= len(self.chains.pop(next(iter(self.chains)))[0])
+        trunk = toks[:n]  # a copy: the caller's list is its own
+        self._keep(key, (trunk, parents, ids, k, trunk[:k * bt], None))
         return list(ids)
 
+    @staticmethod
+    def _sibling(chain: Chain, toks: list[int], n: int, bt: int, k: int) -> tuple[Chain, list[str]]:
+        """A sibling's ids: the trunk's first k, then those it shares with the last sibling's own part (a chat's
+        earlier turn), then its own blocks hashed; the chain with it as the last sibling."""
+        at = k * bt
+        own = toks[at:n]  # a copy, kept as the last sibling
+        last = chain[5]
+        j = _shared_blocks(own, last[0], bt) if last is not None and own[:bt] == last[0][:bt] else 0
+        parents, ids = (last[1][:j], last[2][:j]) if last is not None and j else ([], [])
+        new_parents, new_ids = _hashed(own, j * bt, len(own), parents[-1] if parents else chain[1][k - 1], bt)
+        parents += new_parents
+        ids += new_ids
+        return (*chain[:5], (own, parents, ids)), chain[2][:k] + ids
 
-def _hashed(tokens: list[int], start: int, end: int, parent: bytes, bt: int) -> tuple[list[bytes], list[str]]:
-    """The digests and ids of the blocks tokens[start:end] (whole blocks), the first one's parent `parent`."""
+    def _keep(self, key: tuple[bytes, int, tuple[int, ...]], chain: Chain) -> None:
+        self.chains[key] = chain  # the newest last: the oldest is dropped first
+        self.tokens += self.kept(chain)
+        while self.tokens > self.max_tokens and len(self.chains) > 1:
+            self.tokens -= self.kept(self.chains.pop(next(iter(self.chains))))
+
+
+def _hashed(tokens: Sequence[int], start: int, end: int, parent: bytes, bt: int) -> tuple[list[bytes], list[str]]:
+    """The digests and ids of the blocks tokens[start:end] (whole blocks), the first one's parent `parent`: each
+    block's id is SHA-256 of its parent's digest and its token ids as little-endian int64, truncated to 16 bytes."""
     parents: list[bytes] = []
     ids: list[str] = []
-    # packed once, each block a slice of it: half the cost of a pack per block
+    # The range packed once, each block a slice of it: half the cost of a pack per block (placement hashes every
+    # prompt it places, docs/placement.md); one buffer per hash, a third cheaper than two updates.
     data = struct.pack(f"<{end - start}q", *tokens[start:end])
     step = 8 * bt
     sha256 = hashlib.sha256

@@ -1,9 +1,13 @@
 """schemas/prefix.py: block ids shared exactly by the leading full blocks two prompts have in common, never
 across roots (model, recipe, hop, salt); the heartbeat summary bounded and parsed defensively."""
 
+import hashlib
+from collections.abc import Sequence
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import schemas.prefix as prefix
 from schemas.prefix import (
     ID_HEX,
     SUMMARY_MAX_IDS,
@@ -34,7 +38,8 @@ def test_ids_match_exactly_the_common_full_blocks(a, b, bt):
 
 @settings(max_examples=200, deadline=None)
 @given(bases=st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=3),
-       picks=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.lists(st.integers(0, 3), max_size=24),
+       picks=st.lists(st.tuples(st.integers(0, 2), st.one_of(st.just(40), st.integers(0, 40)),
+                                st.lists(st.integers(0, 3), max_size=24),
                                 st.sampled_from([b"r" * 16, b"s" * 16]), st.integers(1, 6)), min_size=1, max_size=12),
        budget=st.sampled_from([1, 24, 1 << 20]))
 def test_memo_gives_block_ids(bases, picks, budget):
@@ -47,8 +52,71 @@ def test_memo_gives_block_ids(bases, picks, budget):
         prompt = base[:cut] + own
         assert memo(prompt, root, bt) == block_ids(prompt, root, bt)
         assert memo(tuple(prompt), root, bt) == block_ids(prompt, root, bt)
-        assert memo.tokens == sum(len(c[0]) for c in memo.chains.values())
+        assert memo.tokens == sum(memo.kept(c) for c in memo.chains.values())
         assert memo.tokens <= budget or len(memo.chains) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(system=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       turns=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 3), max_size=30)), min_size=1,
+                      max_size=24),
+       bt=st.integers(1, 6), budget=st.sampled_from([8, 60, 1 << 20]))
+def test_memo_gives_block_ids_to_chats_sharing_a_system_prompt(system, turns, bt, budget):
+    """Chats of one system prompt, their turns interleaved (each turn: the chat's prompt so far + new tokens):
+    siblings of the trunk, chat turns going on from the last sibling or from an earlier one, the memo under
+    budgets that keep one chain or all: always block_ids' ids, its kept tokens counted."""
+    memo, root, chats = BlockIdMemo(max_tokens=budget), prefix_root("k"), {}
+    for chat, new in turns:
+        prompt = chats[chat] = chats.get(chat, system) + new
+        assert memo(prompt, root, bt) == block_ids(prompt, root, bt)
+        assert memo.tokens == sum(memo.kept(c) for c in memo.chains.values())
+
+
+def test_ids_are_chained_sha256_of_little_endian_int64_blocks():
+    """The definition, written out apart from schemas/prefix.py (the worker's cache and every Tracker must agree
+    on it): block i's id is SHA-256(parent digest + its tokens as <q), truncated to 16 bytes, as hex."""
+    root = prefix_root("0123456789abcdef", "a:acct")
+    assert root == hashlib.sha256(b"dgr-prefix-v1\0" + b"0123456789abcdef" + b"\0" + b"a:acct").digest()[:16]
+    tokens = [5, 70000, 3, 2**40, 9, 8, 7]
+    parent, want = root, []
+    for i in range(0, 6, 3):
+        h = hashlib.sha256(parent)
+        for t in tokens[i:i + 3]:
+            h.update(t.to_bytes(8, "little", signed=True))
+        parent = h.digest()[:16]
+        want.append(parent.hex())
+    assert block_ids(tokens, root, 3) == want
+    assert BlockIdMemo()(tokens, root, 3) == want
+
+
+def test_siblings_keep_the_trunk_and_a_chat_turn_hashes_only_its_new_blocks():
+    """One system prompt, other suffixes: the prompt that first shared the system prompt stays the trunk and only
+    the last sibling's own part is kept besides; the next turn of that sibling's chat (its prompt + answer + a new
+    message) takes every id it shares and hashes only its new blocks; the ids always block_ids'."""
+    root, system = prefix_root("k"), list(range(100, 148))  # 3 blocks of 16
+    memo = BlockIdMemo()
+    prompts = [system + [i] * 20 for i in range(1, 6)]
+    for p in prompts:
+        assert memo(p, root) == block_ids(p, root)
+    ((trunk, _, _, hint, _, last),) = memo.chains.values()
+    assert trunk == prompts[1][:64] and hint == 3 and last is not None and last[0] == prompts[4][48:64]
+    hashed: list[int] = []
+    real = prefix._hashed
+
+    def counting(tokens: Sequence[int], start: int, end: int, parent: bytes, bt: int
+                 ) -> tuple[list[bytes], list[str]]:
+        hashed.append((end - start) // bt)
+        return real(tokens, start, end, parent, bt)
+
+    turn = prompts[4] + [9] * 40  # the last sibling's 4 blocks, then 2 new ones
+    prefix._hashed = counting
+    try:
+        assert memo(turn, root) == block_ids(turn, root)
+        other = prompts[2] + [8] * 40  # an earlier sibling's turn: its own part hashed again, ids still right
+        assert memo(other, root) == block_ids(other, root)
+    finally:
+        prefix._hashed = real
+    assert hashed[0] == 2, hashed
 
 
 @given(t=st.lists(st.integers(0, 1000), min_size=4, max_size=40))

@@ -54,7 +54,7 @@ class SleepEngine(LogitsEngine):
 
     @property
     def batch_invariant(self) -> bool:
-        return True
+        return self.recipe.batch_invariant  # its rows are computed apart: True, unless a bench says otherwise
 
     def next_tokens(self, batch: FusedBatch) -> npt.NDArray[np.int64]:
         """The token each logit row peaks at (what greedy sampling returns): a hash of the row, never

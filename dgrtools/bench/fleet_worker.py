@@ -31,12 +31,7 @@ class PrefillSleepEngine(SleepEngine):
         self.state = b"\0" * state_bytes if state_bytes > 0 else b"sleep"
         # Its tokens are exact in any shape; `invariant` False makes it say otherwise, as a `fast` llama.cpp engine
         # does, so that the worker replays as it would there (SchedulerConfig.exact_replay)
-        self.invariant = invariant
         self.recipe = self.recipe.model_copy(update={"batch_invariant": invariant})
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.invariant
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
         t_end = time.perf_counter() + self.row_s * len(batch)
