@@ -40,6 +40,7 @@ def replay_once(model: Path, *, exact: bool, sessions: int, generated: int, prom
                 w = Worker(eng, RedisTransport(client, "w", consumer_name="w"),
                            WorkerSettings(worker_id="w", block_ms=0, gather_ms=0.0, await_ms=0))
                 w.start()
+                # the one-row rule on or off whatever the engine says (the worker sets it from batch_invariant)
                 w.scheduler.config = replace(w.scheduler.config, exact_replay=exact)
                 return w
 
