@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from consumer.batch import EngineCapacity, EngineOutput
@@ -452,14 +452,18 @@ def _replay_pieces(replays: list[tuple[int, int, int]], budget: int, exact: bool
 
 
 @settings(max_examples=150, deadline=None)
+@example(replays=[(34, 3, 1), (1, 0, 1), (33, 0, 1)], budget=3)
 @given(replays=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30), st.integers(1, 48)), min_size=1,
                         max_size=4),
        budget=st.integers(MIN_BUDGET, 64))
 def test_replay_shapes_searched(replays: list[tuple[int, int, int]], budget: int) -> None:
     """Random replays (prompt, generated tokens re-sent, the producer's chunking) and budgets: with exact replays
     every generated position is a piece of its own and no prompt piece crosses into them or is one row (a 1-token
-    prompt excepted); without, the replay is one prompt (no one-row piece unless it is one token), never in more
-    prefill calls; both compute every position once, in order."""
+    prompt excepted); without, the replay is one prompt (no one-row piece unless it is one token); both compute
+    every position once, in order. Calls: one replay alone never takes more without the rule; several may take
+    one more (found by this search: replays (34, 3), (1, 0), (33, 0) fed one token a job, budget 3: 25 calls
+    against 24, as the exact replay's one-row pieces fill what the others leave of a call), never more than that
+    per replay."""
     calls: dict[bool, int] = {}
     for exact in (True, False):
         calls[exact], pieces = _replay_pieces(replays, budget, exact)
@@ -474,7 +478,7 @@ def test_replay_shapes_searched(replays: list[tuple[int, int, int]], budget: int
                     assert start + n <= p and (n >= 2 or p == 1), (start, n, p)
                 else:
                     assert n >= 2 or p + g == 1, (start, n, p + g)
-    assert calls[False] <= calls[True], calls
+    assert calls[False] <= calls[True] + (len(replays) if len(replays) > 1 else 0), calls
 
 
 def test_prefill_without_sample_answers_without_a_token() -> None:
