@@ -161,16 +161,25 @@ def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group
         drive.wait_results(rng.randint(drive.results + 3, drive.results + 20))
         old = g.master_port()
         (replica,) = g.replica_ports()
+        def resends() -> int:  # the worker's account outlives a round: a group shared by the params counts on
+            return int(g.node(old).hget(WorkerKeys(worker).worker_account, "durable_resends") or 0)
+
+        at_cut = resends()
         g.cut_off(replica)
 
         def answers_kept() -> int:  # what the cut-off replica holds of what the producer reads
             return sum(len(session_results(g.node(replica), worker, s.session_id)) for s, _ in drive.specs)
 
         def read_what_will_be_lost() -> bool:  # the case: answers the producer has and the new master lacks
-            resends = int(g.node(old).hget(WorkerKeys(worker).worker_account, "durable_resends") or 0)
-            return resends >= 2 and drive.results > answers_kept()
+            return resends() - at_cut >= 2 and drive.results > answers_kept()
 
-        wait_until(read_what_will_be_lost, 30, "the producer to read an answer no replica acknowledged")
+        try:
+            wait_until(read_what_will_be_lost, 30, "the producer to read an answer no replica acknowledged")
+        except TimeoutError as e:  # what the wait saw: which half never came (this wait has failed ~1 run in 20)
+            role = g.node(replica).info("replication").get("role")
+            raise TimeoutError(f"{e} (seed {SEED}, cache {cache}: durable resends {at_cut} -> {resends()}, results "
+                               f"read {drive.results}, kept by the cut replica {answers_kept()}, its role {role!r})"
+                               ) from e
         time.sleep(rng.uniform(0, 0.3))
         ahead = drive.results - answers_kept()
         g.kill9(old)
