@@ -178,7 +178,7 @@ def test_durable_completions_survive_a_failover_that_loses_writes(sentinel_group
             g.cut_off(replica)
             stalled_at: list[float] = []
 
-            def lossy_or_stalled() -> bool:
+            def lossy_or_stalled(at_cut: int = at_cut, stalled_at: list[float] = stalled_at) -> bool:
                 if drive.results > answers_kept() and resends() - at_cut >= 2:
                     return True
                 if resends() - at_cut >= 3 and drive.results <= answers_kept():  # re-sending what it kept
