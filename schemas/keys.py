@@ -6,7 +6,7 @@ over them stays in one Redis Cluster slot. Scripts get every key they touch thro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from .compat import Phase
@@ -30,10 +30,11 @@ def ledger_key(account_id: str) -> str:
 @dataclass(frozen=True, slots=True)
 class WorkerKeys:
     worker_id: str
+    # f"{PREFIX}:{{worker_id}}", made once: every key below starts with it, several per answer filed
+    base: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def base(self) -> str:
-        return f"{PREFIX}:{{{self.worker_id}}}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", f"{PREFIX}:{{{self.worker_id}}}")
 
     @property
     def all_pattern(self) -> str:

@@ -53,8 +53,10 @@ class Batching(SchedulerState):
 
     def _take_decode(self) -> list[BatchItem]:
         items: list[BatchItem] = []
-        while len(items) < self.config.max_batch:
-            lane = self._pop_ready("decode")
+        pop, done, continuing, inflight = self._queues["decode"].pop, self._queues["decode"].take, self._continuing, \
+            self._inflight
+        for row in range(self.config.max_batch):
+            lane = pop()
             if lane is None:
                 break
             # A continuation job (n > 1) stays at the head of its lane until its last offset is handed
@@ -66,17 +68,16 @@ class Batching(SchedulerState):
             q.in_flight = (offset, 1)
             if q.consumed >= q.job.n:
                 lane.jobs.popleft()
-                self._queues["decode"].take(1, job_done=True)
-                self._continuing.discard(lane.session_id)
+                done(1, job_done=True)
+                continuing.discard(lane.session_id)
             else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
                 self._seq += 1
                 q.seq = self._seq
-                self._continuing.add(lane.session_id)
+                continuing.add(lane.session_id)
             lane.inflight.append(q)
-            self._inflight[lane.entry.slot] = lane
-            items.append(BatchItem(ref=q.ref, job=q.job, slot=lane.entry.slot, offset=offset, n_tokens=1,
-                                   row_start=len(items), samples=True, sampling=lane.entry.spec.sampling,
-                                   token=token))
+            entry = lane.entry
+            inflight[entry.slot] = lane
+            items.append(BatchItem(q.ref, q.job, entry.slot, offset, 1, row, True, entry.spec.sampling, token))
         return items
 
     def _take_prefill(self) -> list[BatchItem]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -177,9 +178,9 @@ class ScheduledBatch:
         fused, built = _fuse(phase, items)
         return cls(phase=phase, fused=fused, items=built)
 
-    @property
+    @cached_property  # read several times per call (its batch size): one pass over the items, not one each
     def session_ids(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(it.job.session_id for it in self.items))
+        return tuple(dict.fromkeys([it.job.session_id for it in self.items]))
 
     def sessions_in_slots(self, slots: Collection[int]) -> tuple[str, ...]:
         """The sessions of this call held in the given slots (e.g. EngineError.slots)."""

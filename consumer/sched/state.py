@@ -64,10 +64,11 @@ class SessionQueue:
     pending_restore: Any = None
     prefix_looked: tuple[int, int, int] | None = None  # what the last lookup saw (PrefixPlanning._prefix_open)
     parting: int = 0  # a piece ends here, where the prompt parts from one seen before: saved as a checkpoint
+    # entry.spec.session_id, kept: read several times per session per call (an attribute, not a property)
+    session_id: str = field(init=False)
 
-    @property
-    def session_id(self) -> str:
-        return self.entry.spec.session_id
+    def __post_init__(self) -> None:
+        self.session_id = self.entry.spec.session_id
 
 
 _ID = re.compile(ID_PATTERN)

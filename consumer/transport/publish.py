@@ -96,7 +96,9 @@ class _Rows:
         rid = o.job_id
         self.session_id.append(o.session_id)
         if job is not None:
-            off = split_result_id(rid, job.job_id)[1]
+            # a job's first answer is under its own id (the same object: StepJob.answer_id), a later token's
+            # under "<job>.<offset>"
+            off = 0 if rid is job.job_id else split_result_id(rid, job.job_id)[1]
             self.job.append(job.job_id)
             self.offset.append(off)
             self.attempt.append(job.attempt)

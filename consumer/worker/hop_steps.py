@@ -127,7 +127,7 @@ class HopSteps:
         """Every answer passes here once: the job's rows are dropped; an OK answer of a hop that produces
         activations gets them (inline, or a blob with its bytes), and charges no billable tokens."""
         job = a.job
-        if job is None:
+        if job is None or not (self.produces_hidden or self._inputs or self._outputs):  # a last hop's token
             return a
         self._inputs.pop(job.job_id, None)
         parts = self._outputs.pop(job.job_id, None)

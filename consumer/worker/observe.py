@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from schemas import Phase
+from schemas import Phase, Reason, Status
 
 from ..metrics import Metrics
 from ..sched import Answer
@@ -22,13 +22,14 @@ def observe_iteration(m: Metrics, worker: str, call: FusedCallStats | None, comp
         m.batch_size.labels(worker, call.phase).observe(call.batch_size)
         m.tokens.labels(worker, call.phase).inc(call.tokens)
         m.engine_seconds.labels(worker, call.phase).inc(call.engine_seconds)
-    outcomes: dict[tuple[str, str], int] = {}
+    # counted by the enum members (an enum's .value is a property: twice per answer otherwise), named once
+    outcomes: dict[tuple[Status, Reason | None], int] = {}
     for c in completions:
         r = c.result
-        key = (r.status.value, r.reason.value if r.reason else "")
+        key = (r.status, r.reason)
         outcomes[key] = outcomes.get(key, 0) + 1
     for (status, reason), n in outcomes.items():
-        m.results.labels(worker, status, reason).inc(n)
+        m.results.labels(worker, status.value, reason.value if reason else "").inc(n)
     m.observe_answers(completions, time.time())  # TTFT and inter-token latency
     if latencies:
         by_phase: dict[Phase, list[float]] = {}

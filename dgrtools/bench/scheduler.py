@@ -5,7 +5,9 @@ active session, `next_batch()` (one call holding every active session), and the 
 `update_from_output()` with fake
 logits of a small vocabulary. It is timed for 8, 64 and 1024 active sessions, alone in the table
 and with 10,000 idle sessions (open, decoding, nothing queued) beside them. The step jobs are built
-before the clock starts (parsing is the transport's cost, not the scheduler's).
+before the clock starts (parsing is the transport's cost, not the scheduler's). Beside the round, column `file
+ms`: the call's answers encoded into the completion call that files them (`encode_filing`: its KEYS and ARGV,
+no I/O), every job replying to one Tracker's stream as the producer's do (one record per call).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import numpy as np
 from consumer.batch import EngineCapacity, EngineOutput
 from consumer.sampler import BatchSampler
 from consumer.sched import Scheduler, SchedulerConfig
+from consumer.transport.protocol import Delivery, Filing
+from consumer.transport.publish import COMPLETE_ARGV, encode_filing
 from schemas import (
     PHASES,
     BoundarySchema,
@@ -32,6 +36,7 @@ from schemas import (
     SessionSpec,
     StateLayout,
     StepJob,
+    WorkerKeys,
 )
 
 from .common import console, markdown, plot, save, table
@@ -40,6 +45,11 @@ NAME = "scheduler"
 VOCAB = 256
 ACTIVE = (8, 64, 1024)
 IDLE = (0, 10_000)
+# The completion script's fixed ARGV head, values as a worker sends them (the control follows it)
+_HEAD = {"group": "dgr-workers", "result_ttl_s": 3600, "result_maxlen": 10_000, "dlq_maxlen": 10_000,
+         "reject_ttl_s": 60, "lease_token": "lease-token", "lease_epoch": 1, "lease_ms": 5000, "act_ttl_s": 60,
+         "call_seq": 1}
+FILING_HEAD = [_HEAD[name] for name in COMPLETE_ARGV[:-1]]
 
 
 def _key(phase: Phase) -> CompatibilityKey:
@@ -62,6 +72,7 @@ class _Setup:
         cap = EngineCapacity(n_slots=n, ctx_per_session=repeats + 16, max_tokens_per_call=max(n_active, 4096),
                              vocab_size=VOCAB)
         self.sampler = BatchSampler(VOCAB)
+        self.keys = WorkerKeys("bench")
         self.sched = Scheduler(SchedulerConfig(capacity=cap, max_batch=n_active, prefill_budget=4096),
                                "bench", self.digests)
         route = (RouteHop(worker_id="bench", key=keys["prefill"]),)
@@ -85,14 +96,15 @@ class _Setup:
     def jobs(self, round_no: int) -> list[StepJob]:
         d = self.digests["decode"]
         return [StepJob(job_id=f"r{round_no}-{i}", session_id=sid, phase="decode", compat=d,
-                        start_position=self.position, tokens=(3,), created_at=0.0)
+                        start_position=self.position, tokens=(3,), created_at=0.0, reply_to="bench-tracker")
                 for i, sid in enumerate(self.active)]
 
-    def round(self, jobs: Sequence[StepJob]) -> tuple[float, float, float]:
+    def round(self, jobs: Sequence[StepJob]) -> tuple[float, float, float, float]:
         s, d = self.sched, self.digests["decode"]
+        refs = [Delivery(f"stream-{d[:8]}", f"{self.position}-{i}", {}, d, "decode") for i in range(len(jobs))]
         t0 = time.perf_counter()
-        for job in jobs:
-            if s.admit(job, d, None) is not None:
+        for job, ref in zip(jobs, refs, strict=True):
+            if s.admit(job, d, ref) is not None:
                 raise RuntimeError("decode step rejected")
         t1 = time.perf_counter()
         batch = s.next_batch()
@@ -101,23 +113,27 @@ class _Setup:
             raise RuntimeError("the round's call does not hold every active session")
         out = s.update_from_output(batch, self.sampler(batch, self.logits), 0.001)  # sampling counts, as in the worker
         t3 = time.perf_counter()
+        encode_filing(Filing(answers=out), self.keys, FILING_HEAD, worker_id="bench", call_id=f"1:{self.position}",
+                      consumer_name="bench")
+        t4 = time.perf_counter()
         if len(out) != len(jobs):
             raise RuntimeError("not every step was answered")
         self.position += 1
-        return t1 - t0, t2 - t1, t3 - t2
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
-def _summary(n_active: int, n_idle: int, samples: list[tuple[float, float, float]]) -> dict[str, Any]:
-    totals = [a + b + c for a, b, c in samples]
+def _summary(n_active: int, n_idle: int, samples: list[tuple[float, float, float, float]]) -> dict[str, Any]:
+    totals = [a + b + c for a, b, c, _ in samples]
     med = statistics.median(totals)
     return {
         "active": n_active, "idle": n_idle, "rounds": len(samples),
         "round_ms_median": med * 1e3,
         "round_ms_p90": float(np.percentile(totals, 90)) * 1e3,
         "per_session_us": med / n_active * 1e6,
-        "admit_ms": statistics.median(a for a, _, _ in samples) * 1e3,
-        "next_batch_ms": statistics.median(b for _, b, _ in samples) * 1e3,
-        "complete_ms": statistics.median(c for _, _, c in samples) * 1e3,
+        "admit_ms": statistics.median(t[0] for t in samples) * 1e3,
+        "next_batch_ms": statistics.median(t[1] for t in samples) * 1e3,
+        "complete_ms": statistics.median(t[2] for t in samples) * 1e3,
+        "file_ms": statistics.median(t[3] for t in samples) * 1e3,
     }
 
 
@@ -125,7 +141,7 @@ def measure(n_active: int, idle: Sequence[int], repeats: int) -> list[dict[str, 
     """Rounds for one active count, alternating between the idle variants so that machine noise
     (other processes, frequency changes) falls on all of them alike."""
     setups = {i: _Setup(n_active, i, repeats) for i in idle}
-    samples: dict[int, list[tuple[float, float, float]]] = {i: [] for i in idle}
+    samples: dict[int, list[tuple[float, float, float, float]]] = {i: [] for i in idle}
     warmup = min(5, repeats)
     for r in range(repeats + warmup):
         for i, setup in setups.items():
@@ -149,9 +165,9 @@ def run(out_dir: Path, repeats: int = 60, active: Sequence[int] = ACTIVE, idle: 
         base = by[(r["active"], base_idle)]["round_ms_median"]
         r["vs_no_idle"] = r["round_ms_median"] / base if base > 0 else float("nan")
     columns = ["active", "idle", "round ms", "p90 ms", "µs/session", "admit ms", "next_batch ms", "complete ms",
-               "× no idle"]
+               "× no idle", "file ms"]
     rows = [[r["active"], r["idle"], r["round_ms_median"], r["round_ms_p90"], r["per_session_us"], r["admit_ms"],
-             r["next_batch_ms"], r["complete_ms"], r["vs_no_idle"]] for r in results]
+             r["next_batch_ms"], r["complete_ms"], r["vs_no_idle"], r["file_ms"]] for r in results]
     console.print(table("Scheduling round (medians): admit + next_batch + complete, one decode call", columns,
                         rows))
     worst = max(r["vs_no_idle"] for r in results)
