@@ -215,8 +215,9 @@ def bench_lanes(out: Out = Path("bench-out/lanes"), sessions: int = 8, calls: in
 def bench_replay(out: Out = Path("bench-out/replay"), model: str = "tiny", sessions: int = 4, generated: int = 64,
                  prompt_len: int = 64,
                  others: Annotated[int, typer.Option(help="Sessions decoding beside the replays.")] = 4) -> None:
-    """A replay after a crash (`fast` recipe): the time to each session's next token with its generated tokens
-    one row per prefill call (what an invariant recipe does) and as one prompt (what `fast` does now)."""
+    """A replay after a crash: the time to each session's next new token with its generated tokens sampled again in
+    decode calls (an invariant recipe, the default), re-fed one row per prefill call (`regenerate=False`), and re-fed
+    as one prompt (`fast`)."""
     from dgrtools.bench.replay import main
 
     main(["--out", str(out), "--model", model, "--sessions", str(sessions), "--generated", str(generated),
@@ -309,7 +310,7 @@ def bench_fleet(out: Out = Path("bench-out/fleet"),
                 system_len: Annotated[int, typer.Option(help="Tokens of each system prompt (0: its own, 448).")] = 0,
                 invariant: Annotated[bool, typer.Option("--invariant/--fast", help="The workers' engine says it is "
                                                         "batch-invariant (exact replays: a replay's generated tokens "
-                                                        "one row per prefill call) or not, as `fast`.")] = True,
+                                                        "sampled again in decode calls) or not, as `fast`.")] = True,
                 ) -> None:
     """Placement vs load only vs round-robin vs random on N sleep-engine workers (prefix hit rate, time to first
     token, load balance), the time from a worker's kill -9 to its sessions decoding again; --cost: placement's µs

@@ -106,7 +106,8 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         self.check_handles([h])
         marked = yield from self.cancelled(h.worker_id, h.session_id)
         batch = Batch(transaction=True, tag=h.worker_id)
-        self.queue_replay(batch, h, cancel_marked=marked)
+        # by hand: the caller feeds the decode steps, so the tokens go again as prompt (none to sample again)
+        self.queue_replay(batch, h, cancel_marked=marked, regenerate=False)
         if batch:
             yield batch
 
@@ -310,7 +311,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
                     h.inbox.append(row_to_result(rec, chg, i))
                 else:
                     touched[sid] = h
-                    if run.collect:
+                    if run.collect and not h.echo:  # a token decoded again by a replay: its caller had it
                         run.results.append((h, row_to_result(rec, chg, i)))
         last = entries[-1][0]
         if id_tuple(last) > id_tuple(self.cursor(stream)):

@@ -85,7 +85,7 @@ def _from_record(core: ProducerCore, worker_id: str, sid: str, rec: dict[str, st
                       attempt=int(rec.get("attempt", "0")), generated=_ints(rec.get("gen")))
     h.credit.n = max(1, int(rec.get("decode_n", "1")))  # what the original Tracker used
     # the opening of its current attempt, as the original pushed it (with its first continuation, or not)
-    core.queue_prefill(sink, h, ramp=rec.get("ramp") == "1")
+    core.queue_prefill(sink, h, ramp=rec.get("ramp") == "1", regenerate=rec.get("regen") == "1")
     return h
 
 

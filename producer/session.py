@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .placement_inputs import SessionTemplate
 
 __all__ = ["Credit", "HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply",
-           "apply_result", "drop", "end", "job_n", "lose", "place_token"]
+           "apply_result", "drop", "end", "job_n", "known", "lose", "place_token"]
 
 Sessions = Sequence[tuple["SessionSpec | SessionTemplate", Sequence[int]]]  # a template: placed first
 
@@ -127,6 +127,13 @@ class SessionHandle:
     hop: int = 0
     last_result_id: str = "0-0"  # the last result entry that moved it
     replayed_generated: int = 0  # generated tokens re-fed by the current attempt's prefill
+    # A replay that decodes its tokens again (a one-hop session on a batch-invariant recipe: producer/steps.py
+    # `queue_prefill`): the tokens the caller had, which the attempt must sample again, in order. `generated` is
+    # rebuilt by the attempt from []; each token it places below len(regenerate) must equal the one there (else
+    # the replay diverged: replayed again the exact way, `diverged`), and is not the caller's news (`echo`).
+    regenerate: list[int] = field(default_factory=list)
+    echo: bool = False  # the last answer applied placed a regenerated token: not passed on to the caller
+    diverged: bool = False  # a regenerated token differed: later replays re-feed the tokens as prompt
     ramp: bool = False  # its opening pushes its first continuation with it (producer/steps.py): so does a replay
     credit: Credit = field(default_factory=Credit)
     sent: dict[str, Sent] = field(default_factory=dict)  # every hop's unanswered jobs, by job id
@@ -229,6 +236,7 @@ def lose(h: SessionHandle) -> None:
     """Its state is gone on some hop: nothing of the current attempt is awaited any more (replay or end)."""
     h.status = "state_lost"
     drop(h)
+    known(h)
 
 
 def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
@@ -236,6 +244,29 @@ def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
     if detail is not None:
         h.detail = detail
     drop(h)
+    known(h)
+
+
+def known(h: SessionHandle) -> list[int]:
+    """The session's tokens as its caller had them: `generated`, which an attempt that decodes them again
+    rebuilds; when the attempt stops before it is through them (it ended, or was lost), `generated` is set back
+    to the longer list (the attempt's tokens a prefix of it: each was checked when placed)."""
+    if len(h.generated) < len(h.regenerate):
+        h.generated = list(h.regenerate)
+    return h.generated
+
+
+def _regenerated(h: SessionHandle, pos: int, tok: int) -> bool:
+    """Whether the token at `pos` is one the attempt decodes again (then checked: a different one loses the
+    attempt, which is replayed feeding the tokens as prompt, `diverged`)."""
+    i = pos - len(h.prompt)
+    if i >= len(h.regenerate):
+        return False
+    if h.regenerate[i] != tok:
+        h.diverged = True
+        h.detail = f"the replay sampled {tok} at position {pos} where the session had {h.regenerate[i]}"
+        lose(h)
+    return True
 
 
 def drop(h: SessionHandle) -> None:
@@ -249,8 +280,10 @@ def drop(h: SessionHandle) -> None:
 def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin: int, x: RowExtra | None,
           es: float, charged_p: int, charged_g: int, charged_k: int = 0) -> bool:
     """One answer to the session's job `s` (a row: offset, status code, position, token or -1, finished, extra,
-    engine seconds, what the counters charged). False when it changes nothing (a token already placed)."""
+    engine seconds, what the counters charged). False when it changes nothing (a token already placed).
+    `h.echo`: set when the answer placed a token the caller had (a replay decoding its tokens again)."""
     job = s.job
+    h.echo = False
     if job.n > 1 and st == _OK:  # a continuation: one answer per token, then the job has ended
         bit = 1 << off if off >= 0 else 0
         if not s.left & bit:
@@ -296,6 +329,10 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         if tok < 0:
             end(h, "failed", "the last hop's sampling answer carried no token")
             return True
+        if h.regenerate and _regenerated(h, pos, tok):
+            if h.status == "state_lost":
+                return True
+            h.echo = True
         h.generated.append(tok)
         h.pending_job, h.feed = None, True
         finished = fin == 1
@@ -335,6 +372,10 @@ def place_token(h: SessionHandle, pos: int, tok: int, finished: bool) -> bool:
     finishing token is now in place."""
     if tok < 0:
         return False
+    if h.regenerate and _regenerated(h, pos, tok):
+        if h.status == "state_lost":
+            return False
+        h.echo = True
     early = h.credit.early
     early[pos] = (tok, finished)
     done = False

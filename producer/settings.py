@@ -55,6 +55,9 @@ class ProducerSettings:
     rewind_ms: int = 10_000
     tracker_id: str = field(default_factory=lambda: f"t-{secrets.token_hex(6)}")
     placement: PlacementPolicy = field(default_factory=PlacementPolicy)  # SessionTemplates: docs/placement.md
+    # A replay of a one-hop session on a batch-invariant recipe samples its tokens again in decode calls (checked
+    # one by one; producer/steps.py `regenerates`). False: it re-feeds them as prompt (one row a prefill call).
+    regenerate: bool = True
 
     @classmethod
     def of(cls, settings: ProducerSettings | None, options: dict[str, Any]) -> ProducerSettings:

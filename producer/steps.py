@@ -23,7 +23,7 @@ from schemas.limits import CANCEL_MAXLEN
 
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
-from .session import Sent, SessionHandle, drop, end, job_n
+from .session import Sent, SessionHandle, drop, end, job_n, known
 from .validate import check_id
 
 if TYPE_CHECKING:
@@ -102,11 +102,22 @@ class Steps:
         stream = WorkerKeys(h.legs[s.hop].worker_id).input_stream(job.compat, job.phase)
         batch.add(XAdd(stream, self.entry(stream, job_to_fields(job))))
 
-    def queue_prefill(self, batch: Batch, h: SessionHandle, *, ramp: bool = False) -> None:
+    def queue_prefill(self, batch: Batch, h: SessionHandle, *, ramp: bool = False, regenerate: bool | None = None
+                      ) -> None:
         """(Re)open the session: its attempt's prefill chunks to hop 0, and its record (what resume() rebuilds it
         from: spec, prompt, attempt, the tokens this attempt re-feeds, its reply stream and where reading it stood).
         `ramp` (a session the core drives under continuation credit): its first continuation job goes with it, so it
-        decodes at the call after its prefill, not one round trip later (consumer/worker/early.py)."""
+        decodes at the call after its prefill, not one round trip later (consumer/worker/early.py).
+
+        A replay (tokens generated before) either re-feeds them as prompt (the worker computes them one row per
+        call where its recipe is batch-invariant: docs/invariance.md) or, where that recipe gives them back by
+        decoding (`regenerates`), feeds the prompt alone and decodes them again: in decode calls, beside the other
+        sessions' rows, not one prefill call each; each is checked as it comes (`SessionHandle.regenerate`).
+        `regenerate`: the choice already made (a handle rebuilt from its record), else made here."""
+        tokens = known(h)
+        if regenerate is None:
+            regenerate = bool(tokens) and self.settings.regenerate and regenerates(h)
+        h.regenerate, h.generated = (list(tokens), []) if regenerate else ([], tokens)
         h.replayed_generated, h.ramp = len(h.generated), ramp
         drop(h)
         for leg in h.legs:
@@ -129,8 +140,8 @@ class Steps:
         reads = {w: self.cursor(stream) for w, stream in sorted(self.streams_of(h))}
         batch.add(HSet(record, {"spec": h.spec.model_dump_json(), "prompt": ",".join(map(str, h.prompt)),
                                 "hop": str(h.hop), "attempt": str(h.attempt), "decode_n": str(h.credit.n),
-                                "reply": h.reply or "", "gen": ",".join(map(str, h.generated)),
-                                "ramp": "1" if ramp else "0",
+                                "reply": h.reply or "", "gen": ",".join(map(str, tokens)),
+                                "regen": "1" if regenerate else "0", "ramp": "1" if ramp else "0",
                                 "from": json.dumps(reads)}))
         batch.add(Expire(record, self.settings.record_ttl_s))
 
@@ -149,10 +160,11 @@ class Steps:
         h.position += 1
         return job.job_id
 
-    def queue_replay(self, batch: Batch, h: SessionHandle, *, cancel_marked: bool) -> None:
-        """After a lost state on any hop: attempt + 1 and prompt + generated through every hop again.
-        `cancel_marked`: the session's cancel marker is set: nothing is pushed, it ends cancelled.
-        SessionFailed when max_attempts is spent."""
+    def queue_replay(self, batch: Batch, h: SessionHandle, *, cancel_marked: bool, regenerate: bool = True) -> None:
+        """After a lost state on any hop: attempt + 1 and prompt + generated through every hop again (or the prompt,
+        its tokens sampled again where `queue_prefill` chooses that; `regenerate` False: never). `cancel_marked`:
+        the session's cancel marker is set: nothing is pushed, it ends cancelled. SessionFailed when max_attempts is
+        spent."""
         if cancel_marked:
             end(h, "cancelled", "cancelled before the replay")
             h.reason = Reason.CANCELLED.value
@@ -165,7 +177,8 @@ class Steps:
             return
         h.attempt += 1
         h.finished = False
-        self.queue_prefill(batch, h, ramp=h.ramp)  # as the session opened: with its first continuation or not
+        # as the session opened: with its first continuation or not
+        self.queue_prefill(batch, h, ramp=h.ramp, regenerate=None if regenerate else False)
 
     def advance(self, batch: Batch, h: SessionHandle, replay_state_lost: bool, *, cancel_marked: bool = False) -> bool:
         """Queue what the session needs next: the next decode job at hop 0 (under credit, or the token the last
@@ -235,6 +248,14 @@ class Steps:
             self.cancel_ops(b, w, session_id)
             out.append(b)
         return out
+
+
+def regenerates(h: SessionHandle) -> bool:
+    """Whether a replay decodes the session's tokens again rather than re-feeding them as prompt: one hop (a
+    route's hops relay rows, not tokens), a recipe that is batch-invariant (its worker samples each token again
+    from the same logits: the sampler keys its draw by the session's seed and the token's position), and no
+    replay of it diverged before."""
+    return len(h.legs) == 1 and h.spec.route[0].key.recipe.batch_invariant and not h.diverged
 
 
 def tokens_per_job(core: Steps, h: SessionHandle) -> int:

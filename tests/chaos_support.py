@@ -200,7 +200,14 @@ def check_exact(client: redis.Redis, worker: str, specs: Sequence[tuple[SessionS
         summary["results"] += len(results)
         ids = [r.job_id for r in results]
         assert len(ids) == len(set(ids)), f"{sid}: a job answered twice in its result stream"
-        ok_tokens = [r.token for r in results if r.status == Status.OK and r.token is not None]
+        # by position: a replay that samples the session's tokens again answers them again (a later attempt), and
+        # must answer the same token at each (producer/steps.py `regenerates`)
+        by_position: dict[int, int] = {}
+        for r in results:
+            if r.status == Status.OK and r.token is not None:
+                had = by_position.setdefault(r.position, r.token)
+                assert had == r.token, f"{sid}: tokens {had} and {r.token} answered at position {r.position}"
+        ok_tokens = [by_position[p] for p in sorted(by_position)]
         assert ok_tokens == h.generated, f"{sid}: stream tokens {ok_tokens} != handle {h.generated}"
         assert not any(r.status == Status.REJECTED for r in results), \
             f"{sid}: rejected answers {[(r.reason, r.detail) for r in results if r.status == Status.REJECTED]}"

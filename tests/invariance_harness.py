@@ -205,9 +205,9 @@ def run_scenario(client: redis.Redis, sessions: list[Session], c: Conditions,
     # decode_n
     queue_prefill = producer.core.queue_prefill
 
-    def per_session_n(batch: Any, h: Any, *, ramp: bool = False) -> None:
+    def per_session_n(batch: Any, h: Any, **kw: Any) -> None:
         h.credit.n = h.credit.n or by_sid[h.session_id].n
-        queue_prefill(batch, h, ramp=ramp)
+        queue_prefill(batch, h, **kw)
 
     producer.core.queue_prefill = per_session_n  # type: ignore[method-assign]
 

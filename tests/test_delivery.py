@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import fakeredis
+import numpy as np
 import pytest
 import redis
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from consumer.batch import EngineOutput, FusedBatch
 from consumer.engines.reference import NumpyReferenceEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
@@ -239,9 +241,31 @@ def test_replay_after_a_crash_counts_recomputation_apart_and_honours_a_cancel(
     assert int(worker_acct[b"recomputed_tokens"]) == int(acct["recomputed_tokens"])
 
 
+class _OnceWrong(NumpyReferenceEngine):
+    """The reference engine, whose decode call number `wrong_at` (counted from when it is set) puts its logits'
+    top on another token: a batch-invariant engine breaking its promise once."""
+
+    wrong_at = 0
+
+    def forward(self, batch: FusedBatch) -> EngineOutput:
+        out = super().forward(batch)
+        if self.wrong_at and batch.phase == "decode":
+            self.wrong_at -= 1
+            if self.wrong_at == 0:
+                rows = np.array(out.rows, copy=True)
+                rows[np.arange(len(rows)), (np.argmax(rows, axis=1) + 1) % rows.shape[1]] += 1e3
+                return EngineOutput.logits(rows)
+        return out
+
+
 class _NotInvariant(NumpyReferenceEngine):
-    """The reference engine (exact whatever the shapes) saying it is not batch-invariant, as a `fast` engine does:
-    its worker replays without the one-row rule (SchedulerConfig.exact_replay)."""
+    """The reference engine (exact whatever the shapes) saying it is not batch-invariant, as a `fast` engine does
+    (in its key's recipe too): its worker replays without the one-row rule (SchedulerConfig.exact_replay), and
+    the Tracker re-feeds a replay's tokens rather than sampling them again."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.recipe = self.recipe.model_copy(update={"batch_invariant": False})
 
     @property
     def batch_invariant(self) -> bool:
@@ -278,17 +302,53 @@ def _replayed_once(client: redis.Redis, eng: Any, prefix: str
 
 
 @pytest.mark.parametrize("invariant", [True, False])
-def test_a_replay_keeps_the_one_row_rule_only_where_the_recipe_is_invariant(
+def test_a_replay_decodes_its_tokens_again_where_the_recipe_is_invariant(
         redis_client: redis.Redis, tiny_model_path: Path, invariant: bool) -> None:
-    """A replay's generated tokens take a prefill call each under a batch-invariant engine (exact replays), and go
-    with the prompt in a call or two where the engine promises no exact replay; the tokens (this engine is exact
-    either way) and the accounting are the same."""
+    """After a crash, a session on a batch-invariant engine is replayed from its prompt alone and its tokens are
+    sampled again in decode calls (producer/steps.py `regenerates`: one row each, beside other sessions' rows, as
+    when they were first decoded), each answered again (the same token at each position: check_exact) and charged
+    as recomputed; where the engine promises no exact replay they go with the prompt in a call or two. Either way
+    the prompt is one prefill call, the tokens and the accounting are the same (`_replayed_once`)."""
     eng = (NumpyReferenceEngine if invariant else _NotInvariant)(tiny_model_path, n_slots=4, ctx_per_session=1024)
     try:
         stepper, specs, before = _replayed_once(redis_client, eng, "rr")
         check_exact(redis_client, WID, specs, stepper.handles, tiny_model_path)
-        calls = stepper.worker.scheduler.stats.calls_prefill
-        assert calls >= len(before) if invariant else calls <= 2, (calls, before)
+        stats = stepper.worker.scheduler.stats  # the worker after the crash
+        assert stats.calls_prefill <= 2, stats
+        # every token decoded again (24 from the prompt's on) or only the new ones (past those re-fed)
+        assert stats.calls_decode == 23 if invariant else stats.calls_decode == 24 - len(before) - 1, \
+            (stats.calls_decode, before)
+        answered = stream_results(redis_client, WID, specs[0][0].session_id)
+        again = len(answered) - len({r.job_id for r in answered})
+        assert again == 0  # every answer under its own id (a later attempt's are its own)
+    finally:
+        eng.close()
+
+
+def test_a_replay_that_diverges_is_replayed_again_feeding_the_tokens(redis_client: redis.Redis,
+                                                                      tiny_model_path: Path) -> None:
+    """A batch-invariant engine that breaks its promise once (after the crash its first decode call samples
+    another token): the Tracker sees the regenerated token differ, drops the attempt and replays again feeding
+    the tokens as prompt (the exact replay of docs/invariance.md, one row a call): the session still ends with
+    the tokens it had, then its own."""
+    eng = _OnceWrong(tiny_model_path, n_slots=4, ctx_per_session=1024)
+    try:
+        producer = Producer(redis_client, prefill_chunk=64)
+        stepper = Stepper(producer, make_worker(redis_client, eng))
+        specs = specs_for(redis_client, WID, "rd", prompts(1, 300, seed=9, lo=20, hi=20), 24)
+        (spec, prompt), = specs
+        h = stepper.handles[spec.session_id] = producer.open(spec, prompt)
+        while len(h.generated) < 10:
+            stepper.step()
+        before = list(h.generated)
+        for slot in range(eng.capacity.n_slots):
+            eng.release(slot)
+        eng.wrong_at = 1  # the replay's first decode call: its token is not the one sampled before
+        stepper.worker = _crash(redis_client, eng)
+        stepper.run()
+        assert h.diverged and h.attempt == 2 and h.status == "finished", (h.attempt, h.status, h.detail)
+        assert h.generated[:len(before)] == before and h.generated == solo(tiny_model_path, prompt, 24)
+        assert not h.regenerate  # the last attempt re-fed them
     finally:
         eng.close()
 

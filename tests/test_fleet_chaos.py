@@ -18,7 +18,7 @@ import redis
 
 from dgrtools.localredis import LocalRedis
 from producer import PlacementPolicy, Producer, SessionHandle, SessionTemplate
-from schemas import StepResult, WorkerKeys
+from schemas import Status, StepResult, WorkerKeys
 from tests.chaos_support import consumer, solo
 from tests.support import prompts
 
@@ -53,8 +53,11 @@ def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedi
         sessions = fleet_sessions(client, names[0], f"fk-{tag}", n, tokens, seed=11, hi=30)
         killed: list[tuple[str, float]] = []
         back: list[float] = []
+        told: dict[str, list[int]] = {}  # the tokens each caller was given, in order
 
         def on_result(h: SessionHandle, r: StepResult) -> None:
+            if r.status == Status.OK and r.token is not None:
+                told.setdefault(h.session_id, []).append(r.token)
             if not killed and 3 <= len(h.generated) < tokens - 4:
                 procs[h.worker_id].kill()  # SIGKILL, mid-decode; never restarted
                 killed.append((h.worker_id, time.monotonic()))
@@ -73,6 +76,8 @@ def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedi
             assert h.status == "finished", (t.session_id, h.status, h.reason, h.detail)
             assert h.worker_id != dead or h.attempt == 0
             assert h.generated == solo(tiny_model_path, prompt, tokens), t.session_id
+            # a moved session's replay samples its tokens again (an invariant recipe): its caller gets each once
+            assert told[t.session_id] == h.generated, t.session_id
         got = fleet_charges(client, names, "acct-fk")
         assert got["prompt_tokens"] == sum(len(pr) for _, pr in sessions), got
         assert got["generated_tokens"] == tokens * n, got

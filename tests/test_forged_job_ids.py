@@ -90,7 +90,7 @@ def forged_copy(job: StepJob) -> StepJob:
 def open_ramped(p: Producer, spec: SessionSpec) -> SessionHandle:
     """Open as run_many does: the first continuation pushed with the opening (the handle keeps it for a replay)."""
     core, queue_prefill = p.core, p.core.queue_prefill
-    core.queue_prefill = lambda batch, h, ramp=False: queue_prefill(batch, h, ramp=True)  # type: ignore[method-assign]
+    core.queue_prefill = lambda batch, h, **kw: queue_prefill(batch, h, **{**kw, "ramp": True})  # type: ignore[method-assign]
     try:
         h = p.open(spec, PROMPT)
     finally:

@@ -102,7 +102,8 @@ def test_results_drive_the_next_decode_and_old_attempts_are_ignored() -> None:
 
 
 def test_state_lost_replays_prompt_plus_generated_or_ends_cancelled() -> None:
-    c = core(prefill_chunk=8, max_attempts=1, decode_n=1)
+    # regenerate=False: the tokens re-fed as prompt (tests/test_replay_regenerate.py: sampled again)
+    c = core(prefill_chunk=8, max_attempts=1, decode_n=1, regenerate=False)
     h = opened(c, max_tokens=4)
     c.apply(h, answer(h, h.pending_job or "", token=7))
     jid = c.queue_decode(Batch(), h, 7)

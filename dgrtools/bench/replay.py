@@ -1,16 +1,18 @@
 """How long a replay takes: N sessions on one in-process worker (llama.cpp, a private redis-server), each
 crashed (a new worker on the same id, the engine's slots released) after G generated tokens, and the time
-from the crash to each one's next token, with the replay's generated tokens one row per prefill call (the
-exact replay of a batch-invariant recipe, docs/invariance.md) and as one prompt (what a `fast` engine does),
-alone and with `--others` sessions decoding beside them, in one run:
-`python -m dgrtools.bench.replay [--model gemma] [--sessions 4] [--generated 64] [--others 4]`."""
+from the crash to each one's next new token, alone and with `--others` sessions decoding beside them, in one
+run, three ways: on the `invariant` recipe the tokens sampled again in decode calls (the Tracker's default,
+producer/steps.py `regenerates`) or re-fed as prompt one row per prefill call (`Producer(regenerate=False)`:
+the exact replay of docs/invariance.md); on `fast`, re-fed as one prompt. An `invariant` engine that is not
+batch-invariant on this model (Gemma's Q4_K weights: consumer/engines/llama.py) replays as `fast` does: the
+table says which it was.
+`python -m dgrtools.bench.replay [--model tiny|gemma] [--sessions 4] [--generated 64] [--others 4]`."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,8 +22,8 @@ import redis
 from .common import console, save, table
 
 
-def replay_once(model: Path, *, exact: bool, sessions: int, generated: int, prompt_len: int, others: int = 0,
-                recipe: Literal["fast", "invariant"] = "fast") -> dict[str, Any]:
+def replay_once(model: Path, *, recipe: Literal["fast", "invariant"], regenerate: bool, sessions: int, generated: int,
+                prompt_len: int, others: int = 0) -> dict[str, Any]:
     """`others`: sessions opened on the new worker at the crash, decoding while the replays run (the weights
     then give prefill one call in five)."""
     from consumer.engines.llama import LlamaCppEngine
@@ -40,11 +42,9 @@ def replay_once(model: Path, *, exact: bool, sessions: int, generated: int, prom
                 w = Worker(eng, RedisTransport(client, "w", consumer_name="w"),
                            WorkerSettings(worker_id="w", block_ms=0, gather_ms=0.0, await_ms=0))
                 w.start()
-                # the one-row rule on or off whatever the engine says (the worker sets it from batch_invariant)
-                w.scheduler.config = replace(w.scheduler.config, exact_replay=exact)
                 return w
 
-            w, producer = worker(), Producer(client)
+            w, producer = worker(), Producer(client, regenerate=regenerate)
             key = producer.discover("w").keys[0]
             rng = np.random.default_rng(1)
 
@@ -69,9 +69,13 @@ def replay_once(model: Path, *, exact: bool, sessions: int, generated: int, prom
                 for i, h in enumerate(handles):
                     if i not in back and h.attempt >= 1 and len(h.generated) > at[i]:
                         back[i] = time.perf_counter() - t0
-            return {"exact": exact, "others": others, "generated_at_crash": at,
+            return {"recipe": recipe, "batch_invariant": eng.batch_invariant,
+                    "replay": "sampled again" if regenerate and eng.batch_invariant else
+                    "re-fed, a row a call" if eng.batch_invariant else "re-fed as prompt",
+                    "others": others, "generated_at_crash": at,
                     "back_s_median": statistics.median(back.values()), "back_s_max": max(back.values()),
-                    "prefill_calls": w.scheduler.stats.calls_prefill}
+                    "prefill_calls": w.scheduler.stats.calls_prefill,
+                    "decode_calls": w.scheduler.stats.calls_decode}
     finally:
         eng.close()
 
@@ -88,13 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out/replay"))
     a = ap.parse_args(argv)
     path = resolve_model(a.model)
-    rows = [replay_once(path, exact=exact, sessions=a.sessions, generated=a.generated, prompt_len=a.prompt_len,
-                        others=others) for others in sorted({0, a.others}) for exact in (True, False)]
-    console.print(table(f"replay after a crash: {a.model} fast, {a.sessions} sessions, {a.prompt_len} prompt + "
-                        f"{a.generated} generated tokens", ["others decoding", "generated one row a call", "back p50 s",
-                                                           "back max s", "prefill calls"],
-                        [[r["others"], r["exact"], r["back_s_median"], r["back_s_max"], r["prefill_calls"]]
-                         for r in rows]))
+    ways: list[tuple[Literal["fast", "invariant"], bool]] = [("invariant", True), ("invariant", False),
+                                                              ("fast", False)]
+    rows = [replay_once(path, recipe=recipe, regenerate=regen, sessions=a.sessions, generated=a.generated,
+                        prompt_len=a.prompt_len, others=others)
+            for others in sorted({0, a.others}) for recipe, regen in ways]
+    console.print(table(f"replay after a crash: {a.model}, {a.sessions} sessions, {a.prompt_len} prompt + "
+                        f"{a.generated} generated tokens", ["others decoding", "recipe", "its generated tokens",
+                                                           "back p50 s", "back max s", "prefill calls",
+                                                           "decode calls"],
+                        [[r["others"], r["recipe"], r["replay"], r["back_s_median"], r["back_s_max"],
+                          r["prefill_calls"], r["decode_calls"]] for r in rows]))
     save(a.out, "replay", {"model": a.model, "sessions": a.sessions, "generated": a.generated,
                            "prompt_len": a.prompt_len, "runs": rows})
 

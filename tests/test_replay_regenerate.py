@@ -1,0 +1,141 @@
+"""A replay that samples the session's tokens again (producer/steps.py `regenerates`), in the Tracker's sans-I/O
+core: what it pushes, how it checks each token sampled again, what its caller sees, and when it re-feeds the
+tokens as prompt instead. Answers are built here as a worker would write them (tests/test_delivery.py and
+tests/test_continuation.py run the same through a worker)."""
+
+from __future__ import annotations
+
+from producer import ProducerCore, SessionHandle
+from producer.commands import Batch, HSet, XAdd
+from producer.session import known
+from schemas import (
+    BoundarySchema,
+    CompatibilityKey,
+    EngineIdentity,
+    Reason,
+    Recipe,
+    RouteHop,
+    SessionSpec,
+    StateLayout,
+    Status,
+    StepJob,
+    StepResult,
+    job_from_fields,
+)
+
+PROMPT = (5, 6, 7, 8)
+HAD = [11, 12, 13]  # the tokens the session had when its state was lost
+
+
+def _key(invariant: bool) -> CompatibilityKey:
+    return CompatibilityKey(
+        engine=EngineIdentity(architecture="t", gguf_sha256="0" * 64),
+        recipe=Recipe(quantization="F32", kv_cache_type="f32", ctx_per_session=256, flash_attention=False,
+                      batch_invariant=invariant, runtime="t"),
+        phase="prefill",
+        boundary=BoundarySchema(name="tokens->logits", version=1, consumes="tokens", produces="logits",
+                                last_layer=1),
+        state=StateLayout(kind="kv", dims={"n_layer": 1}),
+    )
+
+
+def _lost(invariant: bool = True) -> tuple[ProducerCore, SessionHandle]:
+    """A one-hop session of 8 tokens (one decode job per token) that had HAD, its state lost."""
+    core = ProducerCore(verify_route=False, prefill_chunk=64)
+    spec = SessionSpec(session_id="s1", account_id="a", route=(RouteHop(worker_id="w1", key=_key(invariant)),),
+                       max_tokens=8)
+    h = core.new_handle(spec, PROMPT, 0)
+    h.credit.n = 1
+    core.queue_prefill(Batch(), h)
+    h.generated, h.status = list(HAD), "state_lost"
+    return core, h
+
+
+def _pushed(batch: Batch) -> list[StepJob]:
+    return [job_from_fields(op.fields) for op in batch.ops if isinstance(op, XAdd)]
+
+
+def _answer(h: SessionHandle, job: StepJob, token: int) -> StepResult:
+    """The worker's OK answer to `job` with `token` (at the position after the job's rows)."""
+    return StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.OK, position=job.end_position,
+                      worker_id="w1", token=token)
+
+
+def _replay(core: ProducerCore, h: SessionHandle) -> list[StepJob]:
+    b = Batch()
+    core.advance(b, h, True)
+    return _pushed(b)
+
+
+def test_the_replay_sends_the_prompt_alone_and_each_token_sampled_again_is_checked_not_passed_on() -> None:
+    core, h = _lost()
+    (opening,) = _replay(core, h)
+    assert opening.tokens == PROMPT and opening.attempt == 1
+    assert opening.session is not None and opening.session.prompt_len == len(PROMPT)
+    assert opening.session.max_tokens == 8  # the whole session's: its tokens are sampled again
+    assert (h.regenerate, h.generated) == (HAD, [])
+    job = opening
+    for tok in HAD:  # sampled again, in order: placed, flagged as the caller's already
+        assert core.apply(h, _answer(h, job, tok)) and h.echo
+        (job,) = _replay(core, h)
+        assert job.phase == "decode" and job.tokens == (tok,)  # it feeds the token it placed
+    assert h.generated == HAD
+    assert core.apply(h, _answer(h, job, 14)) and not h.echo  # past them: news
+    assert h.generated == [*HAD, 14] and h.status == "open"
+
+
+def test_the_record_says_so_and_keeps_every_token() -> None:
+    core, h = _lost()
+    b = Batch()
+    core.advance(b, h, True)
+    (record,) = [op for op in b.ops if isinstance(op, HSet)]
+    assert record.mapping["gen"] == ",".join(map(str, HAD)) and record.mapping["regen"] == "1"
+
+
+def test_a_token_sampled_otherwise_loses_the_attempt_and_the_next_replay_feeds_the_tokens() -> None:
+    core, h = _lost()
+    (opening,) = _replay(core, h)
+    core.apply(h, _answer(h, opening, HAD[0]))
+    (job,) = _replay(core, h)
+    assert core.apply(h, _answer(h, job, 99))  # HAD[1] was sampled there before
+    assert h.status == "state_lost" and h.diverged and "99" in h.detail
+    assert h.generated == HAD  # what the caller had, not the attempt's prefix
+    (again,) = _replay(core, h)
+    assert again.attempt == 2 and again.tokens == (*PROMPT, *HAD) and not h.regenerate
+    assert again.session is not None and again.session.prompt_len == len(PROMPT)
+    assert again.session.max_tokens == 8 - len(HAD)
+
+
+def test_an_attempt_ended_amid_them_leaves_the_caller_every_token() -> None:
+    core, h = _lost()
+    (opening,) = _replay(core, h)
+    core.apply(h, _answer(h, opening, HAD[0]))
+    (job,) = _replay(core, h)
+    cancelled = StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.CANCELLED,
+                           position=job.start_position, worker_id="w1", reason=Reason.CANCELLED)
+    assert core.apply(h, cancelled)
+    assert h.status == "cancelled" and h.generated == HAD and known(h) == HAD
+
+
+def test_no_sampling_again_on_a_recipe_without_the_promise_nor_by_hand() -> None:
+    core, h = _lost(invariant=False)
+    (opening,) = _replay(core, h)
+    assert opening.tokens == (*PROMPT, *HAD) and h.regenerate == [] and h.generated == HAD
+    core, h = _lost()
+    b = Batch()
+    core.queue_replay(b, h, cancel_marked=False, regenerate=False)  # the manual Tracker's replay()
+    (opening,) = _pushed(b)
+    assert opening.tokens == (*PROMPT, *HAD) and h.regenerate == []
+
+
+def test_a_second_loss_amid_them_replays_every_token_again() -> None:
+    core, h = _lost()
+    (opening,) = _replay(core, h)
+    core.apply(h, _answer(h, opening, HAD[0]))
+    (job,) = _replay(core, h)
+    lost = StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.STATE_LOST,
+                      position=job.start_position, worker_id="w1", reason=Reason.ENGINE_ERROR)
+    assert core.apply(h, lost)  # lost again (a worker crash), one token into the tokens sampled again
+    assert h.status == "state_lost" and h.generated == HAD
+    (again,) = _replay(core, h)
+    assert again.attempt == 2 and again.tokens == PROMPT and h.regenerate == HAD and h.generated == []
