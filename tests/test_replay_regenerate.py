@@ -106,14 +106,19 @@ def test_a_token_sampled_otherwise_loses_the_attempt_and_the_next_replay_feeds_t
     assert again.session.max_tokens == 8 - len(HAD)
 
 
-def test_an_attempt_ended_amid_them_leaves_the_caller_every_token() -> None:
+def _ended_one_in(status: Status, reason: Reason) -> tuple[ProducerCore, SessionHandle]:
+    """A replay one token into the tokens it samples again, whose next job the worker answers `status`."""
     core, h = _lost()
     (opening,) = _replay(core, h)
     core.apply(h, _answer(h, opening, HAD[0]))
     (job,) = _replay(core, h)
-    cancelled = StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.CANCELLED,
-                           position=job.start_position, worker_id="w1", reason=Reason.CANCELLED)
-    assert core.apply(h, cancelled)
+    assert core.apply(h, StepResult(job_id=job.job_id, session_id=h.session_id, status=status,
+                                    position=job.start_position, worker_id="w1", reason=reason))
+    return core, h
+
+
+def test_an_attempt_ended_amid_them_leaves_the_caller_every_token() -> None:
+    _, h = _ended_one_in(Status.CANCELLED, Reason.CANCELLED)
     assert h.status == "cancelled" and h.generated == HAD and known(h) == HAD
 
 
@@ -129,13 +134,7 @@ def test_no_sampling_again_on_a_recipe_without_the_promise_nor_by_hand() -> None
 
 
 def test_a_second_loss_amid_them_replays_every_token_again() -> None:
-    core, h = _lost()
-    (opening,) = _replay(core, h)
-    core.apply(h, _answer(h, opening, HAD[0]))
-    (job,) = _replay(core, h)
-    lost = StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.STATE_LOST,
-                      position=job.start_position, worker_id="w1", reason=Reason.ENGINE_ERROR)
-    assert core.apply(h, lost)  # lost again (a worker crash), one token into the tokens sampled again
+    core, h = _ended_one_in(Status.STATE_LOST, Reason.ENGINE_ERROR)  # lost again (a worker crash)
     assert h.status == "state_lost" and h.generated == HAD
     (again,) = _replay(core, h)
     assert again.attempt == 2 and again.tokens == PROMPT and h.regenerate == HAD and h.generated == []
