@@ -138,3 +138,15 @@ def test_a_second_loss_amid_them_replays_every_token_again() -> None:
     assert h.status == "state_lost" and h.generated == HAD
     (again,) = _replay(core, h)
     assert again.attempt == 2 and again.tokens == PROMPT and h.regenerate == HAD and h.generated == []
+
+
+def test_a_run_that_gives_up_amid_them_leaves_the_caller_every_token() -> None:
+    """A timeout, its caller's cancellation or a callback's exception abandons a driven session (ProducerCore.retire):
+    amid the tokens sampled again, its handle still holds every token its caller had."""
+    core, h = _lost()
+    run = core.start([], resume=[h])
+    (opening,) = _replay(core, h)
+    core.apply(h, _answer(h, opening, HAD[0]))
+    assert h.generated == HAD[:1]
+    core.retire(h, abandon=True)
+    assert h.generated == HAD and run.live == 0
