@@ -111,6 +111,7 @@ class Run:
     stops: dict[str, tuple[int, ...]]
     crashed: bool = False
     extra: dict[str, int] = field(default_factory=dict)
+    told: dict[str, list[int]] = field(default_factory=dict)  # the tokens a caller's callback would get, in order
 
 
 def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None, ramp: bool = False,
@@ -169,6 +170,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     order: list[StepResult] = []
     again: list[tuple[StepResult, StepResult]] = []
     cancelled: set[str] = set()
+    told: dict[str, list[int]] = {}
     seen = 0
     seen_by: dict[str, int] = dict.fromkeys(handles, 0)
     crashed = False
@@ -204,7 +206,9 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             order.append(r)
             h = handles[r.session_id]
             s = by_sid[r.session_id]
-            core.apply(h, r)
+            # as ProducerCore.ingest passes answers on: applied, and not a token a replay sampled again
+            if core.apply(h, r) and not h.echo and r.status == Status.OK and r.token is not None:
+                told.setdefault(r.session_id, []).append(r.token)
             seen_by[r.session_id] += 1
             if s.cancel_after is not None and r.session_id not in cancelled and len(h.generated) >= s.cancel_after:
                 cancelled.add(r.session_id)
@@ -236,7 +240,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     unacked = [x.ref for e, x in entries.items() if e not in acked]
     return Run(handles, published, order, again, unacked, [e for eng in engines for e in eng.errors],
                cancelled, stops, crashed, {"held": sum(x.stats.early_held for x in workers),
-                                           "calls": sum(x.stats.fused_calls for x in workers)})
+                                           "calls": sum(x.stats.fused_calls for x in workers)}, told)
 
 
 def check(sessions: list[Sess], r: Run) -> None:
@@ -251,6 +255,8 @@ def check(sessions: list[Sess], r: Run) -> None:
             assert h.status in ("cancelled", "finished"), (sid, h.status, h.reason, h.detail)
         else:
             assert (h.status, got) == ("finished", want), (sid, h.status, h.reason, h.detail, got, want)
+        # its caller is told each token once, in order, a replay's tokens sampled again included
+        assert r.told.get(sid, []) == got, (sid, r.told.get(sid), got)
         mine = [x for x in r.order if x.session_id == sid]
         # one published result per token the session got, none after its last; a replay that samples the tokens
         # again (producer/steps.py `regenerates`) answers them again, the same token at each position
