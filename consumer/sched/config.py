@@ -31,7 +31,9 @@ class SchedulerConfig:
     # A replay's generated tokens (positions from the spec's prompt_len on) computed one row per prefill call, as
     # when they were decoded: what keeps a replay exact under a batch-invariant recipe (docs/invariance.md, cause
     # 4), at one prefill turn per token. An engine whose recipe is not batch-invariant promises no exact replay,
-    # so the worker turns it off there (consumer/worker/lane.py) and a replay is computed as one prompt.
+    # so the worker turns it off there (consumer/worker/lane.py) and a replay is computed as one prompt. (A Tracker
+    # replays a one-hop session on such a recipe by sampling its tokens again instead, producer/steps.py
+    # `regenerates`; this rule is for the replays that re-feed them: routes of several hops, a replay that diverged.)
     exact_replay: bool = True
 
     def __post_init__(self) -> None:

@@ -65,9 +65,9 @@ class Load:
     # state: this models one, so that a worker holds only so many prompts; 0: 5 bytes, i.e. no limit).
     cache_bytes: int = 1 << 20
     state_bytes: int = 0
-    # The workers' engine says it is batch-invariant (replays exact: a replay's generated tokens one row per
-    # prefill call), or not, as a `fast` llama.cpp engine (replays computed as one prompt); its tokens are exact
-    # either way.
+    # The workers' engine says it is batch-invariant (replays exact: a replay's generated tokens sampled again in
+    # decode calls, producer/steps.py `regenerates`), or not, as a `fast` llama.cpp engine (replays computed as one
+    # prompt); its tokens are exact either way.
     invariant: bool = True
 
 
