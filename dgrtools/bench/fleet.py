@@ -243,9 +243,17 @@ def run_loss(producer: Any, fleet: Sequence[FleetWorker], key: Any, load: Load, 
                 for i, p in enumerate(prompts)]
     started: dict[str, str] = {}
     state: dict[str, Any] = {"killed": None, "at": 0.0, "victims": set()}
-    back: dict[str, float] = {}
+    back: dict[str, float] = {}  # the kill to a moved session's first new token (its caller's)
+    # the kill to its first token of the new attempt: a new one, or one it had sampled again (an exact replay's,
+    # not passed to callbacks: seen on its handle at any callback)
+    again: dict[str, float] = {}
 
     def on_result(h: Any, r: Any) -> None:
+        if state["killed"] is not None:
+            for sid in state["victims"] - again.keys():
+                h2 = producer.core.driven.get(sid)
+                if h2 is not None and h2.attempt > 0 and h2.regenerate and h2.generated:
+                    again[sid] = time.perf_counter() - state["at"]
         if r.token is None:
             return
         started.setdefault(r.session_id, h.worker_id)
@@ -258,6 +266,7 @@ def run_loss(producer: Any, fleet: Sequence[FleetWorker], key: Any, load: Load, 
             next(w for w in fleet if w.worker_id == victim).kill()
         elif state["killed"] is not None and r.session_id in state["victims"] and h.worker_id != state["killed"]:
             back.setdefault(r.session_id, time.perf_counter() - state["at"])
+            again.setdefault(r.session_id, back[r.session_id])
 
     done = producer.run_many(sessions, on_result=on_result)
     solo = all(list(done[f"loss-{i}"].generated) == solo_tokens(p, load.loss_tokens) for i, p in enumerate(prompts))
@@ -266,6 +275,7 @@ def run_loss(producer: Any, fleet: Sequence[FleetWorker], key: Any, load: Load, 
     return {"killed": state["killed"], "sessions": len(sessions), "moved": len(victims), "lost_s": load.lost_s,
             "back_s_median": pct(times, 0.5), "back_s_max": max(times, default=float("nan")),
             "after_bound_s_max": max(times, default=float("nan")) - load.lost_s,
+            "decoding_again_s_max": max((again[s] for s in victims if s in again), default=float("nan")),
             "not_back": len(victims) - len(times),
             "lost": sum(1 for h in done.values() if h.status != "finished" or len(h.generated) != load.loss_tokens),
             "tokens_solo": solo}
@@ -316,8 +326,10 @@ def tables(report: dict[str, Any]) -> list[Any]:
     sides = table("dgr bench fleet: one workload, four placements", ["side", "hit rate", "of best", "ttft p50 ms",
                                                                       "ttft p90 ms", "max/mean", "solo"], rows)
     lo = report["loss"]
-    loss = table("a worker killed -9", ["moved", "bound s", "back p50 s", "back max s", "lost", "solo"],
-                 [[lo["moved"], lo["lost_s"], lo["back_s_median"], lo["back_s_max"], lo["lost"], lo["tokens_solo"]]])
+    loss = table("a worker killed -9", ["moved", "bound s", "decoding again max s", "back p50 s", "back max s", "lost",
+                                        "solo"],
+                 [[lo["moved"], lo["lost_s"], lo.get("decoding_again_s_max", float("nan")), lo["back_s_median"],
+                   lo["back_s_max"], lo["lost"], lo["tokens_solo"]]])
     return [sides, loss]
 
 
