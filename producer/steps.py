@@ -169,7 +169,8 @@ class Steps:
             end(h, "cancelled", "cancelled before the replay")
             h.reason = Reason.CANCELLED.value
             return
-        if h.attempt + 1 > self.settings.max_attempts:
+        # a replay that diverged (producer/session.py) was this Tracker's way, not a loss: it costs no attempt
+        if h.attempt + 1 > self.settings.max_attempts + (1 if h.diverged else 0):
             end(h, "state_lost")
             raise SessionFailed(h)
         if len(h.generated) >= h.spec.max_tokens:

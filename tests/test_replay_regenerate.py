@@ -39,9 +39,9 @@ def _key(invariant: bool) -> CompatibilityKey:
     )
 
 
-def _lost(invariant: bool = True) -> tuple[ProducerCore, SessionHandle]:
+def _lost(invariant: bool = True, max_attempts: int = 3) -> tuple[ProducerCore, SessionHandle]:
     """A one-hop session of 8 tokens (one decode job per token) that had HAD, its state lost."""
-    core = ProducerCore(verify_route=False, prefill_chunk=64)
+    core = ProducerCore(verify_route=False, prefill_chunk=64, max_attempts=max_attempts)
     spec = SessionSpec(session_id="s1", account_id="a", route=(RouteHop(worker_id="w1", key=_key(invariant)),),
                        max_tokens=8)
     h = core.new_handle(spec, PROMPT, 0)
@@ -150,3 +150,18 @@ def test_a_run_that_gives_up_amid_them_leaves_the_caller_every_token() -> None:
     assert h.generated == HAD[:1]
     core.retire(h, abandon=True)
     assert h.generated == HAD and run.live == 0
+
+
+def test_a_divergence_costs_no_attempt() -> None:
+    """One loss allowed (max_attempts 1): the replay samples the tokens again, diverges, and is replayed once more
+    the exact way; a loss after that ends the session."""
+    core, h = _lost(max_attempts=1)
+    (opening,) = _replay(core, h)
+    assert core.apply(h, _answer(h, opening, 99))  # HAD[0] was sampled there
+    assert h.diverged and h.status == "state_lost"
+    (again,) = _replay(core, h)
+    assert again.attempt == 2 and again.tokens == (*PROMPT, *HAD)
+    lost = StepResult(job_id=again.job_id, session_id=h.session_id, status=Status.STATE_LOST,
+                      position=again.start_position, worker_id="w1", reason=Reason.ENGINE_ERROR)
+    assert core.apply(h, lost)
+    assert _replay(core, h) == [] and h.finished and h.status == "state_lost"
