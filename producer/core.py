@@ -33,7 +33,7 @@ from .errors import ResultTimeout
 from .moves import Mover
 from .placement import FleetView, Placer, SessionTemplate
 from .route import relay
-from .session import Run, SessionHandle, Sessions, apply, apply_result, known
+from .session import Run, SessionHandle, Sessions, apply, apply_result, restore
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
 from .validate import TrackerAdmission, WorkerInfo, check_id, check_token, check_tokens
@@ -211,7 +211,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
             return
         if abandon and not h.finished:
             self.abandoned.extend((w, h.session_id) for w in self.release_workers(h))
-            known(h)  # amid a replay's tokens sampled again: its caller's view is every token it had
+            restore(h)  # amid a replay's tokens sampled again: its caller's view is every token it had
         del self.driven[h.session_id]
         self.touched.pop(h.session_id, None)
         self.fleet.started(h.session_id)

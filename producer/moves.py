@@ -25,7 +25,7 @@ from schemas.accounting import parse_tally
 
 from .commands import Batch, Expire, Get, HGet, HSet, Plan, Read
 from .placement import FleetView, PlacementPolicy, SessionTemplate
-from .session import HopLeg, SessionHandle, known, lose
+from .session import HopLeg, SessionHandle, lose, restore
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -160,7 +160,7 @@ class Mover:
         # The new hops charge nothing the lost one charged: their high-water mark starts where its ended (every
         # token the Tracker holds was charged when sampled; with none, the prompt positions charged so far), or
         # higher where the lost worker charged answers the Tracker has not read (carry_high_water).
-        tokens = known(h)  # a replay decoding them again may be amid them: the caller had them all
+        tokens = restore(h)  # a replay decoding them again may be amid them: the caller had them all
         hw = len(h.prompt) + len(tokens) if tokens else h.prompt_tokens
         mark = HighWater(h.session_id, hw, off=tuple(sorted(w for w in out if w in lost_legs)),
                          to=tuple(leg.worker_id for leg in legs if leg.worker_id not in keep_workers))

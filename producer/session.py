@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .placement_inputs import SessionTemplate
 
 __all__ = ["Credit", "HopLeg", "Relay", "RouteHandle", "Run", "Sent", "SessionHandle", "Sessions", "apply",
-           "apply_result", "drop", "end", "job_n", "known", "lose", "place_token"]
+           "apply_result", "drop", "end", "job_n", "known", "lose", "place_token", "restore"]
 
 Sessions = Sequence[tuple["SessionSpec | SessionTemplate", Sequence[int]]]  # a template: placed first
 
@@ -236,7 +236,7 @@ def lose(h: SessionHandle) -> None:
     """Its state is gone on some hop: nothing of the current attempt is awaited any more (replay or end)."""
     h.status = "state_lost"
     drop(h)
-    known(h)
+    restore(h)
 
 
 def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
@@ -244,13 +244,18 @@ def end(h: SessionHandle, status: str, detail: str | None = None) -> None:
     if detail is not None:
         h.detail = detail
     drop(h)
-    known(h)
+    restore(h)
 
 
 def known(h: SessionHandle) -> list[int]:
-    """The session's tokens as its caller had them: `generated`, which an attempt that decodes them again
-    rebuilds; when the attempt stops before it is through them (it ended, or was lost), `generated` is set back
-    to the longer list (the attempt's tokens a prefix of it: each was checked when placed)."""
+    """The session's tokens as its caller had them: `generated`, or, while an attempt that decodes them again is
+    not through them yet, the longer list it is rebuilding (`generated` a prefix of it: each was checked when
+    placed). Reads only: the attempt goes on."""
+    return h.regenerate if len(h.generated) < len(h.regenerate) else h.generated
+
+
+def restore(h: SessionHandle) -> list[int]:
+    """The attempt stopped (it ended, was lost, or its driver gave up): `generated` is set back to `known(h)`."""
     if len(h.generated) < len(h.regenerate):
         h.generated = list(h.regenerate)
     return h.generated

@@ -23,7 +23,7 @@ from schemas.limits import CANCEL_MAXLEN
 
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
-from .session import Sent, SessionHandle, drop, end, job_n, known
+from .session import Sent, SessionHandle, drop, end, job_n, restore
 from .validate import check_id
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class Steps:
         decoding (`regenerates`), feeds the prompt alone and decodes them again: in decode calls, beside the other
         sessions' rows, not one prefill call each; each is checked as it comes (`SessionHandle.regenerate`).
         `regenerate`: the choice already made (a handle rebuilt from its record), else made here."""
-        tokens = known(h)
+        tokens = restore(h)
         if regenerate is None:
             regenerate = bool(tokens) and self.settings.regenerate and regenerates(h)
         h.regenerate, h.generated = (list(tokens), []) if regenerate else ([], tokens)
