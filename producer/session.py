@@ -256,21 +256,25 @@ def known(h: SessionHandle) -> list[int]:
 
 def restore(h: SessionHandle) -> list[int]:
     """The attempt stopped (it ended, was lost, or its driver gave up): `generated` is set back to `known(h)`."""
-    if len(h.generated) < len(h.regenerate):
-        h.generated = list(h.regenerate)
+    tokens = known(h)
+    if tokens is not h.generated:
+        h.generated = list(tokens)
     return h.generated
 
 
-def _regenerated(h: SessionHandle, pos: int, tok: int) -> bool:
-    """Whether the token at `pos` is one the attempt decodes again (then checked: a different one loses the
-    attempt, which is replayed feeding the tokens as prompt, `diverged`)."""
+def _diverged(h: SessionHandle, pos: int, tok: int) -> bool:
+    """A token the attempt decodes again (at `pos`, below what the caller had) is checked: equal, it is flagged
+    `echo` (not the caller's news); different, the attempt is lost (replayed feeding the tokens as prompt,
+    `diverged`) and True is returned."""
     i = pos - len(h.prompt)
     if i >= len(h.regenerate):
         return False
-    if h.regenerate[i] != tok:
-        h.diverged = True
-        h.detail = f"the replay sampled {tok} at position {pos} where the session had {h.regenerate[i]}"
-        lose(h)
+    if h.regenerate[i] == tok:
+        h.echo = True
+        return False
+    h.diverged = True
+    h.detail = f"the replay sampled {tok} at position {pos} where the session had {h.regenerate[i]}"
+    lose(h)
     return True
 
 
@@ -334,10 +338,8 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         if tok < 0:
             end(h, "failed", "the last hop's sampling answer carried no token")
             return True
-        if h.regenerate and _regenerated(h, pos, tok):
-            if h.status == "state_lost":
-                return True
-            h.echo = True
+        if h.regenerate and _diverged(h, pos, tok):
+            return True
         h.generated.append(tok)
         h.pending_job, h.feed = None, True
         finished = fin == 1
@@ -377,10 +379,8 @@ def place_token(h: SessionHandle, pos: int, tok: int, finished: bool) -> bool:
     finishing token is now in place."""
     if tok < 0:
         return False
-    if h.regenerate and _regenerated(h, pos, tok):
-        if h.status == "state_lost":
-            return False
-        h.echo = True
+    if h.regenerate and _diverged(h, pos, tok):
+        return False
     early = h.credit.early
     early[pos] = (tok, finished)
     done = False
