@@ -5,6 +5,9 @@ tests/test_continuation.py run the same through a worker)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from producer import ProducerCore, SessionHandle
 from producer.commands import Batch, HSet, XAdd
 from producer.session import known
@@ -39,15 +42,16 @@ def _key(invariant: bool) -> CompatibilityKey:
     )
 
 
-def _lost(invariant: bool = True, max_attempts: int = 3) -> tuple[ProducerCore, SessionHandle]:
-    """A one-hop session of 8 tokens (one decode job per token) that had HAD, its state lost."""
+def _lost(invariant: bool = True, max_attempts: int = 3, had: list[int] = HAD, max_tokens: int = 8
+          ) -> tuple[ProducerCore, SessionHandle]:
+    """A one-hop session of max_tokens (one decode job per token) that had `had`, its state lost."""
     core = ProducerCore(verify_route=False, prefill_chunk=64, max_attempts=max_attempts)
     spec = SessionSpec(session_id="s1", account_id="a", route=(RouteHop(worker_id="w1", key=_key(invariant)),),
-                       max_tokens=8)
+                       max_tokens=max_tokens)
     h = core.new_handle(spec, PROMPT, 0)
     h.credit.n = 1
     core.queue_prefill(Batch(), h)
-    h.generated, h.status = list(HAD), "state_lost"
+    h.generated, h.status = list(had), "state_lost"
     return core, h
 
 
@@ -55,10 +59,10 @@ def _pushed(batch: Batch) -> list[StepJob]:
     return [job_from_fields(op.fields) for op in batch.ops if isinstance(op, XAdd)]
 
 
-def _answer(h: SessionHandle, job: StepJob, token: int) -> StepResult:
+def _answer(h: SessionHandle, job: StepJob, token: int, finished: bool = False) -> StepResult:
     """The worker's OK answer to `job` with `token` (at the position after the job's rows)."""
     return StepResult(job_id=job.job_id, session_id=h.session_id, status=Status.OK, position=job.end_position,
-                      worker_id="w1", token=token)
+                      worker_id="w1", token=token, finished=finished)
 
 
 def _replay(core: ProducerCore, h: SessionHandle) -> list[StepJob]:
@@ -165,3 +169,37 @@ def test_a_divergence_costs_no_attempt() -> None:
                       position=again.start_position, worker_id="w1", reason=Reason.ENGINE_ERROR)
     assert core.apply(h, lost)
     assert _replay(core, h) == [] and h.finished and h.status == "state_lost"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(had=st.lists(st.integers(0, 40), min_size=1, max_size=12), more=st.integers(1, 4),
+       wrong_at=st.none() | st.integers(0, 15), wrong=st.integers(41, 60))
+def test_searched_the_caller_is_told_each_token_once_and_a_divergence_replays_exactly(
+        had: list[int], more: int, wrong_at: int | None, wrong: int) -> None:
+    """Against the oracle (the session's tokens are `had` then `new`): the worker answers the replay's steps with
+    them, except one token at `wrong_at` (one the session had, or a new one) sampled otherwise. What the caller is
+    told (as ProducerCore.ingest passes answers on) is each new token once; a different token among those it had
+    loses the attempt with `generated` the tokens it had, and the next replay re-feeds them all as prompt; a new
+    token sampled otherwise is simply the session's (nothing to check it against)."""
+    new = [41 + (7 * i) % 20 for i in range(more)]
+    oracle = had + new
+    core, h = _lost(had=had, max_tokens=len(oracle))
+    (job,) = _replay(core, h)
+    told: list[int] = []
+    for i, tok in enumerate(oracle):
+        sampled = wrong if i == wrong_at else tok
+        assert core.apply(h, _answer(h, job, sampled, finished=i == len(oracle) - 1))  # max_tokens
+        if not h.echo and h.status != "state_lost":
+            told.append(sampled)
+        if h.status == "state_lost":  # the divergence: never past the tokens it had
+            assert wrong_at is not None and wrong_at < len(had) and i == wrong_at
+            assert h.diverged and h.generated == had and told == []
+            (again,) = _replay(core, h)
+            assert again.tokens == (*PROMPT, *had) and again.attempt == 2 and not h.regenerate
+            return
+        if h.finished:
+            break
+        (job,) = _replay(core, h)
+    assert h.status == "finished" and not h.diverged
+    assert told == h.generated[len(had):] and h.generated[:len(had)] == had
+    assert h.generated == [wrong if i == wrong_at else t for i, t in enumerate(oracle)]
