@@ -195,7 +195,11 @@ class LlamaServer:
     def complete_many(self, prompts: Sequence[Sequence[int]], tokens: int,
                       sampling: Sampling | None = None) -> SideResult:
         """S streamed requests at once; with `sampling`, request i is seeded i (as dgr's session i)."""
-        barrier = threading.Barrier(len(prompts) + 1)
+        # the start is stamped as the barrier releases the requests: stamped after wait() in this thread, a request
+        # thread could send and read its first token first (a negative time to first token, seen against a fast
+        # fake server on a loaded machine)
+        started: list[float] = []
+        barrier = threading.Barrier(len(prompts) + 1, action=lambda: started.append(time.perf_counter()))
         outs: list[dict[str, Any]] = [{} for _ in prompts]
         bodies = [completion_body(p, tokens, sampling=sampling.model_copy(update={"seed": i}) if sampling else None)
                   for i, p in enumerate(prompts)]
@@ -204,7 +208,7 @@ class LlamaServer:
         for t in threads:
             t.start()
         barrier.wait()
-        t0 = time.perf_counter()
+        t0 = started[0]
         for t in threads:
             t.join()
         for o in outs:

@@ -117,7 +117,8 @@ def llama_wave(port: int, prompts: Sequence[Sequence[int]], tokens: int) -> Wave
     from .llama_server import completion_body, parse_sse_line
 
     outs: list[dict[str, Any]] = [{} for _ in prompts]
-    barrier = threading.Barrier(len(prompts) + 1)
+    started: list[float] = []  # stamped as the barrier releases the requests (llama_server.complete_many)
+    barrier = threading.Barrier(len(prompts) + 1, action=lambda: started.append(time.perf_counter()))
 
     def one(body: bytes, out: dict[str, Any]) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -147,7 +148,7 @@ def llama_wave(port: int, prompts: Sequence[Sequence[int]], tokens: int) -> Wave
     for t in threads:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
+    t0 = started[0]
     for t in threads:
         t.join()
     for o in outs:

@@ -90,13 +90,14 @@ def _llama_request(port: int, prompt: list[int], tokens: int, out: dict[str, Any
 def _llama_wave(srv: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     """The same prompts to llama-server at once (`cache_prompt: true`): its slots reuse their own last prompt."""
     outs: list[dict[str, Any]] = [{} for _ in prompts]
-    barrier = threading.Barrier(len(prompts) + 1)
+    started: list[float] = []  # stamped as the barrier releases the requests (llama_server.complete_many)
+    barrier = threading.Barrier(len(prompts) + 1, action=lambda: started.append(time.perf_counter()))
     ths = [threading.Thread(target=_llama_request, args=(srv.port, p, tokens, o, barrier))
            for p, o in zip(prompts, outs, strict=True)]
     for t in ths:
         t.start()
     barrier.wait()
-    t0 = time.perf_counter()
+    t0 = started[0]
     for t in ths:
         t.join()
     return {"wall": max(o["end"] for o in outs) - t0, "ttft": statistics.median(o["first"] - t0 for o in outs),
