@@ -20,6 +20,9 @@ from tests.test_transport import make_key
 POLICY = PlacementPolicy()
 KEYS = ("pre", "dec")
 IDS = block_ids(list(range(160)), prefix_root("pre", "a:acct"), 16)  # 10 blocks
+# Another prompt's chain, sharing no block with IDS: every prompt's ids start at a first block (ids chain their
+# parents, so a later block's id is never another prompt's first: the pool index relies on it)
+ALT = block_ids(list(range(1000, 1160)), prefix_root("pre", "a:acct"), 16)
 
 
 @st.composite
@@ -243,14 +246,18 @@ def test_the_pool_index_chooses_as_choose_placement_after_placement(cs: list[Can
     view.candidates = {c.worker_id: replace(c, held=set(c.held)) for c in cs}
     view.pools = {KEYS: list(view.candidates)}  # type: ignore[dict-item]
     for k in prompts:
-        ids_for = {(16, "account"): IDS[:3 + k], (32, "account"): IDS[k:k + 4], (0, None): IDS[:k + 1]}
+        # what place_hops gives it: per group, the ids of prompts that share leading blocks (a chain's prefixes),
+        # of one first block or another
+        ids_for = {(16, "account"): IDS[:3 + k], (32, "account"): (ALT if k % 2 else IDS)[:k + 1],
+                   (0, None): IDS[:k + 1]}
         got, full = view.choose(KEYS, policy, ids_for)  # type: ignore[arg-type]
         pool = list(view.candidates.values())
         assert got == choose(pool, KEYS, policy, ids_for)
         assert sorted(full) == sorted(c.worker_id for c in pool if c.load >= c.slots and eligible(c, KEYS, policy))
         if got is None:
             return
-        view.note(got, IDS[:3 + k], [])
+        picked = view.candidates[got.worker_id]
+        view.note(got, ids_for[(picked.block_tokens or 0, picked.scope)], [])  # its own group's ids, as place_hops
 
 
 # Prompts of one first block that part at different blocks: a system prompt (blocks 0-3) and others sharing only
