@@ -147,12 +147,17 @@ def bench_serve(out: Out = Path("bench-out/serve"), model: str = "gemma", stream
                 repeats: int = 3, threads: Annotated[int, typer.Option("--threads")] = 0,
                 llama_server: Annotated[bool, typer.Option("--llama-server/--no-llama-server")] = True,
                 quick: Annotated[bool, typer.Option(help="Tiny model, 2 and 4 streams, no llama-server.")] = False,
+                recipe: RecipeOpt = "invariant",
+                extra: Annotated[str, typer.Option(help="Extra `dgr consumer` options, space-separated "
+                                                        "(e.g. \"--repack on\").")] = "",
+                no_repack: Annotated[bool, typer.Option("--with-no-repack/--without-no-repack",
+                                                        help="Also run a llama-server with --no-repack.")] = False,
                 ) -> None:
     """dgr serve's CPU per streamed token and added time to first token against AsyncProducer, and llama-server."""
     from dgrtools.bench.serve import run
 
     run(out, model=model, streams=ints(streams), tokens=tokens, repeats=repeats, threads=threads,
-        llama_server=llama_server, quick=quick)
+        llama_server=llama_server, quick=quick, recipe=recipe, extra=extra.split(), no_repack=no_repack)
 
 
 @bench_app.command("prefill")

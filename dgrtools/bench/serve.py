@@ -14,6 +14,7 @@ sessions through AsyncProducer directly. `--quick`: the tiny model, small sizes,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -110,10 +111,11 @@ async def producer_side(producer: AsyncProducer, prompts: Sequence[Sequence[int]
             "cpu_s": cpu, "cpu_us_per_token": 1e6 * cpu / max(1, n)}
 
 
-async def _sides(redis_url: str, serve_url: str, pid: int, peer_url: str | None, prompts: Sequence[Sequence[int]],
+async def _sides(redis_url: str, serve_url: str, pid: int, peers: dict[str, str], prompts: Sequence[Sequence[int]],
                  tokens: int, repeats: int) -> dict[str, list[dict[str, Any]]]:
-    """Every side `repeats` times, alternated, after one warm-up of each (not recorded), in one event loop."""
-    runs: dict[str, list[dict[str, Any]]] = {"producer": [], "gateway": [], "llama-server": []}
+    """Every side `repeats` times, alternated, after one warm-up of each (not recorded), in one event loop.
+    `peers`: each llama-server side's URL."""
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in ["producer", "gateway", *peers]}
     client = aioredis.Redis.from_url(redis_url)
     producer = AsyncProducer(client)
     try:
@@ -126,8 +128,8 @@ async def _sides(redis_url: str, serve_url: str, pid: int, peer_url: str | None,
             g["cpu_s"] = proc_cpu_s(pid) - c0
             g["cpu_us_per_token"] = 1e6 * g["cpu_s"] / max(1, g["tokens"])
             runs["gateway"].append(g)
-            if peer_url is not None:
-                runs["llama-server"].append(await http_side(peer_url, "m", prompts, tokens))
+            for side, url in peers.items():
+                runs[side].append(await http_side(url, "m", prompts, tokens))
     finally:
         await producer.aclose()
         await client.aclose()
@@ -141,7 +143,10 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
 
 def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64), tokens: int = 64,
         repeats: int = 3, slots: int = 64, threads: int = 0, quick: bool = False,
-        llama_server: bool = True, cache_dir: Path | None = None) -> dict[str, Any]:
+        llama_server: bool = True, cache_dir: Path | None = None, recipe: str = "invariant",
+        extra: Sequence[str] = (), no_repack: bool = False) -> dict[str, Any]:
+    """`recipe` and `extra`: the consumer's (e.g. `--repack on`); `no_repack`: a second llama-server with
+    `--no-repack` (plain weight buffers, as dgr's engine unless it repacks), alternated with the first."""
     from consumer.runtime import resolve_model
     from dgrtools.tokenizer import Tokenizer
     from gateway.stack import ServeProcess
@@ -156,26 +161,28 @@ def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64)
     logs = Path(tempfile.mkdtemp(prefix="dgr-bench-serve-"))
     results: dict[str, Any] = {}
     with LocalRedis(appendonly=False) as server, \
-            ConsumerProcess(server.url, WORKER, path, logs, slots=max(slots, max(streams)), threads=threads):
-        peer = None
+            ConsumerProcess(server.url, WORKER, path, logs, recipe=recipe, slots=max(slots, max(streams)),
+                            threads=threads, extra=list(extra)), \
+            contextlib.ExitStack() as stack:
+        peers: dict[str, str] = {}  # side -> its URL
         if llama_server:
             from .llama_server import LlamaServer
             from .llamacpp_build import build_server
 
             binary = Path(build_server(cache_dir)["binary"])
-            peer = LlamaServer(binary, path, logs, threads=threads or 2, sessions=max(streams), ctx_per_session=1024)
-        try:
-            with ServeProcess(server.url, [f"m={path}"], free_port(), logs) as serve:
-                pid = serve.proc.pid
-                peer_url = f"http://127.0.0.1:{peer.port}" if peer is not None else None
-                for s in streams:
-                    prompts = [tok.encode(p, add_bos=True) for p in prompts_for(s)]
-                    runs = asyncio.run(_sides(server.url, serve.url, pid, peer_url, prompts, tokens, repeats))
-                    results[str(s)] = {side: {k: _median(rs, k) for k in ("tok_s", "ttft_ms", "cpu_us_per_token")}
-                                       | {"runs": rs} for side, rs in runs.items() if rs}
-        finally:
-            if peer is not None:
-                peer.stop()
+            for side, flags in [("llama-server", [])] + ([("llama-server --no-repack", ["--no-repack"])]
+                                                         if no_repack else []):
+                peer = LlamaServer(binary, path, logs, threads=threads or 2, sessions=max(streams),
+                                   ctx_per_session=1024, name=side.replace(" --", "-"), extra=flags)
+                stack.callback(peer.stop)
+                peers[side] = f"http://127.0.0.1:{peer.port}"
+        with ServeProcess(server.url, [f"m={path}"], free_port(), logs) as serve:
+            pid = serve.proc.pid
+            for s in streams:
+                prompts = [tok.encode(p, add_bos=True) for p in prompts_for(s)]
+                runs = asyncio.run(_sides(server.url, serve.url, pid, peers, prompts, tokens, repeats))
+                results[str(s)] = {side: {k: _median(rs, k) for k in ("tok_s", "ttft_ms", "cpu_us_per_token")}
+                                   | {"runs": rs} for side, rs in runs.items() if rs}
     cols = ["streams", "side", "tok/s", "TTFT ms", "CPU us/token", "added TTFT ms", "added CPU us/token"]
     rows: list[list[Any]] = []
     for n_streams, sides in results.items():
@@ -186,11 +193,13 @@ def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64)
             rows.append([n_streams, side, m["tok_s"], m["ttft_ms"] or "-", m["cpu_us_per_token"] or "-", added_ttft,
                          added_cpu])
     table = markdown(cols, rows)
+    consumer = " ".join([f"recipe {recipe}", *extra])
     title = f"dgr serve vs AsyncProducer{' vs llama-server' if llama_server else ''}: {model}, {tokens} tokens, " \
-            f"median of {repeats}" + (" (quick)" if quick else "")
+            f"{consumer}, median of {repeats}" + (" (quick)" if quick else "")
     print(title)
     print(table)
-    payload = {"bench": "serve", "model": str(path), "tokens": tokens, "repeats": repeats, "quick": quick,
+    payload = {"bench": "serve", "model": str(path), "recipe": recipe, "consumer_extra": list(extra),
+               "tokens": tokens, "repeats": repeats, "quick": quick,
                "streams": list(streams), "results": results, "markdown": table, "logs": str(logs)}
     save(out_dir, "serve-quick" if quick else "serve", payload)
     return payload
