@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
+from typing import ClassVar
 
 from schemas import Reason, Status, TokenLogprobs
 
-from .outputs import Answer, BatchItem, ScheduledBatch
+from .outputs import Answer, BatchItem, Outcome, ScheduledBatch
 from .session_table import SessionEntry, SessionState
 from .state import SchedulerState, SessionQueue, _Queued
 
@@ -17,6 +18,10 @@ __all__ = ["OutputProcessor"]
 
 
 class OutputProcessor(SchedulerState):
+    # Decode rows taken in one block (update_from_output): the general path is the definition, and
+    # tests/test_decode_rows.py compares the two with this off on one of two schedulers.
+    inline_decode: ClassVar[bool] = True
+
     def update_from_output(self, batch: ScheduledBatch, tokens: Sequence[int | None], engine_seconds: float,
                            *, logprobs: Sequence[TokenLogprobs | None] | None = None,
                            ended: Collection[int] = ()) -> list[Answer]:
@@ -47,9 +52,18 @@ class OutputProcessor(SchedulerState):
         out: list[Answer] = []
         touched: dict[int, SessionQueue] = {}
         sampled = -1
+        decode = batch.phase == "decode" and self.inline_decode
         for it in batch.items:
             if it.samples:
                 sampled += 1
+            if decode and it.samples and sampled not in ended:
+                got = tokens[sampled]
+                answer = None if got is None else self._decode_row(
+                    it, int(got), seconds / total_rows, batch_size, None if logprobs is None else logprobs[sampled],
+                    touched)
+                if answer is not None:
+                    out.append(answer)
+                    continue
             lane, q = self._claim(it)
             if lane is None or q is None:
                 continue
@@ -76,6 +90,39 @@ class OutputProcessor(SchedulerState):
             out += self._answer_ok(it, lane, q, reached, token, finished, lp, batch.phase, batch_size)
         self._settle(touched)
         return out
+
+    def _decode_row(self, it: BatchItem, token: int, share: float, batch_size: int, lp: TokenLogprobs | None,
+                    touched: dict[int, SessionQueue]) -> Answer | None:
+        """The common row, a decode token of an open session that goes on (its one item in flight, not finished),
+        in one block: the same steps as the general path (_claim, _take_token, _answer_ok, _result) without their
+        calls and keywords, which cost about as much as the steps themselves (docs/benchmarks.md, issue 32).
+        None, nothing changed: any other row, for the general path."""
+        lane = self._inflight.get(it.slot)
+        if lane is None or lane.closed is not None or len(lane.inflight) != 1 or it.n_tokens != 1:
+            return None
+        q, entry = lane.inflight[0], lane.entry
+        spec, job = entry.spec, it.job
+        if q.job is not job or q.in_flight != (it.offset, 1) or entry.generated + 1 >= spec.max_tokens \
+                or token in spec.stop_tokens:
+            return None
+        q.in_flight = None
+        lane.inflight.clear()
+        touched[it.slot] = lane
+        reached = job.start_position + it.offset + 1
+        entry.position = reached
+        entry.engine_seconds += share
+        entry.generated += 1
+        entry.generated_tokens += 1
+        entry.last_token = token
+        entry.state = SessionState.DECODING
+        self.stats.tokens_sampled += 1
+        self.stats.jobs_ok += 1
+        final = q.answered = it.offset + 1 >= job.n
+        q.engine_seconds = 0.0  # as the general path leaves it: this answer carries its own share
+        result = Outcome(job.job_id if it.offset == 0 else f"{job.job_id}.{it.offset}", job.session_id, Status.OK,
+                         None, reached, "", token, False, q.prompt_tokens, share, batch_size, None, lp,
+                         q.cached_tokens, q.prefill_calls)
+        return Answer(q.ref, job, result, spec.account_id, None, None, final)
 
     def _take_token(self, it: BatchItem, entry: SessionEntry, tokens: Sequence[int | None], sampled: int,
                     ended: Collection[int], logprobs: Sequence[TokenLogprobs | None] | None, phase: str
