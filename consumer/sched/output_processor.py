@@ -64,32 +64,38 @@ class OutputProcessor(SchedulerState):
                 if answer is not None:
                     out.append(answer)
                     continue
-            lane, q = self._claim(it)
-            if lane is None or q is None:
-                continue
-            touched[it.slot] = lane
-            share = seconds * it.n_tokens / total_rows
-            # a decode job's answer carries its own call's share (one answer per offset)
-            q.engine_seconds = share if batch.phase == "decode" else q.engine_seconds + share
-            if batch.phase == "prefill":
-                q.prompt_tokens += it.n_tokens
-                q.prefill_calls += 1
-            reached = it.first_position + it.n_tokens
-            if lane.closed is not None:  # closed while the call ran
-                if it.completes_job and not q.answered:
-                    out.append(self._closed_answer(lane, q, reached, batch_size))
-                continue
-            entry = lane.entry
-            entry.position = reached
-            entry.engine_seconds += share
-            if batch.phase == "prefill":
-                entry.prompt_tokens += it.n_tokens
-            if not it.completes_job:
-                continue
-            token, finished, lp = self._take_token(it, entry, tokens, sampled, ended, logprobs, batch.phase)
-            out += self._answer_ok(it, lane, q, reached, token, finished, lp, batch.phase, batch_size)
+            out += self._general_row(it, batch.phase, tokens, sampled, ended, logprobs, seconds, total_rows,
+                                     batch_size, touched)
         self._settle(touched)
         return out
+
+    def _general_row(self, it: BatchItem, phase: str, tokens: Sequence[int | None], sampled: int,
+                     ended: Collection[int], logprobs: Sequence[TokenLogprobs | None] | None, seconds: float,
+                     total_rows: int, batch_size: int, touched: dict[int, SessionQueue]) -> list[Answer]:
+        """One item of a successful call, any kind (the definition: _decode_row short-cuts the common decode
+        row): positions advance, its share of the engine time is charged, a job it completes is answered."""
+        lane, q = self._claim(it)
+        if lane is None or q is None:
+            return []
+        touched[it.slot] = lane
+        share = seconds * it.n_tokens / total_rows
+        # a decode job's answer carries its own call's share (one answer per offset)
+        q.engine_seconds = share if phase == "decode" else q.engine_seconds + share
+        if phase == "prefill":
+            q.prompt_tokens += it.n_tokens
+            q.prefill_calls += 1
+        reached = it.first_position + it.n_tokens
+        if lane.closed is not None:  # closed while the call ran
+            return [self._closed_answer(lane, q, reached, batch_size)] if it.completes_job and not q.answered else []
+        entry = lane.entry
+        entry.position = reached
+        entry.engine_seconds += share
+        if phase == "prefill":
+            entry.prompt_tokens += it.n_tokens
+        if not it.completes_job:
+            return []
+        token, finished, lp = self._take_token(it, entry, tokens, sampled, ended, logprobs, phase)
+        return self._answer_ok(it, lane, q, reached, token, finished, lp, phase, batch_size)
 
     def _decode_row(self, it: BatchItem, token: int, share: float, batch_size: int, lp: TokenLogprobs | None,
                     touched: dict[int, SessionQueue]) -> Answer | None:
