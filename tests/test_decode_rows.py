@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from schemas import Sampling, Status, StepJob
 from tests.test_scheduler import DIGESTS, admit, fake_logits, make, opening, report
 
 VOCAB = 12
+SOAK = os.environ.get("DGR_SOAK") == "1"
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def _tokens(s: Scheduler, b: ScheduledBatch) -> list[int | None]:
     return list(BatchSampler(VOCAB)(b, EngineOutput.logits(fake_logits(b, VOCAB, target))))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=2000 if SOAK else 150, deadline=None)
 @given(st.lists(plans, min_size=1, max_size=7), st.integers(1, 6), st.integers(1, 6),
        st.frozensets(st.integers(0, 40), max_size=3))
 def test_decode_rows_in_one_block_answer_as_the_general_path(ps: list[Plan], slots: int, max_batch: int,
