@@ -132,7 +132,9 @@ class SessionHandle:
     # rebuilt by the attempt from []; each token it places below len(regenerate) must equal the one there (else
     # the replay diverged: replayed again the exact way, `diverged`), and is not the caller's news (`echo`).
     regenerate: list[int] = field(default_factory=list)
-    echo: bool = False  # the last answer applied placed a regenerated token: not passed on to the caller
+    # the last answer applied is not the caller's news, not passed on: a token it had, decoded again, or one that
+    # differs from it there (the attempt is lost: `diverged`)
+    echo: bool = False
     diverged: bool = False  # a regenerated token differed: later replays re-feed the tokens as prompt
     ramp: bool = False  # its opening pushes its first continuation with it (producer/steps.py): so does a replay
     credit: Credit = field(default_factory=Credit)
@@ -263,9 +265,9 @@ def restore(h: SessionHandle) -> list[int]:
 
 
 def _diverged(h: SessionHandle, pos: int, tok: int) -> bool:
-    """A token the attempt decodes again (at `pos`, below what the caller had) is checked: equal, it is flagged
-    `echo` (not the caller's news); different, the attempt is lost (replayed feeding the tokens as prompt,
-    `diverged`) and True is returned."""
+    """A token the attempt decodes again (at `pos`, below what the caller had) is checked and flagged `echo` (not
+    the caller's news); when it differs, the attempt is lost (replayed feeding the tokens as prompt, `diverged`)
+    and True is returned."""
     i = pos - len(h.prompt)
     if i >= len(h.regenerate):
         return False
@@ -273,6 +275,7 @@ def _diverged(h: SessionHandle, pos: int, tok: int) -> bool:
         h.echo = True
         return False
     h.diverged = True
+    h.echo = True  # not the caller's token: it has its own there, and the next attempt gives that one again
     h.detail = f"the replay sampled {tok} at position {pos} where the session had {h.regenerate[i]}"
     lose(h)
     return True
@@ -290,7 +293,8 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
           es: float, charged_p: int, charged_g: int, charged_k: int = 0) -> bool:
     """One answer to the session's job `s` (a row: offset, status code, position, token or -1, finished, extra,
     engine seconds, what the counters charged). False when it changes nothing (a token already placed).
-    `h.echo`: set when the answer placed a token the caller had (a replay decoding its tokens again)."""
+    `h.echo`: set when the answer is not the caller's news (a replay decoding a token the caller had, the same or
+    another)."""
     job = s.job
     h.echo = False
     if job.n > 1 and st == _OK:  # a continuation: one answer per token, then the job has ended
