@@ -15,12 +15,13 @@ import itertools
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from consumer.batch import FusedBatch
@@ -31,6 +32,7 @@ from producer import ProducerCore, SessionHandle
 from producer.commands import Batch, XAdd
 from schemas import Reason, RouteHop, Sampling, SessionSpec, Status, StepJob, StepResult, job_from_fields
 from schemas.step import end_job_id, result_job_id
+from schemas.wire import split_result_id
 from tests.doubles.null import NullEngine
 from tests.memory_transport import MemoryTransport
 
@@ -47,10 +49,11 @@ def _mix(h: int, position: int, token: int) -> int:
 class HistoryEngine(NullEngine):
     """Logits: a one-hot row at (hash of the slot's rows so far) mod vocab. Rows out of order are recorded."""
 
-    def __init__(self, n_slots: int) -> None:
+    def __init__(self, n_slots: int, wrong: Callable[[int, int], bool] | None = None) -> None:
         super().__init__(n_slots=n_slots, ctx_per_session=4096, vocab_size=VOCAB)
         self.state: dict[int, tuple[int, int]] = {}  # slot -> (next position, hash)
         self.errors: list[str] = []
+        self.wrong = wrong  # wrong(slot, position): this row's logits peak one token off (a broken promise)
 
     def step(self, batch: FusedBatch) -> npt.NDArray[np.float32]:
         out = []
@@ -62,7 +65,7 @@ class HistoryEngine(NullEngine):
             h = _mix(h, pos, tok)
             self.state[slot] = (pos + 1, h)
             if wants:
-                out.append(h % VOCAB)
+                out.append((h + 1) % VOCAB if self.wrong is not None and self.wrong(slot, pos) else h % VOCAB)
         logits = np.zeros((len(out), VOCAB), np.float32)
         logits[np.arange(len(out)), out] = 4.0
         return logits
@@ -112,17 +115,24 @@ class Run:
     crashed: bool = False
     extra: dict[str, int] = field(default_factory=dict)
     told: dict[str, list[int]] = field(default_factory=dict)  # the tokens a caller's callback would get, in order
+    # (session, attempt) whose replay sampled a token the session had differently (`diverge`): its answers are
+    # the lost attempt's, left out of the checks by position
+    diverged: set[tuple[str, int]] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)  # job id -> its attempt
 
 
 def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None, ramp: bool = False,
-        max_iterations: int = 5_000, prefill_budget: int = 512, hold: int | None = None) -> Run:
+        max_iterations: int = 5_000, prefill_budget: int = 512, hold: int | None = None,
+        diverge: bool = False) -> Run:
     """Drive the sessions through ProducerCore (credit) and a Worker on the in-memory transport. A crash
     (after the iteration's completion) replaces worker and engine; entries read and not acked are handed
     out again, as the transport's recovery does. The early hold (consumer/worker/early.py) runs on a clock of one
     second an iteration and lasts `hold` of them (default 10; a small `prefill_budget` keeps the reader from the
     prefill stream meanwhile): on the wall clock a run that needs a hold to expire (a crash after a session's
     opening was answered and before its ramped continuation was: the new worker holds that continuation for an
-    opening that never comes again) would end before it does."""
+    opening that never comes again) would end before it does. `diverge`: the engine after the crash breaks its
+    promise once, on the first row that samples again a token a replayed session had (its Tracker loses that
+    attempt and replays it feeding the tokens as prompt: docs/invariance.md, item 4)."""
     t = MemoryTransport()
     engines: list[HistoryEngine] = []
     cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0,
@@ -130,8 +140,21 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     clock = [0.0]
     workers: list[Worker] = []
 
+    injected: list[str] = []
+
+    def wrong(slot: int, pos: int) -> bool:
+        sid = workers[-1].lanes[0].scheduler.table.session_at(slot)
+        h = handles.get(sid or "")
+        if injected or h is None or h.attempt == 0:
+            return False
+        g = pos + 1 - len(by_sid[h.session_id].prompt)  # the token this row samples, among the generated
+        if 0 <= g < len(h.regenerate):
+            injected.append(h.session_id)
+            return True
+        return False
+
     def new_worker() -> Worker:
-        engines.append(HistoryEngine(n_slots))
+        engines.append(HistoryEngine(n_slots, wrong if diverge and workers else None))
         w = Worker(engines[-1], t, cfg)
         w.admission.clock = lambda: clock[0]
         w.start()
@@ -149,10 +172,14 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             ops = sorted(ops, key=lambda op: not (isinstance(op, XAdd) and op.stream.endswith(":decode")))
         for op in ops:
             if isinstance(op, XAdd):
-                d = t.push(job_from_fields(op.fields))
+                job = job_from_fields(op.fields)
+                attempts[job.job_id] = job.attempt
+                d = t.push(job)
                 entries[d.entry_id] = t.queues[d.stream][-1]
 
     stops: dict[str, tuple[int, ...]] = {}
+    attempts: dict[str, int] = {}
+    diverged: set[tuple[str, int]] = set()
     handles: dict[str, SessionHandle] = {}
     by_sid: dict[str, Sess] = {}
     for i, s in enumerate(sessions):
@@ -208,8 +235,11 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             h = handles[r.session_id]
             s = by_sid[r.session_id]
             # as ProducerCore.ingest passes answers on: applied, and not a token a replay sampled again
+            was = h.diverged
             if core.apply(h, r) and not h.echo and r.status == Status.OK and r.token is not None:
                 told.setdefault(r.session_id, []).append(r.token)
+            if h.diverged and not was:
+                diverged.add((r.session_id, attempts[split_result_id(r.job_id)[0]]))
             seen_by[r.session_id] += 1
             if s.cancel_after is not None and r.session_id not in cancelled and len(h.generated) >= s.cancel_after:
                 cancelled.add(r.session_id)
@@ -244,7 +274,8 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     unacked = [x.ref for e, x in entries.items() if e not in acked]
     return Run(handles, published, order, again, unacked, [e for eng in engines for e in eng.errors],
                cancelled, stops, crashed, {"held": sum(x.stats.early_held for x in workers),
-                                           "calls": sum(x.stats.fused_calls for x in workers)}, told)
+                                           "calls": sum(x.stats.fused_calls for x in workers),
+                                           "injected": len(injected)}, told, diverged, attempts)
 
 
 def check(sessions: list[Sess], r: Run) -> None:
@@ -261,7 +292,8 @@ def check(sessions: list[Sess], r: Run) -> None:
             assert (h.status, got) == ("finished", want), (sid, h.status, h.reason, h.detail, got, want)
         # its caller is told each token once, in order, a replay's tokens sampled again included
         assert r.told.get(sid, []) == got, (sid, r.told.get(sid), got)
-        mine = [x for x in r.order if x.session_id == sid]
+        mine = [x for x in r.order if x.session_id == sid
+                and (sid, r.attempts.get(split_result_id(x.job_id)[0], 0)) not in r.diverged]
         # one published result per token the session got, none after its last; a replay that samples the tokens
         # again (producer/steps.py `regenerates`) answers them again, the same token at each position
         by_position: dict[int, StepResult] = {}
@@ -333,6 +365,33 @@ def test_ramped_continuations_survive_holds_shorter_than_their_prompts_take(
 
 
 # ---- kept cases --------------------------------------------------------------------------------------
+
+@settings(max_examples=600 if SOAK else 40, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ss=sessions(), extra_slots=st.integers(0, 3), max_batch=st.integers(1, 8), crash_at=st.integers(0, 40),
+       ramp=st.booleans())
+def test_a_replay_that_samples_a_token_wrong_is_replayed_exactly(ss: list[Sess], extra_slots: int, max_batch: int,
+                                                                  crash_at: int, ramp: bool) -> None:
+    """The crash search with an engine that, after the crash, samples once a token a replayed session had
+    differently (docs/invariance.md, item 4): that attempt is lost, the next feeds the tokens as prompt, and every
+    session still ends with its tokens alone, its caller told each once, the answers of the other attempts
+    consistent by position (fails with the divergence check off: tests/test_replay_regenerate.py)."""
+    r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp, diverge=True)
+    event(f"a replay diverged: {bool(r.diverged)}")
+    assert len(r.diverged) <= r.extra["injected"] <= 1
+    check(ss, r)
+
+
+def test_a_diverged_replay_is_replayed_exactly_once_more() -> None:
+    """The search above is not vacuous: a greedy session crashed mid-decode diverges at its first row sampled
+    again and is replayed again, the tokens fed as prompt."""
+    s = Sess(prompt=(3, 4, 5), max_tokens=30, n=4)
+    r = run([s], 1, 4, crash_at=8, diverge=True)
+    check([s], r)
+    (h,) = r.handles.values()
+    assert r.extra["injected"] == 1 and len(r.diverged) == 1 and h.diverged and h.attempt == 2, \
+        (r.extra, r.diverged, h.attempt)
+
 
 def test_continuation_decodes_without_a_new_job_and_ids_are_derived() -> None:
     s = Sess(prompt=(5, 6, 7), max_tokens=40, n=16)
