@@ -378,18 +378,22 @@ def test_refusals_never_stand_in_front_of_honest_answers_in_time(
 
     worker.transport.complete = recording  # type: ignore[method-assign]
 
-    def step_ms() -> float:
-        """Push both sessions' next decode steps, serve them: ms until their tokens were filed."""
+    def step_ms() -> tuple[float, int]:
+        """Push both sessions' next decode steps, serve them: ms until their tokens were filed, and the worker's
+        iterations until then."""
         t0 = time.perf_counter()
         for sid in honest:
             h.decode(sid, h.tokens[sid][-1])
         served = {sid: len(h.tokens[sid]) for sid in honest}
+        iterations = until_filed = 0
         while any(len(h.tokens[s]) == served[s] for s in honest):
             worker.run_once()
+            iterations += 1
+            until_filed = until_filed or (iterations if any(f[1] for f in filed) else 0)
             h.poll(push_next=False)
-        return 1e3 * (next(f[0] for f in filed if f[1]) - t0)
+        return 1e3 * (next(f[0] for f in filed if f[1]) - t0), until_filed
 
-    baseline_ms = step_ms()
+    baseline_ms, baseline_iterations = step_ms()
     filed.clear()
     keys = WorkerKeys(WID)
     pre = worker.keys["prefill"]  # type: ignore[index]
@@ -402,19 +406,22 @@ def test_refusals_never_stand_in_front_of_honest_answers_in_time(
         if i % 10 == 0:
             pipe.xadd(stream, {b"v": b"2", b"j": b"{not json"})
     pipe.execute()
-    waited_ms = step_ms()
+    waited_ms, iterations = step_ms()
     first_honest = next(i for i, f in enumerate(filed) if f[1])
     first_refusal = next(i for i, f in enumerate(filed) if f[2])
     assert first_honest < first_refusal, filed
     refusals_ms = 1e3 * (filed[first_refusal][0] - filed[first_honest][0])
     print(f"\nhonest tokens filed {waited_ms:.1f} ms after their steps were pushed behind 1,100 refused entries "
-          f"({baseline_ms:.1f} ms without them); the refusals' completion took {refusals_ms:.1f} ms after that")
-    # What is left of the burst's cost in front of honest work: reading and admitting the entries read
-    # past (~25 us each, max_read_entries 1,024 per iteration: ~30 ms alone, 122 ms seen once in the whole
-    # suite on 2 loaded cores; 167-243 ms before, when the refusals were filed first). Filing them first
-    # again would add only their completion (7-9 ms) here: the order assertion above is what catches it;
-    # this bound says the burst costs one iteration's reading, not more.
-    assert waited_ms <= baseline_ms + 250, (waited_ms, baseline_ms)
+          f"({baseline_ms:.1f} ms without them, iterations {iterations} against {baseline_iterations}); the "
+          f"refusals' completion took {refusals_ms:.1f} ms after that")
+    # What is left of the burst's cost in front of honest work: reading and admitting the entries read past
+    # (~25 us each, max_read_entries 1,024 per iteration: 60-95 ms alone, 122 and 297 ms seen in the whole suite
+    # on 2 loaded cores; 167-243 ms before, when the refusals were filed first). Filing them first again would
+    # add only their completion (7-9 ms) here: the order assertion above is what catches it. The burst costs
+    # one iteration's reading, not more: counted in the worker's iterations, not in time (a loaded machine's
+    # milliseconds say nothing of it); the time is a loose bound against a pathological case only.
+    assert iterations <= baseline_iterations + 1, (iterations, baseline_iterations)
+    assert waited_ms <= baseline_ms + 2000, (waited_ms, baseline_ms)
     for sid in honest:
         if not h.results[sid][-1].finished:
             h.decode(sid, h.tokens[sid][-1])
