@@ -73,6 +73,49 @@ def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Re
     assert p.core.fleet.prefilling == {} and p.core.fleet.pending == {}
 
 
+def test_a_moved_session_whose_replay_diverges_tells_its_caller_each_token_once(
+        redis_client: redis.Redis, make_producer: MakeProducer) -> None:
+    """A worker lost mid-decode, and the workers its sessions move to sample the first token of each replay one
+    off (a batch-invariant engine breaking its promise): each moved session's replay diverges and is replayed
+    again feeding its tokens, and what its caller's callback got, in order, is its tokens once each: neither a
+    token it had (sampled again) nor the one that differed (tests/test_continuation.py searches the same)."""
+    ws = [FakeWorker(redis_client, worker_id=f"d{i}", diverge_replays=True) for i in range(3)]
+    for w in ws:
+        w.t.heartbeat({"slots": 4, "busy_slots": 0})
+    prompts = {f"v{i}": [1 + i, 2, 3, 4, 5] for i in range(6)}
+    sessions = [(SessionTemplate(session_id=sid, account_id="acct-v", keys=(make_key("prefill"),),
+                                 options={"max_tokens": 12}), p) for sid, p in prompts.items()]
+    dead: list[str] = []
+    told: dict[str, list[int]] = {}
+
+    def on_result(h: SessionHandle, r: StepResult) -> None:
+        if r.token is not None:
+            told.setdefault(h.session_id, []).append(r.token)
+        if not dead and len(h.generated) >= 3:
+            victim = next(w for w in ws if w.worker_id == h.worker_id)
+            victim._stop.set()
+            assert victim._thread is not None
+            victim._thread.join(5)
+            redis_client.delete(WorkerKeys(victim.worker_id).heartbeat)
+            dead.append(victim.worker_id)
+
+    p = make_producer(redis_client, decode_n=1, placement=PlacementPolicy(lost_s=5.0, lost_check_s=0.05))
+    for w in ws:
+        w.__enter__()
+    try:
+        out = p.run_many(sessions, on_result=on_result)
+    finally:
+        for w in ws:
+            if w.worker_id not in dead:
+                w.__exit__(None, None, None)
+    moved = [h for h in out.values() if h.attempt > 0]
+    assert dead and moved and all(h.diverged and h.attempt == 2 for h in moved), \
+        [(h.session_id, h.attempt, h.diverged) for h in moved]
+    for sid, h in out.items():
+        assert h.status == "finished" and h.generated == expected_tokens(sid, 5, 12), (sid, h.status, h.detail)
+        assert told[sid] == h.generated, (sid, told[sid], h.generated)
+
+
 def test_a_silent_worker_keeps_its_sessions_until_the_bound(redis_client: redis.Redis) -> None:
     """Within lost_s nothing moves (a pause, a flap); past it the sessions move once and stay moved."""
     from producer import Producer

@@ -62,6 +62,10 @@ class FakeWorker:
     client: redis.Redis
     worker_id: str = WORKER
     lose_state_at: set[tuple[str, int]] = field(default_factory=set)  # (session, start_position): once
+    # the first token of a session's first replay sampled one off (an engine breaking the batch-invariance
+    # promise once per session: the Tracker, sampling the tokens again, must see it differ)
+    diverge_replays: bool = False
+    diverged: set[str] = field(default_factory=set)
     settings: TransportSettings = field(default_factory=lambda: TransportSettings(block_ms=20, gather_ms=1))
     sessions: dict[str, _Session] = field(default_factory=dict)
     cancelled: set[str] = field(default_factory=set)
@@ -117,6 +121,9 @@ class FakeWorker:
         if not job.sample:
             return res(Status.OK, prompt=prompt), s.spec.account_id, None
         token = token_at(sid, job.end_position)
+        if self.diverge_replays and job.attempt == 1 and sid not in self.diverged:
+            self.diverged.add(sid)
+            token += 1
         s.generated += 1
         finished = s.generated >= s.spec.max_tokens or token in s.spec.stop_tokens
         if finished:
