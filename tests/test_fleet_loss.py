@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -28,27 +30,31 @@ def charged(client: redis.Redis, workers: list[str], account: str) -> dict[str, 
     return out
 
 
-def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Redis,
-                                                         make_producer: MakeProducer) -> None:
-    ws = [FakeWorker(redis_client, worker_id=f"f{i}") for i in range(3)]
+def run_with_a_loss(client: redis.Redis, make_producer: MakeProducer, ws: list[FakeWorker], account: str,
+                    on_token: Callable[[SessionHandle, StepResult], None] | None = None
+                    ) -> tuple[Any, dict[str, SessionHandle], list[str]]:
+    """Six placed sessions (5-token prompts, 12 tokens) on the fake workers `ws`; once one has 3 tokens its worker
+    dies for good (its thread stopped, its heartbeat key gone): (the driver under test, the handles, the dead
+    worker). `on_token`: told each answer with a token, as the Run's callback gets it."""
     for w in ws:
         w.t.heartbeat({"slots": 4, "busy_slots": 0})
-    prompts = {f"m{i}": [1 + i, 2, 3, 4, 5] for i in range(6)}
-    sessions = [(SessionTemplate(session_id=sid, account_id="acct-m", keys=(make_key("prefill"),),
+    prompts = {f"{account}-{i}": [1 + i, 2, 3, 4, 5] for i in range(6)}
+    sessions = [(SessionTemplate(session_id=sid, account_id=account, keys=(make_key("prefill"),),
                                  options={"max_tokens": 12}), p) for sid, p in prompts.items()]
     dead: list[str] = []
 
     def on_result(h: SessionHandle, r: StepResult) -> None:
+        if on_token is not None and r.token is not None:
+            on_token(h, r)
         if not dead and len(h.generated) >= 3:  # mid-decode: its worker dies for good
             victim = next(w for w in ws if w.worker_id == h.worker_id)
             victim._stop.set()
             assert victim._thread is not None
             victim._thread.join(5)
-            redis_client.delete(WorkerKeys(victim.worker_id).heartbeat)  # as its key expiring
+            client.delete(WorkerKeys(victim.worker_id).heartbeat)  # as its key expiring
             dead.append(victim.worker_id)
 
-    p = make_producer(redis_client, decode_n=1,
-                      placement=PlacementPolicy(lost_s=5.0, lost_check_s=0.05))
+    p = make_producer(client, decode_n=1, placement=PlacementPolicy(lost_s=5.0, lost_check_s=0.05))
     for w in ws:
         w.__enter__()
     try:
@@ -58,13 +64,20 @@ def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Re
             if w.worker_id not in dead:
                 w.__exit__(None, None, None)
     assert dead
+    return p, out, dead
+
+
+def test_a_lost_workers_sessions_move_and_are_billed_once(redis_client: redis.Redis,
+                                                         make_producer: MakeProducer) -> None:
+    ws = [FakeWorker(redis_client, worker_id=f"f{i}") for i in range(3)]
+    p, out, dead = run_with_a_loss(redis_client, make_producer, ws, "acct-m")
     moved = [h for h in out.values() if h.attempt > 0]
     assert moved and all(h.worker_id != dead[0] for h in out.values())
     for sid, h in out.items():
         assert h.status == "finished", (sid, h.status, h.detail)
         assert h.generated == expected_tokens(sid, 5, 12), sid
     got = charged(redis_client, [w.worker_id for w in ws], "acct-m")
-    assert got["prompt_tokens"] == 5 * len(sessions) and got["generated_tokens"] == 12 * len(sessions), got
+    assert got["prompt_tokens"] == 5 * len(out) and got["generated_tokens"] == 12 * len(out), got
     assert got["recomputed_tokens"] >= 8 * len(moved), got  # at least prompt + 3 generated, per moved session
     stats = p.fleet()
     assert stats[dead[0]]["moved_out"] == len(moved) and stats[dead[0]]["lost"]
@@ -79,37 +92,16 @@ def test_a_moved_session_whose_replay_diverges_tells_its_caller_each_token_once(
     off (a batch-invariant engine breaking its promise): each moved session's replay diverges and is replayed
     again feeding its tokens, and what its caller's callback got, in order, is its tokens once each: neither a
     token it had (sampled again) nor the one that differed (tests/test_continuation.py searches the same)."""
-    ws = [FakeWorker(redis_client, worker_id=f"d{i}", diverge_replays=True) for i in range(3)]
-    for w in ws:
-        w.t.heartbeat({"slots": 4, "busy_slots": 0})
-    prompts = {f"v{i}": [1 + i, 2, 3, 4, 5] for i in range(6)}
-    sessions = [(SessionTemplate(session_id=sid, account_id="acct-v", keys=(make_key("prefill"),),
-                                 options={"max_tokens": 12}), p) for sid, p in prompts.items()]
-    dead: list[str] = []
     told: dict[str, list[int]] = {}
 
-    def on_result(h: SessionHandle, r: StepResult) -> None:
-        if r.token is not None:
-            told.setdefault(h.session_id, []).append(r.token)
-        if not dead and len(h.generated) >= 3:
-            victim = next(w for w in ws if w.worker_id == h.worker_id)
-            victim._stop.set()
-            assert victim._thread is not None
-            victim._thread.join(5)
-            redis_client.delete(WorkerKeys(victim.worker_id).heartbeat)
-            dead.append(victim.worker_id)
+    def on_token(h: SessionHandle, r: StepResult) -> None:
+        assert r.token is not None
+        told.setdefault(h.session_id, []).append(r.token)
 
-    p = make_producer(redis_client, decode_n=1, placement=PlacementPolicy(lost_s=5.0, lost_check_s=0.05))
-    for w in ws:
-        w.__enter__()
-    try:
-        out = p.run_many(sessions, on_result=on_result)
-    finally:
-        for w in ws:
-            if w.worker_id not in dead:
-                w.__exit__(None, None, None)
+    ws = [FakeWorker(redis_client, worker_id=f"d{i}", diverge_replays=True) for i in range(3)]
+    _, out, _ = run_with_a_loss(redis_client, make_producer, ws, "acct-v", on_token)
     moved = [h for h in out.values() if h.attempt > 0]
-    assert dead and moved and all(h.diverged and h.attempt == 2 for h in moved), \
+    assert moved and all(h.diverged and h.attempt == 2 for h in moved), \
         [(h.session_id, h.attempt, h.diverged) for h in moved]
     for sid, h in out.items():
         assert h.status == "finished" and h.generated == expected_tokens(sid, 5, 12), (sid, h.status, h.detail)
