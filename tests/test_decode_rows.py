@@ -15,6 +15,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from consumer.batch import EngineOutput
+from consumer.sampler import BatchSampler
 from consumer.sched import Answer, ScheduledBatch, Scheduler
 from schemas import Sampling, Status, StepJob
 from tests.test_scheduler import DIGESTS, admit, fake_logits, make, opening, report
@@ -86,8 +88,7 @@ def drive(ps: list[Plan], slots: int, max_batch: int, fail_at: frozenset[int], i
         else:
             rows = sum(1 for it in b.items if it.samples)
             lps = [f"lp-{t}-{r}" for r in range(rows)] if t % 3 == 0 else None
-            got = report(s, b, fake_logits(b, VOCAB, target), 0.001 * len(b.fused)) if lps is None else \
-                s.update_from_output(b, _tokens(s, b), 0.001 * len(b.fused), logprobs=lps)  # type: ignore[arg-type]
+            got = s.update_from_output(b, _tokens(b), 0.001 * len(b.fused), logprobs=lps)  # type: ignore[arg-type]
         answers += got
         for a in got:  # the Tracker's next continuation once a job's last token is in and the session goes on
             r = a.result
@@ -95,13 +96,13 @@ def drive(ps: list[Plan], slots: int, max_batch: int, fail_at: frozenset[int], i
                     and not r.finished:
                 admit(s, continuation(a.job.session_id, r.position, a.job.n, next(jobs)))
         out.append(after(answers))
+    else:
+        raise AssertionError("the scheduler still had work after 200 calls")
     return out
 
 
-def _tokens(s: Scheduler, b: ScheduledBatch) -> list[int | None]:
-    from consumer.batch import EngineOutput
-    from consumer.sampler import BatchSampler
-
+def _tokens(b: ScheduledBatch) -> list[int | None]:
+    """What the worker's sampler draws from the call's rows (tests/test_scheduler.py `report`)."""
     return list(BatchSampler(VOCAB)(b, EngineOutput.logits(fake_logits(b, VOCAB, target))))
 
 
