@@ -692,6 +692,32 @@ def test_cancel_while_the_completing_item_is_in_flight() -> None:
     assert s.drain_released() == [0]
 
 
+def test_a_cancelled_step_is_answered_at_one_position_whenever_the_cancel_is_read() -> None:
+    """Before its call, while it runs (the call then succeeds or fails), or before it is admitted: the same
+    CANCELLED answer at the position the session had reached (tests/test_overlap.py drives the worker with the
+    cancel read at different times with overlap on and off, and compares the answers)."""
+    def answered(when: str) -> tuple[object, ...]:
+        s = make()
+        ok_open(s, "a")  # 4 prompt tokens: the step feeds position 4
+        if when == "unadmitted":
+            assert s.cancel("a") == []
+            got = admit(s, decode("a", 4))
+            assert got is not None
+            return got.result.status, got.result.position
+        assert admit(s, decode("a", 4)) is None
+        if when == "queued":
+            (o,) = s.cancel("a")
+            return o.result.status, o.result.position
+        b = s.next_batch()
+        assert b is not None
+        assert s.cancel("a") == []
+        (o,) = run(s, b) if when == "ran" else s.fail(b, "boom")
+        return o.result.status, o.result.position
+
+    assert {w: answered(w) for w in ("unadmitted", "queued", "ran", "failed")} == {
+        w: (Status.CANCELLED, 4) for w in ("unadmitted", "queued", "ran", "failed")}
+
+
 def test_fail_after_cancel_answers_cancelled() -> None:
     s = make()
     ok_open(s, "a")

@@ -84,9 +84,11 @@ class OutputProcessor(SchedulerState):
         if phase == "prefill":
             q.prompt_tokens += it.n_tokens
             q.prefill_calls += 1
+        if lane.closed is not None:  # closed while the call ran: answered where it stood before these rows, as
+            # a job closed before its call (cancel) or after (a failed call) is, whenever the cancel was read
+            return [self._closed_answer(lane, q, lane.entry.position, batch_size)] \
+                if it.completes_job and not q.answered else []
         reached = it.first_position + it.n_tokens
-        if lane.closed is not None:  # closed while the call ran
-            return [self._closed_answer(lane, q, reached, batch_size)] if it.completes_job and not q.answered else []
         entry = lane.entry
         entry.position = reached
         entry.engine_seconds += share
