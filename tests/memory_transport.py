@@ -140,7 +140,7 @@ class MemoryTransport:
         session's last ok answer published (its tally entry's, else its session hash's) is at or past the
         step's last result position (its attempt, `end_position`), or at or past its first one when the
         session is closed (not cancelled) and has no tally entry (a continuation that finished early), or
-        when its job id was answered not ok (its marker)."""
+        when its job id or a continuation job's ending answer was answered not ok (its marker)."""
         self.round_trips += 1
         answered: set[str] = set()
         for j in steps:
@@ -149,8 +149,9 @@ class MemoryTransport:
             last = led if led is not None else hashed.last if hashed is not None else None
             first = j.start_position + 1 if j.phase == "decode" else j.end_position  # its first result's position
             closed_early = led is None and hashed is not None and hashed.closed not in (None, "cancelled")
-            if j.job_id in self.markers or (last is not None and (last >= (j.attempt, j.end_position)
-                                                                 or (closed_early and last >= (j.attempt, first)))):
+            marked = j.job_id in self.markers or j.answer_id(0, ok=False) in self.markers
+            if marked or (last is not None and (last >= (j.attempt, j.end_position)
+                                                 or (closed_early and last >= (j.attempt, first)))):
                 answered.add(j.job_id)
         return answered, {s for s in session_ids if s in self.cancel_markers}
 

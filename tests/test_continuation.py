@@ -393,6 +393,18 @@ def test_a_diverged_replay_is_replayed_exactly_once_more() -> None:
         (r.extra, r.diverged, h.attempt)
 
 
+def test_a_twice_pushed_continuation_ended_before_a_crash_is_not_answered_again() -> None:
+    """Found by the search above under DGR_SOAK=1: a session that stops at its first token ends its ramped
+    continuation REJECTED (under `<job>.end`); after a crash its twin reached the new worker, which had never
+    held the session and answered it state_lost under the same id (`checks` looked for the job id's marker
+    only; the completion script's marker kept the second answer from being published). Now known as answered."""
+    ss = [Sess(prompt=(54, 41, 34, 19, 21, 5, 7, 4), max_tokens=7, n=2, stop_at=0, dup_every=1),
+          Sess(prompt=(54,), max_tokens=1, n=1)]
+    r = run(ss, 2, 1, crash_at=1, ramp=True)
+    check(ss, r)  # its twin is acked with no new answer (r.unacked is empty)
+    assert r.crashed
+
+
 def test_continuation_decodes_without_a_new_job_and_ids_are_derived() -> None:
     s = Sess(prompt=(5, 6, 7), max_tokens=40, n=16)
     r = run([s], 1, 4)

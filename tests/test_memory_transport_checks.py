@@ -120,6 +120,12 @@ def test_named_cases_answer_as_the_redis_transport(redis_client: redis.Redis) ->
     b.file([not_ok(lost)])
     assert b.answered([lost, other]) == {lost.job_id}
 
+    # a continuation job ended not ok (its answer under `<job>.end`, StepJob.answer_id): answered, so a twin of it
+    # that reaches a process which never held the session (after a crash) is not answered again (state_lost)
+    ended, cont_next = decode("ended", L, n=2), decode("ended", L + 2, n=2)
+    b.file([ok(prefill("ended"), close="finished"), not_ok(ended, Status.REJECTED, account=ACCOUNT)])
+    assert b.answered([ended, cont_next]) == {ended.job_id}
+
     # a late answer (a step that was in the engine call when its session closed) goes into the closed session
     # hash, not a tally entry: the session stays closed, and its continuation counts from its first position
     late, ghost_next = decode("late", L + 1, n=3), decode("late", L + 2, n=3)

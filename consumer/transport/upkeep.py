@@ -111,7 +111,7 @@ class Upkeep:
         published is at or past the step's last result position (the tally, or the session hash once
         closed: docs/accounting.md), or at or past its first one when the session is closed and not open
         again (a continuation that finished early; not when it was closed cancelled), or it was answered not
-        ok (its `res:` marker)."""
+        ok (its `res:` marker: the job id's, or the ending answer's of a continuation job)."""
         if not steps and not session_ids:
             return set(), set()
         io, keys = self.io, self.io.keys
@@ -122,7 +122,9 @@ class Upkeep:
             for j in jobs:
                 pipe.hget(keys.tally, j.session_id)
                 pipe.hmget(keys.session_account(j.session_id), "att", "pub", "closed")
-                pipe.exists(keys.result_record(j.job_id))
+                # a continuation job's ending answer (not ok) is filed under its own result id (StepJob.answer_id)
+                pipe.exists(*dict.fromkeys((keys.result_record(j.job_id),
+                                            keys.result_record(j.answer_id(0, ok=False)))))
             for sid in sids:
                 pipe.exists(keys.cancel_marker(sid))
             return pipe.execute()
