@@ -130,6 +130,12 @@ class WorkerSettings:
     # publish (Gemma on 2 cores measured slower with it, the tiny model and the sleep engines faster).
     overlap_max_call_ms: float = setting(20.0,
                                          'Overlap only while fused calls take less than this (ms; 0: always).')
+    # A longer call runs in the loop's thread (its cores are the engine's), but its Redis round trips still go
+    # to the I/O thread: the next read while it computes, its filing while the loop builds the next call. What
+    # the engine then waits for between two calls is the sampling and the scheduler, not Redis
+    # (docs/benchmarks.md, issue 32: Gemma's idle per call, 1.5 ms of it the filing and 0.55 the read).
+    overlap_io: bool = setting(True, "With overlap on, a call longer than overlap_max_call_ms still has its "
+                                     "reads and filing on the I/O thread.")
     # Threads sampling the rows of a call that need more than an argmax (numpy and llama.cpp's grammar
     # calls release the GIL). The engine waits for the sampled tokens (one call in flight), so its cores
     # are free while the loop samples, on a CPU worker too: up to 4, no more than this process may use.

@@ -59,8 +59,9 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               engine: Annotated[str, typer.Option(help="llama, or sleep:<time> (e.g. sleep:2ms): an engine that "
                                                        "only sleeps per fused call, a stand-in for a GPU step.")
                                 ] = "llama",
-              overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, or both (two consumers, "
-                                                        "alternated in one run).")] = "on",
+              overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, both (two consumers, "
+                                                        "alternated in one run) or io (on against "
+                                                        "--no-overlap-io).")] = "on",
               ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
@@ -79,8 +80,8 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
             parse_sleep_spec(engine)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-    if overlap not in ("on", "off", "both"):
-        raise typer.BadParameter(f"overlap must be on, off or both, not {overlap!r}")
+    if overlap not in ("on", "off", "both", "io"):
+        raise typer.BadParameter(f"overlap must be on, off, both or io, not {overlap!r}")
     if len(recipes) > 1:
         run_recipes(out, recipes, model=model, batch_sizes=ints(batches), tokens=tokens, repeats=repeats,
                     threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)

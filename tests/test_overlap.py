@@ -154,14 +154,16 @@ def _accounts(client: redis.Redis, wid: str) -> dict[str, dict[bytes, bytes]]:
     return out
 
 
-def _drive(client: redis.Redis, plans: list[Plan], overlap: bool) -> tuple[dict[int, list[tuple[object, ...]]],
-                                                                           dict[str, dict[bytes, bytes]]]:
+def _drive(client: redis.Redis, plans: list[Plan], overlap: bool, here: bool = False
+           ) -> tuple[dict[int, list[tuple[object, ...]]], dict[str, dict[bytes, bytes]]]:
+    """`here`: with overlap, each call in the loop's thread, its reads and filing on the I/O thread (a long
+    call's iteration, Worker._mode)."""
     wid = f"ov{next(_runs)}"
     w = _worker(client, wid, overlap)
     d = Driver(client, w, wid, plans)
     for it in range(400):
         d.tick(it)
-        w.run_once(flush=not overlap)
+        w.run_once(flush=not overlap, here=here)
         if it > 6 and d.settled():
             break
     w.flush()
@@ -179,13 +181,20 @@ def test_overlap_changes_no_result_and_no_account(real_redis: redis.Redis, plans
     on = _drive(real_redis, plans, overlap=True)
     assert on[0] == off[0]
     assert on[1] == off[1]
+    here = _drive(real_redis, plans, overlap=True, here=True)
+    assert here == off
 
 
-def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis) -> None:
+@pytest.mark.parametrize("step_s", [0.0, 0.025])
+def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis, step_s: float) -> None:
     """run() with overlap on, stopped while sessions decode: every token the engine produced is published
-    before run() returns (no result left in flight), and the last heartbeat says stopped."""
+    before run() returns (no result left in flight), and the last heartbeat says stopped. Calls of 25 ms (longer
+    than overlap_max_call_ms) run in the loop's thread, their reads and filings on the I/O thread."""
     wid = f"ov{next(_runs)}"
-    w = _worker(real_redis, wid, overlap=True)
+    w = _worker(real_redis, wid, overlap=True, step_s=step_s)
+    modes: list[dict[str, bool]] = []
+    mode = w._mode
+    w._mode = lambda: modes.append(mode()) or modes[-1]  # type: ignore[method-assign]
     plans = [Plan(0, (5, 6, 7), 10_000 // 100, False, None, False) for _ in range(6)]
     d = Driver(real_redis, w, wid, plans)
     stop_at = threading.Event()
@@ -209,6 +218,7 @@ def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis)
     published = sum(len(entry_results(real_redis.xrange(WorkerKeys(wid).results(d.sid(i))))) for i in range(len(plans)))
     assert published == w.stats.sessions_in_calls  # one result per session per fused call, all out
     assert b'"stopped":true' in (real_redis.get(WorkerKeys(wid).heartbeat) or b"")
+    assert ({"flush": False, "here": True} in modes) is (step_s > 0)
 
 
 def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis: redis.Redis) -> None:
@@ -243,21 +253,24 @@ def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis
 
 
 def test_the_overlap_is_used_only_while_fused_calls_are_short(real_redis: redis.Redis) -> None:
-    """overlap_max_call_ms: after a fused call longer than it, the loop publishes in line; 0: always overlap."""
-    for step_s, limit, expect in ((0.03, 20.0, False), (0.03, 0.0, True), (0.0, 20.0, True)):
+    """overlap_max_call_ms: after a fused call longer than it, the call runs in the loop's thread, its reads and
+    filing still on the I/O thread (overlap_io), or everything in line (overlap_io off); 0: always overlap."""
+    overlapped, here, in_line = {"flush": False}, {"flush": False, "here": True}, {"flush": True}
+    for step_s, limit, io, expect in ((0.03, 20.0, True, here), (0.03, 20.0, False, in_line),
+                                      (0.03, 0.0, True, overlapped), (0.0, 20.0, True, overlapped)):
         wid = f"ov{next(_runs)}"
-        w = _worker(real_redis, wid, overlap=True, step_s=step_s, overlap_max_call_ms=limit)
+        w = _worker(real_redis, wid, overlap=True, step_s=step_s, overlap_max_call_ms=limit, overlap_io=io)
         d = Driver(real_redis, w, wid, [Plan(0, (5, 6), 3, False, None, False)])
-        assert w._overlapping()  # before any call
+        assert w._mode() == overlapped  # before any call
         for it in range(50):
             d.tick(it)
-            w.run_once(flush=not w._overlapping())
+            w.run_once(**w._mode())
             if w.stats.fused_calls:
                 break
         w.flush()
-        assert w._overlapping() is expect
+        assert w._mode() == expect
     off = _worker(real_redis, f"ov{next(_runs)}", overlap=False, overlap_max_call_ms=0.0)
-    assert not off._overlapping()
+    assert off._mode() == in_line
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -422,17 +435,17 @@ def test_every_fused_call_runs_on_one_thread_whether_it_overlaps_or_not(real_red
     w.start()
     plans = [Plan(i % 3, (5 + i, 6, 7), 6, i % 2 == 0, None, False) for i in range(6)]
     d = Driver(real_redis, w, wid, plans)
-    flushed = overlapped = 0
+    kinds: dict[bool, int] = {False: 0, True: 0}  # iterations overlapped, and with the call in the loop's thread
     for it in range(600):
         d.tick(it)
-        flush = not w._overlapping()
-        flushed, overlapped = flushed + flush, overlapped + (not flush)
-        w.run_once(flush=flush)
+        mode = w._mode()
+        kinds[mode.get("here", False)] += 1
+        w.run_once(**mode)
         if it > 6 and d.settled():
             break
     w.flush()
     d.tick(10_000)
-    assert d.settled() and flushed and overlapped  # both kinds of iteration ran
+    assert d.settled() and kinds[False] and kinds[True]  # both kinds of iteration ran
     assert engine.n > 4 and len(engine.threads) == 1 and next(iter(engine.threads)).startswith("dgr-engine")
     seen_off, _ = _drive(real_redis, plans, overlap=False)
     assert {i: [(r.status, r.reason, r.position, r.token, r.finished) for r in rs] for i, rs in d.seen.items()} == \

@@ -14,8 +14,8 @@ delivery ledger and the I/O thread (which files them), metrics, the next admissi
 The I/O thread likewise reads ahead while a call computes. The loop reads for itself (blocking up to
 `block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next steps of sessions
 that hold no credit (a Tracker that pushes one job per token). With `overlap` off (or calls longer than
-`overlap_max_call_ms`: a CPU engine whose threads want both cores) everything runs in the loop's
-thread, in order.
+`overlap_max_call_ms`: a CPU engine whose threads want both cores) the call runs in the loop's thread, its
+reads and filing still on the I/O thread (`overlap_io`); with `overlap` off everything runs in order.
 
 Several engines (an `EngineSet`: a small and a large model, one per state layout): one lane per engine
 (lane.py), each with its own streams, scheduler, sampler and slots. One read covers every lane's
@@ -134,7 +134,7 @@ class Worker:
         try:
             try:
                 while not self._stop.is_set():
-                    if self.run_once(flush=not self._overlapping()):
+                    if self.run_once(**self._mode()):
                         idle_since = time.monotonic()
                     elif max_idle_s is not None and time.monotonic() - idle_since > max_idle_s:
                         break
@@ -166,10 +166,14 @@ class Worker:
             lane.sampler.close()  # its grammars hold the engine's vocabulary: freed before the engine is
 
     # ---- the I/O thread ---------------------------------------------------------------------
-    def _overlapping(self) -> bool:
-        """Hand reads and completions to the I/O thread? (settings.overlap, while fused calls are short)"""
-        limit = self.settings.overlap_max_call_ms
-        return self.settings.overlap and (limit <= 0 or 1e3 * self._last_call_s <= limit)
+    def _mode(self) -> dict[str, bool]:
+        """run_once's keywords: calls on the engine thread while they are short (settings.overlap), else in the
+        loop's thread with the Redis round trips on the I/O thread (overlap_io), else everything in order."""
+        st = self.settings
+        short = st.overlap_max_call_ms <= 0 or 1e3 * self._last_call_s <= st.overlap_max_call_ms
+        if st.overlap and (short or st.overlap_io):
+            return {"flush": False} if short else {"flush": False, "here": True}
+        return {"flush": True}
 
     def flush(self) -> None:
         """Finish the call on the engine thread and file its answers, then wait for what the I/O thread
@@ -240,12 +244,13 @@ class Worker:
         self._prefetched = self.io.submit(work)
 
     # ---- one iteration ---------------------------------------------------------------------
-    def run_once(self, *, flush: bool = True) -> bool:
+    def run_once(self, *, flush: bool = True, here: bool = False) -> bool:
         """One iteration. flush=False (the loop, with `overlap` on): the next read and this call's
-        completion may still be on the I/O thread on return."""
+        completion may still be on the I/O thread on return; `here` (with flush=False): the call runs in the
+        loop's thread, not on the engine thread, the next read on the I/O thread meanwhile."""
         t0 = time.perf_counter()
-        if flush:
-            self._settle_in_flight(flush=True)
+        if flush or here:
+            self._settle_in_flight(flush=flush)  # a call started by an iteration on the engine thread
         self._housekeeping()
         got = self._take_prefetched()
         admitted, cancelled, refused = self._intake(got)
@@ -260,6 +265,7 @@ class Worker:
             lane, batch = picked
             if not flush:
                 self._prefetch()
+            if not flush and not here:
                 self.in_flight.start(lane, batch, after_finish=call is not None)  # call k + 1 computes from here on
             else:
                 ran, call = run_here(self.calls, self.engine_idle, lane, batch,
@@ -333,8 +339,7 @@ class Worker:
 
     # ---- lanes -------------------------------------------------------------------------------
     def _register(self) -> Sequence[str]:
-        """Every lane's keys (so its streams); the names the transport gives back, in key order, are each
-        lane's streams."""
+        """Every lane's keys (so its streams); the names the transport gives back (in key order): its streams."""
         names = self.transport.register(self.lanes.keys(), self._info())
         self.lanes.bind(names)
         return names
@@ -347,15 +352,13 @@ class Worker:
             log.exception("cancellation failed", extra={"session": session_id})
             return []
 
-    def _session_busy(self, session_id: str) -> bool:
-        lane = self.lanes.holding(session_id)
-        return lane is not None and lane.scheduler.session_busy(session_id)
-
     def _idle_sessions(self) -> list[str]:
         """Open sessions with no step admitted or served for idle_session_s: cancelled like any other."""
         if self.idle is None:
             return []
-        due = self.idle.due(lambda sid: self.lanes.holding(sid) is not None, self._session_busy)
+        holding = self.lanes.holding
+        due = self.idle.due(lambda sid: holding(sid) is not None,
+                            lambda sid: (lane := holding(sid)) is not None and lane.scheduler.session_busy(sid))
         for sid in due:
             self.stats.sessions_idle_cancelled += 1
             log.info("idle session cancelled", extra={"session": sid, "idle_s": self.idle.idle_s})
@@ -367,8 +370,7 @@ class Worker:
         carried = {c.result.session_id for c in completions if c.close is not None}
         todo = [Closure(cs.session_id, cs.kind, cs.account_id or None) for lane in self.lanes
                 for cs in lane.scheduler.drain_closed() if cs.session_id not in carried]
-        todo += [Closure(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
-        return todo
+        return todo + [Closure(sid, "cancelled") for sid in cancelled_not_held if sid not in carried]
 
     def _release_slots(self, *, defer_saves: bool = False) -> None:
         if self.in_flight.busy:

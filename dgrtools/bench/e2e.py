@@ -16,9 +16,10 @@ the service.
 
 `--engine sleep:2ms` (consumer/engines/sleep.py) stands in for a GPU step: the raw side is then the
 engine-bound rate (B tokens per sleep), and e2e / raw is the loop's efficiency at that step time.
-`--overlap on|off|both`: the consumer's overlap setting; `both` runs two consumers (one each) in the same
+`--overlap on|off|both|io`: the consumer's overlap setting; `both` runs two consumers (one each) in the same
 Redis and alternates them, so the two sides are measured within one run (the on side then overlaps
-whatever the fused call's length: --overlap-max-call-ms 0).
+whatever the fused call's length: --overlap-max-call-ms 0); `io` the same with the default against
+`--no-overlap-io` (a long call's reads and filing in the loop's thread, in order).
 """
 
 from __future__ import annotations
@@ -154,14 +155,18 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
     return PREFILL_PROMPT / (time.perf_counter() - t0)
 
 
-OVERLAPS = ("on", "off", "both")
+OVERLAPS = ("on", "off", "both", "io")
 
 
 def _overlap_args(side: str, overlap: str) -> list[str]:
     """The consumer's flags for one side. With `both`, the on side overlaps whatever the call length
-    (--overlap-max-call-ms 0): the comparison is then the overlap itself, not its length rule."""
+    (--overlap-max-call-ms 0): the comparison is then the overlap itself, not its length rule. With `io`, the
+    default (on) against `in-order`: calls longer than overlap_max_call_ms with their reads and filing in the
+    loop's thread too (--no-overlap-io)."""
     if side == "off":
         return ["--no-overlap"]
+    if side == "in-order":
+        return ["--overlap", "--no-overlap-io"]
     return ["--overlap", "--overlap-max-call-ms", "0"] if overlap == "both" else ["--overlap"]
 
 
@@ -190,13 +195,13 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
         model = engine_kind
     slots = max(batch_sizes)
     ctx = 1024  # the prefill measurement's prompt needs PREFILL_PROMPT + 1 positions
-    overlaps = ("on", "off") if overlap == "both" else (overlap,)
+    overlaps = {"both": ("on", "off"), "io": ("on", "in-order")}.get(overlap, (overlap,))
     sides = [(smp, ov) for smp in samplings for ov in overlaps]
     labels = {side: _side_label(*side, samplings, overlaps) for side in sides}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dgr-bench-") as tmp, LocalRedis() as server:
         extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
-        consumers = {ov: ConsumerProcess(server.url, f"bench-e2e-{ov}" if overlap == "both" else "bench-e2e",
+        consumers = {ov: ConsumerProcess(server.url, f"bench-e2e-{ov}" if len(overlaps) > 1 else "bench-e2e",
                                          path, Path(tmp), engine=engine_kind, recipe=recipe, slots=slots,
                                          threads=threads, extra=[*extra, *_overlap_args(ov, overlap)])
                      for ov in overlaps}
@@ -266,8 +271,8 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
                "prefill_prompt": PREFILL_PROMPT, "prefill_tok_s": prefill,
                "markdown": markdown(cols, data)}
     name = result_name(model.replace(":", "-"), recipe, sampling.replace(",", "+"), decode_n)
-    if overlap == "both":
-        name += "-overlap"
+    if overlap in ("both", "io"):
+        name += "-overlap" if overlap == "both" else "-overlap-io"
     save(out_dir, name, payload)
     bs = [float(r["batch"]) for r in rows]
     plot(out_dir, name, f"decode tokens/s, {model} ({recipe}, {sampling} sampling)", "concurrent sessions",
