@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import threading
 import time
@@ -219,6 +220,34 @@ def test_a_stop_in_the_middle_publishes_every_call_made(real_redis: redis.Redis,
     assert published == w.stats.sessions_in_calls  # one result per session per fused call, all out
     assert b'"stopped":true' in (real_redis.get(WorkerKeys(wid).heartbeat) or b"")
     assert ({"flush": False, "here": True} in modes) is (step_s > 0)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_the_heartbeat_is_the_io_threads_when_the_loop_hands_it_redis(real_redis: redis.Redis, flush: bool) -> None:
+    """A beat (lease, heartbeat, lag, trim: five round trips, worker/beat.py) goes to the I/O thread with the
+    filings when the loop overlaps (the engine does not wait for it), and runs in the loop's thread in line; the
+    heartbeat it writes is the loop's state when it was due."""
+    wid = f"ov{next(_runs)}"
+    w = _worker(real_redis, wid, overlap=not flush, heartbeat_s=0.0)
+    threads: list[str] = []
+    renew = w.transport.renew_lease
+
+    def renew_lease() -> None:
+        threads.append(threading.current_thread().name)
+        renew()
+
+    w.transport.renew_lease = renew_lease  # type: ignore[method-assign]
+    d = Driver(real_redis, w, wid, [Plan(0, (5, 6, 7), 4, False, None, False)])
+    for it in range(40):
+        d.tick(it)
+        w.run_once(flush=flush)
+        if it > 6 and d.settled():
+            break
+    w.flush()
+    assert d.settled() and threads
+    assert {t.startswith(f"dgr-io-{wid}") for t in threads} == {not flush}
+    hb = json.loads(real_redis.get(WorkerKeys(wid).heartbeat) or b"{}")
+    assert hb["worker_id"] == wid and hb["slots"] == 8
 
 
 def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis: redis.Redis) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from types import FrameType
 
 from schemas import Phase, Reason
@@ -46,6 +47,7 @@ from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Filing, FusedCallStats, Transport
 from .admission import Admitted, EntryAdmission, Prefetched
+from .beat import beat
 from .calls import CallContext, EngineIdle, InFlightCall, run_here
 from .idle import IdleSessions
 from .io_thread import IOThread
@@ -251,7 +253,7 @@ class Worker:
         t0 = time.perf_counter()
         if flush or here:
             self._settle_in_flight(flush=flush)  # a call started by an iteration on the engine thread
-        self._housekeeping()
+        self._housekeeping(in_line=flush)
         got = self._take_prefetched()
         admitted, cancelled, refused = self._intake(got)
         self.stats.read_seconds += admitted.read_s
@@ -382,12 +384,12 @@ class Worker:
         self.lanes.release_slots(defer_saves=defer_saves)
 
     # ---- periodic --------------------------------------------------------------------------
-    def _housekeeping(self) -> None:
+    def _housekeeping(self, in_line: bool) -> None:
         now = time.monotonic()
         tr = self.transport
         due_beat = now - self._last_heartbeat >= self.settings.heartbeat_s
         due_recover = now - self._last_recover >= self.settings.recover_every_s
-        if tr.outages != self._outages_seen or due_beat or due_recover:
+        if tr.outages != self._outages_seen or due_recover or (due_beat and in_line):
             # The lease check, the heartbeat, trims and the ownership sweep see the transport with
             # nothing in flight (the sweep reads which entries are still outstanding).
             self.flush()
@@ -395,17 +397,12 @@ class Worker:
             self._after_outage()
         if due_beat:
             self._last_heartbeat = now
-            tr.renew_lease()  # LeaseLost when another process took over (a long pause)
-            tr.heartbeat(self._info(), prefix_summary(self.lanes, self.metrics))  # docs/prefix-cache.md
-            lags = tr.input_lag()
-            for stream, lag in lags.items():
-                self.metrics.input_lag.labels(self._m, stream).set(lag.get("lag", 0))
-                self.metrics.input_pending.labels(self._m, stream).set(lag.get("pending", 0))
-            if self.settings.exit_when_drained and getattr(tr, "draining", False) and not self.lanes.busy_slots() \
-                    and not any(v.get("lag", 0) or v.get("pending", 0) for v in lags.values()):
-                log.info("drained and empty: stopping", extra={"worker": self._m})
-                self._stop.set()
-            tr.trim()
+            work = partial(beat, tr, self._info(), prefix_summary(self.lanes, self.metrics), self.metrics, self._m,
+                           self.settings.exit_when_drained, self.lanes.busy_slots(), self._stop)
+            if in_line:
+                work()
+            else:  # after the filings handed over before it (worker/beat.py)
+                self.io.submit(work)
         if now - self._last_recover >= self.settings.recover_every_s:
             self._last_recover = now
             self._recover()
