@@ -62,6 +62,8 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
               overlap: Annotated[str, typer.Option(help="The consumer's overlap: on, off, both (two consumers, "
                                                         "alternated in one run) or io (on against "
                                                         "--no-overlap-io).")] = "on",
+              compare: Annotated[str, typer.Option(help="Options of a second consumer (e.g. \"--sampler-threads "
+                                                        "1\"), alternated with the first in this run.")] = "",
               ) -> None:
     """Decode tokens/s through Redis next to the raw fused engine at the same batch, alternating; and the
     prefill tok/s of a 512-token prompt through the service."""
@@ -82,13 +84,15 @@ def bench_e2e(out: Out = Path("bench-out/e2e"), model: str = "gemma", batches: B
             raise typer.BadParameter(str(e)) from None
     if overlap not in ("on", "off", "both", "io"):
         raise typer.BadParameter(f"overlap must be on, off, both or io, not {overlap!r}")
+    if compare and overlap not in ("on", "off"):
+        raise typer.BadParameter(f"--compare takes --overlap on or off, not {overlap!r}")
     if len(recipes) > 1:
         run_recipes(out, recipes, model=model, batch_sizes=ints(batches), tokens=tokens, repeats=repeats,
                     threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n)
         return
     run(out, model=model, batch_sizes=ints(batches), tokens=tokens, repeats=repeats, recipe=recipes[0],
         threads=threads, n_gpu_layers=n_gpu_layers, sampling=sampling, decode_n=decode_n, engine_kind=engine,
-        overlap=overlap)
+        overlap=overlap, compare=tuple(compare.split()))
 
 
 @bench_app.command("sampler")

@@ -18,7 +18,7 @@ from consumer.cli import command_line
 from consumer.engines.sleep import SleepEngine, parse_sleep_spec
 from consumer.runtime import make_engine
 from dgrtools.bench import report
-from dgrtools.bench.e2e import SAMPLINGS, token_gaps
+from dgrtools.bench.e2e import SAMPLINGS, _overlap_args, token_gaps
 from dgrtools.bench.llama_server import completion_body
 
 
@@ -100,11 +100,24 @@ def test_peer_request_bodies_carry_dgrs_sampling() -> None:
     assert typical["prompt"] == [1, 2] and typical["n_predict"] == 16 and typical["ignore_eos"]
 
 
+def test_each_e2e_side_starts_its_consumer_with_its_own_options() -> None:
+    """The sides `dgr bench e2e` alternates in one run: --overlap both / io, and --compare's second consumer (the
+    first one's flags and the options compared)."""
+    assert _overlap_args("on", "on") == ["--overlap"]
+    assert _overlap_args("off", "both") == ["--no-overlap"]
+    assert _overlap_args("on", "both") == ["--overlap", "--overlap-max-call-ms", "0"]
+    assert _overlap_args("in-order", "io") == ["--overlap", "--no-overlap-io"]
+    compare = ("--sampler-threads", "1")
+    assert _overlap_args("compare", "on", compare) == ["--overlap", "--sampler-threads", "1"]
+    assert _overlap_args("compare", "off", compare) == ["--no-overlap", "--sampler-threads", "1"]
+
+
 @pytest.mark.parametrize("args", [
     ["bench", "e2e", "--engine", "sleep:fast"],
     ["bench", "e2e", "--overlap", "sometimes"],
     ["bench", "e2e", "--sampling", "greedy,nucleus"],
     ["bench", "peer", "--sampling", "warm"],
+    ["bench", "e2e", "--overlap", "io", "--compare", "--sampler-threads 1"],
 ])
 def test_bench_options_refused_before_anything_runs(args: list[str]) -> None:
     res = CliRunner().invoke(command_line(), [*args, "--out", "/nonexistent/never-written"])

@@ -19,7 +19,9 @@ engine-bound rate (B tokens per sleep), and e2e / raw is the loop's efficiency a
 `--overlap on|off|both|io`: the consumer's overlap setting; `both` runs two consumers (one each) in the same
 Redis and alternates them, so the two sides are measured within one run (the on side then overlaps
 whatever the fused call's length: --overlap-max-call-ms 0); `io` the same with the default against
-`--no-overlap-io` (a long call's reads and filing in the loop's thread, in order).
+`--no-overlap-io` (a long call's reads and filing in the loop's thread, in order). `--compare "OPTIONS"`: a
+second consumer with these `dgr consumer` options too (e.g. "--sampler-threads 1"), alternated with the first in
+the same run (a tuning measured within one run: these machines drift more between runs than most changes).
 """
 
 from __future__ import annotations
@@ -158,11 +160,13 @@ def e2e_prefill_rate(producer: Producer, consumer: ConsumerProcess, tag: str, se
 OVERLAPS = ("on", "off", "both", "io")
 
 
-def _overlap_args(side: str, overlap: str) -> list[str]:
+def _overlap_args(side: str, overlap: str, compare: tuple[str, ...] = ()) -> list[str]:
     """The consumer's flags for one side. With `both`, the on side overlaps whatever the call length
     (--overlap-max-call-ms 0): the comparison is then the overlap itself, not its length rule. With `io`, the
     default (on) against `in-order`: calls longer than overlap_max_call_ms with their reads and filing in the
-    loop's thread too (--no-overlap-io)."""
+    loop's thread too (--no-overlap-io). The `compare` side: the first side's flags and `compare`."""
+    if side == "compare":
+        return [*_overlap_args(overlap, overlap), *compare]
     if side == "off":
         return ["--no-overlap"]
     if side == "in-order":
@@ -170,16 +174,19 @@ def _overlap_args(side: str, overlap: str) -> list[str]:
     return ["--overlap", "--overlap-max-call-ms", "0"] if overlap == "both" else ["--overlap"]
 
 
-def _side_label(sampling: str, overlap: str, samplings: tuple[str, ...], overlaps: tuple[str, ...]) -> str:
-    parts = ([sampling] if len(samplings) > 1 else []) + ([f"overlap {overlap}"] if len(overlaps) > 1 else [])
+def _side_label(sampling: str, overlap: str, samplings: tuple[str, ...], overlaps: tuple[str, ...],
+                compare: tuple[str, ...] = ()) -> str:
+    consumer = " ".join(compare) if overlap == "compare" else f"overlap {overlap}"
+    parts = ([sampling] if len(samplings) > 1 else []) + ([consumer] if len(overlaps) > 1 else [])
     return ", ".join(parts) or "e2e"
 
 
 def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), tokens: int = 64,
         repeats: int = 2, recipe: str = "invariant", threads: int = 0, n_gpu_layers: int = 0,
         sampling: str = "greedy", engine_kind: str = "llama", overlap: str = "on",
-        decode_n: int = DECODE_N) -> dict[str, Any]:
-    """`sampling` may name several (comma-separated) and `overlap` may be `both`: every (sampling, overlap)
+        decode_n: int = DECODE_N, compare: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`sampling` may name several (comma-separated) and `overlap` may be `both` (or `compare` given): every
+    (sampling, consumer)
     side is measured in this run, alternating with the raw side and with each other (the order reversed
     every other repeat); ratios to the first side are reported. The first side's figures keep the
     single-side names (e2e_tok_s, efficiency...); every side's are in row["sides"]."""
@@ -189,21 +196,24 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
         raise ValueError(f"sampling must be among {', '.join(SAMPLINGS)}, not {sampling!r}")
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {', '.join(OVERLAPS)}, not {overlap!r}")
+    if compare and overlap not in ("on", "off"):
+        raise ValueError(f"compare takes one overlap side (on or off), not {overlap!r}")
     sleep = engine_kind.startswith("sleep:")
     path = resolve_model("tiny" if sleep else model)  # the sleep engine reads no model
     if sleep:
         model = engine_kind
     slots = max(batch_sizes)
     ctx = 1024  # the prefill measurement's prompt needs PREFILL_PROMPT + 1 positions
-    overlaps = {"both": ("on", "off"), "io": ("on", "in-order")}.get(overlap, (overlap,))
+    overlaps = {"both": ("on", "off"), "io": ("on", "in-order")}.get(overlap, (overlap, "compare") if compare
+                                                                     else (overlap,))
     sides = [(smp, ov) for smp in samplings for ov in overlaps]
-    labels = {side: _side_label(*side, samplings, overlaps) for side in sides}
+    labels = {side: _side_label(*side, samplings, overlaps, compare) for side in sides}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dgr-bench-") as tmp, LocalRedis() as server:
         extra = ["--heartbeat-s", "0.2", "--ctx-per-session", str(ctx), "--n-gpu-layers", str(n_gpu_layers)]
         consumers = {ov: ConsumerProcess(server.url, f"bench-e2e-{ov}" if len(overlaps) > 1 else "bench-e2e",
                                          path, Path(tmp), engine=engine_kind, recipe=recipe, slots=slots,
-                                         threads=threads, extra=[*extra, *_overlap_args(ov, overlap)])
+                                         threads=threads, extra=[*extra, *_overlap_args(ov, overlap, compare)])
                      for ov in overlaps}
         engine = make_engine(path, kind=engine_kind, recipe=recipe,  # type: ignore[arg-type]
                              n_slots=slots, ctx_per_session=ctx, n_threads=threads or None, n_gpu_layers=n_gpu_layers)
@@ -273,6 +283,8 @@ def run(out_dir: Path, *, model: str = "tiny", batch_sizes: tuple[int, ...] = (1
     name = result_name(model.replace(":", "-"), recipe, sampling.replace(",", "+"), decode_n)
     if overlap in ("both", "io"):
         name += "-overlap" if overlap == "both" else "-overlap-io"
+    if compare:
+        name += "-compare"
     save(out_dir, name, payload)
     bs = [float(r["batch"]) for r in rows]
     plot(out_dir, name, f"decode tokens/s, {model} ({recipe}, {sampling} sampling)", "concurrent sessions",
