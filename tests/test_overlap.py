@@ -155,6 +155,16 @@ def _accounts(client: redis.Redis, wid: str) -> dict[str, dict[bytes, bytes]]:
     return out
 
 
+def _run_until_settled(d: Driver, w: Worker, iterations: int = 400, **mode: bool) -> None:
+    """The Tracker's ticks and the worker's iterations (run_once(**mode)) until every session ended, then a flush."""
+    for it in range(iterations):
+        d.tick(it)
+        w.run_once(**mode)
+        if it > 6 and d.settled():
+            break
+    w.flush()
+
+
 def _drive(client: redis.Redis, plans: list[Plan], overlap: bool, here: bool = False
            ) -> tuple[dict[int, list[tuple[object, ...]]], dict[str, dict[bytes, bytes]]]:
     """`here`: with overlap, each call in the loop's thread, its reads and filing on the I/O thread (a long
@@ -162,12 +172,7 @@ def _drive(client: redis.Redis, plans: list[Plan], overlap: bool, here: bool = F
     wid = f"ov{next(_runs)}"
     w = _worker(client, wid, overlap)
     d = Driver(client, w, wid, plans)
-    for it in range(400):
-        d.tick(it)
-        w.run_once(flush=not overlap, here=here)
-        if it > 6 and d.settled():
-            break
-    w.flush()
+    _run_until_settled(d, w, flush=not overlap, here=here)
     d.tick(10_000)
     assert d.settled(), "the workload did not finish"
     seen = {i: [(r.status, r.reason, r.position, r.token, r.finished, r.accounting.prompt_tokens,
@@ -238,12 +243,7 @@ def test_the_heartbeat_is_the_io_threads_when_the_loop_hands_it_redis(real_redis
 
     w.transport.renew_lease = renew_lease  # type: ignore[method-assign]
     d = Driver(real_redis, w, wid, [Plan(0, (5, 6, 7), 4, False, None, False)])
-    for it in range(40):
-        d.tick(it)
-        w.run_once(flush=flush)
-        if it > 6 and d.settled():
-            break
-    w.flush()
+    _run_until_settled(d, w, 40, flush=flush)
     assert d.settled() and threads
     assert {t.startswith(f"dgr-io-{wid}") for t in threads} == {not flush}
     hb = json.loads(real_redis.get(WorkerKeys(wid).heartbeat) or b"{}")
@@ -378,12 +378,7 @@ def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: re
     w.start()
     plans = [Plan(i % 3, (5 + i, 6, 7), 6, i % 2 == 0, 2 if i % 3 == 0 else None, i % 2 == 1) for i in range(8)]
     d = Driver(real_redis, w, wid, plans)
-    for it in range(400):
-        d.tick(it)
-        w.run_once(flush=False)
-        if it > 6 and d.settled():
-            break
-    w.flush()
+    _run_until_settled(d, w, flush=False)
     d.tick(10_000)
     assert d.settled() and engine.clashes == 0
     assert engine.threads and all(name.startswith("dgr-engine") for name in engine.threads)  # the calls ran there
