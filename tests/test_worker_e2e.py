@@ -139,10 +139,14 @@ def test_cancellation_mid_prefill_and_mid_decode_then_slot_reuse(redis_server: L
         assert proc.stop() == 0, proc.log()
 
 
+@pytest.mark.parametrize("extra", [(), ("--overlap-max-call-ms", "0.001")], ids=["default", "calls-in-the-loop"])
 def test_kill_9_then_restart_every_session_completes_exactly(redis_server: LocalRedis, tiny_model_path: Path,
-                                                             tmp_path: Path, solo_cache: dict) -> None:  # type: ignore[type-arg]
-    worker = "e2e-crash"
-    proc = ConsumerProcess(redis_server.url, worker, tiny_model_path, tmp_path, slots=4)
+                                                             tmp_path: Path, solo_cache: dict,  # type: ignore[type-arg]
+                                                             extra: tuple[str, ...]) -> None:
+    """`calls-in-the-loop`: every call counts as long, so it runs in the loop's thread with its reads, filings and
+    heartbeats on the I/O thread (Worker._mode), the path of a CPU engine's long calls (Gemma's)."""
+    worker = f"e2e-crash{len(extra)}"
+    proc = ConsumerProcess(redis_server.url, worker, tiny_model_path, tmp_path, slots=4, extra=extra)
     client = redis.Redis.from_url(redis_server.url)
     producer = Producer(client, prefill_chunk=16, timeout_s=120)
     n_tokens = 24
@@ -163,7 +167,7 @@ def test_kill_9_then_restart_every_session_completes_exactly(redis_server: Local
     t = threading.Thread(target=drive)
     t.start()
     assert killed.wait(120), proc.log()
-    restarted = ConsumerProcess(redis_server.url, worker, tiny_model_path, tmp_path, slots=4)
+    restarted = ConsumerProcess(redis_server.url, worker, tiny_model_path, tmp_path, slots=4, extra=extra)
     t.join(300)
     assert not t.is_alive()
     try:
