@@ -65,7 +65,10 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
                                                 tmp_path: Path) -> None:
     rng = random.Random(SEED)
     worker = "chaos-k9"
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    # each consumer runs its calls on the engine thread (short calls) or every call in the loop's thread with its
+    # reads, filings and heartbeats on the I/O thread (a long call's path: Worker._mode), drawn
+    modes = ((), ("--overlap-max-call-ms", "0.001"))
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=rng.choice(modes))
     client = redis.Redis.from_url(redis_srv.url)
     specs = specs_for(client, worker, "k9", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=40), TOKENS)
     drive = Drive(_producer(redis_srv.url), specs).start()
@@ -75,7 +78,7 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
         drive.wait_results(mark)
         time.sleep(rng.uniform(0, 0.03))  # land anywhere in a fused call, a completion, a read
         c.kill()
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=rng.choice(modes))
         assert isinstance(c, ConsumerProcess)
     handles = drive.join()
     summary = check_exact(client, worker, specs, handles, tiny_model_path)
