@@ -250,9 +250,12 @@ def test_the_heartbeat_is_the_io_threads_when_the_loop_hands_it_redis(real_redis
     assert hb["worker_id"] == wid and hb["slots"] == 8
 
 
-def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis: redis.Redis) -> None:
+@pytest.mark.parametrize("here", [False, True])
+def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis: redis.Redis, here: bool) -> None:
     """The lease is taken over while results are in flight: LeaseLost stops the loop; nothing (result,
-    accounting, heartbeat) is written after the takeover, whichever publish was in flight."""
+    accounting, heartbeat) is written after the takeover, whichever publish was in flight. Beats every 50 ms, on
+    the I/O thread behind the filings (worker/beat.py); `here`: each call in the loop's thread (a long call's
+    iteration)."""
     wid = f"ov{next(_runs)}"
     w = _worker(real_redis, wid, overlap=True, heartbeat_s=0.05)
     plans = [Plan(0, (5, 6, 7), 100, False, None, False) for _ in range(6)]
@@ -270,7 +273,7 @@ def test_a_lease_lost_in_the_middle_writes_nothing_after_the_takeover(real_redis
             taken = [int(pipe.execute()[2] or 0)]
             hb = real_redis.get(keys.heartbeat)
         try:
-            w.run_once(flush=False)
+            w.run_once(flush=False, here=here)
         except LeaseLost:
             break
     else:

@@ -127,6 +127,7 @@ class OutputProcessor(SchedulerState):
         self.stats.jobs_ok += 1
         final = q.answered = it.offset + 1 >= job.n
         q.engine_seconds = 0.0  # as the general path leaves it: this answer carries its own share
+        # the result id is schemas.step.result_job_id's, inline (tests/test_decode_rows.py compares the answers)
         result = Outcome(job.job_id if it.offset == 0 else f"{job.job_id}.{it.offset}", job.session_id, Status.OK,
                          None, reached, "", token, False, q.prompt_tokens, share, batch_size, None, lp,
                          q.cached_tokens, q.prefill_calls)
