@@ -132,8 +132,8 @@ class MemoryTransport:
     def inbound(self, d: Delivery) -> Inbound:
         return self._read.pop((d.stream, d.entry_id))
 
-    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
-        return [], []
+    def recover(self) -> list[Inbound]:
+        return []
 
     def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         """As the Redis transport's (consumer/transport/upkeep.py `checks`): a step is answered when its

@@ -563,6 +563,7 @@ def test_dead_letter_after_too_many_deliveries(redis_client: redis.Redis) -> Non
     taken, dead = a.recover_streams()  # delivery 3 > 2 (a is back, b is gone): dead-lettered
     assert taken == [] and len(dead) == 1
     assert dead[0].reason == Reason.TOO_MANY_DELIVERIES and dead[0].delivery.entry_id == entry_id
+    assert dead[0].delivery.given_up == "delivered 3 times (max 2)"
     ((_id, f),) = xrange(redis_client, a.keys.dead_letters)
     assert f[b"reason"] == b"too_many_deliveries" and f[b"deliveries"] == b"3"
     assert f[b"stream"] == dec.encode() and f[b"entry_id"] == entry_id.encode()
@@ -575,15 +576,20 @@ def test_pending_reread_dead_letters_a_poison_entry(redis_client: redis.Redis) -
     keys = [make_key("prefill"), make_key("decode")]
     t = RedisTransport(redis_client, WORKER, "c1", settings)
     _pre, dec = t.register(keys, {})
-    (entry_id,) = push(redis_client, dec, [make_job("poison", 9)])
+    job = make_job("poison", 9)
+    (entry_id,) = push(redis_client, dec, [job])
     assert len(t.read_streams({dec: 1}, block_ms=0)) == 1  # delivery 1, then the worker crashes
     t = RedisTransport(redis_client, WORKER, "c1", settings)
     assert [d.entry_id for d in t.read_streams({dec: 1}, block_ms=0)] == [entry_id]  # delivery 2, crash again
     t = RedisTransport(redis_client, WORKER, "c1", settings)
-    assert t.read_streams({dec: 1}, block_ms=0) == []  # delivery 3 > 2
+    (given_up,) = t.read_streams({dec: 1}, block_ms=0)  # delivery 3 > 2: dead-lettered, returned once as such
+    assert given_up.entry_id == entry_id and given_up.given_up == "delivered 3 times (max 2)"
+    assert t.inbound(given_up).job == job  # decodable: the worker answers its session
     assert [dl.delivery.entry_id for dl in t.dead_lettered] == [entry_id]
     assert redis_client.xlen(t.keys.dead_letters) == 1
     assert redis_client.xpending(dec, GROUP)["pending"] == 0
+    assert t.read_streams({dec: 1}, block_ms=0) == []  # never again
+    assert RedisTransport(redis_client, WORKER, "c1", settings).read_streams({dec: 1}, block_ms=0) == []
 
 
 # ------------------------------------------------------------------------------------------ cancellations, lag

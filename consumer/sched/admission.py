@@ -228,14 +228,15 @@ class JobAdmission(SchedulerState):
             answers[-1] = replace(answers[-1], close="cancelled")
         return answers
 
-    def refuse(self, job: StepJob, ref: object, reason: Reason, detail: str) -> Answer:
-        """Answer a step REJECTED for a reason found outside the scheduler (the worker's sampler cannot
-        serve the session's grammar): nothing is queued nor opened. A session this scheduler holds is
-        charged to its account; an opening names its own."""
+    def refuse(self, job: StepJob, ref: object, reason: Reason, detail: str,
+               status: Status = Status.REJECTED) -> Answer:
+        """Answer a step REJECTED (or `status`) for a reason found outside the scheduler (the worker's sampler
+        cannot serve the session's grammar; the transport gave up on the entry): nothing is queued nor opened.
+        A session this scheduler holds is charged to its account; an opening names its own."""
         held = self.table.get(job.session_id)
         account = held.account_id if held is not None else (job.session.account_id if job.session else None)
         position = held.queued_position if held is not None else job.start_position
-        return self._reject(job, ref, reason, position, account, detail)
+        return self._reject(job, ref, reason, position, account, detail, status)
 
     def refuse_cancelled(self, job: StepJob, ref: object) -> Answer:
         """Answer a step of a session this scheduler does not hold whose cancellation was recorded

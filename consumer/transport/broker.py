@@ -154,9 +154,9 @@ class RedisTransport:
     def inbound(self, d: Delivery) -> Inbound:
         return self.intake.inbound(d)
 
-    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
+    def recover(self) -> list[Inbound]:
         kept, dead = recover_streams(self.intake)
-        return [self.intake.inbound(d) for d in kept], dead
+        return [self.intake.inbound(d) for d in [*kept, *(dl.delivery for dl in dead)]]
 
     def recover_streams(self) -> tuple[list[Delivery], list[DeadLetter]]:
         return recover_streams(self.intake)

@@ -6,7 +6,8 @@ Pending re-read (what the worker author must know): the first reads after a tran
 this consumer's own pending entries (XREADGROUP id `0`, then the last id seen) before any new entry,
 until each stream's pending list is drained; only then do reads switch to `>`. Entries already
 delivered more than `max_deliveries` times are dead-lettered on the way (`too_many_deliveries`)
-instead of being handed out again, so a poison entry that crashes the worker cannot crash it forever.
+instead of being handed out again, so a poison entry that crashes the worker cannot crash it forever;
+such an entry is still returned once, with `given_up` set, so that the worker answers its session.
 A pending entry whose stream entry was trimmed comes back with empty fields (answered as a malformed
 dead letter).
 
@@ -84,13 +85,13 @@ class Intake:
         return m
 
     def delivery(self, stream: str, entry_id: bytes | str, fields: dict[bytes, bytes], *,
-                 held: bool = True) -> Delivery:
+                 held: bool = True, given_up: str = "") -> Delivery:
         """held: handed to the worker, which will pass it back to a completion (False: already acked)."""
         digest, phase = self.meta[stream]
         eid = as_str(entry_id)
         if held:
             self.outstanding.setdefault(stream, set()).add(eid)
-        return Delivery(stream=stream, entry_id=eid, fields=fields, digest=digest, phase=phase)
+        return Delivery(stream=stream, entry_id=eid, fields=fields, digest=digest, phase=phase, given_up=given_up)
 
     def settled(self, deliveries: Sequence[Delivery]) -> None:
         """These deliveries were acked (or dead-lettered): the worker no longer holds them."""
@@ -212,9 +213,10 @@ class Intake:
                     out.append(d)
                     remaining[s] -= 1
             for entry_id, n, flat in dead:
-                d = self.delivery(s, entry_id, flat_pairs(flat), held=False)
-                self.dead_lettered.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES,
-                                                     f"delivered {as_str(n)} times (max {st.max_deliveries})"))
+                why = f"delivered {as_str(n)} times (max {st.max_deliveries})"
+                d = self.delivery(s, entry_id, flat_pairs(flat), held=False, given_up=why)
+                self.dead_lettered.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES, why))
+                out.append(d)  # its session is answered (not counted against the read's count)
             if int(scanned) < asked[s]:
                 self.drained.add(s)
                 self.cursor.pop(s, None)

@@ -33,6 +33,9 @@ class Delivery:
     fields: dict[bytes, bytes]
     digest: str  # the compatibility digest the stream is named by
     phase: Phase
+    # Set when the transport gave up on the entry (delivered more than max_deliveries times: why): already
+    # dead-lettered and acked, handed to the worker once only so that its session is answered (admission).
+    given_up: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +148,9 @@ class Transport(Protocol):
         """One entry read by `read_streams`, decoded (a job, or why it is refused)."""
         ...
 
-    def recover(self) -> tuple[list[Inbound], list[DeadLetter]]:
-        """Entries to hand out again (a dead predecessor's, a lost read's), and those given up on."""
+    def recover(self) -> list[Inbound]:
+        """Entries to hand out again (a dead predecessor's, a lost read's), and those given up on (their
+        `ref.given_up` set: already dead-lettered and acked)."""
         ...
 
     def activation_key(self, direction: Literal["in", "out"], job_id: str) -> str:

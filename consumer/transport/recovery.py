@@ -8,8 +8,9 @@
   not finished are left to it.
 
 Entries delivered more than max_deliveries times (the claim counts) are dead-lettered (reason
-too_many_deliveries, original fields kept) and acked in the same script; the rest are returned as
-deliveries, in stream order per stream.
+too_many_deliveries, original fields kept) and acked in the same script, and returned as such (their
+`given_up` set: the worker answers their sessions); the rest are returned as deliveries, in stream order
+per stream.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def recover_streams(intake: Intake) -> tuple[list[Delivery], list[DeadLetter]]:
             if s not in intake.drained:
                 intake.recovered.setdefault(s, set()).add(d.entry_id)
         for entry_id, n, flat in dead:
-            d = intake.delivery(s, entry_id, flat_pairs(flat), held=False)
-            dead_out.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES,
-                                       f"delivered {as_str(n)} times (max {st.max_deliveries})"))
+            why = f"delivered {as_str(n)} times (max {st.max_deliveries})"
+            d = intake.delivery(s, entry_id, flat_pairs(flat), held=False, given_up=why)
+            dead_out.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES, why))
     return kept_out, dead_out
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas import Phase, Reason, StepJob
+from schemas import Phase, Reason, Status, StepJob
 
 from ..config import WorkerSettings
 from ..sampler import RowStatus
@@ -241,6 +241,8 @@ class EntryAdmission:
         can take the worker down or crash it again on every redelivery (the transport's decoding is guarded
         the same way). A session's last prompt chunk queued, the continuation jobs held for it follow."""
         job = inb.job
+        if inb.ref.given_up and job is not None:
+            return self._given_up(inb, job, out)
         if len(self.early) and job is not None and job.session is not None:  # an opening: older attempts first
             for stale in self.early.release_older(job.session_id, job.attempt):
                 self.admit(stale, out, may_hold=False)
@@ -258,6 +260,21 @@ class EntryAdmission:
             for held in self.early.release(job.session_id, job.attempt):
                 self.admit(held, out, may_hold=False)
         return queued
+
+    def _given_up(self, inb: Inbound, job: StepJob, out: Admitted) -> bool:
+        """An entry the transport gave up on (delivered more than max_deliveries times), already dead-lettered
+        and acked: its session is answered STATE_LOST, so its Tracker replays it on a new attempt, never left
+        waiting for an answer. Most such entries are innocent: a worker killed again and again before it made
+        progress delivers every step it held once more each time. A true poison pill is bounded by the
+        Tracker's max_attempts (each attempt dead-letters once). Never raises (the per-entry guard)."""
+        out.dead.append(DeadLetter(inb.ref, Reason.TOO_MANY_DELIVERIES, inb.ref.given_up))  # filed: counted only
+        try:
+            lane = self.lanes.for_entry(inb)
+            out.answers[lane.index].append(lane.scheduler.refuse(
+                job, inb.ref, Reason.TOO_MANY_DELIVERIES, f"given up: {inb.ref.given_up}", Status.STATE_LOST))
+        except Exception:
+            log.warning("an entry given up on was not answered", exc_info=True, extra={"entry": inb.name})
+        return False
 
     def _admit_expired(self, out: Admitted) -> None:
         """Continuation jobs held past early_hold_s: admitted as they are (their sessions never came)."""

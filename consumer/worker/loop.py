@@ -421,14 +421,12 @@ class Worker:
 
     def _recover(self) -> None:
         self.flush()
-        inbound, dead = self.transport.recover()
-        admitted = self.admission.admit_all(inbound, None)
-        dead = dead + admitted.dead
+        admitted = self.admission.admit_all(self.transport.recover(), None)
         completions = admitted.wire_rejects + self.lanes.completions(admitted.answers, [])
-        filing = Filing(completions, dead, acks=admitted.acks)
+        filing = Filing(completions, admitted.dead, acks=admitted.acks)
         if filing:
             self.transport.complete(filing)
-        for dl in dead:
+        for dl in admitted.dead:
             self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
 
     def _info(self) -> dict[str, object]:
