@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from producer import AsyncProducer, ProducerSettings, SessionHandle
+from producer import AsyncProducer, PlacementPolicy, ProducerSettings, SessionHandle
 from schemas import Reason, Status, StepResult
 
 from .api import ChatRequest, CompletionRequest, Generation
@@ -42,6 +42,13 @@ T = TypeVar("T")
 
 _JSON = msgspec.json.Encoder()
 
+
+def serve_producer(**options: Any) -> ProducerSettings:
+    """The Tracker's settings under `dgr serve`: a session a worker refuses for want of a slot is placed once more
+    where there is room, else its request is answered 429 with Retry-After at once (the HTTP client retries)
+    rather than held for PlacementPolicy.room_wait_s (producer/moves.py)."""
+    return ProducerSettings(placement=PlacementPolicy(room_wait_s=0.0), **options)
+
 @dataclass
 class ServeConfig:
     redis_url: str
@@ -49,7 +56,7 @@ class ServeConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> account id
     max_body_bytes: int = MAX_BODY_BYTES
     account: str = "serve"  # the account billed when no keys are configured
-    producer: ProducerSettings = field(default_factory=ProducerSettings)
+    producer: ProducerSettings = field(default_factory=serve_producer)
 
 
 class Metrics:

@@ -7,9 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from producer import ProducerSettings
-
-from .app import MAX_BODY_BYTES, ServeConfig, make_app
+from .app import MAX_BODY_BYTES, ServeConfig, make_app, serve_producer
 from .text import TextModel
 
 log = logging.getLogger("dgr.serve")
@@ -53,7 +51,7 @@ def serve(redis_url: str, models: Sequence[str], *, host: str = "127.0.0.1", por
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig(redis_url=redis_url, models=load_models(models, chat_template),
                          api_keys=read_api_keys(api_keys_file, os.environ.get("DGR_API_KEYS")),
-                         max_body_bytes=max_body_bytes, producer=ProducerSettings(max_lag=max_lag))
+                         max_body_bytes=max_body_bytes, producer=serve_producer(max_lag=max_lag))
     log.info("dgr serve on http://%s:%d (models: %s; API keys: %s)", host, port,
              ", ".join(m.name for m in config.models), len(config.api_keys) or "none, open")
     # loop / http "auto": uvloop and httptools (the serve extra) when installed, else asyncio and h11

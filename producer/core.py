@@ -67,6 +67,8 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         self.fleet = FleetView()  # placement's view of the workers (producer/placement.py)
         self.policy = self.settings.placement
         self.checked_at = time.monotonic()  # the last look for lost workers (producer/moves.py)
+        self.waiting: dict[str, float] = {}  # placed sessions refused for a slot, since when (producer/moves.py)
+        self.waited_at = float("-inf")  # the last look for room for them
 
     def opening(self, spec: SessionSpec | SessionTemplate, prompt: Sequence[int],
                 hop: int = 0) -> Plan[SessionHandle]:
@@ -326,6 +328,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         pipeline, before any callback runs. The sessions, for the driver to call back and wake."""
         yield from self.release_abandoned()
         yield from self.move_lost()  # sessions of a lost worker: placed again, replayed below
+        yield from self.place_waiting()  # sessions refused for a slot: placed again where there is room
         hs = list(self.touched.values())
         self.touched = {}
         if not hs:
@@ -386,8 +389,8 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         silent = {w for w in self.reads if now - self.answered.get(w, now) > limit}
         if not silent:
             return []
-        waiting = [h for h in self.driven.values()
-                   if not silent.isdisjoint({h.legs[s.hop].worker_id for s in h.sent.values()} or {h.worker_id})]
+        waiting = [h for h in self.driven.values() if h.status != "awaiting_room"  # no answer due: moves.py's limit
+                   and not silent.isdisjoint({h.legs[s.hop].worker_id for s in h.sent.values()} or {h.worker_id})]
         for h in waiting:
             h.run.error = h.run.error or ResultTimeout(f"session {h.session_id}: no answer from worker "
                                                        f"{h.legs[0].worker_id} for {limit} s")
@@ -395,7 +398,8 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         return list(dict.fromkeys(h.run for h in waiting))
 
     def block_ms(self, until_s: float | None = None) -> int:
-        """How long a read may block: read_block_ms, no longer than the next timeout or the next start."""
+        """How long a read may block: read_block_ms, no longer than the next timeout, the next start, or the next
+        look for room while sessions wait for it (producer/moves.py: no result may come to wake the read)."""
         if self.settings.read_block_ms <= 0:
             return 0
         now = time.monotonic()
@@ -403,4 +407,6 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         wait = min(self.settings.read_block_ms / 1000, self.settings.timeout_s - (now - oldest))
         if until_s is not None:
             wait = min(wait, until_s)
+        if self.waiting:
+            wait = min(wait, max(0.0, self.policy.lost_check_s - (now - self.waited_at)))
         return max(1, int(wait * 1000))

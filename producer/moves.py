@@ -7,6 +7,11 @@ answers to the old attempt are ignored (job ids carry the attempt), and a cancel
 are left on it, so a worker that was only paused and comes back frees the session instead of decoding it on,
 and what it computes before it reads the cancel is neither published nor charged (consumer/lua/complete.lua).
 
+A placed session whose opening a worker refuses for want of a slot (the fleet is full, as after a worker's loss,
+or the worker was fuller than the Tracker's view of it) waits for room the same way: every `lost_check_s` it is
+placed again on a worker with room and replayed there (a new attempt, which costs no `max_attempts`), or ends
+`rejected` (capacity) once it waited `PlacementPolicy.room_wait_s`.
+
 Only sessions the Tracker placed move: a SessionSpec naming its workers is the caller's choice, and still ends
 with ResultTimeout when its worker goes silent. Sessions move away from a worker that is out, never back, so a
 flapping worker cannot make them bounce; a worker declared out is not placed on again until it beats anew.
@@ -20,12 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas import PHASES, WorkerKeys
+from schemas import PHASES, Reason, WorkerKeys
 from schemas.accounting import parse_tally
 
 from .commands import Batch, Expire, Get, HGet, HSet, Plan, Read
 from .placement import FleetView, PlacementPolicy, SessionTemplate
-from .session import HopLeg, SessionHandle, lose, restore
+from .session import HopLeg, SessionHandle, end, lose, restore
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -66,6 +71,8 @@ class Mover:
     driven: dict[str, SessionHandle]
     touched: dict[str, SessionHandle]
     checked_at: float
+    waiting: dict[str, float]
+    waited_at: float
 
     def fleet_now(self) -> Plan[Any]:
         raise NotImplementedError
@@ -149,14 +156,9 @@ class Mover:
                 moved_key = WorkerKeys(leg.worker_id).moved
                 fence.add(HSet(moved_key, {h.session_id: str(h.attempt)}))
                 fence.add(Expire(moved_key, self.settings.cancel_ttl_s))
-        legs = []
-        for k, (leg, rh) in enumerate(zip(h.legs, spec.route, strict=True)):
-            if leg.worker_id == rh.worker_id:
-                legs.append(leg)
-            else:
-                self.fleet.moved_in[rh.worker_id] = self.fleet.moved_in.get(rh.worker_id, 0) + 1
-                legs.append(HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES}))
-        h.spec, h.legs, h.worker_id = spec, legs, spec.route[0].worker_id
+        for w in _rehome(h, spec):
+            self.fleet.moved_in[w] = self.fleet.moved_in.get(w, 0) + 1
+        legs = h.legs
         # The new hops charge nothing the lost one charged: their high-water mark starts where its ended (every
         # token the Tracker holds was charged when sampled; with none, the prompt positions charged so far), or
         # higher where the lost worker charged answers the Tracker has not read (carry_high_water).
@@ -165,10 +167,52 @@ class Mover:
         mark = HighWater(h.session_id, hw, off=tuple(sorted(w for w in out if w in lost_legs)),
                          to=tuple(leg.worker_id for leg in legs if leg.worker_id not in keep_workers))
         h.reason, h.detail = "worker_lost", f"moved off {', '.join(sorted(out))}"
+        h.carried = mark
         lose(h)
         self.drive(h, run)
         self.touched[h.session_id] = h
         return mark
+
+    def place_waiting(self) -> Plan[None]:
+        """Every `lost_check_s`: each session refused for want of a slot placed again on a worker with room (hop
+        by hop: the hop refused), then replayed (queued as touched); or ended `rejected` once it waited
+        room_wait_s.
+        A moved session's high-water mark goes to its new hop too (so a position its lost worker charged is
+        charged nowhere else)."""
+        now = time.monotonic()
+        if not self.waiting or now - self.waited_at < self.policy.lost_check_s:
+            return
+        self.waited_at = now
+        yield from self.fleet_now()
+        marks: list[HighWater] = []
+        for sid, since in list(self.waiting.items()):
+            h = self.driven.get(sid)
+            if h is None or h.status != "awaiting_room":  # ended, retired, or moved off a lost worker meanwhile
+                del self.waiting[sid]
+                continue
+            try:
+                placed = self.place_hops(h.template, h.prompt, need_room=True, hops=[h.waiting_hop])
+            except LookupError as e:
+                if now - since >= self.policy.room_wait_s:
+                    del self.waiting[sid]
+                    end(h, "rejected", f"no worker with room within {self.policy.room_wait_s} s: {e}"[:300])
+                    h.reason = Reason.CAPACITY.value
+                    self.touched[sid] = h
+                continue
+            del self.waiting[sid]
+            run = h.run
+            self.retire(h)
+            spec = h.template.spec([w if w is not None else leg.worker_id for leg, w in zip(h.legs, placed,
+                                                                                             strict=True)])
+            new = _rehome(h, spec)
+            if h.carried is not None and new:
+                marks.append(HighWater(sid, h.carried.hw, h.carried.off, tuple(new)))
+            h.room_waits += 1
+            lose(h)
+            self.drive(h, run)
+            self.touched[sid] = h
+        if marks:
+            yield from self.carry_high_water(marks)
 
     def carry_high_water(self, marks: list[HighWater]) -> Plan[None]:
         """Each moved session's high-water mark on its new hops: the higher of what the Tracker holds and what a
@@ -188,3 +232,17 @@ class Mover:
                 batch.add(HSet(WorkerKeys(w).session_account(m.session_id), {"hw": str(hw[m.session_id])}))
         if batch:
             yield batch
+
+
+def _rehome(h: SessionHandle, spec: Any) -> list[str]:
+    """The session's hops on the workers `spec` routes it to (a hop on the same worker keeps its leg); the workers
+    of the hops that changed."""
+    legs, new = [], []
+    for k, (leg, rh) in enumerate(zip(h.legs, spec.route, strict=True)):
+        if leg.worker_id == rh.worker_id:
+            legs.append(leg)
+        else:
+            new.append(rh.worker_id)
+            legs.append(HopLeg(k, rh.worker_id, {p: rh.key.for_phase(p).digest for p in PHASES}))
+    h.spec, h.legs, h.worker_id = spec, legs, spec.route[0].worker_id
+    return new

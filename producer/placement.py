@@ -138,6 +138,7 @@ class FleetView:
     sent: dict[str, SentPrompts] = field(default_factory=dict)  # per worker
     placed: dict[str, int] = field(default_factory=dict)  # sessions placed, per worker
     refused_full: dict[str, int] = field(default_factory=dict)  # eligible, but passed over: full
+    refused_slot: dict[str, int] = field(default_factory=dict)  # openings it refused for want of a slot (re-placed)
     last: dict[str, Choice] = field(default_factory=dict)  # per worker: the last choice of it
     lost: dict[str, float] = field(default_factory=dict)  # worker -> wall time it was found out (producer/moves.py)
     moved_in: dict[str, int] = field(default_factory=dict)
@@ -335,11 +336,14 @@ class FleetView:
             self.refused_full[o] = self.refused_full.get(o, 0) + 1
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per worker: sessions placed, refused for capacity, moved in and out, the last choice's score inputs."""
+        """Per worker: sessions placed, passed over because full, openings it refused for want of a slot, moved in
+        and out, the last choice's score inputs."""
         out: dict[str, dict[str, Any]] = {}
-        for w in sorted(set(self.placed) | set(self.refused_full) | set(self.moved_in) | set(self.moved_out)):
+        for w in sorted(set(self.placed) | set(self.refused_full) | set(self.refused_slot) | set(self.moved_in)
+                        | set(self.moved_out)):
             last = self.last.get(w)
             out[w] = {"placed": self.placed.get(w, 0), "refused_full": self.refused_full.get(w, 0),
+                      "refused_slot": self.refused_slot.get(w, 0),
                       "moved_in": self.moved_in.get(w, 0), "moved_out": self.moved_out.get(w, 0),
                       "lost": w in self.lost,
                       "last": None if last is None else {

@@ -49,6 +49,9 @@ class PlacementPolicy:
     # sessions move; the Tracker looks every lost_check_s (one pipeline of GETs).
     lost_s: float = 6.0
     lost_check_s: float = 0.25
+    # A session whose opening a worker refused for want of a slot waits up to room_wait_s, placed again every
+    # lost_check_s on a worker with room, before it ends rejected (capacity); 0: one more look only.
+    room_wait_s: float = 30.0
     overlap_weight: float = 1.0
     # A worker's prompt rows still to compute for sessions placed there (Candidate.pending) weigh overlap_weight x
     # pending / pending_rows: this many rows pending cost as much as a whole prompt not cached (the time to first

@@ -149,6 +149,13 @@ class SessionHandle:
     inbox: list[StepResult] = field(default_factory=list)
     last_row: Any = None  # (record, charges, row) or a StepResult: `last_result`
     template: Any = None  # the SessionTemplate it was placed from (it may move: producer/moves.py); None: named
+    # A placed session whose opening a worker refused for want of a slot waits for room (status "awaiting_room"):
+    # the hop refused. `room_waits`: the attempts that placed it again so (they cost no max_attempts). `carried`:
+    # the charged high-water mark a move gave its new hops (producer/moves.py), carried again when it is placed anew.
+    waiting_hop: int = 0
+    room_waits: int = 0
+    room_since: float = 0.0  # monotonic time of the first refusal since its last answer ok (0: none)
+    carried: Any = None
 
     def __post_init__(self) -> None:
         if not self.legs:
@@ -312,6 +319,16 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
         h.reason = reason.value if reason is not None else None
         detail = x.detail if x is not None else ""
         h.detail = f"hop {s.hop}: {detail}" if len(h.legs) > 1 else detail
+        if st == _REJECTED and reason == Reason.CAPACITY and h.template is not None and h.run is not None \
+                and job.phase == "prefill" and job.start_position == 0:
+            # A placed session's opening refused for a slot (the fleet is full, or the worker fuller than the
+            # Tracker saw): it waits for room and is placed again (producer/moves.py `place_waiting`), not ended.
+            # Not its caller's news: the session goes on. (Driven by a Run: a handle driven by hand ends here.)
+            leg.closed = True  # never opened there
+            h.status, h.waiting_hop, h.echo = "awaiting_room", s.hop, True
+            drop(h)
+            restore(h)
+            return True
         if st == _LOST or (st == _REJECTED and reason in _REPLAYED):
             # The hop that lost the session holds nothing to cancel; one that refused another job under
             # this session's id (job_id_conflict) still holds it (the replay supersedes it there).
@@ -322,6 +339,7 @@ def apply(h: SessionHandle, s: Sent, off: int, st: int, pos: int, tok: int, fin:
                 st == _REJECTED and reason in _NOT_OPENED and job.phase == "prefill" and job.start_position == 0)
             end(h, STATUSES[st].value)
         return True
+    h.room_since = 0.0  # open somewhere: a later refusal starts a new wait for room
     leg.rows += len(job.tokens) if job.n == 1 else 1
     if s.hop != len(h.legs) - 1:  # rows for the next hop
         hidden = x.hidden if x is not None else None

@@ -27,6 +27,7 @@ from .session import Sent, SessionHandle, drop, end, job_n, restore
 from .validate import check_id
 
 if TYPE_CHECKING:
+    from .placement import FleetView
     from .settings import ProducerSettings
     from .validate import WorkerInfo
 
@@ -53,6 +54,8 @@ class Steps:
     discovered: dict[str, tuple[float, WorkerInfo]]
     cursors: dict[str, str]  # result stream -> the last entry id read
     cancels: deque[tuple[float, str, str]]  # (monotonic time, worker, session): cancels sent, to send again
+    waiting: dict[str, float]  # session id -> monotonic time since it awaits room (producer/moves.py)
+    fleet: FleetView
 
     def cursor(self, stream: str) -> str:
         return self.cursors.get(stream, "0-0")
@@ -169,8 +172,9 @@ class Steps:
             end(h, "cancelled", "cancelled before the replay")
             h.reason = Reason.CANCELLED.value
             return
-        # a replay that diverged (producer/session.py) was this Tracker's way, not a loss: it costs no attempt
-        if h.attempt + 1 > self.settings.max_attempts + (1 if h.diverged else 0):
+        # a replay that diverged (producer/session.py) was this Tracker's way, not a loss: it costs no attempt; nor
+        # does placing it again after a refusal for want of a slot (producer/moves.py `place_waiting`)
+        if h.attempt + 1 > self.settings.max_attempts + (1 if h.diverged else 0) + h.room_waits:
             end(h, "state_lost")
             raise SessionFailed(h)
         if len(h.generated) >= h.spec.max_tokens:
@@ -187,6 +191,13 @@ class Steps:
         once it ended the release of its other hops. True when something was queued."""
         if h.finished:
             return self.queue_release(batch, h)
+        if h.status == "awaiting_room":  # placed again by producer/moves.py `place_waiting`, then replayed
+            if h.session_id not in self.waiting:  # one wait from its first refusal: placed again, refused again
+                h.room_since = h.room_since or time.monotonic()
+                self.waiting[h.session_id] = h.room_since
+                w = h.legs[h.waiting_hop].worker_id
+                self.fleet.refused_slot[w] = self.fleet.refused_slot.get(w, 0) + 1
+            return False
         if h.status == "state_lost":
             if not replay_state_lost:
                 h.finished = True

@@ -82,3 +82,102 @@ def test_no_worker_for_the_key_is_a_lookup_error(redis_client: redis.Redis, make
     p = make_producer(redis_client)
     with pytest.raises(LookupError, match="no worker to place"):
         p.run_many([(template("x1"), [1])])
+
+
+def test_a_session_a_full_worker_refuses_waits_for_room_and_finishes(real_redis: redis.Redis,
+                                                                     make_producer: MakeProducer) -> None:
+    """Found by tests/test_fleet_chaos.py under DGR_SOAK=1 (18 sessions on 3 x 4 slots, one worker killed): when
+    every worker is full, placement names the least costly one, whose worker refuses the opening for a slot; the
+    session ended `rejected`. Now it waits for room and is placed again (producer/moves.py `place_waiting`): two
+    real workers of one slot each, six sessions at once: every one finishes with its tokens alone, billed once,
+    and the attempts that placed a session again cost no max_attempts."""
+    import threading
+
+    from consumer.transport import RedisTransport
+    from consumer.worker import Worker, WorkerSettings
+    from producer import PlacementPolicy
+    from tests.test_continuation import HistoryEngine, Sess, oracle
+
+    tag = f"{time.time_ns() % 10**9}"
+    wids = [f"room{i}-{tag}" for i in range(2)]
+    workers = [Worker(HistoryEngine(1), RedisTransport(real_redis, w, consumer_name=w),
+                      WorkerSettings(worker_id=w, block_ms=5, await_ms=2, gather_ms=1.0, heartbeat_s=0.1))
+               for w in wids]
+    for w in workers:
+        w.start()
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        _beating(real_redis, wids)
+        key = workers[0].keys["prefill"]
+        ss = {f"r{i}-{tag}": Sess(prompt=(3, 1 + i, 4), max_tokens=12, n=4) for i in range(6)}
+        p = make_producer(real_redis, timeout_s=30, decode_n=4, discover_cache_s=0.05,
+                          placement=PlacementPolicy(lost_check_s=0.02))
+        out = p.run_many([(SessionTemplate(session_id=sid, account_id="acct-room", keys=(key,),
+                                           options={"max_tokens": s.max_tokens}), list(s.prompt))
+                          for sid, s in ss.items()])
+    finally:
+        for w in workers:
+            w.request_stop()
+        for t in threads:
+            t.join(timeout=30)
+    for sid, s in ss.items():
+        h = out[sid]
+        assert (h.status, h.generated) == ("finished", oracle(s)), (sid, h.status, h.reason, h.detail)
+        assert h.attempt == h.room_waits  # every attempt after the first placed it again after a refusal
+        charged = sum(int(real_redis.hget(WorkerKeys(w).session_account(sid), "generated_tokens") or 0) for w in wids)
+        assert charged == s.max_tokens
+    stats = p.fleet()
+    assert sum(h.room_waits for h in out.values()) == sum(stats[w]["refused_slot"] for w in wids) > 0, stats
+
+
+def test_a_session_that_finds_no_room_within_timeout_s_ends_rejected(real_redis: redis.Redis,
+                                                                     make_producer: MakeProducer) -> None:
+    """The other end of the wait: the only worker's one slot is held (a session opened by hand and left), so the
+    placed session is refused, waits room_wait_s for room and ends `rejected` (capacity), not ResultTimeout
+    (timeout_s is as short: a session waiting for room awaits no answer)."""
+    import threading
+
+    from consumer.transport import RedisTransport
+    from consumer.worker import Worker, WorkerSettings
+    from producer import PlacementPolicy, Producer
+    from schemas import RouteHop, SessionSpec
+    from tests.test_continuation import HistoryEngine
+
+    wid = f"noroom-{time.time_ns() % 10**9}"
+    worker = Worker(HistoryEngine(1), RedisTransport(real_redis, wid, consumer_name=wid),
+                    WorkerSettings(worker_id=wid, block_ms=5, await_ms=2, gather_ms=1.0, heartbeat_s=0.1))
+    worker.start()
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        _beating(real_redis, [wid])
+        key = worker.keys["prefill"]
+        holder = Producer(real_redis, timeout_s=30)
+        held = holder.open(SessionSpec(session_id=f"{wid}-held", account_id="acct-room",
+                                       route=(RouteHop(worker_id=wid, key=key),), max_tokens=100), [5, 6])
+        while not held.generated:  # open on the slot, then left there
+            holder.read_results([held], block_ms=200)
+        p = make_producer(real_redis, timeout_s=1.0, discover_cache_s=0.05,
+                          placement=PlacementPolicy(lost_check_s=0.02, room_wait_s=1.0))
+        t0 = time.monotonic()
+        out = p.run_many([(SessionTemplate(session_id=f"{wid}-late", account_id="acct-room", keys=(key,),
+                                           options={"max_tokens": 4}), [7, 8])])
+        waited = time.monotonic() - t0
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+    h = out[f"{wid}-late"]
+    assert (h.status, h.reason, h.generated) == ("rejected", "capacity", []), (h.status, h.reason, h.detail)
+    assert "no worker with room within 1.0 s" in h.detail and waited >= 1.0
+    assert p.fleet()[wid]["refused_slot"] >= 1
+
+
+def _beating(client: redis.Redis, wids: list[str]) -> None:
+    """Until every worker's first heartbeat is written (its loop beats from its I/O thread: not yet when start()
+    returns, and placement takes only workers that beat)."""
+    deadline = time.monotonic() + 10
+    while not all(client.exists(WorkerKeys(w).heartbeat) for w in wids):
+        assert time.monotonic() < deadline, "a worker never beat"
+        time.sleep(0.01)
