@@ -82,6 +82,13 @@ class Tokenizer:
         """One token's text (a lone byte token of a multi-byte character decodes to U+FFFD)."""
         return self._impl.piece(token)
 
+    def grammar_compiles(self, gbnf: str) -> bool | None:
+        """Whether llama.cpp's grammar sampler compiles `gbnf` on this vocabulary, as a worker will
+        (consumer/sampling/grammar.py); None with the pure-Python backend (no llama.cpp to ask)."""
+        if not isinstance(self._impl, LlamaTokenizer):
+            return None
+        return self._impl.grammar_compiles(gbnf)
+
 
 def load_tokenizer(path: str | os.PathLike[str], backend: Backend = "auto") -> Tokenizer:
     """llama.cpp's vocabulary when available ("auto"), or the pure-Python SPM one ("python")."""
@@ -110,6 +117,13 @@ class LlamaTokenizer:
         self.eos_id = int(L.llama_vocab_eos(self._vocab))
         eot = int(L.llama_vocab_eot(self._vocab))
         self.stop_tokens: tuple[int, ...] = tuple(sorted({t for t in (self.eos_id, eot) if t >= 0}))
+
+    def grammar_compiles(self, gbnf: str) -> bool:
+        ptr = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"), b"root")
+        if not ptr:
+            return False
+        self._L.llama_sampler_free(ptr)
+        return True
 
     def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         raw = text.encode("utf-8")

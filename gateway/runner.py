@@ -130,6 +130,8 @@ class Runner:
                         min_p=float(req.min_p), presence_penalty=float(req.presence_penalty),
                         frequency_penalty=float(req.frequency_penalty), repetition_penalty=float(req.repeat_penalty),
                         logit_bias=bias, logprobs=req.logprobs_n(), json_schema=_schema(req))
+        if sampling["json_schema"] is not None:
+            _check_schema(model, str(sampling["json_schema"]))
         rid = uuid.uuid4().hex[:20]
         stop_tokens = () if req.ignore_eos else model.tokenizer.stop_tokens
         try:
@@ -222,6 +224,22 @@ def _bias(logit_bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
             raise bad_request(f"logit_bias value {v} is outside [-100, 100]", param="logit_bias")
         out[int(k)] = float(v)
     return out
+
+
+def _check_schema(model: TextModel, schema: str) -> None:
+    """A JSON schema the workers could not run is refused here, before any session starts (a worker would
+    refuse the opening: grammar_invalid): converted to GBNF as they convert it, compiled on the model's own
+    vocabulary by llama.cpp as they compile it."""
+    from consumer.sampling.grammar import GrammarInvalid, gbnf_of
+
+    try:
+        gbnf = gbnf_of(Sampling(json_schema=schema))
+    except GrammarInvalid as e:
+        raise bad_request(f"response_format: the JSON schema does not convert to a grammar ({e})"[:300],
+                          param="response_format", code="invalid_value") from None
+    if gbnf is not None and model.tokenizer.grammar_compiles(gbnf) is False:
+        raise bad_request("response_format: the JSON schema's grammar does not compile", param="response_format",
+                          code="invalid_value")
 
 
 def _schema(req: Generation) -> str | None:

@@ -106,7 +106,8 @@ class Credit:
 @dataclass(eq=False, repr=False)
 class SessionHandle:
     """One session. `status`: "open" while it runs, "finished" when its last hop said finished, else what ended
-    it ("rejected", "failed", "cancelled"), or "state_lost" (not finished: `replay()` it). `generated`: the
+    it ("rejected", "failed", "cancelled"), or "state_lost" (not finished: `replay()` it), or "awaiting_room" (not
+    finished: a placed session a worker refused a slot, placed again by producer/moves.py). `generated`: the
     tokens so far; `position`: the next position to push at hop 0; `reply`: the result stream its jobs name
     (`reply_to`, a Tracker id; None: the session's own). `legs[k]`: hop k; `prompt_tokens` / `billed_generated`
     / `cached_tokens`: what the last hop charged it (the counters' charges; cached: a part of prompt_tokens)."""

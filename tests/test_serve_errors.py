@@ -82,6 +82,11 @@ CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("logit_bias value", {**CHAT, "logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 2}, 400, None),
     ("unknown model", {**CHAT, "model": "nope"}, 404, "model"),
+    # a schema the workers could not run: refused here, not a 502 after a session started (found by a probe)
+    ("json_schema that does not convert", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400, "response_format"),
+    ("json_schema whose grammar does not compile", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}}}, 400, "response_format"),
 ]
 
 
