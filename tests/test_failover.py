@@ -56,13 +56,14 @@ def _producer(t: RedisTarget, decode_n: int | None = None) -> Producer:
 
 
 def _run(t: RedisTarget, model: Path, logs: Path, worker: str, fault: Any, *, decode_n: int | None = None,
-         rounds: int = 1, url: str = "", prepare: Any = None, extra: tuple[str, ...] = (), shared: int = 0
-         ) -> tuple[list[dict[str, Any]], Any]:
+         rounds: int = 1, url: str = "", prepare: Any = None, extra: tuple[str, ...] = (), shared: int = 0,
+         seen: bool = True) -> tuple[list[dict[str, Any]], Any]:
     """`rounds` runs of sessions through one consumer process on `t`; `fault(drive)` breaks Redis in
     the middle of each. Returns each round's failover report and the consumer (still running). `url`:
     the consumer's --redis-url, where it is seen starting (default: the master's now); `prepare(producer)`
     runs before each round; `extra`: more consumer options; `shared`: the prompts start with so many tokens
-    in common (the prefix cache's case)."""
+    in common (the prefix cache's case). `seen`: both clients must have seen the failover as an outage (False:
+    the fault's report says it landed mid-run, a failover the clients may ride through unseen)."""
     c = consumer(url or master_url(t), worker, model, logs, extra=(*_args(t), *extra))
     client = connect(t)
     summaries = []
@@ -78,13 +79,13 @@ def _run(t: RedisTarget, model: Path, logs: Path, worker: str, fault: Any, *, de
         drive = Drive(producer, specs, start_times=[0.0] * (N_SESSIONS - 2) + [0.3, 0.6]).start()
         extra = fault(drive) or {}
         handles = drive.join(240 if SOAK else 120)
-        assert producer.outages >= 1, "the producer never saw the failover: the test did not test it"
+        assert producer.outages >= 1 or not seen, "the producer never saw the failover: the test did not test it"
         summaries.append(check_failover(client, worker, specs, handles, model,  # type: ignore[arg-type]
                                         round=r, **extra))
         wait_idle_heartbeat(client, worker)  # type: ignore[arg-type]
     assert c.proc.poll() is None, "the consumer died in the failover:\n" + c.log(3000)
     log = c.log(200_000)
-    assert "redis unreachable, retrying" in log and "redis reachable again" in log, log[-3000:]
+    assert not seen or ("redis unreachable, retrying" in log and "redis reachable again" in log), log[-3000:]
     return summaries, c
 
 
@@ -270,7 +271,10 @@ def test_cluster_master_killed(ha_cluster: LocalCluster, tiny_model_path: Path, 
     t = RedisTarget(url=f"redis://127.0.0.1:{entry}/0", cluster=True)
 
     def fault(drive: Drive) -> dict[str, Any]:
+        # One token a job (decode_n 1 below), so that the run lasts past the kill: with continuation jobs its
+        # 6 x 24 tokens could all be answered before the kill landed.
         drive.wait_results(rng.randint(drive.results + 3, drive.results + 25))
+        mid_run[:] = [drive.thread is not None and drive.thread.is_alive() and drive.results < N_SESSIONS * TOKENS]
         t0 = time.monotonic()
         ha_cluster.kill9(port)
         wait_until(lambda: ha_cluster.slot_master(WorkerKeys(worker).base, entry) != port, 30,
@@ -283,7 +287,12 @@ def test_cluster_master_killed(ha_cluster: LocalCluster, tiny_model_path: Path, 
         producer.client.set_default_node(producer.client.get_node(port=port, host="127.0.0.1"))
 
     # The consumer starts from the node to be killed (where its start is seen); the producer from another.
+    # redis-py's RedisCluster (8.x) retries a command on a node that went away after reading the slots again, so
+    # a failover within its retries is not an outage to either client (seen=False: 4 runs of 4 on 642c347 saw
+    # none); what must hold is that the kill landed mid-run and every session finished exactly (check_failover).
+    mid_run: list[bool] = []
     (summary,), c = _run(t, tiny_model_path, tmp_path, worker, fault, url=f"redis://127.0.0.1:{port}/0",
-                         prepare=prepare)
+                         prepare=prepare, decode_n=1, seen=False)
+    assert mid_run == [True], "the kill landed after the run: the test did not test it"
     assert summary["finished"] == N_SESSIONS
     assert c.stop() == 0, c.log(3000)
