@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from schemas import PHASES, Reason, WorkerKeys
 from schemas.accounting import parse_tally
 
-from .commands import Batch, Expire, Get, HGet, HSet, Plan, Read
+from .commands import Batch, Exists, Expire, Get, HGet, HSet, Plan, Read
 from .placement import FleetView, PlacementPolicy, SessionTemplate
 from .session import HopLeg, SessionHandle, end, lose, restore
 
@@ -184,11 +184,21 @@ class Mover:
             return
         self.waited_at = now
         yield from self.fleet_now()
-        marks: list[HighWater] = []
+        hs: list[tuple[str, float, SessionHandle]] = []
         for sid, since in list(self.waiting.items()):
             h = self.driven.get(sid)
             if h is None or h.status != "awaiting_room":  # ended, retired, or moved off a lost worker meanwhile
                 del self.waiting[sid]
+            else:
+                hs.append((sid, since, h))
+        marked = yield from self.cancel_marked([h for _, _, h in hs])
+        marks: list[HighWater] = []
+        for k, (sid, since, h) in enumerate(hs):
+            if k in marked:
+                del self.waiting[sid]
+                end(h, "cancelled", "cancelled while it waited for room")
+                h.reason = Reason.CANCELLED.value
+                self.touched[sid] = h
                 continue
             try:
                 placed = self.place_hops(h.template, h.prompt, need_room=True, hops=[h.waiting_hop])
@@ -213,6 +223,16 @@ class Mover:
             self.touched[sid] = h
         if marks:
             yield from self.carry_high_water(marks)
+
+    def cancel_marked(self, hs: list[SessionHandle]) -> Plan[set[int]]:
+        """The indexes of the sessions whose cancel marker is set on a worker they were placed on (a cancel while
+        one waited for room names those workers, not the one it goes to next). One pipeline."""
+        asked = [(k, WorkerKeys(w).cancel_marker(h.session_id)) for k, h in enumerate(hs)
+                 for w in sorted({leg.worker_id for leg in h.legs})]
+        if not asked:
+            return set()
+        replies = yield Read(tuple(Exists(key) for _, key in asked))
+        return {k for (k, _), m in zip(asked, replies, strict=True) if m}
 
     def carry_high_water(self, marks: list[HighWater]) -> Plan[None]:
         """Each moved session's high-water mark on its new hops: the higher of what the Tracker holds and what a

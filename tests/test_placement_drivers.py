@@ -181,3 +181,60 @@ def _beating(client: redis.Redis, wids: list[str]) -> None:
     while not all(client.exists(WorkerKeys(w).heartbeat) for w in wids):
         assert time.monotonic() < deadline, "a worker never beat"
         time.sleep(0.01)
+
+
+def test_a_session_cancelled_while_it_waits_for_room_is_never_opened(real_redis: redis.Redis,
+                                                                     make_producer: MakeProducer) -> None:
+    """The caller's cancel while its session waits for room sets the marker on the worker that refused it; a
+    worker with room that joins later must not open it (the look for room reads the markers first)."""
+    import threading
+
+    from consumer.transport import RedisTransport
+    from consumer.worker import Worker, WorkerSettings
+    from producer import PlacementPolicy, Producer
+    from schemas import RouteHop, SessionSpec
+    from tests.test_continuation import HistoryEngine
+
+    tag = f"{time.time_ns() % 10**9}"
+    wids = [f"cw{i}-{tag}" for i in range(2)]
+    workers = [Worker(HistoryEngine(1), RedisTransport(real_redis, w, consumer_name=w),
+                      WorkerSettings(worker_id=w, block_ms=5, await_ms=2, gather_ms=1.0, heartbeat_s=0.1))
+               for w in wids]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    workers[0].start()
+    threads[0].start()
+    try:
+        _beating(real_redis, wids[:1])
+        key = workers[0].keys["prefill"]
+        holder = Producer(real_redis, timeout_s=30)
+        held = holder.open(SessionSpec(session_id=f"{tag}-held", account_id="acct-room",
+                                       route=(RouteHop(worker_id=wids[0], key=key),), max_tokens=100), [5, 6])
+        while not held.generated:
+            holder.read_results([held], block_ms=200)
+        late = f"{tag}-late"
+
+        def meanwhile() -> None:  # once it waits: cancelled, then a worker with room comes
+            deadline = time.monotonic() + 10
+            while not workers[0].scheduler.stats.rejected_capacity and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)  # the refusal read by the Tracker: it waits
+            holder.cancel(wids[0], late)
+            time.sleep(0.1)
+            workers[1].start()
+            threads[1].start()
+
+        p = make_producer(real_redis, timeout_s=10.0, discover_cache_s=0.05,
+                          placement=PlacementPolicy(lost_check_s=0.05, room_wait_s=10.0))
+        helper = threading.Thread(target=meanwhile)
+        helper.start()
+        out = p.run_many([(SessionTemplate(session_id=late, account_id="acct-room", keys=(key,),
+                                           options={"max_tokens": 4}), [7, 8])])
+        helper.join()
+    finally:
+        for w, t in zip(workers, threads, strict=True):
+            w.request_stop()
+            if t.is_alive():
+                t.join(timeout=30)
+    h = out[late]
+    assert (h.status, h.reason, h.generated) == ("cancelled", "cancelled", []), (h.status, h.reason, h.detail)
+    assert not real_redis.exists(WorkerKeys(wids[1]).session_account(late))  # never opened on the newcomer
