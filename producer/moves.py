@@ -115,8 +115,15 @@ class Mover:
         moved: list[SessionHandle] = []
         marks: list[HighWater] = []
         fence = Batch()
-        for h in placed:
-            mark = self.move(h, out, fence) if any(leg.worker_id in out for leg in h.legs) else None
+        on_out = [h for h in placed if any(leg.worker_id in out for leg in h.legs)]
+        cancelled = yield from self.cancel_marked(on_out)  # a cancel sent to the lost worker: not moved, ended
+        for k, h in enumerate(on_out):
+            if k in cancelled:
+                end(h, "cancelled", "cancelled on a worker that was lost")
+                h.reason = Reason.CANCELLED.value
+                self.touched[h.session_id] = h
+                continue
+            mark = self.move(h, out, fence)
             if mark is not None:
                 moved.append(h)
                 marks.append(mark)

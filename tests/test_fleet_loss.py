@@ -131,3 +131,23 @@ def test_a_silent_worker_keeps_its_sessions_until_the_bound(redis_client: redis.
     redis_client.set(WorkerKeys(first).heartbeat, json.dumps({"ts": time.time(), "slots": 1, "busy_slots": 0}))
     assert p._call(p.core.move_lost()) == [] and h.worker_id == second  # the first is back: nothing bounces
     p.core.stop(run)
+
+
+def test_a_session_cancelled_on_its_lost_worker_is_not_moved(redis_client: redis.Redis,
+                                                             make_producer: MakeProducer) -> None:
+    """A cancel sent to a session's worker just before that worker is lost (its marker set there) ends the session
+    cancelled: the move reads the markers on the lost worker first, so the session is not replayed elsewhere."""
+    marked: list[str] = []
+
+    def on_token(h: SessionHandle, r: StepResult) -> None:
+        if not marked and len(h.generated) >= 3:  # the session whose worker dies right after this answer
+            redis_client.set(WorkerKeys(h.worker_id).cancel_marker(h.session_id), "1", ex=60)
+            marked.append(h.session_id)
+
+    ws = [FakeWorker(redis_client, worker_id=f"c{i}") for i in range(3)]
+    _, out, _ = run_with_a_loss(redis_client, make_producer, ws, "acct-x", on_token)
+    (sid,) = marked
+    assert (out[sid].status, out[sid].attempt) == ("cancelled", 0), (out[sid].status, out[sid].detail)
+    for other, h in out.items():  # the lost worker's other sessions moved and finished
+        if other != sid:
+            assert h.status == "finished" and h.generated == expected_tokens(other, 5, 12), (other, h.status)
