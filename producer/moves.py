@@ -119,9 +119,7 @@ class Mover:
         cancelled = yield from self.cancel_marked(on_out)  # a cancel sent to the lost worker: not moved, ended
         for k, h in enumerate(on_out):
             if k in cancelled:
-                end(h, "cancelled", "cancelled on a worker that was lost")
-                h.reason = Reason.CANCELLED.value
-                self.touched[h.session_id] = h
+                self.end_now(h, "cancelled", Reason.CANCELLED, "cancelled on a worker that was lost")
                 continue
             mark = self.move(h, out, fence)
             if mark is not None:
@@ -181,55 +179,59 @@ class Mover:
         return mark
 
     def place_waiting(self) -> Plan[None]:
-        """Every `lost_check_s`: each session refused for want of a slot placed again on a worker with room (hop
-        by hop: the hop refused), then replayed (queued as touched); or ended `rejected` once it waited
-        room_wait_s.
-        A moved session's high-water mark goes to its new hop too (so a position its lost worker charged is
-        charged nowhere else)."""
+        """Every `lost_check_s`: each session refused for want of a slot placed again on a worker with room (the
+        hop refused), then replayed (queued as touched); ended cancelled when its caller cancelled it meanwhile,
+        or rejected once it waited room_wait_s. A moved session's high-water mark goes to its new hop too (so a
+        position its lost worker charged is charged nowhere else)."""
         now = time.monotonic()
         if not self.waiting or now - self.waited_at < self.policy.lost_check_s:
             return
         self.waited_at = now
         yield from self.fleet_now()
-        hs: list[tuple[str, float, SessionHandle]] = []
-        for sid, since in list(self.waiting.items()):
-            h = self.driven.get(sid)
-            if h is None or h.status != "awaiting_room":  # ended, retired, or moved off a lost worker meanwhile
-                del self.waiting[sid]
-            else:
-                hs.append((sid, since, h))
-        marked = yield from self.cancel_marked([h for _, _, h in hs])
+        for sid in [sid for sid in self.waiting if (h := self.driven.get(sid)) is None or h.status != "awaiting_room"]:
+            del self.waiting[sid]  # ended, retired, or moved off a lost worker meanwhile
+        hs = [self.driven[sid] for sid in self.waiting]
+        marked = yield from self.cancel_marked(hs)
         marks: list[HighWater] = []
-        for k, (sid, since, h) in enumerate(hs):
+        for k, h in enumerate(hs):
+            since = self.waiting.pop(h.session_id)
             if k in marked:
-                del self.waiting[sid]
-                end(h, "cancelled", "cancelled while it waited for room")
-                h.reason = Reason.CANCELLED.value
-                self.touched[sid] = h
+                self.end_now(h, "cancelled", Reason.CANCELLED, "cancelled while it waited for room")
                 continue
             try:
                 placed = self.place_hops(h.template, h.prompt, need_room=True, hops=[h.waiting_hop])
             except LookupError as e:
-                if now - since >= self.policy.room_wait_s:
-                    del self.waiting[sid]
-                    end(h, "rejected", f"no worker with room within {self.policy.room_wait_s} s: {e}"[:300])
-                    h.reason = Reason.CAPACITY.value
-                    self.touched[sid] = h
+                if now - since < self.policy.room_wait_s:
+                    self.waiting[h.session_id] = since
+                else:
+                    self.end_now(h, "rejected", Reason.CAPACITY,
+                                 f"no worker with room within {self.policy.room_wait_s} s: {e}"[:300])
                 continue
-            del self.waiting[sid]
-            run = h.run
-            self.retire(h)
-            spec = h.template.spec([w if w is not None else leg.worker_id for leg, w in zip(h.legs, placed,
-                                                                                             strict=True)])
-            new = _rehome(h, spec)
-            if h.carried is not None and new:
-                marks.append(HighWater(sid, h.carried.hw, h.carried.off, tuple(new)))
-            h.room_waits += 1
-            lose(h)
-            self.drive(h, run)
-            self.touched[sid] = h
+            mark = self.place_again(h, placed)
+            if mark is not None:
+                marks.append(mark)
         if marks:
             yield from self.carry_high_water(marks)
+
+    def place_again(self, h: SessionHandle, placed: list[str | None]) -> HighWater | None:
+        """A waiting session on the workers `placed` names (None: the hop stays), to be replayed there on a new
+        attempt that costs no max_attempts; the high-water mark a move gave it, for its new hops."""
+        run = h.run
+        self.retire(h)
+        new = _rehome(h, h.template.spec([w if w is not None else leg.worker_id
+                                          for leg, w in zip(h.legs, placed, strict=True)]))
+        h.room_waits += 1
+        lose(h)
+        self.drive(h, run)
+        self.touched[h.session_id] = h
+        c = h.carried
+        return HighWater(h.session_id, c.hw, c.off, tuple(new)) if c is not None and new else None
+
+    def end_now(self, h: SessionHandle, status: str, reason: Reason, detail: str) -> None:
+        """End a session the Tracker decided about (no worker answered it so): queued as touched, released."""
+        end(h, status, detail)
+        h.reason = reason.value
+        self.touched[h.session_id] = h
 
     def cancel_marked(self, hs: list[SessionHandle]) -> Plan[set[int]]:
         """The indexes of the sessions whose cancel marker is set on a worker they were placed on (a cancel while
