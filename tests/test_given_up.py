@@ -79,3 +79,42 @@ def test_steps_delivered_past_the_limit_are_answered_state_lost_and_replayed(rea
     dlq = real_redis.xrange(WorkerKeys(wid).dead_letters)
     assert len(dlq) == opened and {f[b"reason"] for _, f in dlq} == {b"too_many_deliveries"}
     assert sum(int(real_redis.xpending(name, GROUP)["pending"]) for name in transport.streams) == 0
+
+
+def test_a_twin_of_an_answered_step_given_up_is_not_answered_again(real_redis: redis.Redis) -> None:
+    """A twin of a step already answered (the Tracker re-pushes what it did not read after an outage) that reaches
+    the limit is acked without an answer, as any delivery of an answered job: never a second answer under its id
+    (found by tests/test_chaos.py's random schedule of faults under DGR_SOAK=1, seed 23: 'a job answered twice')."""
+    wid = f"given-up{next(_wids)}"
+    first = _worker(real_redis, wid, "gen0")
+    first.start()
+    thread = threading.Thread(target=first.run, daemon=True)
+    thread.start()
+    s = Sess(prompt=(7, 3, 9), max_tokens=5, n=1)
+    producer = Producer(real_redis, timeout_s=20, decode_n=1)
+    hop = RouteHop(worker_id=wid, key=first.keys["prefill"])
+    try:
+        done = producer.run_many([(SessionSpec(session_id="twin", account_id="acct-g", route=(hop,),
+                                               max_tokens=s.max_tokens), list(s.prompt))])
+    finally:
+        first.request_stop()
+        thread.join(timeout=30)
+    assert done["twin"].generated == oracle(s)
+    before = session_results(real_redis, wid, "twin")
+    transport = first.transport
+    assert isinstance(transport, RedisTransport)
+    decode = next(st for st in transport.streams if st.endswith(":decode"))
+    _id, fields = real_redis.xrange(decode, count=1)[0]
+    real_redis.xadd(decode, fields)  # the twin of the session's first decode step, answered long ago
+    second = RedisTransport(real_redis, wid, consumer_name="gen1", settings=LIMIT)
+    second.register(list(first.keys.values()), {})
+    assert _read_all(second) == 1  # delivery 1, then killed
+    third = RedisTransport(real_redis, wid, consumer_name="gen2", settings=LIMIT)
+    third.register(list(first.keys.values()), {})
+    assert len(third.recover_streams()[0]) == 1  # delivery 2, then killed
+    last = _worker(real_redis, wid, "gen3")
+    last.start()  # delivery 3 > 2: given up, known as answered
+    last.request_stop()
+    assert session_results(real_redis, wid, "twin") == before  # no second answer
+    assert len(real_redis.xrange(WorkerKeys(wid).dead_letters)) == 1
+    assert sum(int(real_redis.xpending(name, GROUP)["pending"]) for name in transport.streams) == 0

@@ -270,6 +270,10 @@ class EntryAdmission:
         out.dead.append(DeadLetter(inb.ref, Reason.TOO_MANY_DELIVERIES, inb.ref.given_up))  # filed: counted only
         try:
             lane = self.lanes.for_entry(inb)
+            # A twin of a job answered already (the Tracker re-pushes what it did not read after an outage), held
+            # here, or of a cancelled session: as any delivery of it, never a second answer under its id.
+            if lane.ledger.duplicate(job, inb, out.wire_rejects, out.acks):
+                return False
             out.answers[lane.index].append(lane.scheduler.refuse(
                 job, inb.ref, Reason.TOO_MANY_DELIVERIES, f"given up: {inb.ref.given_up}", Status.STATE_LOST))
         except Exception:
