@@ -90,8 +90,9 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
 @pytest.mark.parametrize("how", ["shutdown", "kill9"])
 def test_redis_restart_mid_run(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path,
                                how: str) -> None:
-    """Redis goes away (clean shutdown, or kill -9 losing up to a second of AOF) and comes back on the
-    same port and data dir 1.5 s later: the consumer and the producer ride through."""
+    """Redis goes away (clean shutdown, or kill -9 of the process: its AOF holds what it acknowledged,
+    tests/chaos_support.py) and comes back on the same port and data dir 1.5 s later: the consumer and the
+    producer ride through."""
     rng = random.Random(SEED)
     worker = f"chaos-r{how}"
     c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
