@@ -263,7 +263,8 @@ class EntryAdmission:
 
     def _given_up(self, inb: Inbound, job: StepJob, out: Admitted) -> bool:
         """An entry the transport gave up on (delivered more than max_deliveries times), already dead-lettered
-        and acked: its session is answered STATE_LOST, so its Tracker replays it on a new attempt, never left
+        and acked: a delivery of a job the ledger knows (answered, held here, cancelled) is handled as such;
+        otherwise its session is answered STATE_LOST, so its Tracker replays it on a new attempt, never left
         waiting for an answer. Most such entries are innocent: a worker killed again and again before it made
         progress delivers every step it held once more each time. A true poison pill is bounded by the
         Tracker's max_attempts (each attempt dead-letters once). Never raises (the per-entry guard)."""
