@@ -115,7 +115,10 @@ class Mover:
         moved: list[SessionHandle] = []
         marks: list[HighWater] = []
         fence = Batch()
-        on_out = [h for h in placed if any(leg.worker_id in out for leg in h.legs)]
+        # A session waiting for room never opened on the worker that refused it: place_waiting places it, not a move
+        # (no cancel, fence or moved_out there); a hop it did open on a lost worker still moves it.
+        on_out = [h for h in placed if any(leg.worker_id in out for leg in h.legs
+                                           if not (h.status == "awaiting_room" and leg.hop == h.waiting_hop))]
         cancelled = yield from self.cancel_marked(on_out)  # a cancel sent to the lost worker: not moved, ended
         for k, h in enumerate(on_out):
             if k in cancelled:
