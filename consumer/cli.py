@@ -6,6 +6,7 @@ on the line, shows it."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -60,6 +61,14 @@ def _redis_url(url: str) -> None:
         parse_url(url)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--redis-url") from None
+
+
+def young_gc(threshold: int) -> None:
+    """The youngest generation collected every `threshold` allocations (0: left as Python set it), the startup's
+    garbage collected first. Process-wide: the commands that serve (`dgr consumer`) call it, never the library."""
+    if threshold > 0:
+        gc.collect()
+        gc.set_threshold(threshold, *gc.get_threshold()[1:])
 
 
 def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
@@ -119,6 +128,7 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
                                settings=config.transport, signer=signer, listener=metrics)
     worker = Worker(eng, transport, config.worker, metrics)
     worker.install_signal_handlers()
+    young_gc(svc.gc_young)
     try:
         worker.run(max_idle_s=svc.max_idle_s or None)
     except LeaseHeld as e:

@@ -182,6 +182,11 @@ class ServiceSettings:
     max_idle_s: float = setting(0.0, 'Exit after this long idle (0: never).')
     log_level: str = setting("INFO", 'DEBUG, INFO, WARNING or ERROR.')
     log_format: str = setting("json", "'json' or 'text'.")
+    # Python's cyclic GC runs a young collection every gc_young allocations (700 by default): a worker allocates
+    # a few objects per token, so at 256 sessions a collection every few calls, its older passes over the whole
+    # heap; nearly all of it is freed by reference counting. docs/benchmarks.md (issue 32) measured the threshold.
+    gc_young: int = setting(20_000, min=0, help=
+        "Allocations between two young-generation garbage collections in this process (0: Python's default).")
     llama_log: str = setting("debug",
         "The level llama.cpp's INFO lines (the loader's) are logged at: 'debug' (seen with --log-level DEBUG) or "
         "'info'.")

@@ -3,6 +3,7 @@ shows it), and llama.cpp's loader lines are logged at DEBUG unless asked (issue 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     (("--hmac-key-file", "/missing/keys"), "--hmac-key-file"),
     (("--llama-log", "loud"), "--llama-log"),
     (("--repack", "maybe"), "--repack"),
+    (("--gc-young", "-1"), "--gc-young"),
 ])
 def test_a_user_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                                              says: str) -> None:
@@ -72,3 +74,17 @@ def test_llama_info_lines_are_debug_unless_asked(caplog: pytest.LogCaptureFixtur
         root.setLevel(old)
     warn = logging.LogRecord("dgr.llama", logging.WARNING, "", 0, "a warning", None, None)
     assert cli._llama_info_at_debug(warn) and warn.levelno == logging.WARNING
+
+
+def test_a_serving_process_collects_its_young_generation_less_often() -> None:
+    """`dgr consumer --gc-young N` (default 20,000): the youngest generation's threshold, the older ones kept; 0
+    leaves Python's own."""
+    before = gc.get_threshold()
+    try:
+        cli.young_gc(0)
+        assert gc.get_threshold() == before
+        cli.young_gc(20_000)
+        assert gc.get_threshold() == (20_000, *before[1:])
+        assert cli.DEFAULTS.service.gc_young == 20_000
+    finally:
+        gc.set_threshold(*before)
