@@ -157,10 +157,14 @@ def serve(
                                                   "bearer keys required, each billing its account.")] = None,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies are refused (413).")] = 1 << 20,
     max_lag: Annotated[int, typer.Option(help="A worker's prefill lag past this answers 429.")] = 10_000,
+    gc_young: Annotated[int, typer.Option(envvar="DGR_GC_YOUNG", min=0, help="Allocations between two young-"
+                                          "generation garbage collections in this process (0: Python's default).")
+                        ] = _S.gc_young,
 ) -> None:
     """An OpenAI-compatible HTTP API over the fleet (docs/serve.md; the `serve` extra)."""
     from gateway.main import serve as run_serve
 
+    young_gc(gc_young)
     run_serve(redis_url, model, host=host, port=port, chat_template=chat_template or None, api_keys_file=api_keys,
               max_body_bytes=max_body_bytes, max_lag=max_lag)
 

@@ -88,3 +88,9 @@ def test_a_serving_process_collects_its_young_generation_less_often() -> None:
         assert cli.DEFAULTS.service.gc_young == 20_000
     finally:
         gc.set_threshold(*before)
+
+
+def test_serve_refuses_a_negative_gc_threshold(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["serve", "--model", "tiny", "--gc-young", "-1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--gc-young" in err and len(err.strip().splitlines()) == 1
