@@ -68,7 +68,8 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
     # each consumer runs its calls on the engine thread (short calls) or every call in the loop's thread with its
     # reads, filings and heartbeats on the I/O thread (a long call's path: Worker._mode), drawn
     modes = ((), ("--overlap-max-call-ms", "0.001"))
-    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=rng.choice(modes))
+    mode = rng.choice(modes)
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=mode)
     client = redis.Redis.from_url(redis_srv.url)
     specs = specs_for(client, worker, "k9", prompts(N_SESSIONS, 300, seed=SEED % 1000, lo=3, hi=40), TOKENS)
     drive = Drive(_producer(redis_srv.url), specs).start()
@@ -78,12 +79,20 @@ def test_kill_9_of_the_consumer_at_random_points(redis_srv: RestartableRedis, ti
         drive.wait_results(mark)
         time.sleep(rng.uniform(0, 0.03))  # land anywhere in a fused call, a completion, a read
         c.kill()
-        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=rng.choice(modes))
+        mode = rng.choice(modes)
+        c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path, extra=mode)
         assert isinstance(c, ConsumerProcess)
     handles = drive.join()
     summary = check_exact(client, worker, specs, handles, tiny_model_path)
     assert summary["finished"] == N_SESSIONS, (SEED, summary)
     wait_idle_heartbeat(client, worker)
+    # the last consumer ran its calls where its mode says (its heartbeat; a process's first two calls run on the
+    # engine thread: the mode is chosen before the first call is taken)
+    where = c.wait_heartbeat(since=time.time())["stats"]["calls_by_iteration"]
+    if mode:
+        assert where["loop_thread"] >= 1 and where["engine_thread"] <= 2 and where["in_order"] == 0, where
+    else:
+        assert where["engine_thread"] >= 1 and where["in_order"] == 0, where
     assert c.stop() == 0, _log_tail(c)
 
 

@@ -265,6 +265,7 @@ class Worker:
         picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
         if picked is not None:
             lane, batch = picked
+            self.stats.calls_by_iteration["in_order" if flush else "loop_thread" if here else "engine_thread"] += 1
             if not flush:
                 self._prefetch()
             if not flush and not here:

@@ -30,6 +30,11 @@ class LoopStats:
     # the loop started that one right after taking the first (work was ready): the engine idle on the worker.
     engine_gaps: int = 0
     engine_gap_seconds: float = 0.0
+    # Fused calls by where the iteration ran them (Worker._mode): on the engine thread (overlap, short calls), in
+    # the loop's thread with the Redis round trips on the I/O thread (long calls), or everything in order: what a
+    # process was told (--overlap-max-call-ms, --no-overlap-io) is seen from outside in its heartbeat.
+    calls_by_iteration: dict[str, int] = field(
+        default_factory=lambda: {"engine_thread": 0, "loop_thread": 0, "in_order": 0})
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def count_call(self, phase: Phase, sessions: int, seconds: float) -> None:
@@ -49,7 +54,8 @@ class LoopStats:
                 "decode_sessions": self.decode_sessions, "reads": self.reads, "refused": self.refused,
                 "early_held": self.early_held, "early_expired": self.early_expired,
                 "sessions_idle_cancelled": self.sessions_idle_cancelled,
-                "engine_gaps": self.engine_gaps, "engine_gap_seconds": self.engine_gap_seconds}
+                "engine_gaps": self.engine_gaps, "engine_gap_seconds": self.engine_gap_seconds,
+                "calls_by_iteration": dict(self.calls_by_iteration)}
 
     @property
     def mean_batch(self) -> float:
