@@ -10,7 +10,7 @@ import numbers
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from schemas import CompatibilityKey, Reason, SessionSpec, WireError, WorkerKeys
 from schemas.keys import WORKERS_INDEX
@@ -50,9 +50,19 @@ def check_token(value: object, vocab: int | None, what: str = "token") -> int:
 
 
 def check_tokens(values: Iterable[object], vocab: int | None, what: str = "prompt") -> tuple[int, ...]:
+    """check_token of each, as a tuple. Plain ints (what a tokenizer gives) are checked in C: their types, their
+    least and greatest; a prompt of 512 took 400 µs one by one (an opening checks it two or three times)."""
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of token ids, not {type(values).__name__}")
-    return tuple(check_token(v, vocab, f"{what} tokens[{i}]") for i, v in enumerate(values))
+    toks = values if isinstance(values, tuple) else tuple(values)
+    if not toks:
+        return ()
+    if set(map(type, toks)) == {int}:
+        ints = cast("tuple[int, ...]", toks)
+        if min(ints) >= 0 and max(ints) < (min(MAX_TOKEN_ID + 1, vocab) if vocab else MAX_TOKEN_ID + 1):
+            return ints
+    # anything else (numpy integers, a bool, a token out of range): one by one, the first bad one named
+    return tuple(check_token(v, vocab, f"{what} tokens[{i}]") for i, v in enumerate(toks))
 
 
 def vocab_size(info: dict[str, Any] | None, digest: str | None = None) -> int | None:

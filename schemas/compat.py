@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -116,13 +118,31 @@ class CompatibilityKey(_Frozen):
         """Sorted keys, no whitespace: the byte string the digest is taken over."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
-    @property
+    # The digest and the other phase's key are kept on the key (it is frozen): a Tracker asks for them several
+    # times per session it opens (a dump, a JSON encoding and a SHA-256 each: a tenth of dgr serve's CPU per
+    # request on the tiny model). model_copy drops them from a copy, whose fields may differ.
+    @cached_property
     def digest(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
 
+    @cached_property
+    def phase_keys(self) -> dict[str, CompatibilityKey]:
+        """The keys of the other phases asked for so far (for_phase)."""
+        return {}
+
     def for_phase(self, phase: Phase) -> CompatibilityKey:
-        # Re-validated, not model_copy(update=...): a copy must never carry stale derived state.
-        return self if phase == self.phase else CompatibilityKey.model_validate({**self.model_dump(), "phase": phase})
+        if phase == self.phase:
+            return self
+        got = self.phase_keys.get(phase)
+        if got is None:  # re-validated, not model_copy(update=...): a copy must never carry stale derived state
+            got = self.phase_keys[phase] = CompatibilityKey.model_validate({**self.model_dump(), "phase": phase})
+        return got
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> CompatibilityKey:
+        copy = super().model_copy(update=update, deep=deep)
+        for derived in ("digest", "phase_keys"):
+            copy.__dict__.pop(derived, None)
+        return copy
 
     def compatible(self, other: CompatibilityKey) -> bool:
         return self == other

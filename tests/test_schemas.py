@@ -203,6 +203,25 @@ def test_digest_stable_under_reconstruction(quant: str, ctx: int, fa: bool, dims
     assert rebuilt.digest == CompatibilityKey.model_validate(dict(reversed(list(k2.model_dump().items())))).digest
 
 
+@settings(max_examples=60, deadline=None)
+@given(quant=st.sampled_from(["Q8_0", "Q4_K_M", "F32"]), ctx=st.integers(1, 1 << 20),
+       phase=st.sampled_from(["prefill", "decode"]))
+def test_a_keys_kept_digest_and_phase_keys_are_its_own(quant: str, ctx: int, phase: str) -> None:
+    """The digest and for_phase's keys are kept on a key once asked for: a copy with other fields computes its
+    own (not the original's), and every kept value is what a key validated afresh gives."""
+    k = make_key()
+    first, other = k.digest, k.for_phase("decode" if k.phase == "prefill" else "prefill")
+    assert k.for_phase(other.phase) is other and k.digest == first  # kept
+    k2 = k.model_copy(update={"recipe": k.recipe.model_copy(update={"quantization": quant, "ctx_per_session": ctx}),
+                              "phase": phase})
+    fresh = CompatibilityKey.model_validate(k2.model_dump())
+    assert k2.digest == fresh.digest
+    assert (k2.digest == first) == (k2.model_dump() == k.model_dump())
+    for p in ("prefill", "decode"):
+        assert k2.for_phase(p) == fresh.for_phase(p) and k2.for_phase(p).digest == fresh.for_phase(p).digest
+        assert k2.for_phase(p).phase == p
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["v", "job_id", "session_id", "hop", "phase", "compat", "pos", "tokens",
                                         "sample", "attempt", "created_at", "session", "junk"]),
