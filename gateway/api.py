@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from schemas.limits import MAX_GENERATE
 from schemas.session import MAX_LOGPROBS
@@ -93,6 +93,25 @@ class CompletionRequest(Generation):
     prompt: str | list[int] | list[str] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's completions ceiling
     echo: bool = False
+    # OpenAI's legacy fields that would change the answer, refused rather than ignored: `suffix` (text after the
+    # insertion) and `best_of` above n (several drawn server-side, the best returned). best_of equal to n (or 1,
+    # what some clients send by default) asks for nothing more than n does.
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > 1 and v != info.data.get("n", 1):
+            raise ValueError("best_of is not supported: send n for several answers")
+        return v
 
     @field_validator("prompt")
     @classmethod

@@ -103,6 +103,38 @@ def test_refusals_in_openai_shape(worker: redis.Redis, redis_server: LocalRedis,
     assert started(worker) == before
 
 
+COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+COMPLETION_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
+    ("echo", {**COMPLETION, "echo": True}, 400, "echo"),
+    ("suffix", {**COMPLETION, "suffix": "and then"}, 400, "suffix"),
+    ("best_of above n", {**COMPLETION, "best_of": 3}, 400, "best_of"),
+    ("best_of above n of 2", {**COMPLETION, "n": 2, "best_of": 3}, 400, "best_of"),
+    ("two prompts", {**COMPLETION, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("a token outside the vocabulary", {**COMPLETION, "prompt": [1, 2, 10**9]}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), COMPLETION_CASES, ids=[c[0] for c in COMPLETION_CASES])
+def test_completion_refusals_in_openai_shape(worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel],
+                                             name: str, body: dict[str, Any], status: int, param: str | None) -> None:
+    """Fields of OpenAI's completions that would change the answer dgr gives are refused, not ignored (a probe
+    found suffix and best_of served as if absent); nothing starts on a worker."""
+    before = started(worker)
+    r = call(config(redis_server, models), "POST", "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    assert started(worker) == before
+
+
+@pytest.mark.parametrize("extra", [{"best_of": 1}, {"best_of": 2, "n": 2}, {"suffix": ""}, {"suffix": None}])
+def test_best_of_as_n_and_an_empty_suffix_are_served(worker: redis.Redis, redis_server: LocalRedis,
+                                                     models: list[TextModel], extra: dict[str, Any]) -> None:
+    r = call(config(redis_server, models), "POST", "/v1/completions", json={**COMPLETION, **extra}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == extra.get("n", 1)
+
+
 RAW: list[tuple[str, bytes, int, str]] = [
     ("malformed JSON", b'{"model": "tiny", "messages": [', 400, "invalid_json"),
     ("invalid UTF-8", b'{"model": "tiny\xff\xfe", "messages": []}', 400, "invalid_encoding"),
