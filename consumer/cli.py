@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import fields
 from functools import cache, partial
 from pathlib import Path
 from typing import Annotated, Literal
@@ -19,7 +20,7 @@ from typing import Annotated, Literal
 import typer
 
 from .cli_config import with_consumer_options
-from .config import DEFAULTS, ConsumerConfig
+from .config import DEFAULTS, ConsumerConfig, ServiceSettings
 from .engines.compute import on_compute_thread
 from .redis_options import (
     RedisUrl,
@@ -31,6 +32,7 @@ app = typer.Typer(help="dgr: continuous decode batching for GGUF workers over Re
                   no_args_is_help=True, pretty_exceptions_enable=False)
 
 _S, _E, _W, _T = DEFAULTS.service, DEFAULTS.engine, DEFAULTS.worker, DEFAULTS.transport
+_GC_YOUNG = next(f for f in fields(ServiceSettings) if f.name == "gc_young")  # dgr serve's option: the same setting
 # --repack: the engine's `extra_bufts`
 REPACK: dict[str, bool | Literal["auto"]] = {"off": False, "on": True, "auto": "auto"}
 
@@ -65,7 +67,8 @@ def _redis_url(url: str) -> None:
 
 def young_gc(threshold: int) -> None:
     """The youngest generation collected every `threshold` allocations (0: left as Python set it), the startup's
-    garbage collected first. Process-wide: the commands that serve (`dgr consumer`) call it, never the library."""
+    garbage collected first. Process-wide: the commands that serve (`dgr consumer`, `dgr serve`) call it, never
+    the library."""
     if threshold > 0:
         gc.collect()
         gc.set_threshold(threshold, *gc.get_threshold()[1:])
@@ -157,8 +160,7 @@ def serve(
                                                   "bearer keys required, each billing its account.")] = None,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies are refused (413).")] = 1 << 20,
     max_lag: Annotated[int, typer.Option(help="A worker's prefill lag past this answers 429.")] = 10_000,
-    gc_young: Annotated[int, typer.Option(envvar="DGR_GC_YOUNG", min=0, help="Allocations between two young-"
-                                          "generation garbage collections in this process (0: Python's default).")
+    gc_young: Annotated[int, typer.Option(envvar="DGR_GC_YOUNG", min=0, help=_GC_YOUNG.metadata["help"])
                         ] = _S.gc_young,
 ) -> None:
     """An OpenAI-compatible HTTP API over the fleet (docs/serve.md; the `serve` extra)."""
