@@ -32,7 +32,7 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
           "stop", "presence_penalty", "frequency_penalty", "logit_bias", "n", "stream", "stream_options",
           "response_format", "user", "top_k", "min_p", "repeat_penalty", "ignore_eos", "logprobs", "top_logprobs",
-          "echo", "tools", "suffix"]
+          "echo", "tools", "suffix", "best_of"]
 
 
 class App:
@@ -88,6 +88,8 @@ PLAUSIBLE: dict[str, list[Any]] = {
     "messages": [[{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
                                                                                         "text": "hi"}]}]],
     "prompt": [[5, 6, 7], ["one"], "x" * 40],
+    "best_of": [1, 2, 3],
+    "suffix": ["", "tail"],
 }
 
 json_values = st.recursive(
