@@ -183,8 +183,8 @@ class ServiceSettings:
     log_level: str = setting("INFO", 'DEBUG, INFO, WARNING or ERROR.')
     log_format: str = setting("json", "'json' or 'text'.")
     # Python's cyclic GC runs a young collection every gc_young allocations (700 by default): a worker allocates
-    # a few objects per token, so at 256 sessions a collection every few calls, its older passes over the whole
-    # heap; nearly all of it is freed by reference counting. docs/benchmarks.md (issue 32) measured the threshold.
+    # a few objects per token, nearly all freed by reference counting, and the collections (older passes over the
+    # whole heap among them) ran between two calls. docs/benchmarks.md (issue 32) counted and measured them.
     gc_young: int = setting(20_000, min=0, help=
         "Allocations between two young-generation garbage collections in this process (0: Python's default).")
     llama_log: str = setting("debug",
