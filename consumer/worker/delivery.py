@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from schemas import Phase, Reason, Status, StepJob
-from schemas.step import end_job_id, result_job_id, split_result_id
+from schemas.step import end_job_id, result_job_id
 
 from ..sched import Answer, Outcome, Scheduler
 from ..transport.protocol import Delivery, Inbound
@@ -61,9 +61,6 @@ class DeliveryLedger:
         # job id -> more deliveries of it while held (with their created_at, for the latency metric)
         self.twins: dict[str, list[tuple[Delivery, float]]] = {}
         self.answered: OrderedDict[str, Answer] = OrderedDict()  # result id -> its answer (LRU)
-        # job id -> the answers in `answered` under its result ids (_count): a job none of whose answers is kept
-        # (every new delivery) is told so without its result ids built (a continuation's n + 1)
-        self.answered_jobs: dict[str, int] = {}
         self.precheck: tuple[set[str], set[str]] = (set(), set())  # (answered steps, cancelled sessions)
 
     def steps_to_check(self, inbound: Sequence[Inbound]) -> tuple[list[StepJob], list[str]]:
@@ -130,8 +127,6 @@ class DeliveryLedger:
         one per token and maybe an ending one: a redelivery after it ended (the producer re-pushes it when
         Redis lost some of its results) re-sends them all, so every lost one is published again."""
         jid = job.job_id
-        if jid not in self.answered_jobs:
-            return []
         ids = [jid] if job.n == 1 else [*(result_job_id(jid, k) for k in range(job.n)), end_job_id(jid)]
         out: list[Answer] = []
         for rid in ids:
@@ -176,30 +171,14 @@ class DeliveryLedger:
         as it is: a copy per token cost more than the rest of this."""
         rid = a.result.job_id
         answered = self.answered
-        job = a.job
-        old = answered.get(rid)
-        if old is not None:
+        if rid in answered:
             answered.move_to_end(rid)
-            self._count(old, -1)
-        self._count(a, 1)
+        job = a.job
         answered[rid] = a if a.blob is None and job is not None and job.n > 1 else Answer(
             None, job, a.result, a.account_id, a.close, None, a.final, a.reply)
         if len(answered) > self.answered_memory:
-            self._count(answered.popitem(last=False)[1], -1)
+            answered.popitem(last=False)
         return a
-
-    def _count(self, a: Answer, change: int) -> None:
-        """answered_jobs follows an answer kept (+1) or dropped (-1), under every job id whose result ids hold
-        its result id: the id itself and the job it is a token or the end of (job ids may hold dots: `a.1` is
-        job `a`'s second token and may be a job of its own), whatever job the answer carries."""
-        rid = a.result.job_id
-        base, _ = split_result_id(rid)
-        for key in (rid,) if base == rid else (rid, base):
-            n = self.answered_jobs.get(key, 0) + change
-            if n > 0:
-                self.answered_jobs[key] = n
-            else:
-                self.answered_jobs.pop(key, None)
 
 
 def same_job(a: StepJob, b: StepJob) -> bool:
