@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from .reference import argmax_rows, needs_context
 from .rows import RowInput, SampledCall, sample_rows
 from .vocab import Vocabulary
 
-__all__ = ["BatchSampler"]
+__all__ = ["BatchSampler", "plain"]
 
 log = logging.getLogger("dgr.sampler")
 
@@ -74,8 +75,12 @@ def _plain_sampling(s: Sampling) -> bool:
             and s.allowed_token_ids is None and s.min_tokens == 0 and s.logprobs is None and not s.constrained)
 
 
-def _plain(s: Sampling | None) -> bool:
+def plain(s: Sampling | None) -> bool:
+    """Whether a row of this sampling is a plain greedy one: its token is the row's argmax (docs/sampling.md)."""
     return s is not None and _plain_sampling(s)
+
+
+_plain = plain
 
 
 class BatchSampler:
@@ -206,6 +211,28 @@ class BatchSampler:
                                   np.bool_, n)
             plain &= ~hit | allowed
         return plain, top
+
+    def greedy_tokens(self, rows: npt.NDArray[np.float32], samplings: Callable[[], Sequence[Sampling | None]]
+                      ) -> npt.NDArray[np.intp] | None:
+        """The tokens `sample` gives rows of plain greedy sessions (their argmax), unless one is NaN or a special
+        token its session may not sample (`samplings()`: each row's sampling, asked only then): None then. For
+        the engine thread (a chained call's inputs, consumer/worker/chain.py): it reads only the rows, the
+        vocabulary's special mask and the sessions' sampling, nothing `observe` or `sample` change, so it may
+        run while the loop samples another call."""
+        arr = np.asarray(rows)
+        if arr.ndim != 2 or arr.shape[1] != self.vocab_size:
+            return None
+        n = arr.shape[0]
+        top = np.argmax(arr, axis=1)
+        if np.isnan(arr[np.arange(n), top]).any():
+            return None
+        hit = self.vocab.special_mask[top]
+        if hit.any():
+            given = samplings()
+            allowed = np.fromiter((s is not None and s.allow_special for s in given), np.bool_, len(given))
+            if allowed.shape[0] != n or (hit & ~allowed).any():
+                return None
+        return top
 
     def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
         """Today's worker seam (a list of tokens). A row without a token gets the raw row's argmax, as

@@ -38,6 +38,10 @@ class Batching(SchedulerState):
             # Every ready prefill session waits for more of its prompt (and left the ready heap): the
             # round did not happen, so the weights are as they were; pick again.
             self._phase_turns.restore(before)
+        return self._handed_out(phase, items)
+
+    def _handed_out(self, phase: Phase, items: list[BatchItem]) -> ScheduledBatch:
+        """The call of these items (taken out of their queues), with what the prefix cache plans for it."""
         batch = ScheduledBatch.build(phase, items)
         if phase == "prefill":
             batch = self._prefix_directives(batch)  # type: ignore[attr-defined]  # PrefixPlanning
@@ -53,32 +57,35 @@ class Batching(SchedulerState):
 
     def _take_decode(self) -> list[BatchItem]:
         items: list[BatchItem] = []
-        pop, done, continuing, inflight = self._queues["decode"].pop, self._queues["decode"].take, self._continuing, \
-            self._inflight
+        pop = self._queues["decode"].pop
         for row in range(self.config.max_batch):
             lane = pop()
             if lane is None:
                 break
-            # A continuation job (n > 1) stays at the head of its lane until its last offset is handed
-            # out: each call takes its next offset, feeding the token the session sampled last.
-            q = lane.jobs[0]
-            offset = q.consumed
-            token = None if offset == 0 and q.job.tokens else lane.entry.last_token
-            q.consumed = offset + 1
-            q.in_flight = (offset, 1)
-            if q.consumed >= q.job.n:
-                lane.jobs.popleft()
-                done(1, job_done=True)
-                continuing.discard(lane.session_id)
-            else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
-                self._seq += 1
-                q.seq = self._seq
-                continuing.add(lane.session_id)
-            lane.inflight.append(q)
-            entry = lane.entry
-            inflight[entry.slot] = lane
-            items.append(BatchItem(q.ref, q.job, entry.slot, offset, 1, row, True, entry.spec.sampling, token))
+            items.append(self._take_decode_row(lane, row))
         return items
+
+    def _take_decode_row(self, lane: SessionQueue, row: int) -> BatchItem:
+        """The lane's next decode row (the lane out of the ready queue). A continuation job (n > 1) stays at the
+        head of its lane until its last offset is handed out: each call takes its next offset, feeding the
+        token the session sampled last."""
+        q = lane.jobs[0]
+        offset = q.consumed
+        token = None if offset == 0 and q.job.tokens else lane.entry.last_token
+        q.consumed = offset + 1
+        q.in_flight = (offset, 1)
+        if q.consumed >= q.job.n:
+            lane.jobs.popleft()
+            self._queues["decode"].take(1, job_done=True)
+            self._continuing.discard(lane.session_id)
+        else:  # its next offset queues behind the steps admitted meanwhile, as a new step would
+            self._seq += 1
+            q.seq = self._seq
+            self._continuing.add(lane.session_id)
+        lane.inflight.append(q)
+        entry = lane.entry
+        self._inflight[entry.slot] = lane
+        return BatchItem(q.ref, q.job, entry.slot, offset, 1, row, True, entry.spec.sampling, token)
 
     def _take_prefill(self) -> list[BatchItem]:
         """Prefill pieces up to the budget, in admission order in one call and shortest first in the next

@@ -75,6 +75,7 @@ from schemas import Phase
 from ..prefix.planner import Refill, Save
 from .admission import JobAdmission
 from .batching import Batching
+from .chaining import Adopted, Chaining, Successor
 from .config import SchedulerConfig
 from .output_processor import OutputProcessor
 from .outputs import Answer, AnswerClose, BatchItem, Outcome, ScheduledBatch, SchedulerStats
@@ -83,12 +84,12 @@ from .prefix_plan import PrefixPlanning
 from .session_table import ClosedSession, CloseKind
 
 __all__ = [
-    "Answer", "AnswerClose", "BatchItem", "CloseKind", "Outcome", "ScheduledBatch", "Scheduler", "SchedulerConfig",
-    "SchedulerStats",
+    "Adopted", "Answer", "AnswerClose", "BatchItem", "CloseKind", "Outcome", "ScheduledBatch", "Scheduler",
+    "SchedulerConfig", "SchedulerStats", "Successor",
 ]
 
 
-class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning):
+class Scheduler(JobAdmission, Batching, OutputProcessor, PrefixPlanning, Chaining):
     """The whole scheduling core: admission, batching and the output processor over one state; the
     queries the worker asks between calls are here."""
 

@@ -64,6 +64,7 @@ class SessionQueue:
     pending_restore: Any = None
     prefix_looked: tuple[int, int, int] | None = None  # what the last lookup saw (PrefixPlanning._prefix_open)
     parting: int = 0  # a piece ends here, where the prompt parts from one seen before: saved as a checkpoint
+    greedy: bool | None = None  # its sampling is a plain greedy one (sched/chaining.py asks once: None, not yet)
     # entry.spec.session_id, kept: read several times per session per call (an attribute, not a property)
     session_id: str = field(init=False)
 
