@@ -136,6 +136,12 @@ class WorkerSettings:
     # (docs/benchmarks.md, issue 32: Gemma's idle per call, 1.5 ms of it the filing and 0.55 the read).
     overlap_io: bool = setting(True, "With overlap on, a call longer than overlap_max_call_ms still has its "
                                      "reads and filing on the I/O thread.")
+    # With overlap on (calls on the engine thread), the decode call after the one computing is built while it
+    # computes and the engine thread starts it at once, its inputs the argmax of the call before (plain greedy
+    # rows only; consumer/sched/chaining.py): the engine waits neither for the loop's sampling and report nor
+    # for the next batch and its hand-over.
+    chain: bool = setting(True, "Start the next decode call on the engine thread as soon as the one before "
+                                "ends (plain greedy sessions, overlap on).")
     # Threads sampling the rows of a call that need more than an argmax (numpy and llama.cpp's grammar
     # calls release the GIL). The engine waits for the sampled tokens (one call in flight), so its cores
     # are free while the loop samples, on a CPU worker too: up to 4, no more than this process may use.

@@ -189,12 +189,13 @@ def test_kill_9_then_restart_every_session_completes_exactly(redis_server: Local
             assert int(acct[b"generated_tokens"]) == len(by_position)  # accounting == tokens produced
         # the iteration the restarted process ran its calls in, as its heartbeat says (Worker._mode): its first two
         # calls run on the engine thread (no call measured when the mode is chosen), every later one in the loop's
-        # thread in `calls-in-the-loop`
+        # thread in `calls-in-the-loop`; on the engine thread, greedy decode calls chained (worker/chain.py)
         where = restarted.wait_heartbeat(since=time.time())["stats"]["calls_by_iteration"]
         if extra:
             assert where["loop_thread"] >= 1 and where["engine_thread"] <= 2 and where["in_order"] == 0, where
+            assert where["chained"] == 0, where
         else:
-            assert where["engine_thread"] >= 1 and where["in_order"] == 0, where
+            assert where["engine_thread"] >= 1 and where["chained"] >= 1 and where["in_order"] == 0, where
     finally:
         assert restarted.stop() == 0, restarted.log()
 

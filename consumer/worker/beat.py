@@ -11,16 +11,21 @@ slots) are taken when it is due, in the loop's thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
+from schemas.limits import MAX_CONTINUATION
 from schemas.prefix import PrefixSummary
 
+from ..engines.engine_set import EngineSet
 from ..metrics import Metrics
 from ..transport.protocol import Transport
+from .lane import Lanes
+from .stats import LoopStats
 
 log = logging.getLogger("dgr.worker")
 
-__all__ = ["beat"]
+__all__ = ["beat", "heartbeat_body"]
 
 
 def beat(tr: Transport, info: dict[str, object], summary: PrefixSummary | None, metrics: Metrics, worker: str,
@@ -38,3 +43,21 @@ def beat(tr: Transport, info: dict[str, object], summary: PrefixSummary | None, 
         log.info("drained and empty: stopping", extra={"worker": worker})
         stop.set()
     tr.trim()
+
+
+def heartbeat_body(worker: str, started_at: float, engines: EngineSet, lanes: Lanes, stats: LoopStats
+                   ) -> dict[str, object]:
+    """The heartbeat's body: the first engine's fields as a one-engine worker always advertised (slots and
+    busy_slots: the worker's, every engine's together), and `engines`: per engine what `EngineSet.advertise()`
+    says, its busy slots, calls and `describe()`."""
+    first = lanes[0]
+    cap, sched = first.engine.capacity, first.scheduler
+    per_engine = [{**ad, **lane.info()} for ad, lane in zip(engines.advertise(), lanes, strict=True)]
+    return {"worker_id": worker, "pid": os.getpid(), "started_at": started_at,
+            "slots": lanes.slots(), "busy_slots": lanes.busy_slots(), "engines": per_engine,
+            "scheduler": sched.stats.as_dict(),
+            "ctx_per_session": cap.ctx_per_session, "max_batch": sched.config.max_batch,
+            "max_continuation": MAX_CONTINUATION,  # the producer asks for n > 1 only when advertised
+            "prefill_budget": sched.config.prefill_budget, "prefill_max": first.pacer.max_tokens,
+            "prefill_ratio": first.pacer.ratio, "vocab_size": cap.vocab_size,
+            "engine": first.engine.describe(), "stats": stats.snapshot()}

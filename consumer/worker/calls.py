@@ -11,26 +11,30 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
-from schemas import Reason, Status
+import numpy as np
+
+from schemas import Reason, Sampling, Status
 
 from ..batch import EngineOutput
 from ..engines.base import EngineError
 from ..engines.compute import compute_thread, on_compute_thread
 from ..metrics import Metrics
 from ..prefix.run import forward_with_prefix
+from ..sampling import BatchSampler
+from ..sampling.stage import plain
 from ..sched import Answer, ScheduledBatch
+from ..sched.chaining import Successor
 from ..transport.protocol import FusedCallStats
+from .chain import Link, run_chain
 from .idle import IdleSessions
 from .lane import Lane, mark_answered
 from .sampled import apply_sampled
 from .stats import LoopStats
 
-__all__ = ["CallContext", "EngineIdle", "InFlight", "InFlightCall", "finish_fused", "run_fused", "run_here",
-           "start_fused"]
+__all__ = ["CallContext", "EngineIdle", "InFlightCall", "finish_fused", "run_fused", "run_here"]
 
 log = logging.getLogger("dgr.worker")
 
@@ -76,41 +80,10 @@ def run_here(w: CallContext, idle: EngineIdle, lane: Lane, batch: ScheduledBatch
                                    engine_seconds=engine_s)
 
 
-# What the engine thread hands back: the call's output (or the error it raised), its time, and when it ended
-# (time.perf_counter(): the start of the engine's idle until the next call).
-InFlight = Future[tuple["EngineOutput | Exception", float, float]]
-
-
-def start_fused(lane: Lane, batch: ScheduledBatch) -> tuple[InFlight, float]:
-    """Start one fused call on the engine thread (the loop goes on: the call releases the GIL), and when the
-    engine thread entered it. Its input is built here, in the loop's thread; `finish_fused` takes its output."""
-    fused = lane.hops.fused(batch)
-    engine, store = lane.engine, lane.prefix
-    entered = threading.Event()
-    entered_at: list[float] = []
-
-    def call() -> tuple[EngineOutput | Exception, float, float]:
-        t = time.perf_counter()
-        entered_at.append(t)
-        entered.set()
-        try:
-            out: EngineOutput | Exception = forward_with_prefix(engine, store, batch, fused)
-        except Exception as e:  # handed back: the loop answers it as run_fused would
-            out = e
-        end = time.perf_counter()
-        return out, end - t, end
-
-    f = compute_thread().submit(call)  # the process's one compute thread (consumer/engines/compute.py)
-    # Hand the GIL over until the engine thread is in: otherwise the loop's next Python work holds it and
-    # the call starts up to a switch interval (5 ms) late (measured: 0.6 ms median at 256 sessions).
-    entered.wait()
-    return f, entered_at[0]
-
-
-def finish_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, call: InFlight) -> list[Answer]:
-    """The answers of a call `start_fused` started (waiting for it); a failure as in run_fused (its
-    retries then run in the loop's thread)."""
-    out, elapsed, _ended = call.result()
+def finish_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, out: EngineOutput | Exception,
+                 elapsed: float) -> list[Answer]:
+    """The answers of a call the engine thread ran (InFlightCall); a failure as in run_fused (its retries then
+    run in the loop's thread)."""
     if isinstance(out, Exception):
         return _failed(w, lane, batch, out, elapsed)
     return _answered(w, lane, batch, out, elapsed)
@@ -203,52 +176,151 @@ class EngineIdle:
 
 class InFlightCall:
     """The fused call on the engine thread (overlap on: the loop builds the next call's input and files
-    the last one's answers while it computes). One thread runs every call, one at a time, so an engine is
-    never entered by two threads; slots are released only while no call is in flight. The thread is the
-    process's compute thread (consumer/engines/compute.py), shared by the workers of a process."""
+    the last one's answers while it computes), and the call chained after it (`offer`: worker/chain.py). One
+    thread runs every call, one at a time, so an engine is never entered by two threads; slots are released
+    only while no call is in flight. The thread is the process's compute thread (consumer/engines/compute.py),
+    shared by the workers of a process."""
 
     def __init__(self, ctx: CallContext, idle: EngineIdle) -> None:
         self.ctx = ctx
         self.idle = idle
-        self._call: tuple[Lane, ScheduledBatch, InFlight] | None = None
+        self._lock = threading.Lock()  # a link's offer, between the loop and the engine thread
+        # (lane, the call as handed out (None: a chained call none of whose sessions is open any more), its link on
+        # the engine thread, the link's output rows it keeps (None: all))
+        self._call: tuple[Lane, ScheduledBatch | None, Link, list[int] | None] | None = None
 
     @property
     def busy(self) -> bool:
         return self._call is not None
 
+    @property
+    def computing(self) -> tuple[Lane, ScheduledBatch] | None:
+        """The lane and call in flight (as handed out), when there is one."""
+        c = self._call
+        return None if c is None or c[1] is None else (c[0], c[1])
+
+    @property
+    def offered(self) -> bool:
+        """A call is offered to follow the one in flight and the engine thread has not taken it yet."""
+        c = self._call
+        return c is not None and c[2].offer is not None
+
     def start(self, lane: Lane, batch: ScheduledBatch, *, after_finish: bool = False) -> None:
-        """Start the call. `after_finish`: the loop took the last call in this iteration and started this one
-        at once: the engine's idle in between is counted (EngineIdle)."""
+        """Start the call on the engine thread. `after_finish`: the loop took the last call in this iteration and
+        started this one at once: the engine's idle in between is counted (EngineIdle)."""
         assert self._call is None, "one fused call in flight at a time"
-        f, entered_at = start_fused(lane, batch)
-        self._call = (lane, batch, f)
-        self.idle.entered(entered_at, counted=after_finish)
+        link = Link(batch, lane.hops.fused(batch))
+        fill = partial(_fill, lane.sampler)
+        compute_thread().submit(run_chain, lane.engine, lane.prefix, link, self._lock, fill)
+        # Hand the GIL over until the engine thread is in: otherwise the loop's next Python work holds it and
+        # the call starts up to a switch interval (5 ms) late (measured: 0.6 ms median at 256 sessions).
+        link.entered.wait()
+        self._call = (lane, batch, link, None)
+        self.idle.entered(link.entered_at, counted=after_finish)
+
+    def offer(self, successor: Successor) -> bool:
+        """Offer the call to run after the one in flight; False when the engine thread is past taking it."""
+        c = self._call
+        if c is None:
+            return False
+        link = c[2]
+        nxt = Link(successor.batch, successor.batch.fused, successor)
+        with self._lock:
+            if link.taken or link.offer is not None:
+                return False
+            link.offer = nxt
+        return True
+
+    def chain_next(self) -> None:
+        """Offer the decode call that follows the one computing, when the scheduler can tell it now (whole-model
+        calls: consumer/sched/chaining.py)."""
+        c = self._call
+        if c is None or c[1] is None or c[2].offer is not None or c[0].hops.consumes_hidden \
+                or c[0].hops.produces_hidden:
+            return
+        successor = c[0].scheduler.successor(c[1], plain)
+        if successor is not None and c[3] is not None and len(c[3]) < len(c[2].fused):
+            # a chained call that kept some of its rows: a row's source is the engine row it was
+            src = successor.source
+            successor = replace(successor, source=np.where(src >= 0, np.asarray(c[3], np.intp)[src], -1))
+        if successor is not None:
+            self.offer(successor)
+
+    def withdraw(self) -> None:
+        """The offered call no longer follows (a cancellation, a session ready that it leaves out), if the engine
+        thread has not taken it."""
+        c = self._call
+        if c is not None:
+            with self._lock:
+                c[2].offer = None
 
     def wait(self) -> None:
-        """Wait until the call in flight (if any) has ended on the engine thread; the loop still finishes it."""
-        if self._call is not None:
-            self._call[2].result()
+        """Wait until the engine is idle: the call in flight (if any) and any call chained after it have ended on
+        the engine thread; the loop still finishes them."""
+        c = self._call
+        if c is None:
+            return
+        self.withdraw()
+        link: Link | None = c[2]
+        while link is not None:
+            link = link.result.result()[3]
 
     def finish(self) -> tuple[Lane, list[Answer], FusedCallStats] | None:
-        """The call in flight's lane, answers (waiting for it) and stats (None: no call)."""
+        """The call in flight's lane, answers (waiting for it) and stats (None: no call). When the engine thread
+        went on with the call offered after it, that call is adopted (Scheduler.adopt) and is in flight now."""
         c, self._call = self._call, None
         if c is None:
             return None
-        lane, batch, call = c
+        lane, batch, link, rows = c
+        out, elapsed, ended, nxt = link.result.result()
         stats = self.ctx.stats
         before = stats.engine_seconds
-        self.idle.ended(call.result()[2])  # waits for it
-        answers = finish_fused(self.ctx, lane, batch, call)
+        self.idle.ended(ended)
+        if batch is None:  # chained, and every session of it closed meanwhile: nothing to answer
+            stats.engine_seconds += elapsed
+            answers: list[Answer] = []
+        else:
+            if rows is not None and not isinstance(out, Exception) and len(rows) < len(link.fused):
+                out = replace(out, rows=out.rows[rows])  # the rows of the sessions it kept (one each)
+            answers = finish_fused(self.ctx, lane, batch, out, elapsed)
         engine_s = stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-        return lane, answers, FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids),
-                                             tokens=len(batch.fused), engine_seconds=engine_s)
+        if nxt is not None:
+            assert nxt.successor is not None
+            adopted = lane.scheduler.adopt(nxt.successor)
+            answers += adopted.answers
+            self._call = (lane, adopted.batch, nxt, adopted.rows)
+            self.idle.entered(nxt.entered_at, counted=True)
+        shown = batch if batch is not None else link.batch
+        return lane, answers, FusedCallStats(phase=shown.phase, batch_size=len(batch.session_ids) if batch else 0,
+                                             tokens=len(batch.fused) if batch else 0, engine_seconds=engine_s)
 
     def abandon(self) -> None:
-        """On the way out after an error: the engine finishes its call, nothing is answered (its entries stay
+        """On the way out after an error: the engine finishes its calls, nothing is answered (their entries stay
         pending: a successor answers them)."""
-        c, self._call = self._call, None
+        c = self._call
         if c is not None:
-            c[2].exception()
+            self.withdraw()
+            link: Link | None = c[2]
+            while link is not None:
+                link = link.result.result()[3]
+        self._call = None
 
     def close(self) -> None:
         self.abandon()  # the compute thread is the process's: it stays
+
+
+def _fill(sampler: BatchSampler, successor: Successor, before: Link, out: EngineOutput) -> bool:
+    """On the engine thread: the offered call's inputs, the argmax of the call before's rows (what the loop's
+    sampler will give them: BatchSampler.greedy_tokens), unless one is not a token its session may sample or
+    ends its session. Every row of the call before is a plain greedy one (Scheduler.successor checked)."""
+    if out.kind != "logits":
+        return False
+    tokens = sampler.greedy_tokens(out.rows, partial(_samplings, before))
+    return tokens is not None and successor.fill(tokens)
+
+
+def _samplings(link: Link) -> list[Sampling | None]:
+    """The sampling of each of a link's rows (one per row: decode calls)."""
+    if link.successor is not None:
+        return [lane.entry.spec.sampling for lane, _, _ in link.successor.rows]
+    return [it.sampling for it in link.batch.items if it.samples]

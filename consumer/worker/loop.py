@@ -7,10 +7,13 @@ the reading and admission of entries admission.py's, the I/O thread io_thread.py
 
 Steady state (sessions decoding under continuation credit, consumer/worker/io_thread.py): the loop
 never waits for Redis, and the engine waits for the loop only as long as it takes to sample call k and
-build call k+1. With `overlap` on, fused calls run on an engine thread (calls.py `start_fused`; the
+build call k+1. With `overlap` on, fused calls run on an engine thread (calls.py `InFlightCall`; the
 engine releases the GIL): the loop finishes call k (samples it, the scheduler takes the tokens), starts
 call k+1 at once, and only then does the rest of call k's work while k+1 computes: its answers to the
 delivery ledger and the I/O thread (which files them), metrics, the next admission and cancellations.
+With `chain` on (plain greedy decode calls) the engine does not wait for that either: call k+1 is built
+while k computes and the engine thread starts it when k ends (worker/chain.py), and the loop finishes k
+while k+1 computes.
 The I/O thread likewise reads ahead while a call computes. The loop reads for itself (blocking up to
 `block_ms`) only when it has nothing to run, and waits up to `await_ms` for the next steps of sessions
 that hold no credit (a Tracker that pushes one job per token). With `overlap` off (or calls longer than
@@ -26,7 +29,6 @@ one call never mixes engines and an engine's failure touches its own sessions on
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -36,7 +38,6 @@ from functools import partial
 from types import FrameType
 
 from schemas import Phase, Reason
-from schemas.limits import MAX_CONTINUATION
 
 from ..config import WorkerSettings
 from ..engines.base import Engine
@@ -47,7 +48,7 @@ from ..sched import Answer
 from ..transport.errors import LeaseLost, Stopping
 from ..transport.protocol import Closure, DeadLetter, Filing, FusedCallStats, Transport
 from .admission import Admitted, EntryAdmission, Prefetched
-from .beat import beat
+from .beat import beat, heartbeat_body
 from .calls import CallContext, EngineIdle, InFlightCall, run_here
 from .idle import IdleSessions
 from .io_thread import IOThread
@@ -207,16 +208,16 @@ class Worker:
 
     # ---- the engine thread -------------------------------------------------------------------
     def _settle_in_flight(self, *, flush: bool) -> None:
-        """Finish the call on the engine thread and file its answers (before a synchronous iteration, a
-        heartbeat or recovery sweep, and the stop)."""
-        if not self.in_flight.busy:
-            return
-        answers: list[list[Answer]] = [[] for _ in self.lanes]
-        call = self._finish_in_flight(answers)
-        latencies: list[tuple[Phase, float]] = []
-        done = self.lanes.completions(answers, latencies)
-        self._publish(Filing(done, closures=self._uncarried(done, []), call=call), flush)
-        observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
+        """Finish the calls on the engine thread (the one in flight, and one chained after it) and file their
+        answers (before a synchronous iteration, a heartbeat or recovery sweep, and the stop)."""
+        self.in_flight.withdraw()  # nothing more is chained
+        while self.in_flight.busy:
+            answers: list[list[Answer]] = [[] for _ in self.lanes]
+            call = self._finish_in_flight(answers)
+            latencies: list[tuple[Phase, float]] = []
+            done = self.lanes.completions(answers, latencies)
+            self._publish(Filing(done, closures=self._uncarried(done, []), call=call), flush)
+            observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
 
     def _finish_in_flight(self, answers: list[list[Answer]]) -> FusedCallStats | None:
         """The call on the engine thread finished (waiting for it): its answers into answers[lane], its stats
@@ -258,12 +259,19 @@ class Worker:
         admitted, cancelled, refused = self._intake(got)
         self.stats.read_seconds += admitted.read_s
         dead = admitted.dead + refused
-        answers, not_held = self._cancellations(cancelled + self._idle_sessions())
+        ending = cancelled + self._idle_sessions()
+        if ending or any(lane.scheduler.has_work() for lane in self.lanes):
+            self.in_flight.withdraw()  # a chained call would pass them over (consumer/sched/chaining.py)
+        answers, not_held = self._cancellations(ending)
         t_wait = time.perf_counter()
         call = self._finish_in_flight(answers)  # call k, started by the last iteration (overlap on)
         waited = time.perf_counter() - t_wait if call is not None else 0.0
-        picked = self.lanes.next_call()  # one lane's call: its engine's sessions only
-        if picked is not None:
+        chained = self.in_flight.busy  # the engine thread went on with the call chained after k
+        picked = None if chained else self.lanes.next_call()  # one lane's call: its engine's sessions only
+        if chained:
+            self.stats.calls_by_iteration["chained"] += 1
+            self._prefetch()
+        elif picked is not None:
             lane, batch = picked
             self.stats.calls_by_iteration["in_order" if flush else "loop_thread" if here else "engine_thread"] += 1
             if not flush:
@@ -275,7 +283,9 @@ class Worker:
                                      after_call=self._called or call is not None)
                 answers[lane.index].extend(ran)
                 self._last_call_s = waited = call.engine_seconds
-        self._called = picked is not None
+        if not flush and not here and self.settings.chain and len(self.lanes) == 1:
+            self.in_flight.chain_next()  # call k + 2 (worker/chain.py)
+        self._called = chained or picked is not None
         latencies: list[tuple[Phase, float]] = []
         honest = self.lanes.completions(answers, latencies)
         refused_answers = admitted.wire_rejects + self.lanes.completions(admitted.answers, latencies)
@@ -431,16 +441,4 @@ class Worker:
             self.metrics.dead_letters.labels(self._m, dl.reason.value).inc()
 
     def _info(self) -> dict[str, object]:
-        """The heartbeat's body: the first engine's fields as a one-engine worker always advertised (slots
-        and busy_slots: the worker's, every engine's together), and `engines`: per engine what
-        `EngineSet.advertise()` says, its busy slots, calls and `describe()`."""
-        cap = self.engine.capacity
-        engines = [{**ad, **lane.info()} for ad, lane in zip(self.engines.advertise(), self.lanes, strict=True)]
-        return {"worker_id": self._m, "pid": os.getpid(), "started_at": self._started,
-                "slots": self.lanes.slots(), "busy_slots": self.lanes.busy_slots(), "engines": engines,
-                "scheduler": self.scheduler.stats.as_dict(),
-                "ctx_per_session": cap.ctx_per_session, "max_batch": self.scheduler.config.max_batch,
-                "max_continuation": MAX_CONTINUATION,  # the producer asks for n > 1 only when advertised
-                "prefill_budget": self.scheduler.config.prefill_budget, "prefill_max": self.pacer.max_tokens,
-                "prefill_ratio": self.pacer.ratio, "vocab_size": cap.vocab_size,
-                "engine": self.engine.describe(), "stats": self.stats.snapshot()}
+        return heartbeat_body(self._m, self._started, self.engines, self.lanes, self.stats)

@@ -32,9 +32,10 @@ class LoopStats:
     engine_gap_seconds: float = 0.0
     # Fused calls by where the iteration ran them (Worker._mode): on the engine thread (overlap, short calls), in
     # the loop's thread with the Redis round trips on the I/O thread (long calls), or everything in order: what a
-    # process was told (--overlap-max-call-ms, --no-overlap-io) is seen from outside in its heartbeat.
+    # process was told (--overlap-max-call-ms, --no-overlap-io) is seen from outside in its heartbeat; `chained`:
+    # started by the engine thread itself right after the call before (worker/chain.py).
     calls_by_iteration: dict[str, int] = field(
-        default_factory=lambda: {"engine_thread": 0, "loop_thread": 0, "in_order": 0})
+        default_factory=lambda: {"engine_thread": 0, "loop_thread": 0, "in_order": 0, "chained": 0})
     recent_calls: deque[tuple[Phase, int]] = field(default_factory=lambda: deque(maxlen=4096))  # (phase, sessions)
 
     def count_call(self, phase: Phase, sessions: int, seconds: float) -> None:

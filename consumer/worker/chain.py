@@ -1,0 +1,74 @@
+"""Fused calls chained on the engine thread (issue 32, item 1): the loop offers the decode call that follows
+the one computing (`Scheduler.successor`), and the engine thread starts it the moment the call before ends,
+its input tokens the argmax of that call's rows, without waiting for the loop to sample, report and build it
+(consumer/sched/chaining.py says when a call may follow and why the scheduler's bounds still hold).
+
+One `Link` per call. The engine thread runs a link, takes the offer made for it (under the lock: from then on
+the loop can no longer offer or withdraw one), fills the offered call's inputs (`Successor.fill`: not when a
+token ends its session, or a row is not a plain greedy one), publishes the link's result with the next link (or
+None) and goes on with it. The loop waits for each link's result in turn, so it still samples and reports every
+call in order, one call behind the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ..batch import EngineOutput, FusedBatch
+from ..prefix.run import forward_with_prefix
+from ..sched import ScheduledBatch
+from ..sched.chaining import Successor
+
+__all__ = ["Link", "LinkResult", "run_chain"]
+
+# A link's result: the engine's output (or the error it raised), its time, when it ended (time.perf_counter():
+# the start of the engine's idle), and the link the engine thread went on with (None: the chain ends here).
+LinkResult = tuple["EngineOutput | Exception", float, float, "Link | None"]
+
+# What decides a link's inputs from the link before: (the offer, the link before, its output) -> whether the
+# offer's tokens were written (it may run).
+Fill = Callable[[Successor, "Link", EngineOutput], bool]
+
+
+class Link:
+    """One fused call on the engine thread (a call handed out, or a successor: its rows are the successor's),
+    and the call offered to follow it."""
+
+    __slots__ = ("batch", "entered", "entered_at", "fused", "offer", "result", "successor", "taken")
+
+    def __init__(self, batch: ScheduledBatch, fused: FusedBatch, successor: Successor | None = None) -> None:
+        self.batch, self.fused, self.successor = batch, fused, successor
+        self.result: Future[LinkResult] = Future()
+        self.entered = threading.Event()
+        self.entered_at = 0.0  # time.perf_counter() when the engine thread started it
+        self.offer: Link | None = None
+        self.taken = False  # the engine thread took the offer (or its absence): no offer from now on
+
+
+def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: Fill) -> None:
+    """On the engine thread: run `first`, then every link offered in time whose inputs `fill` wrote."""
+    link: Link | None = first
+    link_start = time.perf_counter()
+    while link is not None:
+        link.entered_at = link_start
+        link.entered.set()
+        try:
+            out: EngineOutput | Exception = forward_with_prefix(engine, store, link.batch, link.fused)
+        except Exception as e:  # handed back: the loop answers it as run_fused would
+            out = e
+        end = time.perf_counter()
+        with lock:
+            offer, link.offer, link.taken = link.offer, None, True
+        nxt = None
+        if offer is not None and offer.successor is not None and not isinstance(out, Exception):
+            try:
+                nxt = offer if fill(offer.successor, link, out) else None
+            except Exception:  # never the engine thread's end: the loop builds the next call as always
+                nxt = None
+        link_start = time.perf_counter()  # the next link's start, stamped before the loop can read it
+        link.result.set_result((out, end - link.entered_at, end, nxt))
+        link = nxt
