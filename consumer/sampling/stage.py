@@ -222,15 +222,14 @@ class BatchSampler:
         arr = np.asarray(rows)
         if arr.ndim != 2 or arr.shape[1] != self.vocab_size:
             return None
-        n = arr.shape[0]
-        top = np.argmax(arr, axis=1)
-        if np.isnan(arr[np.arange(n), top]).any():
+        top = arr.argmax(axis=1)
+        if np.isnan(arr[np.arange(arr.shape[0]), top]).any():  # argmax stops at a row's first NaN
             return None
         hit = self.vocab.special_mask[top]
         if hit.any():
             given = samplings()
             allowed = np.fromiter((s is not None and s.allow_special for s in given), np.bool_, len(given))
-            if allowed.shape[0] != n or (hit & ~allowed).any():
+            if allowed.shape[0] != top.shape[0] or (hit & ~allowed).any():
                 return None
         return top
 

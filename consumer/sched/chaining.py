@@ -57,11 +57,15 @@ class Successor:
 
     def fill(self, sampled: npt.NDArray[np.integer]) -> bool:
         """Write the tokens the call before sampled (one per sampling row) into the rows' inputs; False (nothing
-        written) when one of them ends its session."""
+        written) when one of them ends its session. On the engine thread, between two calls: a few array
+        operations whatever the rows."""
         src = self.source
-        take = src >= 0
-        tokens = self.batch.fused.tokens.copy()
-        tokens[take] = sampled[src[take]]
+        if src.shape[0] and src.min() >= 0:  # every row's input is a sampled token (the usual call)
+            tokens = sampled[src]
+        else:
+            take = src >= 0
+            tokens = self.batch.fused.tokens.copy()
+            tokens[take] = sampled[src[take]]
         if self.stop_rows.size and (tokens[self.stop_rows] == self.stop_tokens).any():
             return False
         self.batch.fused.tokens[:] = tokens

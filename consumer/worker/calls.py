@@ -275,6 +275,8 @@ class InFlightCall:
         out, elapsed, ended, nxt = link.result.result()
         stats = self.ctx.stats
         before = stats.engine_seconds
+        if rows is not None:  # chained: the engine's idle since the call before, its start now known
+            self.idle.entered(link.entered_at, counted=True)
         self.idle.ended(ended)
         if batch is None:  # chained, and every session of it closed meanwhile: nothing to answer
             stats.engine_seconds += elapsed
@@ -289,7 +291,6 @@ class InFlightCall:
             adopted = lane.scheduler.adopt(nxt.successor)
             answers += adopted.answers
             self._call = (lane, adopted.batch, nxt, adopted.rows)
-            self.idle.entered(nxt.entered_at, counted=True)
         shown = batch if batch is not None else link.batch
         return lane, answers, FusedCallStats(phase=shown.phase, batch_size=len(batch.session_ids) if batch else 0,
                                              tokens=len(batch.fused) if batch else 0, engine_seconds=engine_s)

@@ -52,9 +52,8 @@ class Link:
 def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: Fill) -> None:
     """On the engine thread: run `first`, then every link offered in time whose inputs `fill` wrote."""
     link: Link | None = first
-    link_start = time.perf_counter()
     while link is not None:
-        link.entered_at = link_start
+        link.entered_at = time.perf_counter()
         link.entered.set()
         try:
             out: EngineOutput | Exception = forward_with_prefix(engine, store, link.batch, link.fused)
@@ -69,6 +68,5 @@ def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: 
                 nxt = offer if fill(offer.successor, link, out) else None
             except Exception:  # never the engine thread's end: the loop builds the next call as always
                 nxt = None
-        link_start = time.perf_counter()  # the next link's start, stamped before the loop can read it
         link.result.set_result((out, end - link.entered_at, end, nxt))
         link = nxt
