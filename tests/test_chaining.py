@@ -12,7 +12,7 @@ import itertools
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -144,9 +144,9 @@ def drive(ps: list[Plan], slots: int, max_batch: int, cancels: dict[int, list[tu
             break
         if chain and current is not None:
             offered = s.successor(current, plain)
-            if offered is not None and rows is not None:  # as InFlightCall.chain_next: sources in the engine's rows
-                offered = replace(offered, source=np.where(offered.source >= 0,
-                                                           np.asarray(rows, np.intp)[offered.source], -1))
+            # a chained call adopted without some of its rows (sessions closed: their slots wait to be cleared) is
+            # followed by none, so a row's source is always the engine's row (InFlightCall.chain_next relies on it)
+            assert offered is None or rows is None or len(rows) == len(ran.fused)
     else:
         raise AssertionError("still working after 400 calls")
     for slot in s.drain_released():
@@ -241,3 +241,29 @@ def test_a_row_the_scheduler_would_not_hand_out_loses_its_session() -> None:
     assert adopted.rows == [0]
     assert [(a.result.session_id, a.result.status) for a in adopted.answers] == [("b", Status.STATE_LOST)]
     assert s.table.get("b") is None
+
+
+def test_a_session_cancelled_while_its_chained_row_computes(monkeypatch: Any) -> None:
+    """A cancel read after the engine thread went on with the chained call: that call is adopted without the
+    cancelled session's row (its output dropped), no call is chained after it (the session's slot waits to be
+    cleared: `drive` asserts it), the session answers cancelled with a prefix of its tokens and the others go on
+    as without chaining."""
+    partial: list[int] = []
+    adopt = Scheduler.adopt
+
+    def counting(self: Scheduler, successor: Any) -> Any:
+        got = adopt(self, successor)
+        if len(got.rows) < len(successor.rows):
+            partial.append(len(successor.rows) - len(got.rows))
+        return got
+
+    monkeypatch.setattr(Scheduler, "adopt", counting)
+    ps = [Plan(prompt=2, max_tokens=12, stop=(), n=6, sampled=False) for _ in range(3)]
+    alone, _, _ = drive(ps, 3, 3, {}, chain=False)
+    got, chained, _ = drive(ps, 3, 3, {4: [(0, True)]}, chain=True)
+    assert partial == [1] and chained >= 4
+    assert got["s0"][-1].result.status == Status.CANCELLED
+    mine = [a.result.token for a in got["s0"] if a.result.token is not None]
+    assert mine == [a.result.token for a in alone["s0"] if a.result.token is not None][:len(mine)]
+    for sid in ("s1", "s2"):
+        assert [_seen(a) for a in got[sid]] == [_seen(a) for a in alone[sid]]

@@ -524,3 +524,76 @@ def test_the_consumer_builds_its_engines_on_the_compute_thread(monkeypatch: pyte
                                            "--model", "tiny", flag])
         assert res.exit_code == 2, res.output
         assert built_on[-1].startswith("dgr-engine") is on_compute, built_on
+
+
+chained_plans = st.lists(st.tuples(st.integers(1, 14), st.sampled_from([False, False, False, True]),
+                                   st.none() | st.integers(0, 10)), min_size=1, max_size=6)
+
+
+@settings(max_examples=30 if SOAK else 4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sessions=chained_plans, decode_n=st.integers(1, 5))
+def test_chained_calls_change_no_result_and_no_account(real_redis: redis.Redis,
+                                                       sessions: list[tuple[int, bool, int | None]],
+                                                       decode_n: int) -> None:
+    """Decode calls chained on the engine thread (consumer/worker/chain.py) against the same worker unchained: the
+    public Producer's continuation jobs (pushed ahead, its credit window), greedy and sampled sessions, cancels
+    sent after some tokens. A session not cancelled gets the same tokens and ending; a cancelled one a prefix of
+    its tokens; every session is charged the tokens it was given; the engine is never entered twice at once."""
+    got: dict[bool, tuple[dict[int, tuple[str, list[int]]], int]] = {}
+    for chain in (False, True):
+        wid = f"ov{next(_runs)}"
+        engine = Guarded()
+        w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
+                   WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8, overlap=True,
+                                  chain=chain))
+        w.start()
+        p = Producer(real_redis, decode_n=decode_n, timeout_s=30.0)
+        route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
+        hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id=f"a{i % 2}", route=route, max_tokens=m,
+                                 sampling=Sampling(temperature=0.8, top_k=40, seed=i) if sampled else Sampling()),
+                     [5 + i, 6, 7]) for i, (m, sampled, _) in enumerate(sessions)]
+        cancelled: set[int] = set()
+        for _ in range(3000):
+            if all(h.finished for h in hs):
+                break
+            w.run_once(flush=False)
+            p.poll(hs)
+            for i, (h, (_, _, after)) in enumerate(zip(hs, sessions, strict=True)):
+                if after is not None and i not in cancelled and not h.finished and len(h.generated) >= after:
+                    p.cancel_route(h)
+                    cancelled.add(i)
+        w.flush()
+        assert all(h.finished for h in hs) and engine.clashes == 0
+        keys = WorkerKeys(wid)
+        for h in hs:
+            acct = real_redis.hgetall(keys.session_account(h.session_id))
+            assert int(acct.get(b"generated_tokens", 0)) == len(h.generated), h
+        assert w.scheduler.stats.sessions_failed == 0  # none lost to a chained row handed out wrong (adopt)
+        got[chain] = ({i: (h.status, list(h.generated)) for i, h in enumerate(hs)},
+                      w.stats.calls_by_iteration["chained"])
+    (off, unchained), (on, _) = got[False], got[True]
+    assert unchained == 0
+    for i, (_, _, after) in enumerate(sessions):
+        if after is None:
+            assert on[i] == off[i], i
+        else:
+            short, long = sorted((on[i][1], off[i][1]), key=len)
+            assert long[:len(short)] == short, i
+
+
+def test_greedy_sessions_under_credit_are_chained(real_redis: redis.Redis) -> None:
+    """Not vacuous: four greedy sessions of 12 tokens under continuation credit have calls chained."""
+    wid = f"ov{next(_runs)}"
+    w = _worker(real_redis, wid, overlap=True, step_s=0.002)
+    p = Producer(real_redis, decode_n=4, timeout_s=30.0)
+    route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
+    hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, i])
+          for i in range(4)]
+    for _ in range(2000):
+        if all(h.finished for h in hs):
+            break
+        w.run_once(flush=False)
+        p.poll(hs)
+    w.flush()
+    assert all(h.status == "finished" and len(h.generated) == 12 for h in hs)
+    assert w.stats.calls_by_iteration["chained"] >= 4, w.stats.calls_by_iteration

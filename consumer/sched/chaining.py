@@ -85,7 +85,9 @@ class Adopted:
 class Chaining(SchedulerState):
     def successor(self, batch: ScheduledBatch, plain: Callable[[Sampling | None], bool]) -> Successor | None:
         """The decode call after `batch` (in flight), or None; see the module docstring. `plain`: whether a
-        row's sampling is a plain greedy one (consumer/sampling/stage.py)."""
+        row's sampling is a plain greedy one (consumer/sampling/stage.py). A row's `source` is its item's index in
+        `batch`, the engine's row when the engine runs `batch` as handed out (a chained call adopted without some
+        of its rows is followed by none: those rows' sessions closed, so their slots wait to be cleared)."""
         if batch.phase != "decode" or self._queues["decode"].n_ready or self._queues["prefill"].n_ready \
                 or self.table.n_dirty or self._finished_saves:
             return None

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
-import numpy as np
-
 from schemas import Reason, Sampling, Status
 
 from ..batch import EngineOutput
@@ -236,13 +234,9 @@ class InFlightCall:
         calls: consumer/sched/chaining.py)."""
         c = self._call
         if c is None or c[1] is None or c[2].offer is not None or c[0].hops.consumes_hidden \
-                or c[0].hops.produces_hidden:
-            return
+                or c[0].hops.produces_hidden or (c[3] is not None and len(c[3]) < len(c[2].fused)):
+            return  # (a chained call adopted without some of its rows: Scheduler.successor)
         successor = c[0].scheduler.successor(c[1], plain)
-        if successor is not None and c[3] is not None and len(c[3]) < len(c[2].fused):
-            # a chained call that kept some of its rows: a row's source is the engine row it was
-            src = successor.source
-            successor = replace(successor, source=np.where(src >= 0, np.asarray(c[3], np.intp)[src], -1))
         if successor is not None:
             self.offer(successor)
 
