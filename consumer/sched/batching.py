@@ -8,6 +8,7 @@ from operator import itemgetter
 
 from schemas import Phase
 
+from ..batch import FusedBatch
 from .outputs import BatchItem, ScheduledBatch
 from .prefill_shape import MIN_BUDGET, piece_rows
 from .state import SchedulerState, SessionQueue
@@ -40,9 +41,10 @@ class Batching(SchedulerState):
             self._phase_turns.restore(before)
         return self._handed_out(phase, items)
 
-    def _handed_out(self, phase: Phase, items: list[BatchItem]) -> ScheduledBatch:
-        """The call of these items (taken out of their queues), with what the prefix cache plans for it."""
-        batch = ScheduledBatch.build(phase, items)
+    def _handed_out(self, phase: Phase, items: list[BatchItem], fused: FusedBatch | None = None) -> ScheduledBatch:
+        """The call of these items (taken out of their queues), with what the prefix cache plans for it. `fused`:
+        its rows when already built (a chained call's: Chaining.adopt)."""
+        batch = ScheduledBatch.build(phase, items) if fused is None else ScheduledBatch(phase, fused, tuple(items))
         if phase == "prefill":
             batch = self._prefix_directives(batch)  # type: ignore[attr-defined]  # PrefixPlanning
         else:

@@ -120,23 +120,29 @@ class Chaining(SchedulerState):
         if not rows:
             return None
         rows.sort(key=itemgetter(0))
-        n = len(rows)
-        source = np.fromiter((-1 if off == 0 and q.job.tokens else k for _, k, _, q, off in rows), np.intp, n)
-        stop_rows = [i for i, r in enumerate(rows) for _ in r[2].entry.spec.stop_tokens]
-        fused = FusedBatch(
-            phase="decode",
-            slots=np.fromiter((lane.entry.slot for _, _, lane, _, _ in rows), np.int32, n),
-            positions=np.fromiter((q.job.start_position + off for _, _, _, q, off in rows), np.int32, n),
-            tokens=np.fromiter((q.job.tokens[0] if off == 0 and q.job.tokens else 0 for _, _, _, q, off in rows),
-                               np.int32, n),
-            wants_logits=np.ones(n, np.bool_))
-        return Successor(tuple((lane, q, off) for _, _, lane, q, off in rows), ScheduledBatch("decode", fused, ()),
-                         source, np.array(stop_rows, dtype=np.intp),
-                         np.fromiter((t for _, _, lane, _, _ in rows for t in lane.entry.spec.stop_tokens), np.int64))
+        taken: list[tuple[SessionQueue, _Queued, int]] = []
+        source, slots, positions, tokens, stop_rows, stop_tokens = [], [], [], [], [], []
+        for i, (_, k, lane, q, off) in enumerate(rows):  # one pass: a few hundred rows a call
+            taken.append((lane, q, off))
+            job = q.job
+            own = off == 0 and bool(job.tokens)  # the job carries its input token
+            source.append(-1 if own else k)
+            tokens.append(job.tokens[0] if own else 0)
+            slots.append(lane.entry.slot)
+            positions.append(job.start_position + off)
+            for t in lane.entry.spec.stop_tokens:
+                stop_rows.append(i)
+                stop_tokens.append(t)
+        fused = FusedBatch(phase="decode", slots=np.array(slots, dtype=np.int32),
+                           positions=np.array(positions, dtype=np.int32), tokens=np.array(tokens, dtype=np.int32),
+                           wants_logits=np.ones(len(rows), np.bool_))
+        return Successor(tuple(taken), ScheduledBatch("decode", fused, ()), np.array(source, dtype=np.intp),
+                         np.array(stop_rows, dtype=np.intp), np.array(stop_tokens, dtype=np.int64))
 
     def adopt(self, successor: Successor) -> Adopted:
         """Hand out a successor the engine ran, once the call before it is reported; see the module docstring."""
         fed = successor.batch.fused.tokens.tolist()
+        queue = self._queues["decode"]
         items: list[BatchItem] = []
         kept: list[int] = []
         lost: list[Answer] = []
@@ -148,12 +154,14 @@ class Chaining(SchedulerState):
                     q.job.tokens[0] if offset == 0 and q.job.tokens else lane.entry.last_token):
                 lost += self._lose(lane)
                 continue
-            self._queues["decode"].remove(lane)
+            queue.take_out(lane)
             items.append(self._take_decode_row(lane, len(items)))  # type: ignore[attr-defined]  # Batching
             kept.append(k)
         if not items:
             return Adopted(None, [], lost)
-        return Adopted(self._handed_out("decode", items), kept, lost)  # type: ignore[attr-defined]  # Batching
+        # every row kept: the engine's batch is the one handed out (the inputs were checked above)
+        fused = successor.batch.fused if len(kept) == len(successor.rows) else None
+        return Adopted(self._handed_out("decode", items, fused), kept, lost)  # type: ignore[attr-defined]
 
     def _lose(self, lane: SessionQueue) -> list[Answer]:
         """Close an open session whose engine state holds a row it was not handed out: its queued jobs answered

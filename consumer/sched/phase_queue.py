@@ -81,6 +81,21 @@ class PhaseQueue(Generic[S]):
             heapq.heapify(self.heap)
             self.n_stale = 0
 
+    def take_out(self, session: S) -> None:
+        """Take the session out (it must be in this queue): popped when it is the oldest (a chained call's sessions
+        come out in order: no stale entry left behind), else removed."""
+        heap = self.heap
+        while heap and not self._is_live(heap[0]):
+            heapq.heappop(heap)
+            self.n_stale = max(0, self.n_stale - 1)
+        if heap and heap[0][0] == session.ready_seq and heap[0][1] == session.session_id:
+            heapq.heappop(heap)
+            session.ready_seq = -1
+            session.ready_phase = None
+            self.n_ready -= 1
+        else:
+            self.remove(session)
+
     def pop(self) -> S | None:
         """The session whose head job was admitted first, taken out; None when none is ready."""
         heap = self.heap
