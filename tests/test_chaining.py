@@ -211,12 +211,33 @@ def test_fill_refuses_a_token_that_ends_its_session() -> None:
     b = s.next_batch()
     assert b is not None and b.phase == "decode"
     nxt = s.successor(b, plain)
-    assert nxt is not None and list(nxt.source) == [0, 1]
+    assert nxt is not None and list(nxt.source) == [0, 1] and not nxt.own.any()
     before = nxt.batch.fused.tokens.copy()
     assert not nxt.fill(np.array([5, 5]))  # a's stop
     assert (nxt.batch.fused.tokens == before).all()
     assert nxt.fill(np.array([6, 5]))  # b has no stop token
     assert list(nxt.batch.fused.tokens) == [6, 5]
+
+
+def test_a_next_job_carrying_its_token_follows_only_a_token_that_does_not_end_the_session() -> None:
+    """A session whose job ends in the call and whose next job (queued) carries its own input token: its row's
+    input is that token, and a stop token sampled for it in the call before still ends the session there (no row
+    follows it)."""
+    s: Scheduler = make(n_slots=1, ctx=64, max_tokens_per_call=32, vocab=VOCAB, max_batch=1, prefill_budget=16)
+    assert admit(s, opening("a", 2, max_tokens=9, stop=(5,))) is None
+    assert admit(s, continuation("a", 2, 1, 0)) is None
+    b = s.next_batch()
+    assert b is not None
+    s.update_from_output(b, [1], 0.001)
+    b = s.next_batch()
+    assert b is not None and b.phase == "decode"
+    carried = StepJob(job_id="a-t", session_id="a", phase="decode", compat=DIGESTS["decode"], start_position=3,
+                      tokens=(11,), created_at=0.0)
+    assert admit(s, carried) is None
+    nxt = s.successor(b, plain)
+    assert nxt is not None and list(nxt.own) == [True] and list(nxt.batch.fused.tokens) == [11]
+    assert not nxt.fill(np.array([5]))  # the call before ends the session: no row after it
+    assert nxt.fill(np.array([6])) and list(nxt.batch.fused.tokens) == [11]
 
 
 def test_a_row_the_scheduler_would_not_hand_out_loses_its_session() -> None:

@@ -45,13 +45,14 @@ __all__ = ["Adopted", "Chaining", "Successor"]
 class Successor:
     """A decode call built ahead: its rows (the session's queue, the job and the offset each takes, as `adopt` will
     hand them out) and the engine's batch of them. `source[i]`: the index, among the sampling rows of the call
-    before, of the row whose token row i takes as input (-1: its job carries its input token, already in the
-    batch). (`stop_rows[j]`, `stop_tokens[j]`): a row and one of its session's stop tokens (the session finishes
-    on it: no row may follow)."""
+    before, of row i's session: the token sampled there is row i's input, unless `own[i]` (its job carries its
+    input token, already in the batch). (`stop_rows[j]`, `stop_tokens[j]`): a row and one of its session's stop
+    tokens (sampled in the call before, it ends the session there: no row may follow)."""
 
     rows: tuple[tuple[SessionQueue, _Queued, int], ...]
     batch: ScheduledBatch
     source: npt.NDArray[np.intp]
+    own: npt.NDArray[np.bool_]
     stop_rows: npt.NDArray[np.intp]
     stop_tokens: npt.NDArray[np.int64]
 
@@ -59,16 +60,14 @@ class Successor:
         """Write the tokens the call before sampled (one per sampling row) into the rows' inputs; False (nothing
         written) when one of them ends its session. On the engine thread, between two calls: a few array
         operations whatever the rows."""
-        src = self.source
-        if src.shape[0] and src.min() >= 0:  # every row's input is a sampled token (the usual call)
-            tokens = sampled[src]
-        else:
-            take = src >= 0
-            tokens = self.batch.fused.tokens.copy()
-            tokens[take] = sampled[src[take]]
+        tokens = sampled[self.source]
         if self.stop_rows.size and (tokens[self.stop_rows] == self.stop_tokens).any():
             return False
-        self.batch.fused.tokens[:] = tokens
+        fed = self.batch.fused.tokens
+        if self.own.any():
+            fed[~self.own] = tokens[~self.own]
+        else:  # the usual call: every input is a sampled token
+            fed[:] = tokens
         return True
 
 
@@ -121,13 +120,14 @@ class Chaining(SchedulerState):
             return None
         rows.sort(key=itemgetter(0))
         taken: list[tuple[SessionQueue, _Queued, int]] = []
-        source, slots, positions, tokens, stop_rows, stop_tokens = [], [], [], [], [], []
+        source, own, slots, positions, tokens, stop_rows, stop_tokens = [], [], [], [], [], [], []
         for i, (_, k, lane, q, off) in enumerate(rows):  # one pass: a few hundred rows a call
             taken.append((lane, q, off))
             job = q.job
-            own = off == 0 and bool(job.tokens)  # the job carries its input token
-            source.append(-1 if own else k)
-            tokens.append(job.tokens[0] if own else 0)
+            carried = off == 0 and bool(job.tokens)  # the job carries its input token
+            source.append(k)
+            own.append(carried)
+            tokens.append(job.tokens[0] if carried else 0)
             slots.append(lane.entry.slot)
             positions.append(job.start_position + off)
             for t in lane.entry.spec.stop_tokens:
@@ -137,7 +137,8 @@ class Chaining(SchedulerState):
                            positions=np.array(positions, dtype=np.int32), tokens=np.array(tokens, dtype=np.int32),
                            wants_logits=np.ones(len(rows), np.bool_))
         return Successor(tuple(taken), ScheduledBatch("decode", fused, ()), np.array(source, dtype=np.intp),
-                         np.array(stop_rows, dtype=np.intp), np.array(stop_tokens, dtype=np.int64))
+                         np.array(own, dtype=np.bool_), np.array(stop_rows, dtype=np.intp),
+                         np.array(stop_tokens, dtype=np.int64))
 
     def adopt(self, successor: Successor) -> Adopted:
         """Hand out a successor the engine ran, once the call before it is reported; see the module docstring."""
