@@ -4,7 +4,10 @@ greedy, end-of-generation ignored) three ways, alternated per repeat:
 - `producer`: AsyncProducer in this process, warm, each session opened as the gateway opens a request's (a
   SessionTemplate, `run_many` with a callback per answer, one task per session): the floor;
 - `gateway`: `dgr serve` (a subprocess), S streamed `/v1/completions` requests at once over raw HTTP;
-- `llama-server` (not in --quick): llama.cpp's own HTTP server, the same `/v1/completions` requests.
+- `llama-server` (not in --quick): llama.cpp's own HTTP server, the same `/v1/completions` requests;
+- `client floor`: the same requests to a server that streams its events at once (dgrtools/bench/null_http.py):
+  what the HTTP client itself takes, whatever the server (`added TTFT over the client`: the gateway's time to first
+  token less the producer's and less this).
 
 Per side: time to first token (median over sessions), streamed tokens/s (wall), and for the gateway the CPU its
 process spent per streamed token (from /proc: utime + stime) next to what this process spent driving the same
@@ -18,6 +21,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,6 +37,7 @@ from producer import AsyncProducer, SessionTemplate
 from schemas import Sampling
 
 WORKER = "bench-serve"
+FLOOR = "client floor"
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -112,9 +118,9 @@ async def producer_side(producer: AsyncProducer, prompts: Sequence[Sequence[int]
 
 
 async def _sides(redis_url: str, serve_url: str, pid: int, peers: dict[str, str], prompts: Sequence[Sequence[int]],
-                 tokens: int, repeats: int) -> dict[str, list[dict[str, Any]]]:
+                 tokens: int, repeats: int, floor_url: str | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every side `repeats` times, alternated, after one warm-up of each (not recorded), in one event loop.
-    `peers`: each llama-server side's URL."""
+    `peers`: each llama-server side's URL; `floor_url`: dgrtools/bench/null_http.py's (the client's floor)."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in ["producer", "gateway", *peers]}
     client = aioredis.Redis.from_url(redis_url)
     producer = AsyncProducer(client)
@@ -123,6 +129,8 @@ async def _sides(redis_url: str, serve_url: str, pid: int, peers: dict[str, str]
         await http_side(serve_url, "m", prompts, tokens)
         for _ in range(repeats):
             runs["producer"].append(await producer_side(producer, prompts, tokens))
+            if floor_url is not None:  # the client against a server that answers at once
+                runs.setdefault(FLOOR, []).append(await http_side(floor_url, "m", prompts, tokens))
             c0 = proc_cpu_s(pid)
             g = await http_side(serve_url, "m", prompts, tokens)
             g["cpu_s"] = proc_cpu_s(pid) - c0
@@ -176,22 +184,33 @@ def run(out_dir: Path, *, model: str = "gemma", streams: Sequence[int] = (8, 64)
                                    ctx_per_session=1024, name=side.replace(" --", "-"), extra=flags)
                 stack.callback(peer.stop)
                 peers[side] = f"http://127.0.0.1:{peer.port}"
+        floor_port = free_port()
+        floor = subprocess.Popen([sys.executable, "-m", "dgrtools.bench.null_http", str(floor_port), str(tokens)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stack.callback(floor.kill)
+        floor_url = f"http://127.0.0.1:{floor_port}"
         with ServeProcess(server.url, [f"m={path}"], free_port(), logs) as serve:
             pid = serve.proc.pid
             for s in streams:
                 prompts = [tok.encode(p, add_bos=True) for p in prompts_for(s)]
-                runs = asyncio.run(_sides(server.url, serve.url, pid, peers, prompts, tokens, repeats))
+                runs = asyncio.run(_sides(server.url, serve.url, pid, peers, prompts, tokens, repeats, floor_url))
                 results[str(s)] = {side: {k: _median(rs, k) for k in ("tok_s", "ttft_ms", "cpu_us_per_token")}
                                    | {"runs": rs} for side, rs in runs.items() if rs}
-    cols = ["streams", "side", "tok/s", "TTFT ms", "CPU us/token", "added TTFT ms", "added CPU us/token"]
+    cols = ["streams", "side", "tok/s", "TTFT ms", "CPU us/token", "added TTFT ms", "added TTFT over the client ms",
+            "added CPU us/token"]
     rows: list[list[Any]] = []
     for n_streams, sides in results.items():
         base = sides["producer"]
+        floor_ttft = sides.get(FLOOR, {}).get("ttft_ms")
         for side, m in sides.items():
-            added_ttft = (m["ttft_ms"] - base["ttft_ms"]) if side == "gateway" and m["ttft_ms"] is not None else "-"
+            gateway = side == "gateway" and m["ttft_ms"] is not None
+            added_ttft = (m["ttft_ms"] - base["ttft_ms"]) if gateway else "-"
+            # what the HTTP client itself takes to its first event (against a server that answers at once) is not
+            # the gateway's: every server behind that client pays it
+            over = (m["ttft_ms"] - base["ttft_ms"] - floor_ttft) if gateway and floor_ttft is not None else "-"
             added_cpu = (m["cpu_us_per_token"] - base["cpu_us_per_token"]) if side == "gateway" else "-"
             rows.append([n_streams, side, m["tok_s"], m["ttft_ms"] or "-", m["cpu_us_per_token"] or "-", added_ttft,
-                         added_cpu])
+                         over, added_cpu])
     table = markdown(cols, rows)
     consumer = " ".join([f"recipe {recipe}", *extra])
     title = f"dgr serve vs AsyncProducer{' vs llama-server' if llama_server else ''}: {model}, {tokens} tokens, " \
