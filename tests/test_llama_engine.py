@@ -135,6 +135,16 @@ def test_logit_rows_in_row_order(eng):
     assert np.array_equal(sel, out[[1, 4]])
 
 
+def test_a_calls_rows_are_its_own_after_the_next_call(eng):
+    """Engine.forward's contract for chained calls (consumer/worker/chain.py): the loop samples call k while
+    k + 1 computes, so k's rows are never written by a later call (llama.cpp's own logits buffer is copied)."""
+    out = eng.forward(FusedBatch.from_rows("prefill", [BatchRow(0, i, t, True) for i, t in enumerate(PROMPT)]))
+    kept = np.array(out.rows, copy=True)
+    eng.forward(FusedBatch.from_rows("decode", [BatchRow(0, len(PROMPT), 7, True)]))
+    eng.forward(FusedBatch.from_rows("prefill", [BatchRow(1, i, t, True) for i, t in enumerate(PROMPT[::-1])]))
+    assert np.array_equal(out.rows, kept)
+
+
 def test_rows_in_any_slot_order_come_back_in_row_order(eng):
     """The engine sorts rows by slot for llama.cpp (one sub-batch per run of consecutive seq ids);
     the caller still gets logits in its own row order."""

@@ -29,7 +29,8 @@ class Engine(Protocol):
     def forward(self, batch: FusedBatch) -> EngineOutput:
         """Exactly one fused forward pass over all rows. "logits": one row per row that asked for one,
         in row order, (batch.n_logit_rows, vocab_size). "hidden" (a hop that is not the last): one row
-        per batch row, (len(batch), boundary.hidden_size)."""
+        per batch row, (len(batch), boundary.hidden_size). The rows are the caller's: no later call may
+        write them (a chained call computes while the loop samples the call before: consumer/worker/chain.py)."""
         ...
 
     def release(self, slot: int) -> None:
