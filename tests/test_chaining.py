@@ -12,7 +12,6 @@ import itertools
 import os
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,29 +23,21 @@ from consumer.sampler import BatchSampler
 from consumer.sampling.stage import plain
 from consumer.sched import Answer, ScheduledBatch, Scheduler
 from schemas import Sampling, Status, StepJob
+from tests.test_decode_rows import Plan, continuation
 from tests.test_scheduler import DIGESTS, admit, make, opening
 
 VOCAB = 16
 SOAK = os.environ.get("DGR_SOAK") == "1"
 
 
-@dataclass(frozen=True)
-class Plan:
-    prompt: int
-    max_tokens: int
-    stop: tuple[int, ...]
-    n: int  # tokens per continuation job
-    sampled: bool
+def chat(prompt: int, max_tokens: int, stop: tuple[int, ...], n: int, sampled: bool) -> Plan:
+    """A session of tests/test_decode_rows.py's kind, its cancellations given apart (drive's `cancels`)."""
+    return Plan(prompt, max_tokens, stop, n, None, False, sampled)
 
 
-plans = st.builds(Plan, prompt=st.integers(1, 5), max_tokens=st.integers(1, 14),
+plans = st.builds(chat, prompt=st.integers(1, 5), max_tokens=st.integers(1, 14),
                   stop=st.sampled_from([(), (), (3,), (0, 5, 9)]), n=st.integers(1, 6),
                   sampled=st.sampled_from([False, False, False, True]))
-
-
-def continuation(sid: str, start: int, n: int, k: int) -> StepJob:
-    return StepJob(job_id=f"{sid}-c{k}", session_id=sid, phase="decode", compat=DIGESTS["decode"],
-                   start_position=start, tokens=(), n=n, created_at=0.0)
 
 
 def holders(batch: ScheduledBatch, holder: Callable[[int], str | None]) -> list[str]:
@@ -189,11 +180,11 @@ def test_calls_are_chained_and_a_stop_ends_the_chain() -> None:
     """Not vacuous: four greedy sessions decode in chained calls; one whose stop token is its third decoded token
     finishes there, with the answers it has without chaining (the call after a stop is never run ahead:
     Successor.fill refuses it, and nothing is written)."""
-    ps = [Plan(prompt=2, max_tokens=12, stop=(), n=4, sampled=False) for _ in range(4)]
+    ps = [chat(prompt=2, max_tokens=12, stop=(), n=4, sampled=False) for _ in range(4)]
     alone, chained, _ = drive(ps, 4, 4, {}, chain=True)
     assert chained >= 8
     third = [a.result.token for a in alone["s0"] if a.result.token is not None][3]
-    ps[0] = Plan(prompt=2, max_tokens=12, stop=(third,), n=4, sampled=False)
+    ps[0] = chat(prompt=2, max_tokens=12, stop=(third,), n=4, sampled=False)
     want, _, _ = drive(ps, 4, 4, {}, chain=False)
     got, chained, _ = drive(ps, 4, 4, {}, chain=True)
     assert chained >= 4 and [_seen(a) for a in got["s0"]] == [_seen(a) for a in want["s0"]]
@@ -279,7 +270,7 @@ def test_a_session_cancelled_while_its_chained_row_computes(monkeypatch: Any) ->
         return got
 
     monkeypatch.setattr(Scheduler, "adopt", counting)
-    ps = [Plan(prompt=2, max_tokens=12, stop=(), n=6, sampled=False) for _ in range(3)]
+    ps = [chat(prompt=2, max_tokens=12, stop=(), n=6, sampled=False) for _ in range(3)]
     alone, _, _ = drive(ps, 3, 3, {}, chain=False)
     got, chained, _ = drive(ps, 3, 3, {4: [(0, True)]}, chain=True)
     assert partial == [1] and chained >= 4
