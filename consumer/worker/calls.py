@@ -191,18 +191,6 @@ class InFlightCall:
     def busy(self) -> bool:
         return self._call is not None
 
-    @property
-    def computing(self) -> tuple[Lane, ScheduledBatch] | None:
-        """The lane and call in flight (as handed out), when there is one."""
-        c = self._call
-        return None if c is None or c[1] is None else (c[0], c[1])
-
-    @property
-    def offered(self) -> bool:
-        """A call is offered to follow the one in flight and the engine thread has not taken it yet."""
-        c = self._call
-        return c is not None and c[2].offer is not None
-
     def start(self, lane: Lane, batch: ScheduledBatch, *, after_finish: bool = False) -> None:
         """Start the call on the engine thread. `after_finish`: the loop took the last call in this iteration and
         started this one at once: the engine's idle in between is counted (EngineIdle)."""
@@ -252,12 +240,11 @@ class InFlightCall:
         """Wait until the engine is idle: the call in flight (if any) and any call chained after it have ended on
         the engine thread; the loop still finishes them."""
         c = self._call
-        if c is None:
-            return
-        self.withdraw()
-        link: Link | None = c[2]
-        while link is not None:
-            link = link.result.result()[3]
+        if c is not None:
+            self.withdraw()
+            link: Link | None = c[2]
+            while link is not None:
+                link = link.result.result()[3]
 
     def finish(self) -> tuple[Lane, list[Answer], FusedCallStats] | None:
         """The call in flight's lane, answers (waiting for it) and stats (None: no call). When the engine thread
@@ -285,19 +272,13 @@ class InFlightCall:
             adopted = lane.scheduler.adopt(nxt.successor)
             answers += adopted.answers
             self._call = (lane, adopted.batch, nxt, adopted.rows)
-        shown = batch if batch is not None else link.batch
-        return lane, answers, FusedCallStats(phase=shown.phase, batch_size=len(batch.session_ids) if batch else 0,
+        return lane, answers, FusedCallStats(phase=link.batch.phase, batch_size=len(batch.session_ids) if batch else 0,
                                              tokens=len(batch.fused) if batch else 0, engine_seconds=engine_s)
 
     def abandon(self) -> None:
         """On the way out after an error: the engine finishes its calls, nothing is answered (their entries stay
         pending: a successor answers them)."""
-        c = self._call
-        if c is not None:
-            self.withdraw()
-            link: Link | None = c[2]
-            while link is not None:
-                link = link.result.result()[3]
+        self.wait()
         self._call = None
 
     def close(self) -> None:
