@@ -46,23 +46,26 @@ class Successor:
     """A decode call built ahead: its rows (the session's queue, the job and the offset each takes, as `adopt` will
     hand them out) and the engine's batch of them. `source[i]`: the index, among the sampling rows of the call
     before, of row i's session: the token sampled there is row i's input, unless `own[i]` (its job carries its
-    input token, already in the batch). (`stop_rows[j]`, `stop_tokens[j]`): a row and one of its session's stop
-    tokens (sampled in the call before, it ends the session there: no row may follow)."""
+    input token, already in the batch). `stops[i]`: row i's session's stop tokens (sampled in the call before, one
+    ends the session there: no row may follow); `any_stop`: every stop token of the rows, sorted, once each (most
+    sessions share theirs: the end-of-generation tokens)."""
 
     rows: tuple[tuple[SessionQueue, _Queued, int], ...]
     batch: ScheduledBatch
     source: npt.NDArray[np.intp]
     own: npt.NDArray[np.bool_]
-    stop_rows: npt.NDArray[np.intp]
-    stop_tokens: npt.NDArray[np.int64]
+    stops: tuple[tuple[int, ...], ...]
+    any_stop: npt.NDArray[np.int64]
 
     def fill(self, sampled: npt.NDArray[np.integer]) -> bool:
         """Write the tokens the call before sampled (one per sampling row) into the rows' inputs; False (nothing
         written) when one of them ends its session. On the engine thread, between two calls: a few array
-        operations whatever the rows."""
+        operations whatever the rows (a row's own stop tokens are read only when its token is one of the rows')."""
         tokens = sampled[self.source]
-        if self.stop_rows.size and (tokens[self.stop_rows] == self.stop_tokens).any():
-            return False
+        if self.any_stop.size:
+            for r in np.flatnonzero(np.isin(tokens, self.any_stop)).tolist():
+                if int(tokens[r]) in self.stops[r]:
+                    return False
         fed = self.batch.fused.tokens
         if self.own.any():
             fed[~self.own] = tokens[~self.own]
@@ -120,8 +123,8 @@ class Chaining(SchedulerState):
             return None
         rows.sort(key=itemgetter(0))
         taken: list[tuple[SessionQueue, _Queued, int]] = []
-        source, own, slots, positions, tokens, stop_rows, stop_tokens = [], [], [], [], [], [], []
-        for i, (_, k, lane, q, off) in enumerate(rows):  # one pass: a few hundred rows a call
+        source, own, slots, positions, tokens, stops = [], [], [], [], [], []
+        for _, k, lane, q, off in rows:  # one pass: a few hundred rows a call
             taken.append((lane, q, off))
             job = q.job
             carried = off == 0 and bool(job.tokens)  # the job carries its input token
@@ -130,15 +133,13 @@ class Chaining(SchedulerState):
             tokens.append(job.tokens[0] if carried else 0)
             slots.append(lane.entry.slot)
             positions.append(job.start_position + off)
-            for t in lane.entry.spec.stop_tokens:
-                stop_rows.append(i)
-                stop_tokens.append(t)
+            stops.append(lane.entry.spec.stop_tokens)
         fused = FusedBatch(phase="decode", slots=np.array(slots, dtype=np.int32),
                            positions=np.array(positions, dtype=np.int32), tokens=np.array(tokens, dtype=np.int32),
                            wants_logits=np.ones(len(rows), np.bool_))
+        any_stop = np.array(sorted({t for s in set(stops) for t in s}), dtype=np.int64)
         return Successor(tuple(taken), ScheduledBatch("decode", fused, ()), np.array(source, dtype=np.intp),
-                         np.array(own, dtype=np.bool_), np.array(stop_rows, dtype=np.intp),
-                         np.array(stop_tokens, dtype=np.int64))
+                         np.array(own, dtype=np.bool_), tuple(stops), any_stop)
 
     def adopt(self, successor: Successor) -> Adopted:
         """Hand out a successor the engine ran, once the call before it is reported; see the module docstring."""
