@@ -83,6 +83,21 @@ def plain(s: Sampling | None) -> bool:
 _plain = plain
 
 
+def _argmax(arr: npt.NDArray[np.float32], special: npt.NDArray[np.bool_],
+            samplings: Callable[[], Sequence[Sampling | None]]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+    """Each row's argmax, and whether it is the row's plain greedy token: not NaN (argmax stops at a row's first
+    NaN), and not a special token unless its session's sampling allows them (`samplings()`, asked only then)."""
+    n = arr.shape[0]
+    top = arr.argmax(axis=1)
+    ok = ~np.isnan(arr[np.arange(n), top])
+    hit = special[top]
+    if hit.any():
+        given = samplings()
+        allowed = np.fromiter((s is not None and s.allow_special for s in given), np.bool_, len(given))
+        ok &= ~hit | allowed if allowed.shape[0] == n else np.zeros(n, np.bool_)
+    return top, ok
+
+
 class BatchSampler:
     """`sample(batch, output)` for every fused call with logits output; `observe(batch)` for one
     without (a route hop that is not last needs neither)."""
@@ -202,15 +217,8 @@ class BatchSampler:
         plain = np.fromiter((slots[it.slot].plain for it in items), np.bool_, n)
         if not plain.any():
             return plain, np.zeros(n, np.intp)
-        top = np.argmax(arr, axis=1)
-        picked = arr[np.arange(n), top]
-        plain &= ~np.isnan(picked)
-        hit = self.vocab.special_mask[top]
-        if hit.any():
-            allowed = np.fromiter((it.sampling is not None and it.sampling.allow_special for it in items),
-                                  np.bool_, n)
-            plain &= ~hit | allowed
-        return plain, top
+        top, ok = _argmax(arr, self.vocab.special_mask, lambda: [it.sampling for it in items])
+        return plain & ok, top
 
     def greedy_tokens(self, rows: npt.NDArray[np.float32], samplings: Callable[[], Sequence[Sampling | None]]
                       ) -> npt.NDArray[np.intp] | None:
@@ -222,16 +230,8 @@ class BatchSampler:
         arr = np.asarray(rows)
         if arr.ndim != 2 or arr.shape[1] != self.vocab_size:
             return None
-        top = arr.argmax(axis=1)
-        if np.isnan(arr[np.arange(arr.shape[0]), top]).any():  # argmax stops at a row's first NaN
-            return None
-        hit = self.vocab.special_mask[top]
-        if hit.any():
-            given = samplings()
-            allowed = np.fromiter((s is not None and s.allow_special for s in given), np.bool_, len(given))
-            if allowed.shape[0] != top.shape[0] or (hit & ~allowed).any():
-                return None
-        return top
+        top, ok = _argmax(arr, self.vocab.special_mask, samplings)
+        return top if ok.all() else None
 
     def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
         """Today's worker seam (a list of tokens). A row without a token gets the raw row's argmax, as
