@@ -328,3 +328,33 @@ def test_plain_greedy_rows_are_the_oracles_tokens_on_special_argmaxes(data: st.D
     out = BatchSampler(voc).sample(ScheduledBatch.build("prefill", items), EngineOutput.logits(logits))
     assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 1, vocab=voc)
                                    for r, s in enumerate(sessions)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_greedy_tokens_are_the_oracles_or_none(data: st.DataObject) -> None:
+    """BatchSampler.greedy_tokens (a chained call's inputs, on the engine thread) against the oracle on plain
+    greedy rows whose maxima are drawn onto special tokens and NaN often: the oracle's tokens when every row's
+    argmax is one its session may sample, else None (the loop's full path then samples the call)."""
+    vocab = data.draw(st.sampled_from([8, 300]))
+    special = np.array(sorted(data.draw(st.sets(st.integers(3, vocab - 1), max_size=vocab // 2))), np.int32)
+    voc = Vocabulary(n_vocab=vocab, special=special, eog=np.array([2], np.int32))
+    n = data.draw(st.integers(1, 6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    samplings = [Sampling(allow_special=data.draw(st.booleans())) for _ in range(n)]
+    for r in range(n):
+        if special.size and data.draw(st.booleans()):
+            logits[r, special[data.draw(st.integers(0, special.size - 1))]] = 50.0  # its argmax is special
+        if data.draw(st.integers(0, 9)) == 0:
+            logits[r, data.draw(st.integers(0, vocab - 1))] = np.nan
+    got = BatchSampler(voc).greedy_tokens(logits, lambda: samplings)
+    # the definition, row by row: no NaN in the row, its maximum not a special token its session may not sample
+    plain_rows = all(not np.isnan(logits[r]).any()
+                     and (int(np.argmax(logits[r])) not in special.tolist() or samplings[r].allow_special)
+                     for r in range(n))
+    if plain_rows:
+        assert got is not None and got.tolist() == [reference.sample(logits[r], samplings[r], 1, vocab=voc)
+                                                    for r in range(n)]
+    else:
+        assert got is None
