@@ -307,23 +307,28 @@ def test_rejects_rows_that_do_not_fit_the_call() -> None:
     assert len(BatchSampler(vocab).sample(quiet, EngineOutput.logits(np.zeros((0, vocab), np.float32)))) == 0
 
 
+def _special_rows(data: st.DataObject) -> tuple[Vocabulary, np.ndarray, np.ndarray]:
+    """A vocabulary with special tokens drawn, and 1-6 logits rows whose maxima are drawn onto them often."""
+    vocab = data.draw(st.sampled_from([8, 300]))
+    special = np.array(sorted(data.draw(st.sets(st.integers(3, vocab - 1), max_size=vocab // 2))), np.int32)
+    n = data.draw(st.integers(1, 6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    for r in range(n):
+        if special.size and data.draw(st.booleans()):
+            logits[r, special[data.draw(st.integers(0, special.size - 1))]] = 50.0  # its argmax is special
+    return Vocabulary(n_vocab=vocab, special=special, eog=np.array([2], np.int32)), special, logits
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_plain_greedy_rows_are_the_oracles_tokens_on_special_argmaxes(data: st.DataObject) -> None:
     """The stage's shortcut for plain greedy rows (the argmax, looked up in the special mask) against the
     oracle, row for row, with the rows' maxima drawn onto special tokens often: a special argmax goes to the
     full path unless the session allows special tokens."""
-    vocab = data.draw(st.sampled_from([8, 300]))
-    special = np.array(sorted(data.draw(st.sets(st.integers(3, vocab - 1), max_size=vocab // 2))), np.int32)
-    voc = Vocabulary(n_vocab=vocab, special=special, eog=np.array([2], np.int32))
-    n = data.draw(st.integers(1, 6))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    logits = rng.normal(size=(n, vocab)).astype(np.float32)
-    sessions = []
-    for r in range(n):
-        if special.size and data.draw(st.booleans()):
-            logits[r, special[data.draw(st.integers(0, special.size - 1))]] = 50.0  # its argmax is special
-        sessions.append(Session(f"g{r}", [1], Sampling(allow_special=data.draw(st.booleans()))))
+    voc, _, logits = _special_rows(data)
+    sessions = [Session(f"g{r}", [1], Sampling(allow_special=data.draw(st.booleans())))
+                for r in range(logits.shape[0])]
     items = [_item(s, r, "prefill", 0, [1], True, s.spec(1)) for r, s in enumerate(sessions)]
     out = BatchSampler(voc).sample(ScheduledBatch.build("prefill", items), EngineOutput.logits(logits))
     assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 1, vocab=voc)
@@ -336,16 +341,10 @@ def test_greedy_tokens_are_the_oracles_or_none(data: st.DataObject) -> None:
     """BatchSampler.greedy_tokens (a chained call's inputs, on the engine thread) against the oracle on plain
     greedy rows whose maxima are drawn onto special tokens and NaN often: the oracle's tokens when every row's
     argmax is one its session may sample, else None (the loop's full path then samples the call)."""
-    vocab = data.draw(st.sampled_from([8, 300]))
-    special = np.array(sorted(data.draw(st.sets(st.integers(3, vocab - 1), max_size=vocab // 2))), np.int32)
-    voc = Vocabulary(n_vocab=vocab, special=special, eog=np.array([2], np.int32))
-    n = data.draw(st.integers(1, 6))
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    logits = rng.normal(size=(n, vocab)).astype(np.float32)
+    voc, special, logits = _special_rows(data)
+    vocab, n = voc.n_vocab, logits.shape[0]
     samplings = [Sampling(allow_special=data.draw(st.booleans())) for _ in range(n)]
     for r in range(n):
-        if special.size and data.draw(st.booleans()):
-            logits[r, special[data.draw(st.integers(0, special.size - 1))]] = 50.0  # its argmax is special
         if data.draw(st.integers(0, 9)) == 0:
             logits[r, data.draw(st.integers(0, vocab - 1))] = np.nan
     got = BatchSampler(voc).greedy_tokens(logits, lambda: samplings)
