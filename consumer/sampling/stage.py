@@ -80,8 +80,6 @@ def plain(s: Sampling | None) -> bool:
     return s is not None and _plain_sampling(s)
 
 
-_plain = plain
-
 
 def _argmax(arr: npt.NDArray[np.float32], special: npt.NDArray[np.bool_],
             samplings: Callable[[], Sequence[Sampling | None]]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
@@ -121,7 +119,7 @@ class BatchSampler:
                     slot.drop_grammar()
                 spec = it.job.session
                 slot = _Slot(prompt_len=spec.prompt_len if spec else None, stop_tokens=spec.stop_tokens if spec else (),
-                             plain=spec is not None and _plain(spec.sampling))
+                             plain=spec is not None and plain(spec.sampling))
                 self._slots[it.slot] = slot
                 if it.slot in restored and not slot.plain:
                     slot.write(0, np.asarray(restored.pop(it.slot), dtype=np.int32))
