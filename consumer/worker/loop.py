@@ -211,6 +211,7 @@ class Worker:
         """Finish the calls on the engine thread (the one in flight, and one chained after it) and file their
         answers (before a synchronous iteration, a heartbeat or recovery sweep, and the stop)."""
         self.in_flight.withdraw()  # nothing more is chained
+        settled = self.in_flight.busy
         while self.in_flight.busy:
             answers: list[list[Answer]] = [[] for _ in self.lanes]
             call = self._finish_in_flight(answers)
@@ -218,6 +219,9 @@ class Worker:
             done = self.lanes.completions(answers, latencies)
             self._publish(Filing(done, closures=self._uncarried(done, []), call=call), flush)
             observe_iteration(self.metrics, self._m, call, done, (), latencies, self.lanes.busy_slots())
+        if settled:
+            # a finished session's save, kept until its answers are filed, runs before its next turn may be admitted
+            self._release_slots()
 
     def _finish_in_flight(self, answers: list[list[Answer]]) -> FusedCallStats | None:
         """The call on the engine thread finished (waiting for it): its answers into answers[lane], its stats
