@@ -50,10 +50,28 @@ class EngineOutput:
 
     kind: OutputKind
     rows: npt.NDArray[np.float32]
+    # Each logits row's argmax (np.argmax: the first maximum, or the first NaN), taken on the thread that ran the
+    # forward pass right after it (`with_top`): the sampler's first cut, shared by a chained call's inputs and
+    # the loop's sampler (issue 32, item 3). None: not taken (hidden rows, or rows from elsewhere).
+    top: npt.NDArray[np.intp] | None = None
 
     @classmethod
     def logits(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:
         return cls(kind="logits", rows=rows)
+
+    def with_top(self) -> EngineOutput:
+        """The output with its rows' argmax taken (one vectorised pass while the rows are in cache)."""
+        if self.kind != "logits" or self.top is not None:
+            return self
+        rows = np.asarray(self.rows)
+        if rows.ndim != 2 or rows.shape[1] == 0:
+            return self
+        return EngineOutput(self.kind, self.rows, rows.argmax(axis=1))
+
+    def take(self, rows: Sequence[int]) -> EngineOutput:
+        """These rows only (in this order), with their argmax if taken."""
+        idx = np.asarray(rows, dtype=np.intp)
+        return EngineOutput(self.kind, np.asarray(self.rows)[idx], None if self.top is None else self.top[idx])
 
     @classmethod
     def hidden(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:

@@ -72,11 +72,13 @@ def _item(s: Session, slot: int, phase: Phase, start: int, toks: list[int], samp
 
 
 def _call(sampler: BatchSampler, model: Model, phase: Phase, work: list[tuple[Session, BatchItem, list[int]]],
-          ) -> None:
-    """One fused call; work: (session, item, the session's context after the item's tokens)."""
+          ranked: bool = False) -> None:
+    """One fused call; work: (session, item, the session's context after the item's tokens). `ranked`: the
+    output carries its rows' argmax, as the worker's engine thread takes it (EngineOutput.with_top)."""
     batch = ScheduledBatch.build(phase, [it for _, it, _ in work])
     rows = [model.row(ctx) for _, it, ctx in work if it.samples]
-    out = sampler.sample(batch, EngineOutput.logits(np.array(rows, np.float32).reshape(len(rows), model.vocab)))
+    output = EngineOutput.logits(np.array(rows, np.float32).reshape(len(rows), model.vocab))
+    out = sampler.sample(batch, output.with_top() if ranked else output)
     sampling_work = [(s, it) for s, it, _ in work if it.samples]
     for r, (s, _) in enumerate(sampling_work):
         _record(s, out, r)
@@ -106,7 +108,7 @@ class _Run:
 
 def serve(sampler: BatchSampler, model: Model, sessions: list[Session], *, slots: list[int], chunk: int,
           starts: list[int], replay_after: dict[str, int] | None = None, replay_slot: dict[str, int] | None = None,
-          release: bool = True) -> None:
+          release: bool = True, ranked: bool = False) -> None:
     """Alternating prefill and decode calls; session i joins at tick starts[i] in slots[i]. A session in
     replay_after loses its state after that many tokens and comes back as prefill of prompt + generated
     (prompt_len set, as the producer re-sends it) in replay_slot[sid]. release=False: the stage is never
@@ -136,7 +138,7 @@ def serve(sampler: BatchSampler, model: Model, sessions: list[Session], *, slots
                 dec.append((run.s, _item(run.s, run.slot, "decode", start, [tok], True, None), list(run.fed)))
         for phase, work in (("prefill", pre), ("decode", dec)):
             if work:
-                _call(sampler, model, phase, work)  # type: ignore[arg-type]
+                _call(sampler, model, phase, work, ranked)  # type: ignore[arg-type]
         for run in list(active):
             s = run.s
             if s.done:
@@ -189,11 +191,12 @@ def test_alone_batched_and_replayed_give_the_same_tokens(data: st.DataObject) ->
     n = len(sessions)
     shared = BatchSampler(voc, threads=data.draw(st.sampled_from([1, 3])))
     release = data.draw(st.booleans())
-    for _ in range(2):  # the second round reuses the first round's slots (told or not that they were freed)
+    for ranked in (True, False):  # the second round reuses the first round's slots (told or not that they were
+        # freed); the first takes each row's argmax from the output (the engine thread's), as the worker does
         batched = [_copy(s) for s in sessions]
         slots = data.draw(st.permutations(range(n)))
         serve(shared, model, batched, slots=list(slots), chunk=data.draw(st.integers(1, 8)),
-              starts=[data.draw(st.integers(0, 3)) for _ in range(n)], release=release)
+              starts=[data.draw(st.integers(0, 3)) for _ in range(n)], release=release, ranked=ranked)
         assert [_outcome(s) for s in batched] == alone
     replayed = [_copy(s) for s in sessions]
     cut = {s.sid: data.draw(st.integers(1, 3)) for s in sessions}
@@ -357,3 +360,41 @@ def test_greedy_tokens_are_the_oracles_or_none(data: st.DataObject) -> None:
                                                     for r in range(n)]
     else:
         assert got is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_the_argmax_taken_after_the_forward_pass_is_the_one_sampled_from(data: st.DataObject) -> None:
+    """The sampler takes each row's argmax from the output when the engine's thread took it (EngineOutput.top,
+    issue 32 item 3) and does not take it again: a plain greedy row's token is the given index, whatever the
+    rows say; every other row starts its cut from it. With the true argmax every row is the oracle's."""
+    voc, _, logits = _special_rows(data)
+    n, vocab = logits.shape[0], voc.n_vocab
+    sessions = [Session(f"t{r}", [1], Sampling() if data.draw(st.booleans()) else Sampling(temperature=0.7, top_k=5,
+                                                                                           seed=r))
+                for r in range(n)]
+    items = [_item(s, r, "prefill", 0, [1], True, s.spec(1)) for r, s in enumerate(sessions)]
+    batch = ScheduledBatch.build("prefill", items)
+    ranked = EngineOutput.logits(logits).with_top()
+    assert ranked.top is not None and ranked.top.tolist() == np.argmax(logits, axis=1).tolist()
+    out = BatchSampler(voc).sample(batch, ranked)
+    assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 1, vocab=voc) if out.status[r] == 0
+                                   else -1 for r, s in enumerate(sessions)]
+    assert out.tokens.tolist() == BatchSampler(voc).sample(batch, EngineOutput.logits(logits)).tokens.tolist()
+    # a given argmax that is not the rows' own: the plain greedy rows whose given index is a token they may
+    # sample take it as it is (so the sampler read it rather than taking the argmax again)
+    other = (np.argmax(logits, axis=1) + 1) % vocab
+    told = BatchSampler(voc).sample(batch, EngineOutput("logits", logits, other.astype(np.intp)))
+    for r, s in enumerate(sessions):
+        if s.sampling.greedy and not voc.special_mask[other[r]]:
+            assert told.tokens[r] == other[r]
+
+
+def test_an_outputs_rows_taken_keep_their_argmax() -> None:
+    """EngineOutput.take (a chained call adopted without some of its rows) keeps each kept row's argmax."""
+    rows = np.random.default_rng(3).normal(size=(5, 16)).astype(np.float32)
+    got = EngineOutput.logits(rows).with_top().take([4, 1, 2])
+    assert np.array_equal(got.rows, rows[[4, 1, 2]])
+    assert got.top is not None and got.top.tolist() == np.argmax(rows[[4, 1, 2]], axis=1).tolist()
+    assert EngineOutput.logits(rows).take([0]).top is None
+    assert EngineOutput.hidden(rows).with_top().top is None

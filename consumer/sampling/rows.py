@@ -284,14 +284,15 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
 
 
 def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabulary | None = None, *,
-                pool: Executor | None = None) -> SampledCall:
+                pool: Executor | None = None, argmax: npt.NDArray[np.intp] | None = None) -> SampledCall:
     """Row r of the (rows, vocab) matrix sampled by rows[r]: equal, row for row, to
-    `reference.sample_row(logits[r], ...)` and `reference.top_logprobs`, whatever the other rows."""
+    `reference.sample_row(logits[r], ...)` and `reference.top_logprobs`, whatever the other rows. `argmax`:
+    each row's np.argmax when already taken (EngineOutput.top: after the forward pass, on its thread)."""
     arr = np.asarray(logits)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise ValueError(f"expected a (rows, vocab) matrix, got shape {arr.shape}")
     if arr.dtype != F32:
-        arr = arr.astype(F32)
+        arr, argmax = arr.astype(F32), None
     n, v = arr.shape
     if len(rows) != n:
         raise ValueError(f"{n} rows of logits, {len(rows)} sampling rows")
@@ -300,7 +301,8 @@ def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabula
         raise ValueError(f"rows of {v} logits for a vocabulary of {vocab.n_vocab}")
     width = max((r.sampling.logprobs or 0 for r in rows), default=0)
     out = SampledCall.empty(n, width)
-    argmax = np.argmax(arr, axis=1)
+    if argmax is None or argmax.shape != (n,):
+        argmax = np.argmax(arr, axis=1)
 
     def one(r: int) -> None:
         row, inp = arr[r], rows[r]

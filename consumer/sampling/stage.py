@@ -81,12 +81,19 @@ def plain(s: Sampling | None) -> bool:
 
 
 
+def _given_top(arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None) -> npt.NDArray[np.intp] | None:
+    """The rows' argmax as the engine's output carries it (EngineOutput.top), when it fits these rows."""
+    return top if top is not None and top.shape == (arr.shape[0],) and arr.dtype == np.float32 else None
+
+
 def _argmax(arr: npt.NDArray[np.float32], special: npt.NDArray[np.bool_],
-            samplings: Callable[[], Sequence[Sampling | None]]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
-    """Each row's argmax, and whether it is the row's plain greedy token: not NaN (argmax stops at a row's first
-    NaN), and not a special token unless its session's sampling allows them (`samplings()`, asked only then)."""
+            samplings: Callable[[], Sequence[Sampling | None]], taken: npt.NDArray[np.intp] | None = None,
+            ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+    """Each row's argmax (`taken`: after the forward pass, EngineOutput.top), and whether it is the row's
+    plain greedy token: not NaN (argmax stops at a row's first NaN), and not a special token unless its
+    session's sampling allows them (`samplings()`, asked only then)."""
     n = arr.shape[0]
-    top = arr.argmax(axis=1)
+    top = arr.argmax(axis=1) if taken is None else taken
     ok = ~np.isnan(arr[np.arange(n), top])
     hit = special[top]
     if hit.any():
@@ -175,7 +182,8 @@ class BatchSampler:
             return SampledCall.empty(0, 0)
         if arr.shape != (n_logit, self.vocab_size):
             raise ValueError(f"logits shape {arr.shape}, expected ({n_logit}, {self.vocab_size})")
-        fast, tokens = self._plain_greedy(items, arr)
+        top = _given_top(arr, output.top)
+        fast, tokens = self._plain_greedy(items, arr, top)
         if fast.all():  # every row is a plain greedy one: its argmax, nothing else to compute
             out = SampledCall.empty(n_logit, 0)
             out.tokens[:] = tokens
@@ -191,13 +199,15 @@ class BatchSampler:
             inputs.append(inp)
         # Every row sampled (a call of one sampling setting): the engine's rows as they are, not a copy
         # (8 MB for 8 rows of Gemma's vocabulary); sample_rows only reads them.
-        part = sample_rows(arr if slow.shape[0] == n_logit else arr[slow], inputs, self.vocab, pool=self._pool)
+        whole = slow.shape[0] == n_logit
+        part = sample_rows(arr if whole else arr[slow], inputs, self.vocab, pool=self._pool,
+                           argmax=None if top is None else top if whole else top[slow])
         for k, status in early.items():
             part.tokens[k], part.status[k] = -1, status
             part.logprob[k] = np.nan
             part.top_ids[k] = -1
             part.top_logprobs[k] = np.nan
-        if slow.shape[0] == n_logit:
+        if whole:
             return part
         out = SampledCall.empty(n_logit, part.top_ids.shape[1])
         out.tokens[:] = tokens
@@ -205,7 +215,7 @@ class BatchSampler:
         out.top_ids[slow], out.top_logprobs[slow] = part.top_ids, part.top_logprobs
         return out
 
-    def _plain_greedy(self, items: list[BatchItem], arr: npt.NDArray[np.float32]
+    def _plain_greedy(self, items: list[BatchItem], arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None
                       ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.intp]]:
         """Which rows are plain greedy ones (greedy, no control, no log-probabilities: their token is the
         row's argmax, docs/sampling.md) and that argmax, for all rows at once. A row whose argmax is a
@@ -215,11 +225,11 @@ class BatchSampler:
         plain = np.fromiter((slots[it.slot].plain for it in items), np.bool_, n)
         if not plain.any():
             return plain, np.zeros(n, np.intp)
-        top, ok = _argmax(arr, self.vocab.special_mask, lambda: [it.sampling for it in items])
+        top, ok = _argmax(arr, self.vocab.special_mask, lambda: [it.sampling for it in items], top)
         return plain & ok, top
 
-    def greedy_tokens(self, rows: npt.NDArray[np.float32], samplings: Callable[[], Sequence[Sampling | None]]
-                      ) -> npt.NDArray[np.intp] | None:
+    def greedy_tokens(self, rows: npt.NDArray[np.float32], samplings: Callable[[], Sequence[Sampling | None]],
+                      top: npt.NDArray[np.intp] | None = None) -> npt.NDArray[np.intp] | None:
         """The tokens `sample` gives rows of plain greedy sessions (their argmax), unless one is NaN or a special
         token its session may not sample (`samplings()`: each row's sampling, asked only then): None then. For
         the engine thread (a chained call's inputs, consumer/worker/chain.py): it reads only the rows, the
@@ -228,8 +238,8 @@ class BatchSampler:
         arr = np.asarray(rows)
         if arr.ndim != 2 or arr.shape[1] != self.vocab_size:
             return None
-        top, ok = _argmax(arr, self.vocab.special_mask, samplings)
-        return top if ok.all() else None
+        got, ok = _argmax(arr, self.vocab.special_mask, samplings, _given_top(arr, top))
+        return got if ok.all() else None
 
     def __call__(self, batch: ScheduledBatch, output: EngineOutput) -> list[int]:
         """Today's worker seam (a list of tokens). A row without a token gets the raw row's argmax, as

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from schemas import Reason, Sampling, Status
@@ -20,13 +20,12 @@ from ..batch import EngineOutput
 from ..engines.base import EngineError
 from ..engines.compute import compute_thread, on_compute_thread
 from ..metrics import Metrics
-from ..prefix.run import forward_with_prefix
 from ..sampling import BatchSampler
 from ..sampling.stage import plain
 from ..sched import Answer, ScheduledBatch
 from ..sched.chaining import Successor
 from ..transport.protocol import FusedCallStats
-from .chain import Link, run_chain
+from .chain import Link, forward_ranked, run_chain
 from .idle import IdleSessions
 from .lane import Lane, mark_answered
 from .sampled import apply_sampled
@@ -57,7 +56,7 @@ def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch) -> list[Answer]
     try:
         # With overlap on, every call runs on the compute thread, the one the engine was built on and the
         # overlapped calls run on (consumer/engines/compute.py: a second OpenMP team slows every call).
-        run = partial(forward_with_prefix, lane.engine, lane.prefix, batch)
+        run = partial(forward_ranked, lane.engine, lane.prefix, batch)
         output = on_compute_thread(run, fused) if w.overlap else run(fused)
     except Exception as e:  # any engine fault must not take the worker down
         return _failed(w, lane, batch, e, time.perf_counter() - t)
@@ -264,7 +263,7 @@ class InFlightCall:
             answers: list[Answer] = []
         else:
             if rows is not None and not isinstance(out, Exception) and len(rows) < len(link.fused):
-                out = replace(out, rows=out.rows[rows])  # the rows of the sessions it kept (one each)
+                out = out.take(rows)  # the rows of the sessions it kept (one each)
             answers = finish_fused(self.ctx, lane, batch, out, elapsed)
         engine_s = stats.engine_seconds - before  # the engine alone (all tries, if it failed)
         if nxt is not None:
@@ -291,7 +290,7 @@ def _fill(sampler: BatchSampler, successor: Successor, before: Link, out: Engine
     ends its session. Every row of the call before is a plain greedy one (Scheduler.successor checked)."""
     if out.kind != "logits":
         return False
-    tokens = sampler.greedy_tokens(out.rows, partial(_samplings, before))
+    tokens = sampler.greedy_tokens(out.rows, partial(_samplings, before), out.top)
     return tokens is not None and successor.fill(tokens)
 
 

@@ -23,7 +23,7 @@ from ..prefix.run import forward_with_prefix
 from ..sched import ScheduledBatch
 from ..sched.chaining import Successor
 
-__all__ = ["Link", "LinkResult", "run_chain"]
+__all__ = ["Link", "LinkResult", "forward_ranked", "run_chain"]
 
 # A link's result: the engine's output (or the error it raised), its time, when it ended (time.perf_counter():
 # the start of the engine's idle), and the link the engine thread went on with (None: the chain ends here).
@@ -32,6 +32,12 @@ LinkResult = tuple["EngineOutput | Exception", float, float, "Link | None"]
 # What decides a link's inputs from the link before: (the offer, the link before, its output) -> whether the
 # offer's tokens were written (it may run).
 Fill = Callable[[Successor, "Link", EngineOutput], bool]
+
+
+def forward_ranked(engine: Any, store: Any, batch: ScheduledBatch, fused: FusedBatch) -> EngineOutput:
+    """The call (with its prefix cache's restores and saves), then its rows' argmax on the same thread while the
+    rows are in cache (EngineOutput.with_top): what a chained call's inputs and the loop's sampler start from."""
+    return forward_with_prefix(engine, store, batch, fused).with_top()
 
 
 class Link:
@@ -56,7 +62,7 @@ def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: 
         link.entered_at = time.perf_counter()
         link.entered.set()
         try:
-            out: EngineOutput | Exception = forward_with_prefix(engine, store, link.batch, link.fused)
+            out: EngineOutput | Exception = forward_ranked(engine, store, link.batch, link.fused)
         except Exception as e:  # handed back: the loop answers it as run_fused would
             out = e
         end = time.perf_counter()
