@@ -20,6 +20,15 @@ def bench_scheduler(out: Out = Path("bench-out/scheduler"), repeats: int = 60) -
     run(out, repeats=repeats)
 
 
+@bench_app.command("rows")
+def bench_rows(out: Out = Path("bench-out/rows"), rows: Batches = "8,64,256", calls: int = 96,
+               decode_n: Annotated[int, typer.Option("--decode-n")] = 16) -> None:
+    """The worker's Python per decode row, stage by stage (chained steady state on continuation jobs, no I/O)."""
+    from dgrtools.bench.rows import run
+
+    run(out, rows=tuple(ints(rows)), calls=calls, decode_n=decode_n)
+
+
 @bench_app.command("pacing")
 def bench_pacing(out: Out = Path("bench-out/pacing"), sessions: int = 8,
                  prompt_len: Annotated[int, typer.Option("--prompt-len")] = 528, tokens: int = 16) -> None:

@@ -1,0 +1,27 @@
+"""`dgr bench rows` (dgrtools/bench/rows.py): its steady state is the worker's, so its stage figures mean
+what they say: every call after the first is chained and adopted whole, each session answered once per call
+with its next token, and the continuation jobs pushed as the Tracker does keep every session in the call."""
+
+from __future__ import annotations
+
+from dgrtools.bench.rows import STAGES, SteadyDecode, measure
+
+
+def test_the_steady_state_answers_every_session_once_a_call_in_order() -> None:
+    run = SteadyDecode(8, decode_n=4, calls=24)
+    seen: dict[str, list[int]] = {}
+    for _ in range(24):
+        assert run.call() == 8  # every session in every call (a dropped row raises)
+    for rid, answer in run.ledger.answered.items():
+        r = answer.result
+        assert r.status.value == "ok" and r.token is not None and not r.finished, rid
+        seen.setdefault(r.session_id, []).append(r.position)
+    # one answer per call and session (the first call was the prompts': 3 positions on), each at the next position
+    assert sorted(seen) == sorted(run.sessions)
+    assert all(pos == list(range(3, 3 + len(pos))) and len(pos) >= 24 for pos in seen.values())
+
+
+def test_every_stage_is_timed() -> None:
+    got = measure(8, calls=12, decode_n=4)
+    assert set(got["us_per_call"]) == set(STAGES)
+    assert all(v >= 0 for v in got["us_per_call"].values()) and got["total_us_per_row"] > 0
