@@ -25,3 +25,11 @@ def test_every_stage_is_timed() -> None:
     got = measure(8, calls=12, decode_n=4)
     assert set(got["us_per_call"]) == set(STAGES)
     assert all(v >= 0 for v in got["us_per_call"].values()) and got["total_us_per_row"] > 0
+
+
+def test_the_opcode_counts_are_the_same_in_every_run() -> None:
+    """The counted figures (Python opcodes per row and stage) do not depend on the machine nor the run: what
+    docs/benchmarks.md names as the per-row Python left compares across runs and commits."""
+    a, b = (measure(8, 2, decode_n=4, counted=6) for _ in range(2))
+    assert a["opcodes_per_row"] == b["opcodes_per_row"]
+    assert all(a["opcodes_per_row"][s] > 0 for s in ("report", "adopt", "successor", "file", "ledger"))

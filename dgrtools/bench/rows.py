@@ -19,16 +19,21 @@ sleep engine's vocabulary), timed one by one over many calls:
   calls).
 
 The per-row column divides each stage by the rows of the call: a stage whose cost is per call shows a per-row
-figure that falls as N grows; one that is per row stays flat.
+figure that falls as N grows; one that is per row stays flat. Beside the times, each stage's Python opcodes per
+row over a few more calls (`sys.settrace` with opcode events; numpy's and msgspec's C work is not counted): the
+same count on any machine and in any run, so it compares commits where a time on a shared host does not.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +53,7 @@ from schemas import PHASES, Phase, RouteHop, SessionSpec, StepJob, WorkerKeys
 from .common import console, save, table
 from .scheduler import FILING_HEAD, VOCAB, _key
 
+T = TypeVar("T")
 NAME = "rows"
 STAGES = ("rank", "fill", "sample", "report", "adopt", "successor", "ledger", "metrics", "file", "admit")
 
@@ -82,14 +88,15 @@ class SteadyDecode:
             self.next_at[sid] = 2
         batch = self.sched.next_batch()
         assert batch is not None and batch.phase == "prefill"
-        self._push_continuations(lambda: None)  # the first continuation goes with the opening (the ramp)
+        self._push(self.sessions)  # the first continuation goes with the opening (the ramp)
         out = self._logits(batch.fused.n_logit_rows)
         apply_sampled(self.sched, batch, self.sampler.sample(batch, out), 0.001)
-        self._push_continuations(lambda: None)
+        self._push(self.sessions)  # and the second once the first token is back
         nxt = self.sched.next_batch()
         assert nxt is not None and nxt.phase == "decode" and len(nxt.fused) == n, "not every session decodes"
         self.batch: ScheduledBatch = nxt
         self.times: dict[str, list[float]] = {s: [] for s in STAGES}
+        self.count = False  # count each stage's Python opcodes rather than time it
 
     def _logits(self, rows: int) -> EngineOutput:
         """Rows of random logits: four sets drawn once, taken in turn (drawing them is not the worker's cost)."""
@@ -107,83 +114,104 @@ class SteadyDecode:
             raise RuntimeError(f"job {job.job_id} refused")
         self.ledger.admitted(job)
 
-    def _push_continuations(self, clock: Callable[[], object]) -> None:
-        """Each session's next continuation job, once it holds none queued beside the one in flight (the Tracker
-        keeps one ahead)."""
+    def _push(self, sessions: Iterable[str]) -> None:
+        """These sessions' next continuation jobs, as the Tracker pushes them: one queued ahead of the one in
+        flight, sent when that one's first token comes back (producer/steps.py keeps one job of credit ahead)."""
         d = self.digests["decode"]
-        for sid in self.sessions:
-            if self.sched.is_awaiting(sid) or self._queued(sid) < 1:
-                at = self.next_at[sid]
-                self._admit(StepJob(job_id=f"{sid}-c{at}", session_id=sid, phase="decode", compat=d,
-                                    start_position=at, tokens=(), n=self.decode_n, created_at=0.0,
-                                    reply_to="bench-t"))
-                self.next_at[sid] = at + self.decode_n
+        for sid in sessions:
+            at = self.next_at[sid]
+            self._admit(StepJob(job_id=f"{sid}-c{at}", session_id=sid, phase="decode", compat=d, start_position=at,
+                                tokens=(), n=self.decode_n, created_at=0.0, reply_to="bench-t"))
+            self.next_at[sid] = at + self.decode_n
 
-    def _queued(self, sid: str) -> int:
-        lane = self.sched._lanes.get(sid)  # a bench's look inside: jobs queued behind the one in flight
-        return 0 if lane is None else len(lane.jobs) - (1 if lane.jobs and lane.jobs[0].consumed else 0)
+    def _stage(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), its time (or, counting, the Python opcodes it ran) added to the stage's figures."""
+        if not self.count:
+            t = time.perf_counter()
+            out = fn(*args)
+            self.times[name].append(time.perf_counter() - t)
+            return out
+        before = _Opcodes.n
+        sys.settrace(_Opcodes.trace)
+        try:
+            out = fn(*args)
+        finally:
+            sys.settrace(None)
+        self.times[name].append(_Opcodes.n - before)
+        return out
 
     def call(self) -> int:
-        """One chained call's stages, timed; its rows."""
-        t = self.times
-        batch = self.batch
-        c0 = time.perf_counter()
-        successor = self.sched.successor(batch, plain)
-        c1 = time.perf_counter()
+        """One chained call's stages, each timed (or counted); its rows."""
+        batch, stage = self.batch, self._stage
+        successor = stage("successor", self.sched.successor, batch, plain)
         if successor is None:
             raise RuntimeError("the steady state has no successor")
-        raw = self._logits(batch.fused.n_logit_rows)
-        c2 = time.perf_counter()
-        out = raw.with_top()
-        c3 = time.perf_counter()
+        out = stage("rank", self._logits(batch.fused.n_logit_rows).with_top)
         assert out.top is not None
-        if not successor.fill(out.top):
+        if not stage("fill", successor.fill, out.top):
             raise RuntimeError("a successor refused its tokens")
-        c4 = time.perf_counter()
-        sampled = self.sampler.sample(batch, out)
-        c5 = time.perf_counter()
-        answers: list[Answer] = apply_sampled(self.sched, batch, sampled, 0.002)
-        c6 = time.perf_counter()
-        adopted = self.sched.adopt(successor)
-        c7 = time.perf_counter()
+        sampled = stage("sample", self.sampler.sample, batch, out)
+        answers: list[Answer] = stage("report", apply_sampled, self.sched, batch, sampled, 0.002)
+        adopted = stage("adopt", self.sched.adopt, successor)
         latencies: list[tuple[Phase, float]] = []
-        done = self.ledger.completions(answers + adopted.answers, latencies)
-        c8 = time.perf_counter()
+        done = stage("ledger", self.ledger.completions, answers + adopted.answers, latencies)
         stats = FusedCallStats(phase="decode", batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                engine_seconds=0.002)
-        observe_iteration(self.metrics, "bench", stats, done, (), latencies, len(self.sessions))
-        c9 = time.perf_counter()
-        encode_filing(Filing(answers=done, call=stats), self.keys, FILING_HEAD, worker_id="bench",
-                      call_id=f"1:{self.jobs}", consumer_name="bench")
-        c10 = time.perf_counter()
-        self._push_continuations(time.perf_counter)
-        c11 = time.perf_counter()
-        for name, dt in zip(STAGES, (c3 - c2, c4 - c3, c5 - c4, c6 - c5, c7 - c6, c1 - c0, c8 - c7, c9 - c8,
-                                     c10 - c9, c11 - c10), strict=True):
-            t[name].append(dt)
+        stage("metrics", observe_iteration, self.metrics, "bench", stats, done, (), latencies, len(self.sessions))
+        stage("file", partial(encode_filing, worker_id="bench", call_id=f"1:{self.jobs}", consumer_name="bench"),
+              Filing(answers=done, call=stats), self.keys, FILING_HEAD)
+        firsts = [a.result.session_id for a in done if a.job is not None and a.result.job_id is a.job.job_id]
+        stage("admit", self._push, firsts)
         if adopted.batch is None or len(adopted.rows) != len(batch.fused):
             raise RuntimeError("a row was dropped in the steady state")
         self.batch = adopted.batch
         return len(batch.fused)
 
 
-def measure(n: int, calls: int, decode_n: int = 16) -> dict[str, Any]:
-    run = SteadyDecode(n, decode_n, calls)
+class _Opcodes:
+    """Python opcodes run while a stage is traced (sys.settrace with f_trace_opcodes): the same count on any
+    machine and in any run, where a time is not (numpy's and msgspec's C work is not counted)."""
+
+    n = 0
+
+    @staticmethod
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            _Opcodes.n += 1
+        return _Opcodes.trace
+
+
+def measure(n: int, calls: int, decode_n: int = 16, counted: int = 0) -> dict[str, Any]:
+    """Stage medians over `calls` timed calls (the admissions: their mean, as they come every decode_n calls), and
+    the Python opcodes per row of each stage, means over `counted` more calls (0: not counted)."""
+    run = SteadyDecode(n, decode_n, calls + counted)
     for _ in range(calls):
         run.call()
     per_call = {s: statistics.median(v) * 1e6 for s, v in run.times.items()}
-    # the admissions come every decode_n calls: their mean, not their median (which is 0 most calls)
     per_call["admit"] = statistics.fmean(run.times["admit"]) * 1e6
     total = sum(per_call.values())
-    return {"rows": n, "calls": calls, "decode_n": decode_n, "us_per_call": per_call, "total_us_per_call": total,
-            "us_per_row": {s: v / n for s, v in per_call.items()}, "total_us_per_row": total / n}
+    out = {"rows": n, "calls": calls, "decode_n": decode_n, "us_per_call": per_call, "total_us_per_call": total,
+           "us_per_row": {s: v / n for s, v in per_call.items()}, "total_us_per_row": total / n}
+    if counted:
+        run.times, run.count = {s: [] for s in STAGES}, True
+        for _ in range(counted):
+            run.call()
+        ops = {s: statistics.fmean(v) / n for s, v in run.times.items()}
+        out |= {"counted": counted, "opcodes_per_row": ops, "total_opcodes_per_row": sum(ops.values())}
+    return out
 
 
-def run(out: Path, rows: tuple[int, ...] = (8, 64, 256), calls: int = 96, decode_n: int = 16) -> list[dict[str, Any]]:
-    results = [measure(n, calls, decode_n) for n in rows]
-    cols = ["stage", *[f"{r['rows']} rows µs/call" for r in results], *[f"{r['rows']} rows µs/row" for r in results]]
-    body = [[s, *[r["us_per_call"][s] for r in results], *[r["us_per_row"][s] for r in results]] for s in STAGES]
-    body.append(["total", *[r["total_us_per_call"] for r in results], *[r["total_us_per_row"] for r in results]])
+def run(out: Path, rows: tuple[int, ...] = (8, 64, 256), calls: int = 96, decode_n: int = 16,
+        counted: int = 16) -> list[dict[str, Any]]:
+    results = [measure(n, calls, decode_n, counted) for n in rows]
+    cols = ["stage", *[f"{r['rows']} rows µs/call" for r in results], *[f"{r['rows']} rows µs/row" for r in results],
+            *([f"{r['rows']} rows opcodes/row" for r in results] if counted else [])]
+    body = [[s, *[r["us_per_call"][s] for r in results], *[r["us_per_row"][s] for r in results],
+             *([r["opcodes_per_row"][s] for r in results] if counted else [])] for s in STAGES]
+    body.append(["total", *[r["total_us_per_call"] for r in results], *[r["total_us_per_row"] for r in results],
+                 *([r["total_opcodes_per_row"] for r in results] if counted else [])])
     console.print(table(f"The worker's Python per decode call, stage by stage (chained steady state, continuation "
                         f"jobs of {decode_n}; medians of {calls} calls, admit: mean)", cols, body))
     save(out, NAME, {"results": results})
