@@ -173,7 +173,7 @@ class BatchSampler:
         if output.kind != "logits":
             raise ValueError(f"cannot sample from {output.kind!r} rows")
         self.observe(batch)
-        items = [it for it in batch.items if it.samples]
+        items = batch.sampling_items
         arr = np.asarray(output.rows)
         n_logit = batch.fused.n_logit_rows
         if len(items) != n_logit:
@@ -215,7 +215,7 @@ class BatchSampler:
         out.top_ids[slow], out.top_logprobs[slow] = part.top_ids, part.top_logprobs
         return out
 
-    def _plain_greedy(self, items: list[BatchItem], arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None
+    def _plain_greedy(self, items: Sequence[BatchItem], arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None
                       ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.intp]]:
         """Which rows are plain greedy ones (greedy, no control, no log-probabilities: their token is the
         row's argmax, docs/sampling.md) and that argmax, for all rows at once. A row whose argmax is a

@@ -43,7 +43,7 @@ class OutputProcessor(SchedulerState):
         items (their index among them) whose session the sampler ended without a token (its grammar
         admits nothing more, its output is complete): the answer is OK, finished, with no token.
         """
-        n_sampling = sum(1 for it in batch.items if it.samples)
+        n_sampling = len(batch.sampling_items)
         if len(tokens) != n_sampling:
             raise ValueError(f"{len(tokens)} tokens for {n_sampling} sampling items")
         seconds = engine_seconds if math.isfinite(engine_seconds) and engine_seconds > 0 else 0.0
@@ -53,14 +53,14 @@ class OutputProcessor(SchedulerState):
         touched: dict[int, SessionQueue] = {}
         sampled = -1
         decode = batch.phase == "decode" and self.inline_decode
+        row_share = seconds / total_rows  # a decode row's share of the engine time (one row each)
         for it in batch.items:
             if it.samples:
                 sampled += 1
             if decode and it.samples and sampled not in ended:
                 got = tokens[sampled]
                 answer = None if got is None else self._decode_row(
-                    it, int(got), seconds / total_rows, batch_size, None if logprobs is None else logprobs[sampled],
-                    touched)
+                    it, int(got), row_share, batch_size, None if logprobs is None else logprobs[sampled], touched)
                 if answer is not None:
                     out.append(answer)
                     continue

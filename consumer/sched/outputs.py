@@ -182,6 +182,11 @@ class ScheduledBatch:
     def session_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys([it.job.session_id for it in self.items]))
 
+    @cached_property  # read by the sampler, the report and the worker's answers: one pass per call
+    def sampling_items(self) -> tuple[BatchItem, ...]:
+        """The items that sample (a token comes back for each, in item order: one logits row each)."""
+        return tuple(it for it in self.items if it.samples)
+
     def sessions_in_slots(self, slots: Collection[int]) -> tuple[str, ...]:
         """The sessions of this call held in the given slots (e.g. EngineError.slots)."""
         wanted = set(slots)

@@ -298,4 +298,4 @@ def _samplings(link: Link) -> list[Sampling | None]:
     """The sampling of each of a link's rows (one per row: decode calls)."""
     if link.successor is not None:
         return [lane.entry.spec.sampling for lane, _, _ in link.successor.rows]
-    return [it.sampling for it in link.batch.items if it.samples]
+    return [it.sampling for it in link.batch.sampling_items]

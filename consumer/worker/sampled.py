@@ -55,7 +55,7 @@ def apply_sampled(scheduler: Scheduler, batch: ScheduledBatch, sampled: SampledC
                   engine_seconds: float) -> list[Answer]:
     """The call's answers: `update_from_output` for the rows with a token (or a complete grammar), `fail`
     (with the row's reason) for the sessions of rows the sampler could not serve."""
-    items = [it for it in batch.items if it.samples]
+    items = batch.sampling_items
     lps = logprobs_of(items, sampled)
     status = sampled.status
     if not status.any():  # the common case: every row has its token
