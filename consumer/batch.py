@@ -9,7 +9,7 @@ a hop that consumes activations.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +54,9 @@ class EngineOutput:
     # forward pass right after it (`with_top`): the sampler's first cut, shared by a chained call's inputs and
     # the loop's sampler (issue 32, item 3). None: not taken (hidden rows, or rows from elsewhere).
     top: npt.NDArray[np.intp] | None = None
+    # By row: the raw row's lane maxima, for the rows whose sampling cuts the raw row by them (a top-k row, a row
+    # that asks for log-probabilities), taken with `top` (consumer/sampling/stage.py first_cut). None: not taken.
+    cuts: Mapping[int, npt.NDArray[np.float32]] | None = None
 
     @classmethod
     def logits(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:
@@ -66,12 +69,13 @@ class EngineOutput:
         rows = np.asarray(self.rows)
         if rows.ndim != 2 or rows.shape[1] == 0:
             return self
-        return EngineOutput(self.kind, self.rows, rows.argmax(axis=1))
+        return EngineOutput(self.kind, self.rows, rows.argmax(axis=1), self.cuts)
 
     def take(self, rows: Sequence[int]) -> EngineOutput:
-        """These rows only (in this order), with their argmax if taken."""
+        """These rows only (in this order), with their first cut if taken."""
         idx = np.asarray(rows, dtype=np.intp)
-        return EngineOutput(self.kind, np.asarray(self.rows)[idx], None if self.top is None else self.top[idx])
+        cuts = None if self.cuts is None else {i: self.cuts[r] for i, r in enumerate(rows) if r in self.cuts}
+        return EngineOutput(self.kind, np.asarray(self.rows)[idx], None if self.top is None else self.top[idx], cuts)
 
     @classmethod
     def hidden(cls, rows: npt.NDArray[np.float32]) -> EngineOutput:

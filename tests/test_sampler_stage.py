@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from consumer.batch import EngineOutput
 from consumer.sampling import BatchSampler, RowStatus, SampledCall, Vocabulary, reference
+from consumer.sampling.stage import first_cut
 from consumer.sched.outputs import BatchItem, ScheduledBatch
 from schemas import Phase, RouteHop, Sampling, SessionSpec, StepJob
 from tests.sampling_support import samplings
@@ -398,3 +399,73 @@ def test_an_outputs_rows_taken_keep_their_argmax() -> None:
     assert got.top is not None and got.top.tolist() == np.argmax(rows[[4, 1, 2]], axis=1).tolist()
     assert EngineOutput.logits(rows).take([0]).top is None
     assert EngineOutput.hidden(rows).with_top().top is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_first_cut_taken_after_the_forward_pass_changes_nothing_sampled(data: st.DataObject) -> None:
+    """first_cut (the engine thread's: the argmax, and the lane maxima of top-k and log-probability rows) on rows
+    long enough for lane maxima (a vocabulary of 4,096 or more, not a multiple of 1,024), some with NaNs, mixed with
+    rows that need none: every row's token, status and log-probabilities are those sampled without it."""
+    vocab = data.draw(st.sampled_from([4096, 5000]))
+    voc = Vocabulary(n_vocab=vocab, special=np.array([1, 7, 4095], np.int32), eog=np.array([2], np.int32))
+    n = data.draw(st.integers(1, 5))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    logits = (rng.gumbel(size=(n, vocab)) * data.draw(st.sampled_from([0.5, 3.0]))).astype(np.float32)
+    # each row 40 above the next: another row's lane maxima (a mix-up of rows) cut a later row above its own values
+    logits += np.float32(40.0) * np.arange(n - 1, -1, -1, dtype=np.float32)[:, None]
+    kinds = [data.draw(st.sampled_from(["top-k", "top-k-logprobs", "greedy-logprobs", "greedy", "top-p"]))
+             for _ in range(n)]
+    for r in range(n):
+        if data.draw(st.integers(0, 5)) == 0:
+            logits[r, data.draw(st.integers(0, vocab - 1))] = np.nan
+    made = {"top-k": Sampling(temperature=0.8, top_k=data.draw(st.integers(2, 40)), seed=3),  # top_k 1: greedy
+            "top-k-logprobs": Sampling(temperature=0.8, top_k=5, logprobs=3, seed=4),
+            "greedy-logprobs": Sampling(logprobs=data.draw(st.integers(1, 20))), "greedy": Sampling(),
+            "top-p": Sampling(temperature=0.9, top_p=0.5, seed=5)}
+    sessions = [Session(f"c{r}", [1], made[k]) for r, k in enumerate(kinds)]
+    items = [_item(s, r, "prefill", 0, [1], True, s.spec(1)) for r, s in enumerate(sessions)]
+    batch = ScheduledBatch.build("prefill", items)
+    cut = first_cut(EngineOutput.logits(logits), batch)
+    wanted = {r for r, k in enumerate(kinds) if k in ("top-k", "top-k-logprobs", "greedy-logprobs")}
+    assert cut.cuts is not None if wanted else not cut.cuts
+    assert set(cut.cuts or {}) == wanted
+    for r in wanted:
+        assert np.array_equal(cut.cuts[r], logits[r, :vocab - vocab % 1024].reshape(-1, 1024).max(axis=0),  # type: ignore[index]
+                              equal_nan=True)
+    got, alone = (BatchSampler(voc).sample(batch, out) for out in (cut, EngineOutput.logits(logits)))
+    assert got.tokens.tolist() == alone.tokens.tolist() and got.status.tolist() == alone.status.tolist()
+    assert np.array_equal(got.logprob, alone.logprob, equal_nan=True)
+    assert got.top_ids.tolist() == alone.top_ids.tolist()
+    assert np.array_equal(got.top_logprobs, alone.top_logprobs, equal_nan=True)
+
+
+def test_the_lane_maxima_taken_are_the_ones_cut_by() -> None:
+    """A row's log-probabilities start from the lane maxima the output carries (so the sampler did not take them
+    again): maxima that say every value is above +inf leave the prefix empty, and the top ids are then the
+    rest of the order by id, not the row's most likely."""
+    vocab = 4096
+    rows = np.random.default_rng(5).normal(size=(1, vocab)).astype(np.float32)
+    s = Session("l0", [1], Sampling(logprobs=3))
+    batch = ScheduledBatch.build("prefill", [_item(s, 0, "prefill", 0, [1], True, s.spec(1))])
+    voc = Vocabulary.plain(vocab)
+    true = BatchSampler(voc).sample(batch, first_cut(EngineOutput.logits(rows), batch))
+    assert true.top_ids[0].tolist() == np.argsort(-rows[0], kind="stable")[:3].tolist()
+    bogus = EngineOutput("logits", rows, np.argmax(rows, axis=1), {0: np.full(1024, np.inf, np.float32)})
+    assert BatchSampler(voc).sample(batch, bogus).top_ids[0].tolist() == [0, 1, 2]
+
+
+def test_the_lane_maxima_follow_their_rows_into_the_full_path() -> None:
+    """With a plain greedy row first, the others take the full path as a subset of the call's rows: each keeps its
+    own lane maxima there (a row given another's, 40 above its own values, would find no candidate and answer the
+    wrong top ids)."""
+    vocab = 4096
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32) + np.array([[80.0], [40.0], [0.0]], np.float32)
+    sessions = [Session("g", [1], Sampling()), Session("a", [1], Sampling(logprobs=4)),
+                Session("b", [1], Sampling(logprobs=4))]
+    batch = ScheduledBatch.build("prefill", [_item(s, r, "prefill", 0, [1], True, s.spec(1))
+                                             for r, s in enumerate(sessions)])
+    got = BatchSampler(Vocabulary.plain(vocab)).sample(batch, first_cut(EngineOutput.logits(logits), batch))
+    for r in (1, 2):
+        assert got.top_ids[r, :4].tolist() == np.argsort(-logits[r], kind="stable")[:4].tolist()

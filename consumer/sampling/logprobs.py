@@ -17,14 +17,17 @@ NEG_INF = F32(-np.inf)
 
 
 def row_logprobs(row: npt.NDArray[np.float32], a: int, n: int, token: int,
+                 maxima: npt.NDArray[np.float32] | None = None,
                  ) -> tuple[float, npt.NDArray[np.intp], npt.NDArray[np.float32]]:
-    """(the token's raw log-probability or NaN, the n most likely ids, theirs): section 3."""
+    """(the token's raw log-probability or NaN, the n most likely ids, theirs): section 3. `maxima`: the row's
+    lane maxima when already taken (prefixes.lane_maxima)."""
     if np.isnan(row[a]):
         row = np.where(np.isnan(row), NEG_INF, row)
         a = int(np.argmax(row))
+        maxima = None  # those of the row with its NaNs
     m = row[a]
     n = min(n, row.shape[0])
-    top = ranked(at_least(row, threshold(row, n)), row)[:n] if n else np.zeros(0, np.intp)
+    top = ranked(at_least(row, threshold(row, n, maxima)), row)[:n] if n else np.zeros(0, np.intp)
     if top.shape[0] < n:  # fewer finite logits than n: the rest of the order is -inf, by id
         rest = np.setdiff1d(np.arange(row.shape[0]), top)[:n - top.shape[0]]
         top = np.concatenate([top, rest])

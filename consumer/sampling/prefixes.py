@@ -10,7 +10,8 @@ import numpy.typing as npt
 from .arith import F32
 from .grammar import GrammarView
 
-__all__ = ["GRAMMAR_WIDTHS", "LANE_MAX", "WIDTHS", "Prefixes", "Verdicts", "at_least", "ranked", "threshold"]
+__all__ = ["GRAMMAR_WIDTHS", "LANE_MAX", "WIDTHS", "Prefixes", "Verdicts", "at_least", "lane_maxima", "ranked",
+           "threshold"]
 
 NEG_INF = F32(-np.inf)
 WIDTHS = (64, 1024, 16384)  # candidate prefix sizes tried before the whole vocabulary
@@ -20,15 +21,28 @@ GRAMMAR_WIDTHS = (64, 1024)
 LANE_MAX = 1024  # lane maxima for a prefix threshold (a column max of a (V/1024, 1024) view: one fast pass)
 
 
-def threshold(v: npt.NDArray[np.float32], n: int) -> np.float32:
+def lane_maxima(v: npt.NDArray[np.float32]) -> npt.NDArray[np.float32] | None:
+    """The LANE_MAX lane maxima `threshold` takes of a row (a (rows, V) matrix: of each row, in one pass), or None
+    for rows too short to take them (under 4 * LANE_MAX)."""
+    size = v.shape[-1]
+    if size < 4 * LANE_MAX:
+        return None
+    cut = size - size % LANE_MAX
+    return v[..., :cut].reshape(*v.shape[:-1], -1, LANE_MAX).max(axis=-2)
+
+
+def threshold(v: npt.NDArray[np.float32], n: int, maxima: npt.NDArray[np.float32] | None = None) -> np.float32:
     """A threshold with at least min(n, len) entries of v at or above it (from lane maxima: the n-th
-    largest of 1024 >= n lane maxima is at most the n-th largest value); -inf when n covers everything."""
+    largest of 1024 >= n lane maxima is at most the n-th largest value); -inf when n covers everything.
+    `maxima`: v's lane maxima when already taken (`lane_maxima`: the sampler's first cut, after the forward
+    pass)."""
     size = v.shape[0]
     if n >= size:
         return NEG_INF
     if n > LANE_MAX or size < 4 * LANE_MAX:
         return F32(np.partition(v, size - n)[size - n])
-    maxima = v[:size - size % LANE_MAX].reshape(-1, LANE_MAX).max(axis=0)
+    if maxima is None:
+        maxima = v[:size - size % LANE_MAX].reshape(-1, LANE_MAX).max(axis=0)
     return F32(np.partition(maxima, LANE_MAX - n)[LANE_MAX - n])
 
 

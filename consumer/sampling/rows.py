@@ -15,7 +15,7 @@ Where it saves (the page's "why this is fast and still exact"):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -183,6 +183,7 @@ def _scores(row: npt.NDArray[np.float32], m: np.float32, c: Controls, temperatur
 
 
 def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: Controls, s: Sampling,
+                  maxima: npt.NDArray[np.float32] | None = None,
                   ) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.float32]] | None:
     """The kept set of a top_k / min_p row (rank order) and its scores, from candidates of the raw row:
     every id outside {raw >= tau} and the patched ids has a processed logit below tau (masks only lower
@@ -193,7 +194,7 @@ def _cut_from_raw(row: npt.NDArray[np.float32], m: np.float32, c: Controls, s: S
     if s.top_k > 0:
         if s.top_k > LANE_MAX // 2:
             return None
-        tau = threshold(row, 2 * s.top_k)  # room: the k-th kept score then lies above zb, not on it
+        tau = threshold(row, 2 * s.top_k, maxima)  # room: the k-th kept score then lies above zb, not on it
     else:
         assert c_min is not None
         slack = 1e-3 * (abs(float(m)) + float(t) * abs(float(c_min)) + 1.0)
@@ -238,13 +239,15 @@ def _random(z: npt.NDArray[np.float32], s: Sampling, position: int, verdicts: Ve
     return draw_kept(kept, e, lane_sum(kept, e), s, position)
 
 
-def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Vocabulary) -> tuple[int, RowStatus]:
+def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Vocabulary,
+                maxima: npt.NDArray[np.float32] | None = None) -> tuple[int, RowStatus]:
     s = inp.sampling
     if needs_context(s) and inp.context is None:
         return -1, RowStatus.NO_CONTEXT
     if np.isnan(row[a]):  # np.argmax stops at the first NaN: the row has some
         row = np.where(np.isnan(row), NEG_INF, row)
         a = int(np.argmax(row))
+        maxima = None  # those of the row with its NaNs
     c = row_controls(row, s, inp.context, vocab)
     if s.greedy:
         token = _greedy_shortcut(row, a, c, inp.grammar)
@@ -253,7 +256,7 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
     if not s.greedy and inp.grammar is None:
         m = _untouched_max(row, a, c)
         if m is not None:
-            cut = _cut_from_raw(row, m, c, s) if s.top_k > 0 or s.min_p > 0 else None
+            cut = _cut_from_raw(row, m, c, s, maxima) if s.top_k > 0 or s.min_p > 0 else None
             if cut is not None:
                 e = np.exp(cut[1])
                 return draw_kept(cut[0], e, lane_sum(cut[0], e), s, inp.position), RowStatus.OK
@@ -284,15 +287,17 @@ def _sample_one(row: npt.NDArray[np.float32], a: int, inp: RowInput, vocab: Voca
 
 
 def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabulary | None = None, *,
-                pool: Executor | None = None, argmax: npt.NDArray[np.intp] | None = None) -> SampledCall:
+                pool: Executor | None = None, argmax: npt.NDArray[np.intp] | None = None,
+                cuts: Mapping[int, npt.NDArray[np.float32]] | None = None) -> SampledCall:
     """Row r of the (rows, vocab) matrix sampled by rows[r]: equal, row for row, to
-    `reference.sample_row(logits[r], ...)` and `reference.top_logprobs`, whatever the other rows. `argmax`:
-    each row's np.argmax when already taken (EngineOutput.top: after the forward pass, on its thread)."""
+    `reference.sample_row(logits[r], ...)` and `reference.top_logprobs`, whatever the other rows. The sampler's
+    first cut when already taken (after the forward pass, on its thread: EngineOutput.top and .cuts): `argmax`,
+    each row's np.argmax; `cuts`, by row, the lane maxima of the rows that cut the raw row by them."""
     arr = np.asarray(logits)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise ValueError(f"expected a (rows, vocab) matrix, got shape {arr.shape}")
     if arr.dtype != F32:
-        arr, argmax = arr.astype(F32), None
+        arr, argmax, cuts = arr.astype(F32), None, None
     n, v = arr.shape
     if len(rows) != n:
         raise ValueError(f"{n} rows of logits, {len(rows)} sampling rows")
@@ -306,11 +311,12 @@ def sample_rows(logits: npt.ArrayLike, rows: Sequence[RowInput], vocab: Vocabula
 
     def one(r: int) -> None:
         row, inp = arr[r], rows[r]
-        token, status = _sample_one(row, int(argmax[r]), inp, vocab)
+        maxima = cuts.get(r) if cuts else None
+        token, status = _sample_one(row, int(argmax[r]), inp, vocab, maxima)
         out.tokens[r], out.status[r] = token, status
         k = inp.sampling.logprobs
         if k is not None:
-            lp, top, top_lp = row_logprobs(row, int(argmax[r]), k, token)
+            lp, top, top_lp = row_logprobs(row, int(argmax[r]), k, token, maxima)
             out.logprob[r] = lp
             out.top_ids[r, :top.shape[0]] = top
             out.top_logprobs[r, :top.shape[0]] = top_lp

@@ -26,11 +26,12 @@ from ..batch import EngineOutput
 from ..sched.outputs import BatchItem, ScheduledBatch
 from .arith import RowContext, RowStatus
 from .grammar import Grammar, GrammarInvalid, GrammarRefused, gbnf_of
+from .prefixes import LANE_MAX, lane_maxima
 from .reference import argmax_rows, needs_context
 from .rows import RowInput, SampledCall, sample_rows
 from .vocab import Vocabulary
 
-__all__ = ["BatchSampler", "plain"]
+__all__ = ["BatchSampler", "first_cut", "plain"]
 
 log = logging.getLogger("dgr.sampler")
 
@@ -78,6 +79,35 @@ def _plain_sampling(s: Sampling) -> bool:
 def plain(s: Sampling | None) -> bool:
     """Whether a row of this sampling is a plain greedy one: its token is the row's argmax (docs/sampling.md)."""
     return s is not None and _plain_sampling(s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cuts_raw(s: Sampling) -> bool:
+    """Whether a row of this sampling may cut the raw row by its lane maxima: a top-k row (rows.py
+    _cut_from_raw), or one that asks for log-probabilities (logprobs.py)."""
+    return (not s.greedy and 0 < s.top_k <= LANE_MAX // 2) or bool(s.logprobs)
+
+
+def first_cut(output: EngineOutput, batch: ScheduledBatch) -> EngineOutput:
+    """The sampler's first cut of a call's logits rows, for the thread that ran the call to take right after it
+    (issue 32, item 3): every row's argmax (EngineOutput.with_top) and, for the rows whose sampling cuts the raw
+    row by them, its lane maxima (prefixes.lane_maxima: one pass over those rows when all of them do). What
+    `sample` then does not take again; the same numbers, so nothing sampled changes."""
+    out = output.with_top()
+    rows = np.asarray(out.rows)
+    items = batch.sampling_items
+    if out.kind != "logits" or rows.ndim != 2 or rows.shape[1] < 4 * LANE_MAX or len(items) != rows.shape[0]:
+        return out
+    want = [r for r, it in enumerate(items) if it.sampling is not None and _cuts_raw(it.sampling)]
+    if not want:
+        return out
+    if len(want) == rows.shape[0]:
+        lanes = lane_maxima(rows)
+        assert lanes is not None
+        cuts = dict(enumerate(lanes))
+    else:
+        cuts = {r: m for r in want if (m := lane_maxima(rows[r])) is not None}
+    return EngineOutput(out.kind, out.rows, out.top, cuts)
 
 
 
@@ -200,8 +230,11 @@ class BatchSampler:
         # Every row sampled (a call of one sampling setting): the engine's rows as they are, not a copy
         # (8 MB for 8 rows of Gemma's vocabulary); sample_rows only reads them.
         whole = slow.shape[0] == n_logit
+        cuts = output.cuts if top is not None else None  # taken with the argmax, of these rows
+        if cuts and not whole:
+            cuts = {k: cuts[r] for k, r in enumerate(slow.tolist()) if r in cuts}
         part = sample_rows(arr if whole else arr[slow], inputs, self.vocab, pool=self._pool,
-                           argmax=None if top is None else top if whole else top[slow])
+                           argmax=None if top is None else top if whole else top[slow], cuts=cuts)
         for k, status in early.items():
             part.tokens[k], part.status[k] = -1, status
             part.logprob[k] = np.nan

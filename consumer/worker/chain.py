@@ -20,6 +20,7 @@ from typing import Any
 
 from ..batch import EngineOutput, FusedBatch
 from ..prefix.run import forward_with_prefix
+from ..sampling.stage import first_cut
 from ..sched import ScheduledBatch
 from ..sched.chaining import Successor
 
@@ -35,9 +36,10 @@ Fill = Callable[[Successor, "Link", EngineOutput], bool]
 
 
 def forward_ranked(engine: Any, store: Any, batch: ScheduledBatch, fused: FusedBatch) -> EngineOutput:
-    """The call (with its prefix cache's restores and saves), then its rows' argmax on the same thread while the
-    rows are in cache (EngineOutput.with_top): what a chained call's inputs and the loop's sampler start from."""
-    return forward_with_prefix(engine, store, batch, fused).with_top()
+    """The call (with its prefix cache's restores and saves), then the sampler's first cut of its rows on the same
+    thread while they are in cache (sampling.stage.first_cut: the argmax, and the lane maxima of the rows that cut
+    by them): what a chained call's inputs and the loop's sampler start from."""
+    return first_cut(forward_with_prefix(engine, store, batch, fused), batch)
 
 
 class Link:
