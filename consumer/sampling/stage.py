@@ -110,7 +110,6 @@ def first_cut(output: EngineOutput, batch: ScheduledBatch) -> EngineOutput:
     return EngineOutput(out.kind, out.rows, out.top, cuts)
 
 
-
 def _given_top(arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None) -> npt.NDArray[np.intp] | None:
     """The rows' argmax as the engine's output carries it (EngineOutput.top), when it fits these rows."""
     return top if top is not None and top.shape == (arr.shape[0],) and arr.dtype == np.float32 else None
