@@ -52,3 +52,42 @@ def test_take_out_and_the_rest_keep_the_queue_as_a_sorted_list(steps: list[tuple
     while (got := q.pop()) is not None:
         popped.append(got.session_id)
     assert popped == [n for _, n in sorted(ready)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.lists(st.sets(st.integers(0, 9)), max_size=20))
+def test_take_all_out_takes_every_ready_session_or_nothing(steps: list[tuple[str, int]],
+                                                          groups: list[set[int]]) -> None:
+    """take_all_out (a chained call adopting every ready session at once) between the other operations: with
+    exactly the ready sessions it leaves the queue empty, with any other set of ready sessions it changes nothing
+    (False); pops stay oldest first, n_ready right."""
+    lanes = {f"s{i}": Lane(f"s{i}") for i in range(10)}
+    q: PhaseQueue[Lane] = PhaseQueue("decode", lanes)
+    ready: list[tuple[int, str]] = []
+    seq = 0
+    for n, (op, i) in enumerate(steps):
+        lane = lanes[f"s{i}"]
+        if op == "push" and lane.ready_phase is None:
+            seq += 1
+            q.push(lane, seq)
+            ready.append((seq, lane.session_id))
+        elif op in ("remove", "take_out") and lane.ready_phase is not None:
+            getattr(q, op)(lane)
+            ready.remove(next(e for e in ready if e[1] == lane.session_id))
+        elif op == "pop":
+            got = q.pop()
+            if got is not None:
+                ready.remove(min(ready))
+        if groups and n % 7 == 0:
+            group = groups[n % len(groups)]
+            chosen = [lanes[s] for _, s in sorted(ready) if int(s[1:]) in group]
+            whole = {lane.session_id for lane in chosen} == {s for _, s in ready}
+            assert q.take_all_out(chosen) == whole
+            if whole:
+                assert all(lane.ready_phase is None and lane.ready_seq == -1 for lane in chosen)
+                ready.clear()
+        assert q.n_ready == len(ready)
+    popped = []
+    while (got := q.pop()) is not None:
+        popped.append(got.session_id)
+    assert popped == [s for _, s in sorted(ready)]

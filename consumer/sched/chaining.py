@@ -145,7 +145,7 @@ class Chaining(SchedulerState):
         """Hand out a successor the engine ran, once the call before it is reported; see the module docstring."""
         fed = successor.batch.fused.tokens.tolist()
         queue = self._queues["decode"]
-        items: list[BatchItem] = []
+        taken: list[SessionQueue] = []
         kept: list[int] = []
         lost: list[Answer] = []
         for k, (lane, q, offset) in enumerate(successor.rows):
@@ -156,9 +156,15 @@ class Chaining(SchedulerState):
                     q.job.tokens[0] if offset == 0 and q.job.tokens else lane.entry.last_token):
                 lost += self._lose(lane)
                 continue
-            queue.take_out(lane)
-            items.append(self._take_decode_row(lane, len(items)))  # type: ignore[attr-defined]  # Batching
+            taken.append(lane)
             kept.append(k)
+        # out of the ready queue in row order (their heap order): all at once when they are every ready session,
+        # the chained steady state
+        if not queue.take_all_out(taken):
+            for lane in taken:
+                queue.take_out(lane)
+        take = self._take_decode_row  # type: ignore[attr-defined]  # Batching
+        items: list[BatchItem] = [take(lane, row) for row, lane in enumerate(taken)]
         if not items:
             return Adopted(None, [], lost)
         # every row kept: the engine's batch is the one handed out (the inputs were checked above)

@@ -8,7 +8,7 @@ when popped, or all at once when stale entries are more than half the heap."""
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from schemas import Phase, StepJob
@@ -95,6 +95,19 @@ class PhaseQueue(Generic[S]):
             self.n_ready -= 1
         else:
             self.remove(session)
+
+    def take_all_out(self, sessions: Sequence[S]) -> bool:
+        """Take these sessions out (each in this queue) when they are every session ready, all at once: the heap
+        emptied, not popped entry by entry (a chained call adopts every ready decode session). False, nothing
+        changed, when others are ready too (take_out each then)."""
+        if len(sessions) != self.n_ready:
+            return False
+        for session in sessions:
+            session.ready_seq = -1
+            session.ready_phase = None
+        self.heap.clear()  # what else it held was stale
+        self.n_ready = self.n_stale = 0
+        return True
 
     def pop(self) -> S | None:
         """The session whose head job was admitted first, taken out; None when none is ready."""
