@@ -98,9 +98,8 @@ class _Rows:
         if job is not None:
             # a job's first answer is under its own id (the same object: StepJob.answer_id), a later token's
             # under "<job>.<offset>"
-            jid = job.job_id
-            off = 0 if rid is jid else _offset(rid, jid)
-            self.job.append(jid)
+            off = 0 if rid is job.job_id else split_result_id(rid, job.job_id)[1]
+            self.job.append(job.job_id)
             self.offset.append(off)
             self.attempt.append(job.attempt)
             self.first_position.append(job.start_position + off if off > 0 else job.start_position)
@@ -145,16 +144,6 @@ class _Rows:
         if any(self.cached):  # a prefix cache hit: rare, so the script reads it only then
             cols["kc"] = self.cached
         return cols
-
-
-def _offset(result_id: str, job_id: str) -> int:
-    """The offset of a result id of `job_id`: split_result_id's, read at once when the suffix is all ASCII digits
-    (a continuation's tokens after its first: most rows of a decode call)."""
-    n = len(job_id)
-    suffix = result_id[n + 1:]
-    if suffix.isascii() and suffix.isdigit() and result_id.startswith(job_id) and result_id[n] == ".":
-        return int(suffix)
-    return split_result_id(result_id, job_id)[1]
 
 
 @dataclass
