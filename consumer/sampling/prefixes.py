@@ -42,7 +42,8 @@ def threshold(v: npt.NDArray[np.float32], n: int, maxima: npt.NDArray[np.float32
     if n > LANE_MAX or size < 4 * LANE_MAX:
         return F32(np.partition(v, size - n)[size - n])
     if maxima is None:
-        maxima = v[:size - size % LANE_MAX].reshape(-1, LANE_MAX).max(axis=0)
+        maxima = lane_maxima(v)
+        assert maxima is not None  # size >= 4 * LANE_MAX
     return F32(np.partition(maxima, LANE_MAX - n)[LANE_MAX - n])
 
 

@@ -6,7 +6,8 @@ default: 16), every row plain greedy, each call chained after the one before. On
 worker runs them, on the real objects and nothing else in the process (no Redis, no engine: fake logits of the
 sleep engine's vocabulary), timed one by one over many calls:
 
-- `rank`: the row argmax after the forward pass (EngineOutput.with_top, the engine thread);
+- `rank`: the sampler's first cut after the forward pass (sampling.stage.first_cut on the batch the engine thread
+  ran: the successor's, as worker/chain.py runs it);
 - `fill`: the successor's inputs from it (Successor.fill, the engine thread);
 - `sample`: the loop's sampler (BatchSampler.sample, every row a plain greedy one);
 - `report`: the sampled tokens applied (apply_sampled: update_from_output), one answer per row;
@@ -42,7 +43,7 @@ import numpy as np
 from consumer.batch import EngineCapacity, EngineOutput
 from consumer.metrics import Metrics
 from consumer.sampling import BatchSampler
-from consumer.sampling.stage import plain
+from consumer.sampling.stage import first_cut, plain
 from consumer.sched import Answer, ScheduledBatch, Scheduler, SchedulerConfig
 from consumer.transport.protocol import Delivery, Filing, FusedCallStats
 from consumer.transport.publish import encode_filing
@@ -98,6 +99,7 @@ class SteadyDecode:
         nxt = self.sched.next_batch()
         assert nxt is not None and nxt.phase == "decode" and len(nxt.fused) == n, "not every session decodes"
         self.batch: ScheduledBatch = nxt
+        self.link = nxt  # the batch the engine thread runs for it (a chained call's: the successor's)
         self.times: dict[str, list[float]] = {s: [] for s in STAGES}
         self.count = False  # count each stage's Python opcodes rather than time it
 
@@ -149,7 +151,7 @@ class SteadyDecode:
         successor = stage("successor", self.sched.successor, batch, plain)
         if successor is None:
             raise RuntimeError("the steady state has no successor")
-        out = stage("rank", self._logits(batch.fused.n_logit_rows).with_top)
+        out = stage("rank", first_cut, self._logits(batch.fused.n_logit_rows), self.link)
         assert out.top is not None
         if not stage("fill", successor.fill, out.top):
             raise RuntimeError("a successor refused its tokens")
@@ -167,7 +169,7 @@ class SteadyDecode:
         stage("admit", self._push, firsts)
         if adopted.batch is None or len(adopted.rows) != len(batch.fused):
             raise RuntimeError("a row was dropped in the steady state")
-        self.batch = adopted.batch
+        self.batch, self.link = adopted.batch, successor.batch
         return len(batch.fused)
 
 
