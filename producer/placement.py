@@ -412,12 +412,13 @@ class Placer:
                 ids = self.fleet.block_ids(prompt, root, bt or BLOCK_TOKENS) if salt is not None else []
             if need_room and choice.room <= 0:
                 raise LookupError(f"no worker with room for session {template.session_id!r}")
-            full = [w for w in full_now if w != choice.worker_id]
+            full = [w for w in full_now if w != choice.worker_id] if full_now else full_now
             # the rows the worker computes: the prompt past the blocks it holds
             rows = len(prompt) - choice.cached_blocks * (picked.block_tokens or BLOCK_TOKENS)
             choices.append((choice, ids, full, rows))
             chosen.append(choice.worker_id)
-        self.fleet.started(template.session_id)  # placed again (a move): its rows pending before are not
+        if template.session_id in self.fleet.prefilling:  # placed again (a move): its rows pending before are not
+            self.fleet.started(template.session_id)
         for choice, ids, full, rows in choices:  # counted once every hop found its worker
             self.fleet.note(choice, ids, full, template.session_id, rows)
         return chosen

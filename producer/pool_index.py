@@ -125,13 +125,15 @@ class PoolIndex:
     def _holders(self, group: Group, first: str) -> list[str]:
         firsts = self.holders.setdefault(group, {})
         got = firsts.get(first)
-        if got is None:
-            got = firsts[first] = [w for w in self.groups[group] if holds(self.ok[w], first)]
+        if got is None:  # holds() inlined: a pass over the group per first block and fleet read
+            ok = self.ok
+            got = firsts[first] = [w for w in self.groups[group] if first in (c := ok[w]).held or first in c.sent]
         return got
 
     def full(self) -> list[str]:
         """The eligible workers with no room (choose passes them over while another has room)."""
-        return [w for _, w in self.by_load[False]]
+        full = self.by_load[False]
+        return [w for _, w in full] if full else []
 
     def choose(self, ids_for: Mapping[Group, Sequence[str]]) -> Choice | None:
         """choose(pool, digests, policy, ids_for) of the same candidates, in a few operations."""

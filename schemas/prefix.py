@@ -58,7 +58,7 @@ def block_ids(tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKE
     return _hashed(tokens, 0, n, root, block_tokens)[1]
 
 
-Chain = tuple[list[int], list[bytes], list[str], int, list[int], "tuple[list[int], list[bytes], list[str]] | None"]
+Chain = tuple[list[int], list[bytes], list[str], int, list[int], "tuple[list[int], list[bytes], list[str]] | None", int]
 
 
 class BlockIdMemo:
@@ -79,13 +79,8 @@ class BlockIdMemo:
         # (root, block size, first block) -> the trunk: its tokens, block digests and ids, how many blocks it
         # shared with the prompt before it (where the next is likely to part from it too) and those blocks' tokens
         # (a copy, so that a sibling is compared with one slice of its own, not two); and the last sibling's own
-        # part (from that block on): its tokens, digests and ids, or None
+        # part (from that block on): its tokens, digests and ids, or None; and the tokens it keeps (trunk and sibling)
         self.chains: dict[tuple[bytes, int, tuple[int, ...]], Chain] = {}
-
-    @staticmethod
-    def kept(chain: Chain) -> int:
-        """The tokens a chain keeps (its trunk's and its last sibling's)."""
-        return len(chain[0]) + (len(chain[5][0]) if chain[5] is not None else 0)
 
     def __call__(self, tokens: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[str]:
         bt = block_tokens
@@ -99,7 +94,7 @@ class BlockIdMemo:
         key = (root, bt, tuple(toks[:bt]))
         chain = self.chains.pop(key, None)
         if chain is not None:
-            self.tokens -= self.kept(chain)
+            self.tokens -= chain[6]
             k = _shared_blocks(toks, chain[0], bt, chain[3], chain[4])
             if k == chain[3] and k * bt < min(n, len(chain[0])):  # a sibling
                 chain, ids = self._sibling(chain, toks, n, bt, k)
@@ -112,7 +107,7 @@ class BlockIdMemo:
         parents += new_parents
         ids += new_ids
         trunk = toks[:n]  # a copy: the caller's list is its own
-        self._keep(key, (trunk, parents, ids, k, trunk[:k * bt], None))
+        self._keep(key, (trunk, parents, ids, k, trunk[:k * bt], None, n))
         return list(ids)
 
     @staticmethod
@@ -127,13 +122,13 @@ class BlockIdMemo:
         new_parents, new_ids = _hashed(own, j * bt, len(own), parents[-1] if parents else chain[1][k - 1], bt)
         parents += new_parents
         ids += new_ids
-        return (*chain[:5], (own, parents, ids)), chain[2][:k] + ids
+        return (*chain[:5], (own, parents, ids), len(chain[0]) + len(own)), chain[2][:k] + ids
 
     def _keep(self, key: tuple[bytes, int, tuple[int, ...]], chain: Chain) -> None:
         self.chains[key] = chain  # the newest last: the oldest is dropped first
-        self.tokens += self.kept(chain)
+        self.tokens += chain[6]
         while self.tokens > self.max_tokens and len(self.chains) > 1:
-            self.tokens -= self.kept(self.chains.pop(next(iter(self.chains))))
+            self.tokens -= self.chains.pop(next(iter(self.chains)))[6]
 
 
 def _hashed(tokens: Sequence[int], start: int, end: int, parent: bytes, bt: int) -> tuple[list[bytes], list[str]]:

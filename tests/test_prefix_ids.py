@@ -52,7 +52,7 @@ def test_memo_gives_block_ids(bases, picks, budget):
         prompt = base[:cut] + own
         assert memo(prompt, root, bt) == block_ids(prompt, root, bt)
         assert memo(tuple(prompt), root, bt) == block_ids(prompt, root, bt)
-        assert memo.tokens == sum(memo.kept(c) for c in memo.chains.values())
+        assert memo.tokens == sum(map(_kept, memo.chains.values()))
         assert memo.tokens <= budget or len(memo.chains) == 1
 
 
@@ -69,7 +69,13 @@ def test_memo_gives_block_ids_to_chats_sharing_a_system_prompt(system, turns, bt
     for chat, new in turns:
         prompt = chats[chat] = chats.get(chat, system) + new
         assert memo(prompt, root, bt) == block_ids(prompt, root, bt)
-        assert memo.tokens == sum(memo.kept(c) for c in memo.chains.values())
+        assert memo.tokens == sum(map(_kept, memo.chains.values()))
+
+
+def _kept(chain):
+    """The tokens a chain keeps, by definition: its trunk's and its last sibling's own part's (what it counts)."""
+    assert chain[6] == len(chain[0]) + (len(chain[5][0]) if chain[5] is not None else 0)
+    return chain[6]
 
 
 def test_ids_are_chained_sha256_of_little_endian_int64_blocks():
@@ -98,7 +104,7 @@ def test_siblings_keep_the_trunk_and_a_chat_turn_hashes_only_its_new_blocks():
     prompts = [system + [i] * 20 for i in range(1, 6)]
     for p in prompts:
         assert memo(p, root) == block_ids(p, root)
-    ((trunk, _, _, hint, _, last),) = memo.chains.values()
+    ((trunk, _, _, hint, _, last, _),) = memo.chains.values()
     assert trunk == prompts[1][:64] and hint == 3 and last is not None and last[0] == prompts[4][48:64]
     hashed: list[int] = []
     real = prefix._hashed
