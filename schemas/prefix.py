@@ -117,11 +117,16 @@ class BlockIdMemo:
         at = k * bt
         own = toks[at:n]  # a copy, kept as the last sibling
         last = chain[5]
-        j = _shared_blocks(own, last[0], bt) if last is not None and own[:bt] == last[0][:bt] else 0
-        parents, ids = (last[1][:j], last[2][:j]) if last is not None and j else ([], [])
-        new_parents, new_ids = _hashed(own, j * bt, len(own), parents[-1] if parents else chain[1][k - 1], bt)
-        parents += new_parents
-        ids += new_ids
+        j = _shared_blocks(own, last[0], bt) if last is not None and own[0] == last[0][0] \
+            and own[:bt] == last[0][:bt] else 0
+        if j:
+            assert last is not None
+            parents, ids = last[1][:j], last[2][:j]
+            new_parents, new_ids = _hashed(own, j * bt, len(own), parents[-1], bt)
+            parents += new_parents
+            ids += new_ids
+        else:
+            parents, ids = _hashed(own, 0, len(own), chain[1][k - 1], bt)
         return (*chain[:5], (own, parents, ids), len(chain[0]) + len(own)), chain[2][:k] + ids
 
     def _keep(self, key: tuple[bytes, int, tuple[int, ...]], chain: Chain) -> None:
@@ -134,18 +139,17 @@ class BlockIdMemo:
 def _hashed(tokens: Sequence[int], start: int, end: int, parent: bytes, bt: int) -> tuple[list[bytes], list[str]]:
     """The digests and ids of the blocks tokens[start:end] (whole blocks), the first one's parent `parent`: each
     block's id is SHA-256 of its parent's digest and its token ids as little-endian int64, truncated to 16 bytes."""
-    parents: list[bytes] = []
-    ids: list[str] = []
     # The range packed once, each block a slice of it: half the cost of a pack per block (placement hashes every
-    # prompt it places, docs/placement.md); one buffer per hash, a third cheaper than two updates.
-    data = struct.pack(f"<{end - start}q", *tokens[start:end])
+    # prompt it places, docs/placement.md); one buffer per hash, a third cheaper than two updates; the ids mapped
+    # in C once the chain is hashed.
+    data = struct.pack(f"<{end - start}q", *(tokens if start == 0 and end == len(tokens) else tokens[start:end]))
     step = 8 * bt
     sha256 = hashlib.sha256
+    parents: list[bytes] = []
     for s in range(0, len(data), step):
         parent = sha256(parent + data[s:s + step]).digest()[:16]
         parents.append(parent)
-        ids.append(parent.hex())
-    return parents, ids
+    return parents, list(map(bytes.hex, parents))
 
 
 def _shared_blocks(a: list[int], b: list[int], bt: int, hint: int = 0, head: list[int] | None = None) -> int:
@@ -154,7 +158,7 @@ def _shared_blocks(a: list[int], b: list[int], bt: int, hint: int = 0, head: lis
     tokens) tried first, then a binary search of slice comparisons (each in C)."""
     m = min(len(a), len(b)) // bt
     h = hint * bt
-    if 0 < hint < m and a[h:h + bt] != b[h:h + bt] and a[:h] == (b[:h] if head is None else head):
+    if 0 < hint < m and (a[h] != b[h] or a[h:h + bt] != b[h:h + bt]) and a[:h] == (b[:h] if head is None else head):
         return hint
     if a[:m * bt] == b[:m * bt]:
         return m

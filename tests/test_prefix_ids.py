@@ -120,9 +120,11 @@ def test_siblings_keep_the_trunk_and_a_chat_turn_hashes_only_its_new_blocks():
         assert memo(turn, root) == block_ids(turn, root)
         other = prompts[2] + [8] * 40  # an earlier sibling's turn: its own part hashed again, ids still right
         assert memo(other, root) == block_ids(other, root)
+        on = prompts[1] + [7] * 32  # the trunk's own chat goes on: past the hint, only its 2 new blocks hashed
+        assert memo(on, root) == block_ids(on, root)
     finally:
         prefix._hashed = real
-    assert hashed[0] == 2, hashed
+    assert hashed[0] == 2 and hashed[4] == 2, hashed  # the memo's calls: 0, 2, 4 (block_ids' between)
 
 
 @given(t=st.lists(st.integers(0, 1000), min_size=4, max_size=40))
