@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from schemas import CompatibilityKey, RouteHop, SessionSpec
@@ -320,7 +319,7 @@ class FleetView:
             if ids:  # the candidate's own set (load() made it), or a new one for a candidate made without
                 sent = sent if isinstance(sent, set) else set(sent)
                 # its first cached_blocks ids it holds already (in its summary or sent before): the rest
-                sent.update(islice(ids, choice.cached_blocks, None))
+                sent.update(ids[choice.cached_blocks:] if choice.cached_blocks else ids)
             self.candidates[w] = new = c.placed_one(sent, rows)
             own = (c.block_tokens or 0, c.scope)
             for index in self.indexes.values():
