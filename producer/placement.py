@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from schemas import CompatibilityKey, RouteHop, SessionSpec
 from schemas.limits import WIRE_VERSION
@@ -228,7 +230,7 @@ class FleetView:
                 self.pending.pop(w, None)
             c = self.candidates.get(w)
             if c is not None:
-                self.candidates[w] = new = replace(c, pending=max(0, left))
+                self.candidates[w] = new = msgspec.structs.replace(c, pending=max(0, left))
                 for index in self.indexes.values():
                     index.update(new)
 
@@ -241,7 +243,7 @@ class FleetView:
         self.lost[worker_id] = at
         c = self.candidates.get(worker_id)
         if c is not None:
-            self.candidates[worker_id] = replace(c, heartbeat_age_s=None)
+            self.candidates[worker_id] = msgspec.structs.replace(c, heartbeat_age_s=None)
             self.indexes = {}  # it is no longer eligible: built again on the next placement
 
     def pool(self, digests: tuple[str, str]) -> list[Candidate]:

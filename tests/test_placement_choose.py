@@ -6,10 +6,10 @@ a worker holding the prompt's prefix wins among equally loaded ones; the imbalan
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
 from producer import ProducerCore, WorkerInfo
 from producer.placement import Candidate, Choice, PlacementPolicy, SessionTemplate, choose, eligible
