@@ -97,8 +97,7 @@ class Candidate(msgspec.Struct, gc=False):  # never changed once made (placed_on
 
     def placed_one(self, sent: Set[str], rows: int = 0) -> Candidate:
         """This candidate with one session more placed on it, sending it `sent` and `rows` prompt rows to compute
-        (one per placement: a Struct's constructor runs in C, where a dataclass's __init__ is a Python call; a
-        frozen dataclass's 1.4 µs)."""
+        (one per placement: a Struct's constructor runs in C, where a dataclass's __init__ is a Python call)."""
         return Candidate(self.worker_id, self.digests, self.slots, self.load + 1, self.queued, self.heartbeat_age_s,
                          self.draining, self.block_tokens, self.scope, self.held, sent, self.pending + rows)
 
