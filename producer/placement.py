@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
@@ -382,7 +382,8 @@ class Placer:
 
     def place_loaded(self, template: SessionTemplate, prompt: Sequence[int]) -> SessionSpec:
         """`place` on the fleet as last read (no I/O; the micro-benchmark times this)."""
-        return template.spec([w for w in self.place_hops(template, prompt) if w is not None], self.fleet.route_hop)
+        workers = cast("list[str]", self.place_hops(template, prompt))  # every hop placed (hops=None): no None
+        return template.spec(workers, self.fleet.route_hop)
 
     def place_hops(self, template: SessionTemplate, prompt: Sequence[int], *, need_room: bool = False,
                    hops: Iterable[int] | None = None) -> list[str | None]:
@@ -397,9 +398,10 @@ class Placer:
                 chosen.append(None)
                 continue
             digests = self.fleet.digests(key)
-            ids_for = {group: [] if root is None else self.fleet.block_ids(prompt, root, group[0] or BLOCK_TOKENS)
-                       for group, root in self.fleet.group_roots(digests, cache_salt, template.account_id)}
-            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
+            ids_for: dict[tuple[int, str | None], list[str]] = {}
+            for group, root in self.fleet.group_roots(digests, cache_salt, template.account_id):  # no comprehension:
+                ids_for[group] = [] if root is None else self.fleet.block_ids(prompt, root, group[0] or BLOCK_TOKENS)
+            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)  # a call less per session
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"
                 raise LookupError(f"no worker to place session {template.session_id!r} on{hop}: none that beats "

@@ -35,7 +35,7 @@ class SessionTemplate:
         if len(workers) != len(self.keys):
             raise ValueError(f"{len(self.keys)} hops, {len(workers)} workers")
         make = hop or (lambda w, k: RouteHop(worker_id=w, key=k))
-        route = tuple(make(w, k) for w, k in zip(workers, self.keys, strict=True))
+        route = tuple(map(make, workers, self.keys))  # as long as each other (above)
         return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **dict(self.options))
 
 

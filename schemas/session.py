@@ -158,6 +158,7 @@ class SessionSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SessionSpec:
-        if any(t < 0 or t > MAX_TOKEN_ID for t in self.stop_tokens):
+        stops = self.stop_tokens  # ints (strict): their least and greatest, in C (no generator per session)
+        if stops and (min(stops) < 0 or max(stops) > MAX_TOKEN_ID):
             raise ValueError(f"stop_tokens must be in [0, {MAX_TOKEN_ID}]")
         return self

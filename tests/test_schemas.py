@@ -31,7 +31,7 @@ from schemas import (
     results_to_fields,
     whole_model_boundary,
 )
-from schemas.limits import MAX_FIELD_BYTES, MAX_TOKENS_PER_JOB
+from schemas.limits import MAX_FIELD_BYTES, MAX_STOP_TOKENS, MAX_TOKEN_ID, MAX_TOKENS_PER_JOB
 
 
 def make_key(phase: str = "prefill", sha: str = "ab" * 32, quant: str = "Q8_0", invariant: bool = True,
@@ -51,6 +51,22 @@ def make_spec(sid: str = "s1", key: CompatibilityKey | None = None) -> SessionSp
                        route=(RouteHop(worker_id="w1", key=key or make_key()),),
                        sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=7), max_tokens=32,
                        stop_tokens=(2,))
+
+
+@settings(max_examples=200, deadline=None)
+@given(stops=st.lists(st.integers(-(2**33), 2**33) | st.sampled_from([-1, 0, MAX_TOKEN_ID, MAX_TOKEN_ID + 1]),
+                      max_size=MAX_STOP_TOKENS))
+def test_stop_tokens_are_accepted_exactly_when_each_is_a_token_id(stops: list[int]) -> None:
+    """A SessionSpec takes stop tokens in [0, MAX_TOKEN_ID] and refuses a tuple holding any other int, wherever
+    it stands in the tuple (the check is the definition's, one stop at a time)."""
+    ok = all(0 <= t <= MAX_TOKEN_ID for t in stops)
+    try:
+        spec = SessionSpec(session_id="s1", account_id="acct-1", route=(RouteHop(worker_id="w1", key=make_key()),),
+                           stop_tokens=tuple(stops))
+    except ValueError as e:
+        assert not ok and "stop_tokens must be in" in str(e), e
+    else:
+        assert ok and spec.stop_tokens == tuple(stops)
 
 
 def make_job(**kw: object) -> StepJob:
