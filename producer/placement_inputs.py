@@ -36,7 +36,7 @@ class SessionTemplate:
             raise ValueError(f"{len(self.keys)} hops, {len(workers)} workers")
         make = hop or (lambda w, k: RouteHop(worker_id=w, key=k))
         route = tuple(map(make, workers, self.keys))  # as long as each other (above)
-        return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **dict(self.options))
+        return SessionSpec(session_id=self.session_id, account_id=self.account_id, route=route, **self.options)
 
 
 @dataclass(frozen=True, kw_only=True)
