@@ -254,7 +254,7 @@ class BatchSampler:
         special token it may not sample, or NaN, is left to the full path (which is exact for it)."""
         n = len(items)
         slots = self._slots
-        plain = np.fromiter((slots[it.slot].plain for it in items), np.bool_, n)
+        plain = np.array([slots[it.slot].plain for it in items], np.bool_)  # a list: no generator per row
         if not plain.any():
             return plain, np.zeros(n, np.intp)
         top, ok = _argmax(arr, self.vocab.special_mask, lambda: [it.sampling for it in items], top)

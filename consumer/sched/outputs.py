@@ -185,7 +185,7 @@ class ScheduledBatch:
     @cached_property  # read by the sampler, the report and the worker's answers: one pass per call
     def sampling_items(self) -> tuple[BatchItem, ...]:
         """The items that sample (a token comes back for each, in item order: one logits row each)."""
-        return tuple(it for it in self.items if it.samples)
+        return tuple([it for it in self.items if it.samples])  # a list first: no generator resumed per item
 
     def sessions_in_slots(self, slots: Collection[int]) -> tuple[str, ...]:
         """The sessions of this call held in the given slots (e.g. EngineError.slots)."""

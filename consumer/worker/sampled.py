@@ -37,7 +37,7 @@ _ENDS: Final[dict[RowStatus, tuple[Status, Reason, str]]] = {
 def logprobs_of(items: Sequence[BatchItem], sampled: SampledCall) -> list[TokenLogprobs | None] | None:
     """Per sampling item, its token's log-probabilities when its session asked (None: nobody asked)."""
     asked = [it.sampling.logprobs if it.sampling is not None else None for it in items]
-    if all(n is None for n in asked):
+    if asked.count(None) == len(asked):
         return None
     out: list[TokenLogprobs | None] = []
     for k, n in enumerate(asked):
