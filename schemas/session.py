@@ -35,7 +35,7 @@ GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (as vLLM): floa
 
 
 def _check_ids(name: str, ids: tuple[int, ...]) -> None:
-    if any(t < 0 or t > MAX_TOKEN_ID for t in ids):
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):  # in C: no generator resumed per id
         raise ValueError(f"{name} must be token ids in [0, {MAX_TOKEN_ID}]")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{name} must not repeat an id")
@@ -91,9 +91,10 @@ class Sampling(BaseModel):
             _check_ids("allowed_token_ids", self.allowed_token_ids)
             if set(self.allowed_token_ids) <= set(self.banned_token_ids):
                 raise ValueError("every allowed token is banned: no token could be sampled")
-        _check_ids("logit_bias ids", tuple(t for t, _ in self.logit_bias))
-        if any(not math.isfinite(b) or abs(b) > MAX_BIAS for _, b in self.logit_bias):
-            raise ValueError(f"logit_bias values must be finite, in [-{MAX_BIAS}, {MAX_BIAS}]")
+        if self.logit_bias:
+            _check_ids("logit_bias ids", tuple([t for t, _ in self.logit_bias]))
+            if any(not math.isfinite(b) or abs(b) > MAX_BIAS for _, b in self.logit_bias):
+                raise ValueError(f"logit_bias values must be finite, in [-{MAX_BIAS}, {MAX_BIAS}]")
         if self.grammar is not None and self.json_schema is not None:
             raise ValueError("give a grammar or a json_schema, not both")
         if self.grammar is not None:

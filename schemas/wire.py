@@ -335,7 +335,7 @@ def decode_record(fields: Fields) -> tuple[ResultRecord, Charges]:
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise WireError(Reason.MALFORMED, f"invalid result record: {e}"[:200]) from None
     n = len(rec)
-    if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or any(not 0 <= d < n for d in chg.d) \
+    if len(chg.p) != n or len(chg.g) != n or len(chg.r) != n or (chg.d and (min(chg.d) < 0 or max(chg.d) >= n)) \
             or (chg.k and (len(chg.k) != n or any(not 0 <= k <= p for k, p in zip(chg.k, chg.p, strict=True)))):
         raise WireError(Reason.MALFORMED, "charges do not match the record's rows")
     return rec, chg

@@ -69,6 +69,23 @@ def test_stop_tokens_are_accepted_exactly_when_each_is_a_token_id(stops: list[in
         assert ok and spec.stop_tokens == tuple(stops)
 
 
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-(2**33), 2**33) | st.sampled_from([-1, 0, 5, MAX_TOKEN_ID, MAX_TOKEN_ID + 1]),
+                    max_size=6),
+       field=st.sampled_from(["banned_token_ids", "logit_bias"]))
+def test_sampling_token_ids_are_accepted_exactly_when_each_is_a_distinct_token_id(ids: list[int], field: str) -> None:
+    """banned_token_ids and logit_bias's ids: accepted when each is in [0, MAX_TOKEN_ID] and none repeats, refused
+    otherwise, wherever the bad one stands (the definition, one id at a time)."""
+    ok = all(0 <= t <= MAX_TOKEN_ID for t in ids) and len(set(ids)) == len(ids)
+    value: object = tuple(ids) if field == "banned_token_ids" else tuple((t, 1.0) for t in ids)
+    try:
+        Sampling(**{field: value})  # type: ignore[arg-type]
+    except ValueError as e:
+        assert not ok and ("must be token ids in" in str(e) or "must not repeat" in str(e)), e
+    else:
+        assert ok
+
+
 def make_job(**kw: object) -> StepJob:
     base: dict[str, object] = dict(job_id="j1", session_id="s1", phase="prefill", compat=make_key().digest,
                                    start_position=0, tokens=(1, 5, 9), created_at=1700000000.25,
