@@ -398,10 +398,11 @@ class Placer:
                 chosen.append(None)
                 continue
             digests = self.fleet.digests(key)
+            # a loop, not a comprehension: in Python 3.11 that is a function made and called per session
             ids_for: dict[tuple[int, str | None], list[str]] = {}
-            for group, root in self.fleet.group_roots(digests, cache_salt, template.account_id):  # no comprehension:
+            for group, root in self.fleet.group_roots(digests, cache_salt, template.account_id):
                 ids_for[group] = [] if root is None else self.fleet.block_ids(prompt, root, group[0] or BLOCK_TOKENS)
-            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)  # a call less per session
+            choice, full_now = self.fleet.choose(digests, self.policy, ids_for)
             if choice is None:
                 hop = "" if len(template.keys) == 1 else f" for hop {k}"
                 raise LookupError(f"no worker to place session {template.session_id!r} on{hop}: none that beats "
