@@ -236,6 +236,20 @@ def test_the_record_keeps_the_short_names_of_wire_version_2() -> None:
                                         charges={"p": [0, 0], "g": [1, 1], "r": [0, 0]}))
 
 
+@settings(max_examples=150, deadline=None)
+@given(d=st.lists(st.integers(-3, 3) | st.integers(-(2**62), 2**62), max_size=4))
+def test_rows_not_published_are_refused_exactly_when_one_names_no_row(d: list[int]) -> None:
+    """A record of one row: its charges' `d` (rows the script did not publish) is refused when any entry is not a
+    row index (the definition, entry by entry), and otherwise leaves the row out."""
+    ok = all(0 <= i < 1 for i in d)
+    try:
+        got = results_from_fields(_record(charges={"d": d}))
+    except WireError:
+        assert not ok, d
+    else:
+        assert ok and got == ([] if d else results_from_fields(_record())), d
+
+
 def test_rows_the_script_did_not_publish_are_left_out() -> None:
     assert results_from_fields(_record(charges={"d": [0]})) == []
 
