@@ -2,10 +2,11 @@
 
 A call that fails because Redis is unreachable or momentarily unable to serve (connection refused or
 reset, a timeout, a server still loading its data set, a replica just demoted by a failover, a
-cluster resharding) is retried with exponential backoff and jitter for at most `max_s` seconds; any
-other error is raised at once. One log line when an outage starts, one when it ends, one when it is
-given up. What a retried call must be: idempotent. dgr's are: pushes carry deterministic job ids the
-worker answers once, the completion script is idempotent by job id, reads resume from the last id.
+cluster resharding, a server at its `maxmemory` refusing writes) is retried with exponential backoff
+and jitter for at most `max_s` seconds; any other error is raised at once. One log line when an
+outage starts, one when it ends, one when it is given up. What a retried call must be: idempotent.
+dgr's are: pushes carry deterministic job ids the worker answers once, the completion script is
+idempotent by job id, reads resume from the last id.
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ __all__ = ["OutageListener", "OutageRider", "RetryPolicy", "transient"]
 
 T = TypeVar("T")
 
-# Replies that mean "this server cannot take the command right now", not "the command is wrong".
-_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+# Replies that mean "this server cannot take the command right now", not "the command is wrong". OOM: a server
+# at its maxmemory under noeviction (the only policy a worker starts on: consumer/transport/memory.py) refuses a
+# write until memory is freed (the Tracker reading and trimming results, TTLs, an operator), and what it refused
+# did not happen: a script is refused at its first write only, a MULTI/EXEC is aborted whole, and the writes of a
+# pipeline that went through are sent again as after a dropped connection (idempotent, above).
+_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")
 
 
 # redis-py turns some of those replies into classes (and drops the code from the message); a cluster
 # client raises SlotNotCoveredError while no node owns the slot during a failover.
 _TRANSIENT_CLASSES: tuple[type[BaseException], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.ReadOnlyError, redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError, redis.exceptions.OutOfMemoryError,
 )
 
 

@@ -128,6 +128,32 @@ def test_redis_restart_mid_run(redis_srv: RestartableRedis, tiny_model_path: Pat
     assert c.stop() == 0, _log_tail(c)
 
 
+def test_redis_at_its_maxmemory_mid_run(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path) -> None:
+    """Redis reaches its maxmemory under noeviction (the policy dgr runs on: consumer/transport/memory.py) mid-run
+    and refuses every write (OOM) for up to 2.5 s, while more sessions are opened: the consumer and both producers
+    ride through it as an outage; nothing lost, nothing doubled, the consumer still up."""
+    rng = random.Random(SEED)
+    worker = "chaos-oom"
+    c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
+    client = redis.Redis.from_url(redis_srv.url)
+    specs = specs_for(client, worker, "oom", prompts(N_SESSIONS + 2, 300, seed=SEED % 1000 + 3), TOKENS)
+    drive = Drive(_producer(redis_srv.url), specs[:N_SESSIONS]).start()
+    drive.wait_results(rng.randint(3, 20))
+    client.config_set("maxmemory", "1")  # far below what it uses: every write refused
+    late = _producer(redis_srv.url)
+    late_drive = Drive(late, specs[N_SESSIONS:]).start()  # their openings refused until memory is freed
+    time.sleep(rng.uniform(0.5, 2.5))
+    client.config_set("maxmemory", "0")
+    handles = {**drive.join(), **late_drive.join()}
+    assert late.outages >= 1, "the openings never met the full Redis: the test did not test it"
+    check_exact(client, worker, specs, handles, tiny_model_path)
+    wait_idle_heartbeat(client, worker)
+    assert c.proc.poll() is None, "the consumer died of the full Redis"
+    log = c.log(100_000)
+    assert "OutOfMemoryError" in log and "redis reachable again" in log, log[-3000:]  # a heartbeat every 0.2 s
+    assert c.stop() == 0, _log_tail(c)
+
+
 def test_consumer_started_before_redis(tmp_path: Path, tiny_model_path: Path) -> None:
     srv = RestartableRedis(tmp_path / "redis")
     worker = "chaos-early"

@@ -182,3 +182,56 @@ def test_a_worker_paused_past_the_bound_then_resumed_charges_nothing_twice(redis
         for c in procs.values():
             c.proc.send_signal(signal.SIGCONT)
             c.stop()
+
+
+def test_a_full_redis_longer_than_the_bound_loses_nothing(redis_server: LocalRedis, tiny_model_path: Path,
+                                                         tmp_path: Path) -> None:
+    """Opt-in (DGR_SLOW=1, ~8 s). Redis at its maxmemory (noeviction) refuses every write, heartbeats included, for
+    2.5 s (lost_s 1.0) mid-decode: the workers' heartbeats age one after the other, so the sessions of the first
+    to look lost may move to one that beat a little later (or that beats again first once memory is freed), as
+    after a stall; every session finishes with its solo tokens, each told once, and the fleet charges every
+    position once (docs/operations.md, "Redis at its maxmemory")."""
+    if os.environ.get("DGR_SLOW") != "1":
+        pytest.skip("opt-in: DGR_SLOW=1")
+    tag = uuid.uuid4().hex[:6]
+    names = [f"fm{i}-{tag}" for i in range(2)]
+    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=4) for w in names}
+    client = redis.Redis.from_url(redis_server.url)
+    n, tokens = 6, 24
+    full: list[float] = []
+    try:
+        sessions = fleet_sessions(client, names[0], f"fm-{tag}", n, tokens, seed=13, hi=30)
+        told: dict[str, list[int]] = {}
+
+        def free_later() -> None:
+            time.sleep(2.5)
+            client.config_set("maxmemory", "0")
+
+        def on_result(h: SessionHandle, r: StepResult) -> None:
+            if r.status == Status.OK and r.token is not None:
+                told.setdefault(h.session_id, []).append(r.token)
+            if not full and 3 <= len(h.generated) < tokens - 4:
+                client.config_set("maxmemory", "1")  # far below what it uses: every write refused
+                full.append(time.monotonic())
+                threading.Thread(target=free_later, daemon=True).start()
+
+        p = Producer(client, prefill_chunk=8, timeout_s=60, outage_max_s=60,
+                     placement=PlacementPolicy(lost_s=1.0, lost_check_s=0.1))
+        out = p.run_many(sessions, on_result=on_result)
+        assert full, "Redis was never full mid-decode: the test did not test it"
+        for t, prompt in sessions:
+            h = out[t.session_id]
+            assert h.status == "finished", (t.session_id, h.status, h.reason, h.detail)
+            assert h.generated == solo(tiny_model_path, prompt, tokens), t.session_id
+            assert told[t.session_id] == h.generated, t.session_id
+        got = fleet_charges(client, names, "acct-fm")
+        assert got["prompt_tokens"] == sum(len(pr) for _, pr in sessions), got
+        assert got["generated_tokens"] == tokens * n, got
+        moved = sum(h.attempt > h.room_waits for h in out.values())
+        print(f"a full Redis for 2.5 s (lost_s 1.0): {moved} of {n} sessions moved")
+        for w, c in procs.items():
+            assert c.proc.poll() is None, f"{w} died of the full Redis"
+    finally:
+        client.config_set("maxmemory", "0")
+        for c in procs.values():
+            c.stop()
