@@ -82,7 +82,7 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
     from .engines.cpu_wait import CPU_WAITS
     from .metrics import Metrics
     from .runtime import make_engines, model_choices
-    from .transport import LeaseHeld, LeaseLost, RedisTransport
+    from .transport import EvictingRedis, LeaseHeld, LeaseLost, RedisTransport
     from .worker import Worker
 
     if config.engine.cpu_wait not in CPU_WAITS:
@@ -134,7 +134,7 @@ def consumer(config: ConsumerConfig, hmac_key_file: Path | None) -> None:
     young_gc(svc.gc_young)
     try:
         worker.run(max_idle_s=svc.max_idle_s or None)
-    except LeaseHeld as e:
+    except (LeaseHeld, EvictingRedis) as e:
         logging.getLogger("dgr.worker").error("refusing to start: %s", e, extra={"worker": config.worker.worker_id})
         raise typer.Exit(3) from None
     except LeaseLost as e:

@@ -66,6 +66,9 @@ class TransportSettings:
         "off (docs/failover.md).")
     durable_timeout_ms: int = setting(200, min=1, help=
         "How long one completion waits for the replicas before it is re-sent (WAIT's timeout).")
+    # consumer/transport/memory.py: a Redis that evicts at maxmemory loses jobs, answers, counters and leases
+    allow_eviction: bool = setting(False, "Start even though Redis' maxmemory-policy is not noeviction (it may "
+                                          "evict dgr's keys; docs/operations.md).")
 
 
 @dataclass(frozen=True)

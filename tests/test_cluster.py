@@ -213,3 +213,20 @@ def test_one_producer_drives_sessions_on_two_workers(redis_cluster: LocalCluster
         for wk, th in workers:
             wk.request_stop()
             th.join(30)
+
+
+def test_a_worker_refuses_a_cluster_with_one_primary_that_evicts(cluster_client: RedisCluster) -> None:  # noqa: F811
+    """The memory policy is read on every primary (consumer/transport/memory.py): one that may evict is named."""
+    from consumer.transport import EvictingRedis
+    from consumer.transport.memory import eviction_policies
+
+    c = cluster_client
+    node = c.get_primaries()[1]
+    policies = eviction_policies(c)
+    assert policies is not None and set(policies.values()) == {"noeviction"} and len(policies) == 3
+    c.get_redis_connection(node).config_set("maxmemory-policy", "volatile-lru")
+    try:
+        with pytest.raises(EvictingRedis, match=f"volatile-lru on {node.name}"):
+            RedisTransport(c, "cw-evict").acquire_lease(wait=False)  # type: ignore[arg-type]
+    finally:
+        c.get_redis_connection(node).config_set("maxmemory-policy", "noeviction")

@@ -35,6 +35,8 @@ WORKER_COMMANDS = (
     "+wait",
     # the completion / pending / recovery scripts (time: the tally's clock)
     "+evalsha", "+eval", "+script|load", "+script|exists", "+time",
+    # at start, the memory policy (INFO memory: a Redis that evicts loses dgr's keys, transport/memory.py)
+    "+info",
 )
 
 PRODUCER_COMMANDS = (

@@ -9,7 +9,7 @@ which needs only the protocol and the errors, loads no Redis client (tests/test_
 from typing import TYPE_CHECKING, Any
 
 from ..config import TransportSettings
-from .errors import LeaseHeld, LeaseLost, NotDurable, Stopping
+from .errors import EvictingRedis, LeaseHeld, LeaseLost, NotDurable, Stopping
 from .protocol import Closure, DeadLetter, Delivery, Filing, FusedCallStats, Inbound, Refusal, Transport
 
 if TYPE_CHECKING:
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from .publish import COMPLETE_ARGV, FIXED_KEYS
 
 __all__ = [
-    "COMPLETE_ARGV", "FIXED_KEYS", "Closure", "DeadLetter", "Delivery", "Filing", "FusedCallStats", "Inbound",
+    "COMPLETE_ARGV", "FIXED_KEYS", "Closure", "DeadLetter", "Delivery", "EvictingRedis", "Filing", "FusedCallStats",
+    "Inbound",
     "LeaseHeld", "LeaseLost", "NotDurable", "RedisTransport", "Refusal", "Stopping", "Transport", "TransportSettings",
 ]
 

@@ -108,6 +108,7 @@ class RedisTransport:
 
     # ---- the lease
     def acquire_lease(self, *, wait: bool = True, stop: Callable[[], bool] | None = None) -> str:
+        self.upkeep.check_memory()  # before anything is written: EvictingRedis on a Redis that may evict it
         return self.lease.acquire(wait=wait)
 
     def renew_lease(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from schemas import TransportError
 
-__all__ = ["LeaseHeld", "LeaseLost", "NotDurable", "Stopping"]
+__all__ = ["EvictingRedis", "LeaseHeld", "LeaseLost", "NotDurable", "Stopping"]
 
 
 class LeaseLost(TransportError):
@@ -18,6 +18,10 @@ class LeaseHeld(TransportError):
     def __init__(self, holder: str) -> None:
         super().__init__(f"another consumer holds this worker id's lease: {holder}")
         self.holder = holder
+
+
+class EvictingRedis(TransportError):
+    """Redis may evict dgr's keys at its maxmemory (consumer/transport/memory.py): the worker refuses to start."""
 
 
 class Stopping(TransportError):

@@ -5,6 +5,7 @@ hold (answered already? cancelled?), plus the input activations of route hops.""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,7 +18,11 @@ from schemas.prefix import PrefixSummary
 from schemas.replies import as_str
 
 from .connection import RedisIO
+from .errors import EvictingRedis
 from .intake import Intake
+from .memory import evicting, eviction_policies
+
+log = logging.getLogger("dgr.transport")
 
 __all__ = ["Upkeep"]
 
@@ -44,6 +49,17 @@ class Upkeep:
         self.draining = False
         self.queued = 0
         self.summary_version: str | None = None  # of the prefix summary last written (None: write it)
+
+    def check_memory(self) -> None:
+        """Refuse (EvictingRedis) a Redis that may evict dgr's keys at its maxmemory (transport/memory.py), unless
+        the settings allow it: then say so."""
+        io = self.io
+        problem = evicting(io.io(lambda: eviction_policies(io.client)))
+        if problem is None:
+            return
+        if not io.settings.allow_eviction:
+            raise EvictingRedis(problem)
+        log.warning("%s; starting anyway (--allow-eviction)", problem, extra={"worker": io.worker_id})
 
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
         """Create the consumer group on every key's input stream (id 0, MKSTREAM; BUSYGROUP ignored),
