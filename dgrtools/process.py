@@ -23,7 +23,10 @@ class ConsumerProcess:
 
     def __init__(self, redis_url: str, worker_id: str, model: Path | str, log_dir: Path, *,
                  engine: str = "llama", recipe: str = "invariant", slots: int = 8, threads: int = 0,
-                 extra: Sequence[str] = (), env: dict[str, str] | None = None, ready_timeout_s: float = 300.0) -> None:
+                 extra: Sequence[str] = (), env: dict[str, str] | None = None, ready_timeout_s: float = 300.0,
+                 clock_skew_s: float = 0.0) -> None:
+        """`clock_skew_s`: the process's wall clock reads this far off (dgrtools/skewed_clock: a host whose clock
+        is wrong)."""
         self.redis_url, self.worker_id = redis_url, worker_id
         self.client = redis.Redis.from_url(redis_url)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -31,10 +34,14 @@ class ConsumerProcess:
         args = [sys.executable, "-m", "consumer", "consumer", "--redis-url", redis_url, "--worker-id", worker_id,
                 "--model", str(model), "--engine", engine, "--recipe", recipe, "--slots", str(slots),
                 "--max-batch", str(slots), "--log-format", "text", "--threads", str(threads), *extra]
-        started = time.time()
+        started = time.time() + clock_skew_s  # as its clock reads it
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if clock_skew_s:
+            skewed = str(Path(__file__).parent / "skewed_clock")
+            env |= {"DGR_CLOCK_SKEW_S": str(clock_skew_s),
+                    "PYTHONPATH": os.pathsep.join(p for p in (skewed, env.get("PYTHONPATH", "")) if p)}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             self.wait_heartbeat(since=started, timeout_s=ready_timeout_s)
         except BaseException:

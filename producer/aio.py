@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from schemas import SessionSpec, StepResult
 
-from .commands import Batch, Get, Plan, Read, Sleep, XInfoGroups, XLen
+from .commands import Batch, Get, Plan, PTtl, Read, Sleep, XInfoGroups, XLen
 from .core import Run
 from .errors import SessionFailed
 from .placement import SessionTemplate
@@ -39,7 +39,7 @@ __all__ = ["Answers", "AsyncProducer"]
 T = TypeVar("T")
 log = logging.getLogger("dgr.producer")
 OnResult = Callable[[SessionHandle, StepResult], "Awaitable[None] | None"]
-_ASKED_ONCE = (Get, XLen, XInfoGroups)  # reads many tasks ask at once: one question in flight per equal Read
+_ASKED_ONCE = (Get, PTtl, XLen, XInfoGroups)  # reads many tasks ask at once: one question in flight per equal Read
 
 
 class Answers:

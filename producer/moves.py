@@ -19,7 +19,6 @@ flapping worker cannot make them bounce; a worker declared out is not placed on 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 from schemas import PHASES, Reason, WorkerKeys
 from schemas.accounting import parse_tally
 
-from .commands import Batch, Exists, Expire, Get, HGet, HSet, Plan, Read
+from .commands import Batch, Exists, Expire, Get, HGet, HSet, Plan, PTtl, Read
 from .placement import FleetView, PlacementPolicy, SessionTemplate
 from .session import HopLeg, SessionHandle, end, lose, restore
+from .validate import beat_on_this_clock
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -40,15 +40,13 @@ __all__ = ["HighWater", "Mover", "worker_out"]
 log = logging.getLogger("dgr.producer")
 
 
-def worker_out(hb_raw: bytes | str | None, now: float, lost_s: float) -> bool:
-    """A heartbeat that is gone, unreadable, or older than lost_s."""
+def worker_out(hb_raw: bytes | str | None, hb_pttl: object, now: float, lost_s: float) -> bool:
+    """A heartbeat that is gone, unreadable, or older than lost_s (its age on Redis' clock when the heartbeat says
+    its TTL: schemas/heartbeat.py)."""
     if hb_raw is None:
         return True
-    try:
-        ts = json.loads(hb_raw).get("ts")
-    except (ValueError, AttributeError):
-        return True
-    return not isinstance(ts, int | float) or now - float(ts) > lost_s
+    _, age = beat_on_this_clock(hb_raw, hb_pttl, now)
+    return age is None or age > lost_s
 
 
 @dataclass(frozen=True)
@@ -101,9 +99,10 @@ class Mover:
         watched = sorted({leg.worker_id for h in placed for leg in h.legs})
         if not watched:
             return []
-        beats = yield Read(tuple(Get(WorkerKeys(w).heartbeat) for w in watched))
+        beats = yield Read(tuple(c for w in watched for c in (Get(WorkerKeys(w).heartbeat),
+                                                              PTtl(WorkerKeys(w).heartbeat))))
         wall = time.time()
-        out = {w for w, raw in zip(watched, beats, strict=True) if worker_out(raw, wall, self.policy.lost_s)}
+        out = {w for i, w in enumerate(watched) if worker_out(beats[2 * i], beats[2 * i + 1], wall, self.policy.lost_s)}
         if not out:
             return []
         for w in out:

@@ -138,6 +138,7 @@ _SEND: dict[type, Callable[[Any, Any], Any]] = {
     c.Expire: lambda t, x: t.expire(x.key, x.seconds),
     c.Delete: lambda t, x: t.delete(x.key),
     c.Get: lambda t, x: t.get(x.key),
+    c.PTtl: lambda t, x: t.pttl(x.key),
     c.Exists: lambda t, x: t.exists(x.key),
     c.HGet: lambda t, x: t.hget(x.key, x.field),
     c.HGetAll: lambda t, x: t.hgetall(x.key),

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from schemas import CompatibilityKey, Reason, SessionSpec, WireError, WorkerKeys
+from schemas.heartbeat import heartbeat_age
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
 from schemas.limits import MAX_POSITION, MAX_TOKEN_ID, WIRE_VERSION, is_id
 from schemas.prefix import PrefixSummary
 
-from .commands import Exists, Get, Plan, Read, Sleep, SMembers, XInfoGroups, XLen
+from .commands import Exists, Get, Plan, PTtl, Read, Sleep, SMembers, XInfoGroups, XLen
 from .errors import Backpressure
 from .session import SessionHandle
 
@@ -117,16 +118,38 @@ class WorkerInfo:
         return self
 
     @staticmethod
-    def parse(worker_id: str, spec_raw: bytes | str | None, hb_raw: bytes | str | None) -> WorkerInfo | None:
-        """From the worker's `spec` and heartbeat keys; None when it never advertised."""
+    def parse(worker_id: str, spec_raw: bytes | str | None, hb_raw: bytes | str | None,
+              hb_pttl: object = None) -> WorkerInfo | None:
+        """From the worker's `spec` and heartbeat keys (and the heartbeat key's PTTL reply: its age on Redis'
+        clock, schemas/heartbeat.py); None when it never advertised. The heartbeat's `ts` is put on this
+        process's clock (now - its age), so that what compares it with this clock (placement's sessions placed
+        since that beat, a lost worker beating again) never compares two hosts' clocks."""
         if spec_raw is None:
             return None
         spec = json.loads(spec_raw)
         keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
-        hb = json.loads(hb_raw) if hb_raw is not None else {}
-        age = max(0.0, time.time() - float(hb["ts"])) if "ts" in hb else None
+        hb, age = beat_on_this_clock(hb_raw, hb_pttl)
         return WorkerInfo(worker_id=worker_id, keys=keys, info=dict(spec.get("info", {})),
                           alive=hb_raw is not None, heartbeat_age_s=age, heartbeat=hb)
+
+
+def beat_on_this_clock(hb_raw: bytes | str | None, hb_pttl: object,
+                       now: float | None = None) -> tuple[dict[str, Any], float | None]:
+    """The heartbeat JSON (an object; {} when absent or not one) with its `ts` as this process's wall clock reads
+    the moment it beat (the worker's own in `worker_ts`; no `ts` when its age cannot be told), and that age
+    (schemas/heartbeat.py)."""
+    try:
+        hb = json.loads(hb_raw) if hb_raw is not None else {}
+    except ValueError:
+        hb = {}
+    if not isinstance(hb, dict):
+        hb = {}
+    now = time.time() if now is None else now
+    age = heartbeat_age(hb, hb_pttl, now)
+    hb["worker_ts"] = hb.pop("ts", None)
+    if age is not None:
+        hb["ts"] = now - age
+    return hb, age
 
 
 def _json_object(raw: bytes | str | None) -> dict[str, Any] | None:
@@ -147,8 +170,8 @@ class TrackerAdmission:
 
     def discover(self, worker_id: str) -> Plan[WorkerInfo]:
         k = WorkerKeys(check_id(worker_id, "worker_id"))
-        spec_raw, hb_raw = yield Read((Get(k.spec), Get(k.heartbeat)))
-        info = WorkerInfo.parse(worker_id, spec_raw, hb_raw)
+        spec_raw, hb_raw, hb_pttl = yield Read((Get(k.spec), Get(k.heartbeat), PTtl(k.heartbeat)))
+        info = WorkerInfo.parse(worker_id, spec_raw, hb_raw, hb_pttl)
         if info is None:
             raise LookupError(f"worker {worker_id!r} has not advertised (no {k.spec})")
         self.remember(info.check_wire())
@@ -158,13 +181,14 @@ class TrackerAdmission:
         (ids,) = yield Read((SMembers(WORKERS_INDEX),))
         if not ids:
             return []
-        replies = yield Read(tuple(c for w in ids for c in (Get(WorkerKeys(w).spec), Get(WorkerKeys(w).heartbeat),
-                                                            Exists(WorkerKeys(w).drain))))
+        keys = [WorkerKeys(w) for w in ids]
+        replies = yield Read(tuple(c for k in keys for c in (Get(k.spec), Get(k.heartbeat), PTtl(k.heartbeat),
+                                                             Exists(k.drain))))
         infos = []
         for i, w in enumerate(ids):
-            info = WorkerInfo.parse(w, replies[3 * i], replies[3 * i + 1])
+            info = WorkerInfo.parse(w, *replies[4 * i:4 * i + 3])
             if info is not None:
-                info.draining = bool(replies[3 * i + 2])
+                info.draining = bool(replies[4 * i + 3])
                 infos.append(info)
         yield from self.prefix_summaries_of(infos)
         return infos

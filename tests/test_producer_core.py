@@ -208,7 +208,7 @@ def test_validation_needs_no_redis_and_another_wire_version_is_refused_by_name()
     assert core(discover_cache_s=-1).to_discover(make_spec("s")) == [WORKER]
     spec = '{"keys": [], "info": {"wire_version": 1}}'
     with pytest.raises(WireError, match="wire version 1") as e:
-        run(c.discover(WORKER), lambda req: [spec, None])
+        run(c.discover(WORKER), lambda req: [spec, None, -2])
     assert e.value.reason == Reason.SCHEMA_VERSION
 
 

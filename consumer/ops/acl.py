@@ -42,6 +42,8 @@ WORKER_COMMANDS = (
 PRODUCER_COMMANDS = (
     "+smembers", "+get", "+exists", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec",
     "+discard",
+    # a heartbeat's age on Redis' clock (schemas/heartbeat.py): PTTL of the heartbeat keys it may read
+    "+pttl",
 )
 # A selector (Redis 7): these commands on these keys only, so the Tracker cannot SET over a stream.
 # Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.

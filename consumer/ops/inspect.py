@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from schemas import CompatibilityKey
+from schemas.heartbeat import heartbeat_age
 from schemas.keys import WorkerKeys, parse_input_stream
 from schemas.lag import stream_lag
 
@@ -124,13 +125,14 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
     pipe = client.pipeline(transaction=False)
     pipe.get(k.spec)
     pipe.get(k.heartbeat)
+    pipe.pttl(k.heartbeat)
     pipe.xlen(k.dead_letters)
     pipe.hgetall(k.worker_account)
     pipe.exists(k.drain)
-    spec_raw, hb_raw, dlq_len, acct, drain = pipe.execute()
+    spec_raw, hb_raw, hb_pttl, dlq_len, acct, drain = pipe.execute()
     spec, hb = _json(spec_raw), _json(hb_raw)
-    now = time.time() if now is None else now
-    age = max(0.0, now - float(hb["ts"])) if isinstance(hb.get("ts"), int | float) else None
+    # on Redis' clock (the key's PTTL), not this host's against the worker's (schemas/heartbeat.py)
+    age = heartbeat_age(hb, hb_pttl, time.time() if now is None else now) if hb_raw is not None else None
     info = dict(spec.get("info") or {})
     rep = WorkerReport(worker_id=worker_id, advertised=spec_raw is not None, alive=hb_raw is not None,
                        heartbeat_age_s=age, keys=[_key_summary(x) for x in spec.get("keys", [])], info=info,

@@ -86,17 +86,19 @@ class Upkeep:
         return streams
 
     def heartbeat(self, info: Mapping[str, object] | None = None, summary: PrefixSummary | None = None) -> None:
-        """SET keys.heartbeat to {ts, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s. The prefix
+        """SET keys.heartbeat to {ts, ttl_s, worker_id, consumer, **info} (JSON), EX heartbeat_ttl_s (`ttl_s`: a
+        reader takes the beat's age from the key's PTTL, on Redis' clock, not from `ts` on this host's: schemas/
+        heartbeat.py). The prefix
         `summary` (its ids) goes to keys.prefix_summary, written only when it changed and kept alive with the
         heartbeat; the heartbeat's `prefix` names its version (`PrefixSummary.ref`)."""
         io = self.io
-        body = {"ts": time.time(), "worker_id": io.worker_id, "consumer": io.consumer_name,
+        ttl = io.settings.heartbeat_ttl_s
+        body = {"ts": time.time(), "ttl_s": ttl, "worker_id": io.worker_id, "consumer": io.consumer_name,
                 "draining": self.draining, "queued": self.queued, **(info or {})}
         ref = summary.ref() if summary is not None else None
         if ref is not None:
             body["prefix"] = ref
         raw = json.dumps(body, default=str, separators=(",", ":"))
-        ttl = io.settings.heartbeat_ttl_s
         if summary is None or ref is None:
             io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=ttl))
             return
