@@ -2,11 +2,11 @@
 
 A call that fails because Redis is unreachable or momentarily unable to serve (connection refused or
 reset, a timeout, a server still loading its data set, a replica just demoted by a failover, a
-cluster resharding, a server at its `maxmemory` refusing writes) is retried with exponential backoff
-and jitter for at most `max_s` seconds; any other error is raised at once. One log line when an
-outage starts, one when it ends, one when it is given up. What a retried call must be: idempotent.
-dgr's are: pushes carry deterministic job ids the worker answers once, the completion script is
-idempotent by job id, reads resume from the last id.
+cluster resharding, a server refusing writes for now: full, unable to persist, short of replicas)
+is retried with exponential backoff and jitter for at most `max_s` seconds; any other error is
+raised at once. One log line when an outage starts, one when it ends, one when it is given up.
+What a retried call must be: idempotent. dgr's are: pushes carry deterministic job ids the worker
+answers once, the completion script is idempotent by job id, reads resume from the last id.
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ __all__ = ["OutageListener", "OutageRider", "RetryPolicy", "transient"]
 
 T = TypeVar("T")
 
-# Replies that mean "this server cannot take the command right now", not "the command is wrong". OOM: a server
-# at its maxmemory under noeviction (the only policy a worker starts on: consumer/transport/memory.py) refuses a
-# write until memory is freed (the Tracker reading and trimming results, TTLs, an operator), and what it refused
-# did not happen: a script is refused at its first write only, a MULTI/EXEC is aborted whole, and the writes of a
-# pipeline that went through are sent again as after a dropped connection (idempotent, above).
-_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")
+# Replies that mean "this server cannot take the command right now", not "the command is wrong". Three of them
+# refuse writes only, until the server's state changes: OOM (at its maxmemory under noeviction, the only policy a
+# worker starts on: consumer/transport/memory.py; until memory is freed: the Tracker reading and trimming
+# results, TTLs, an operator), MISCONF (it cannot persist: a full disk, an RDB or AOF write error) and NOREPLICAS
+# (fewer replicas than min-replicas-to-write). What such a reply refused did not happen: a script is refused at
+# its first write only, a MULTI/EXEC is aborted whole, and the writes of a pipeline that went through are sent
+# again as after a dropped connection (idempotent, above).
+_TRANSIENT_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM", "MISCONF", "NOREPLICAS")
+# redis-py puts this before the reply of a pipeline's command that failed (`Command # 2 (SET k v) of pipeline
+# caused error: MISCONF ...`)
+_IN_PIPELINE = " of pipeline caused error: "
 
 
 # redis-py turns some of those replies into classes (and drops the code from the message); a cluster
@@ -47,7 +52,12 @@ def transient(e: BaseException) -> bool:
     """Whether `e` says Redis is (momentarily) unavailable rather than that the request is wrong."""
     if isinstance(e, _TRANSIENT_CLASSES):
         return True
-    return isinstance(e, redis.ResponseError) and str(e).startswith(_TRANSIENT_REPLIES)
+    if not isinstance(e, redis.ResponseError):
+        return False
+    said = str(e)
+    if said.startswith("Command # ") and _IN_PIPELINE in said:
+        said = said.split(_IN_PIPELINE, 1)[1]
+    return said.startswith(_TRANSIENT_REPLIES)
 
 
 @dataclass(frozen=True)

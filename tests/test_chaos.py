@@ -128,29 +128,34 @@ def test_redis_restart_mid_run(redis_srv: RestartableRedis, tiny_model_path: Pat
     assert c.stop() == 0, _log_tail(c)
 
 
-def test_redis_at_its_maxmemory_mid_run(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path) -> None:
-    """Redis reaches its maxmemory under noeviction (the policy dgr runs on: consumer/transport/memory.py) mid-run
-    and refuses every write (OOM) for up to 2.5 s, while more sessions are opened: the consumer and both producers
-    ride through it as an outage; nothing lost, nothing doubled, the consumer still up."""
+@pytest.mark.parametrize("how", ["oom", "noreplicas"])
+def test_redis_refusing_writes_mid_run(redis_srv: RestartableRedis, tiny_model_path: Path, tmp_path: Path,
+                                       how: str) -> None:
+    """Redis refuses every write for up to 2.5 s mid-run, while more sessions are opened: at its maxmemory under
+    noeviction (the policy dgr runs on: consumer/transport/memory.py), or short of the replicas
+    min-replicas-to-write asks for. The consumer and both producers ride through it as an outage; nothing lost,
+    nothing doubled, the consumer still up."""
     rng = random.Random(SEED)
-    worker = "chaos-oom"
+    worker = f"chaos-{how}"
+    setting, refuse, take = {"oom": ("maxmemory", "1", "0"), "noreplicas": ("min-replicas-to-write", "1", "0")}[how]
     c = consumer(redis_srv.url, worker, tiny_model_path, tmp_path)
     client = redis.Redis.from_url(redis_srv.url)
-    specs = specs_for(client, worker, "oom", prompts(N_SESSIONS + 2, 300, seed=SEED % 1000 + 3), TOKENS)
+    specs = specs_for(client, worker, how, prompts(N_SESSIONS + 2, 300, seed=SEED % 1000 + 3), TOKENS)
     drive = Drive(_producer(redis_srv.url), specs[:N_SESSIONS]).start()
     drive.wait_results(rng.randint(3, 20))
-    client.config_set("maxmemory", "1")  # far below what it uses: every write refused
+    client.config_set(setting, refuse)  # maxmemory far below what it uses, or a replica it does not have
     late = _producer(redis_srv.url)
-    late_drive = Drive(late, specs[N_SESSIONS:]).start()  # their openings refused until memory is freed
+    late_drive = Drive(late, specs[N_SESSIONS:]).start()  # their openings refused until writes are taken again
     time.sleep(rng.uniform(0.5, 2.5))
-    client.config_set("maxmemory", "0")
+    client.config_set(setting, take)
     handles = {**drive.join(), **late_drive.join()}
-    assert late.outages >= 1, "the openings never met the full Redis: the test did not test it"
+    assert late.outages >= 1, "the openings never met the refusal: the test did not test it"
     check_exact(client, worker, specs, handles, tiny_model_path)
     wait_idle_heartbeat(client, worker)
-    assert c.proc.poll() is None, "the consumer died of the full Redis"
+    assert c.proc.poll() is None, "the consumer died of the refused writes"
     log = c.log(100_000)
-    assert "OutOfMemoryError" in log and "redis reachable again" in log, log[-3000:]  # a heartbeat every 0.2 s
+    said = "OutOfMemoryError" if how == "oom" else "NOREPLICAS"
+    assert said in log and "redis reachable again" in log, log[-3000:]  # a heartbeat every 0.2 s
     assert c.stop() == 0, _log_tail(c)
 
 

@@ -1,6 +1,6 @@
 """A Redis that evicts at its maxmemory loses dgr's keys (consumer/transport/memory.py): a worker refuses to start
 on one unless told it may; a full Redis under noeviction refuses writes, ridden through as an outage
-(tests/test_chaos.py::test_redis_at_its_maxmemory_mid_run)."""
+(tests/test_refused_writes.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from consumer.config import TransportSettings
 from consumer.transport import EvictingRedis, RedisTransport
 from consumer.transport.memory import evicting, eviction_policies
 from dgrtools.localredis import LocalRedis, free_port
-from schemas.retry import transient
 
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "volatile-lfu", "volatile-random",
             "volatile-ttl")
@@ -74,24 +73,6 @@ def test_a_server_that_answers_no_info_is_not_judged(fake_redis: redis.Redis) ->
     assert eviction_policies(fake_redis) is None  # fakeredis knows no INFO: a stand-in, or an ACL without it
     t = RedisTransport(fake_redis, "evict-fake")
     assert t.acquire_lease(wait=False)
-
-
-def test_a_full_redis_is_an_outage_not_an_error(real_redis: redis.Redis) -> None:
-    """Under noeviction a Redis at its maxmemory answers a write OOM: ridden through (schemas/retry.py), never
-    raised at once; a read still goes through."""
-    real_redis.set("oom-probe", "x" * 100)
-    real_redis.config_set("maxmemory", "1")
-    try:
-        for write in (lambda: real_redis.set("oom-probe", "y"),
-                      lambda: real_redis.eval("return redis.call('SET', KEYS[1], 'z')", 1, "oom-probe"),
-                      lambda: real_redis.pipeline(transaction=True).xadd("oom-s", {"a": 1}).execute()):
-            with pytest.raises(redis.ResponseError) as e:
-                write()
-            assert transient(e.value), e.value
-        assert real_redis.get("oom-probe") == b"x" * 100  # nothing it refused happened
-    finally:
-        real_redis.config_set("maxmemory", "0")
-        real_redis.delete("oom-probe")
 
 
 def test_dgr_consumer_exits_3_on_a_redis_that_evicts(tiny_model_path: Path, tmp_path: Path) -> None:
