@@ -19,6 +19,7 @@ import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -28,7 +29,16 @@ from producer import AsyncProducer, PlacementPolicy, ProducerSettings, SessionHa
 from schemas import Reason, Status, StepResult
 
 from .api import ChatRequest, CompletionRequest, Generation
-from .errors import ApiError, bad_request, from_validation, not_found_model, overloaded, unauthorized
+from .errors import (
+    ApiError,
+    bad_request,
+    from_validation,
+    internal,
+    not_found_model,
+    overloaded,
+    queue_down,
+    unauthorized,
+)
 from .responses import Choice, Kind, Shape
 from .runner import Runner, Sessions, serving, usage_of
 from .text import TextModel
@@ -222,8 +232,8 @@ class Gateway:
             elif include_usage:
                 yield data(shape.usage_chunk(usage_of(list(item.values())).body()))
             yield b"data: [DONE]\n\n"
-        except ApiError as e:  # after the headers: the stream ends with an error event
-            yield data(e.body())
+        except Exception as e:  # after the headers: the stream ends with an error event
+            yield data(_api_answer(e, "stream").body())
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # type: ignore[attr-defined]
@@ -282,6 +292,18 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+def _api_answer(e: Exception, where: str) -> ApiError:
+    """The answer to what a request raised: itself when it is one; Redis unavailable past the producer's outage
+    bound: 503; anything else (a bug): 500, logged with its traceback."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RedisError):
+        log.warning("redis unavailable past the outage bound: %s", e, extra={"endpoint": where})
+        return queue_down()
+    log.exception("request failed", extra={"endpoint": where})
+    return internal()
+
+
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -293,10 +315,10 @@ def _endpoint(name: str, fn: Callable[[Gateway, Request], Awaitable[Response]]
         gw: Gateway = request.app.state.gateway
         try:
             resp = await fn(gw, request)
-        except ApiError as e:
-            resp = e.response()
         except ClientDisconnect:
             resp = Response(status_code=499)
+        except Exception as e:  # an answer in OpenAI's shape, whatever went wrong (never Starlette's plain 500)
+            resp = _api_answer(e, name).response()
         gw.metrics.requests.labels(name, str(resp.status_code)).inc()
         return resp
 

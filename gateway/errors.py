@@ -47,6 +47,19 @@ def unavailable(message: str) -> ApiError:
     return ApiError(503, message, type="server_error", code="no_worker", headers={"Retry-After": "1"})
 
 
+def queue_down() -> ApiError:
+    """Redis did not answer within the producer's outage bound (`outage_max_s`): what it said goes to the log,
+    not to the client (it names hosts and ports)."""
+    return ApiError(503, "The service's queue (Redis) is unavailable; retry later", type="server_error",
+                    code="queue_unavailable", headers={"Retry-After": "5"})
+
+
+def internal() -> ApiError:
+    """Anything else that went wrong here (a bug): OpenAI's shape and status, the traceback in the log."""
+    return ApiError(500, "The server had an error while processing your request", type="server_error",
+                    code="internal_error")
+
+
 def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
     return ApiError(429, message, type="rate_limit_error", code="backpressure",
                     headers={"Retry-After": str(retry_after_s)})

@@ -246,3 +246,43 @@ def test_worker_packages_never_import_the_gateway() -> None:
                 assert all(ln.startswith("    ") for ln in bad), bad
             else:
                 assert not bad, f"{f} imports the gateway"
+
+
+def test_redis_unreachable_past_the_bound_is_503_in_openai_shape(models: list[TextModel]) -> None:
+    """No Redis at the URL: every endpoint answers, once the producer's outage bound is spent, 503 in OpenAI's
+    shape with Retry-After; the Redis address is not in the answer (it goes to the log)."""
+    from dgrtools.localredis import free_port
+
+    down = ServeConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0", models=models,
+                       producer=ProducerSettings(outage_max_s=0.3))
+    for method, path, body in [("POST", "/v1/chat/completions", CHAT),
+                               ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+                               ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+                               ("GET", "/v1/models", None), ("GET", "/health", None)]:
+        r = call(down, method, path, json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "queue_unavailable" and err["type"] == "server_error", err
+        assert "127.0.0.1" not in r.text
+
+
+def test_a_failure_of_the_server_itself_is_500_in_openai_shape(worker: redis.Redis, redis_server: LocalRedis,
+                                                                models: list[TextModel],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug (here: one made to raise) answers 500 in OpenAI's shape, never Starlette's plain text; one after a
+    stream's headers ends the stream with an error event and [DONE]."""
+    from gateway.app import Gateway
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Gateway, "models_body", broken)
+    r = call(config(redis_server, models), "GET", "/v1/models", headers=AUTH)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+    monkeypatch.setattr(Gateway, "take", broken)
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH, json={**CHAT, "stream": True})
+    assert r.status_code == 200, r.text
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error", events
+    r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH, json=CHAT)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
