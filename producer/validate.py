@@ -146,7 +146,8 @@ def beat_on_this_clock(hb_raw: bytes | str | None, hb_pttl: object,
         hb = {}
     now = time.time() if now is None else now
     age = heartbeat_age(hb, hb_pttl, now)
-    hb["worker_ts"] = hb.pop("ts", None)
+    if "ts" in hb:
+        hb["worker_ts"] = hb.pop("ts")
     if age is not None:
         hb["ts"] = now - age
     return hb, age
