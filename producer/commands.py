@@ -3,9 +3,9 @@
 A *plan* (a generator in producer/core.py) yields a request and receives its reply: a `Read` (commands
 sent as one pipeline; its reply is the list of their replies, parsed by producer/tracker.py), a `Batch`
 (writes, sent as one pipeline or MULTI/EXEC; reply None) or a `Sleep`. Replies a plan sees: `Get` bytes or
-None, `PTtl` the key's remaining TTL in ms (-2: no key, -1: none set), `Exists` bool, `HGetAll` dict[str, str],
-`SMembers` list[str], `XRead` [(stream, [(id, fields)])], `XRange` [(id, fields)], `XLen` / `XInfoGroups` the
-value or the error (`Read(errors=True)`).
+None, `MGet` a list of those, `PTtl` the key's remaining TTL in ms (-2: no key, -1: none set), `Exists` bool,
+`HGetAll` dict[str, str], `SMembers` list[str], `XRead` [(stream, [(id, fields)])], `XRange` [(id, fields)],
+`XLen` / `XInfoGroups` the value or the error (`Read(errors=True)`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
-__all__ = ["Batch", "Command", "Delete", "Exists", "Expire", "Get", "HGet", "HGetAll", "HSet", "PTtl", "Plan", "Read",
-           "Request", "SMembers", "Set", "Sleep", "XAdd", "XInfoGroups", "XLen", "XRange", "XRead"]
+__all__ = ["Batch", "Command", "Delete", "Exists", "Expire", "Get", "HGet", "HGetAll", "HSet", "MGet", "PTtl", "Plan",
+           "Read", "Request", "SMembers", "Set", "Sleep", "XAdd", "XInfoGroups", "XLen", "XRange", "XRead"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,12 @@ class Get(NamedTuple):
 
 class PTtl(NamedTuple):
     key: str
+
+
+class MGet(NamedTuple):
+    """GET of many keys in one command (per slot on a Cluster): alone in its Read."""
+
+    keys: tuple[str, ...]
 
 
 class Exists(NamedTuple):
@@ -91,8 +97,8 @@ class XRead(NamedTuple):
     block_ms: int | None = None  # None: do not block
 
 
-Command = (XAdd | Set | HSet | Expire | Delete | Get | PTtl | Exists | HGet | HGetAll | SMembers | XLen | XInfoGroups
-           | XRead | XRange)
+Command = (XAdd | Set | HSet | Expire | Delete | Get | MGet | PTtl | Exists | HGet | HGetAll | SMembers | XLen
+           | XInfoGroups | XRead | XRange)
 
 
 class Read(NamedTuple):

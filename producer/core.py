@@ -36,7 +36,7 @@ from .route import relay
 from .session import Run, SessionHandle, Sessions, apply, apply_result, restore
 from .settings import DECODE_N, READ_COUNT, ProducerSettings
 from .steps import Steps, job_id, one_hop
-from .validate import TrackerAdmission, WorkerInfo, check_id, check_token, check_tokens
+from .validate import Advertisements, TrackerAdmission, WorkerInfo, check_id, check_token, check_tokens
 
 __all__ = ["DECODE_N", "READ_COUNT", "ProducerCore", "Run", "job_id"]
 
@@ -52,6 +52,7 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         self.settings = ProducerSettings.of(settings, options)
         self.lag: dict[str, tuple[float, int]] = {}  # stream -> (monotonic time asked, lag)
         self.discovered: dict[str, tuple[float, WorkerInfo]] = {}
+        self.advertised = Advertisements()  # each worker's spec as last read (the fleet's reads)
         self.prefix_summaries: dict[str, tuple[str, dict[str, Any]]] = {}
         self.driven: dict[str, SessionHandle] = {}  # by session id: sessions a Run drives
         self.by_hand: weakref.WeakValueDictionary[str, SessionHandle] = weakref.WeakValueDictionary()

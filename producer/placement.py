@@ -197,12 +197,14 @@ class FleetView:
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
         self.group_roots_of = {}
-        self.summaries.keep(w.worker_id for w in workers)
+        self.summaries.keep(w.worker_id for w in workers if w.alive)
         self._forget_prefilling(time.monotonic() - PENDING_MAX_S)
+        # a worker without a heartbeat is never eligible: no candidate (the index keeps every id that ever
+        # advertised, thousands gone for good where each pod has its own)
         self.candidates = {w.worker_id: candidate(w, self.since_beat(w), self._sent_ids(w.worker_id), now,
                                                   self.summaries.get(w.worker_id, w.heartbeat.get("prefix")),
                                                   self.pending.get(w.worker_id, 0))
-                           for w in workers}
+                           for w in workers if w.alive}
         for w in workers:
             ts = w.heartbeat.get("ts")
             if w.worker_id in self.lost and not (isinstance(ts, int | float) and ts > self.lost[w.worker_id]):

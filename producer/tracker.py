@@ -139,6 +139,8 @@ _SEND: dict[type, Callable[[Any, Any], Any]] = {
     c.Delete: lambda t, x: t.delete(x.key),
     c.Get: lambda t, x: t.get(x.key),
     c.PTtl: lambda t, x: t.pttl(x.key),
+    # one MGET; on a Cluster (its keys in many slots) redis-py's one per slot
+    c.MGet: lambda t, x: t.mget_nonatomic(x.keys) if hasattr(t, "mget_nonatomic") else t.mget(x.keys),
     c.Exists: lambda t, x: t.exists(x.key),
     c.HGet: lambda t, x: t.hget(x.key, x.field),
     c.HGetAll: lambda t, x: t.hgetall(x.key),

@@ -6,15 +6,19 @@ reads the difference of the two clocks as age: a worker 10 s behind looks dead (
 moved off), one ahead looks alive after it died. So the worker also writes the TTL it set (`ttl_s`), and the
 reader asks Redis for the key's remaining TTL in the same round trip: `ttl_s - PTTL` is the time since the write
 on the Redis server's clock alone, whatever the two hosts' clocks say. A heartbeat without `ttl_s` (a worker
-from before) or a reader that cannot ask PTTL falls back to `ts`."""
+from before) or a reader that cannot ask PTTL falls back to `ts`.
+
+A heartbeat also names the version of the worker's advertisement (`spec`: its `spec` key's value hashed), so
+that a Tracker reads an advertisement again only when it changed (producer/validate.py `Advertisements`)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TTL_MAX_S", "heartbeat_age"]
+__all__ = ["TTL_MAX_S", "heartbeat_age", "spec_version"]
 
 TTL_MAX_S = 3600.0  # a heartbeat TTL beyond this is not believed: the age falls back to `ts`
 
@@ -31,3 +35,8 @@ def heartbeat_age(hb: Mapping[str, Any], pttl_ms: object, now: float) -> float |
     if isinstance(ts, int | float) and not isinstance(ts, bool) and math.isfinite(ts):
         return max(0.0, now - float(ts))
     return None
+
+
+def spec_version(raw: bytes | str) -> str:
+    """The version of an advertisement (the `spec` key's value as stored) that heartbeats name."""
+    return hashlib.sha256(raw.encode() if isinstance(raw, str) else raw).hexdigest()[:16]

@@ -42,8 +42,9 @@ WORKER_COMMANDS = (
 PRODUCER_COMMANDS = (
     "+smembers", "+get", "+exists", "+xadd", "+xread", "+xrange", "+xlen", "+xinfo|groups", "+multi", "+exec",
     "+discard",
-    # a heartbeat's age on Redis' clock (schemas/heartbeat.py): PTTL of the heartbeat keys it may read
-    "+pttl",
+    # a heartbeat's age on Redis' clock (schemas/heartbeat.py): PTTL of the heartbeat keys it may read; every
+    # heartbeat of a fleet read in one MGET (producer/validate.py `workers`)
+    "+pttl", "+mget",
 )
 # A selector (Redis 7): these commands on these keys only, so the Tracker cannot SET over a stream.
 # Cancel markers (set with a TTL, checked by a replay) and the session record `resume()` rebuilds from.

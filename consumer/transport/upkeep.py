@@ -12,6 +12,7 @@ from typing import Any
 
 from schemas import GROUP, WIRE_VERSION, CompatibilityKey, StepJob
 from schemas.accounting import parse_tally
+from schemas.heartbeat import spec_version
 from schemas.keys import WORKERS_INDEX
 from schemas.lag import stream_lag
 from schemas.prefix import PrefixSummary
@@ -49,6 +50,7 @@ class Upkeep:
         self.draining = False
         self.queued = 0
         self.summary_version: str | None = None  # of the prefix summary last written (None: write it)
+        self.spec_version: str | None = None  # of the advertisement last written (schemas/heartbeat.py spec_version)
 
     def check_memory(self) -> None:
         """Refuse (EvictingRedis) a Redis that may evict dgr's keys at its maxmemory (transport/memory.py), unless
@@ -73,6 +75,7 @@ class Upkeep:
         spec = {"worker_id": io.worker_id, "keys": [k.model_dump(mode="json") for k in keys], "streams": streams,
                 "info": {**info, "wire_version": WIRE_VERSION}, "registered_at": time.time()}
         body = json.dumps(spec, default=str, separators=(",", ":"))
+        self.spec_version = spec_version(body)  # each heartbeat names it: a Tracker reads the spec when it changes
 
         def advertise() -> None:
             pipe = io.client.pipeline(transaction=False)
@@ -95,6 +98,8 @@ class Upkeep:
         ttl = io.settings.heartbeat_ttl_s
         body = {"ts": time.time(), "ttl_s": ttl, "worker_id": io.worker_id, "consumer": io.consumer_name,
                 "draining": self.draining, "queued": self.queued, **(info or {})}
+        if self.spec_version is not None:
+            body["spec"] = self.spec_version
         ref = summary.ref() if summary is not None else None
         if ref is not None:
             body["prefix"] = ref
