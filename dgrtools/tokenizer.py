@@ -36,6 +36,8 @@ class _Backend(Protocol):
 
     def piece(self, token: int) -> str: ...
 
+    def control_tokens(self) -> dict[str, int]: ...
+
 
 class Tokenizer:
     """`Tokenizer(path)`: encode/decode/piece for a GGUF, llama.cpp's vocabulary when available."""
@@ -60,6 +62,7 @@ class Tokenizer:
         # A token's bytes never change: kept once asked (at most the vocabulary), so that streaming a token costs
         # a dictionary lookup, not a call into llama.cpp with a buffer made for it (dgr serve, per token)
         self._pieces: dict[int, bytes] = {}
+        self._control: dict[str, int] | None = None
 
     def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         """`special`: text naming a control token (`<start_of_turn>`) becomes that token, as a chat template's
@@ -81,6 +84,14 @@ class Tokenizer:
     def piece(self, token: int) -> str:
         """One token's text (a lone byte token of a multi-byte character decodes to U+FFFD)."""
         return self._impl.piece(token)
+
+    @property
+    def control_tokens(self) -> dict[str, int]:
+        """The text of each control token (`<start_of_turn>`, `<s>`) and its id: what `encode(special=True)` turns
+        into that token (none with the pure-Python backend, which reads every text as text). Read once."""
+        if self._control is None:
+            self._control = self._impl.control_tokens()
+        return self._control
 
     def grammar_compiles(self, gbnf: str) -> bool | None:
         """Whether llama.cpp's grammar sampler compiles `gbnf` on this vocabulary, as a worker will
@@ -117,6 +128,15 @@ class LlamaTokenizer:
         self.eos_id = int(L.llama_vocab_eos(self._vocab))
         eot = int(L.llama_vocab_eot(self._vocab))
         self.stop_tokens: tuple[int, ...] = tuple(sorted({t for t in (self.eos_id, eot) if t >= 0}))
+
+    def control_tokens(self) -> dict[str, int]:
+        L, out = self._L, dict[str, int]()
+        for i in range(self.vocab_size):
+            if L.llama_vocab_get_attr(self._vocab, i) & L.LLAMA_TOKEN_ATTR_CONTROL:
+                text = (L.llama_vocab_get_text(self._vocab, i) or b"").decode("utf-8", "replace")
+                if text:
+                    out.setdefault(text, i)
+        return out
 
     def grammar_compiles(self, gbnf: str) -> bool:
         ptr = self._L.llama_sampler_init_grammar(self._vocab, gbnf.encode("utf-8"), b"root")
@@ -184,6 +204,9 @@ class SpmTokenizer:
         self.bos_id, self.eos_id = bos_id, eos_id
         self.stop_tokens: tuple[int, ...] = (eos_id,)
         self._add_bos, self._add_space_prefix = add_bos, add_space_prefix
+
+    def control_tokens(self) -> dict[str, int]:
+        return {}  # `encode` reads every text as text
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> SpmTokenizer:

@@ -13,6 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dgrtools.tokenizer import Tokenizer
 
+from .chat_tokens import PROBE, ControlTokens, check_exact, encode_chat
+
 log = logging.getLogger("dgr.serve")
 
 # Built-in templates, by name (`--chat-template NAME`). Each renders `messages` (role, content) and ends with the
@@ -104,6 +106,7 @@ class TextModel:
     tokenizer: Tokenizer
     template: ChatTemplate | None
     architecture: str = ""
+    control: ControlTokens | None = None  # the vocabulary's control tokens, read at the first chat (or load)
 
     @classmethod
     def load(cls, name: str, path: Path, chat_template: str | None = None) -> TextModel:
@@ -115,6 +118,8 @@ class TextModel:
                     architecture=str(fields.get("general.architecture", "")))
         log.info("serving %s (%s): chat template %s", name, path,
                  model.template.source if model.template else "none (chat refused; name one with --chat-template)")
+        if model.template is not None:
+            model.encode_chat(PROBE)  # the control tokens read now, not at the first request
         return model
 
     def encode_prompt(self, prompt: str | list[int] | list[str]) -> list[int]:
@@ -124,9 +129,13 @@ class TextModel:
         return self.tokenizer.encode(str(text), add_bos=True)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The chat's tokens; a message's text is never read as a control token (gateway/chat_tokens.py)."""
         if self.template is None:
             raise LookupError(f"model {self.name!r} has no chat template: start dgr serve with --chat-template")
-        return self.tokenizer.encode(self.template.render(messages), add_bos=True, special=True)
+        if self.control is None:
+            self.control = ControlTokens(self.tokenizer.control_tokens)
+            self.control.exact = check_exact(self.tokenizer, self.control, self.template.render)
+        return encode_chat(self.tokenizer, self.control, self.template.render, messages)
 
 
 @dataclass
