@@ -96,6 +96,9 @@ class Runner:
         self.producer = producer
         self._fleet: tuple[float, list[WorkerInfo]] | None = None
         self._asking: asyncio.Future[list[WorkerInfo]] | None = None
+        # model name -> (the fleet read it was chosen from, its Placement): choose_key passes over every worker id
+        # ever registered, once per fleet read, not once per request
+        self._placed: dict[str, tuple[list[WorkerInfo], Placement]] = {}
 
     async def fleet(self) -> list[WorkerInfo]:
         now = time.monotonic()
@@ -108,7 +111,11 @@ class Runner:
         return infos
 
     async def place(self, model: TextModel) -> Placement:
-        return choose_key(await self.fleet(), model)
+        fleet = await self.fleet()
+        got = self._placed.get(model.name)
+        if got is None or got[0] is not fleet:  # a refusal (no worker up) is not kept: asked again next time
+            got = self._placed[model.name] = (fleet, choose_key(fleet, model))
+        return got[1]
 
     def sessions(self, req: Generation, model: TextModel, prompt: list[int], where: Placement,
                  account: str) -> Sessions:
