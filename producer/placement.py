@@ -137,6 +137,7 @@ class FleetView:
     pools: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # digests -> worker ids advertising
     placed_at: dict[str, list[float]] = field(default_factory=dict)
     sent: dict[str, SentPrompts] = field(default_factory=dict)  # per worker
+    process: dict[str, tuple[object, object]] = field(default_factory=dict)  # per worker: (pid, started_at) it beat
     placed: dict[str, int] = field(default_factory=dict)  # sessions placed, per worker
     refused_full: dict[str, int] = field(default_factory=dict)  # eligible, but passed over: full
     refused_slot: dict[str, int] = field(default_factory=dict)  # openings it refused for want of a slot (re-placed)
@@ -198,6 +199,7 @@ class FleetView:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
         self.group_roots_of = {}
         self.summaries.keep(w.worker_id for w in workers if w.alive)
+        self._forget_sent(workers)
         self._forget_prefilling(time.monotonic() - PENDING_MAX_S)
         # a worker without a heartbeat is never eligible: no candidate (the index keeps every id that ever
         # advertised, thousands gone for good where each pod has its own)
@@ -211,6 +213,15 @@ class FleetView:
                 self.lose(w.worker_id, self.lost[w.worker_id])  # out until it beats again
             elif w.worker_id in self.lost:
                 del self.lost[w.worker_id]
+
+    def _forget_sent(self, workers: list[WorkerInfo]) -> None:
+        """The prompts sent to a worker are held there only by the process they were sent to: forgotten when its
+        heartbeat names another (pid, started_at: a restart, its prefix cache empty) and when it beats no more
+        (a process gone; and a Tracker's memory bounded by the workers that beat, not every id ever placed on)."""
+        process = {w.worker_id: (w.heartbeat.get("pid"), w.heartbeat.get("started_at")) for w in workers if w.alive}
+        for w in [w for w in self.sent if process.get(w) != self.process.get(w) or w not in process]:
+            del self.sent[w]
+        self.process = process
 
     def _forget_prefilling(self, before: float) -> None:
         """Sessions placed before `before` whose first token was never read here (a session driven by hand whose
