@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from dgrtools.localredis import LocalRedis
+from dgrtools.process import ConsumerProcess
 from producer import PlacementPolicy, Producer, SessionHandle, SessionTemplate
 from schemas import Status, StepResult, WorkerKeys
 from tests.chaos_support import consumer, solo
@@ -42,12 +43,19 @@ def fleet_sessions(client: redis.Redis, worker: str, prefix: str, n: int, tokens
             for i, p in enumerate(prompts(n, 300, seed=seed, lo=3, hi=hi))]
 
 
+def fleet_of(redis_server: LocalRedis, model: Path, logs: Path, prefix: str, n: int, slots: int
+             ) -> tuple[list[str], dict[str, ConsumerProcess], redis.Redis]:
+    """n consumers named `<prefix><i>-<tag>` (a tag of the test's own), each with `slots` slots, and a client."""
+    tag = uuid.uuid4().hex[:6]
+    names = [f"{prefix}{i}-{tag}" for i in range(n)]
+    return names, {w: consumer(redis_server.url, w, model, logs, slots=slots) for w in names}, \
+        redis.Redis.from_url(redis_server.url)
+
+
 def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedis, tiny_model_path: Path,
                                                          tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex[:6]
-    names = [f"fk{i}-{tag}" for i in range(3)]
-    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=4) for w in names}
-    client = redis.Redis.from_url(redis_server.url)
+    names, procs, client = fleet_of(redis_server, tiny_model_path, tmp_path, "fk", 3, slots=4)
+    tag = names[0].rsplit("-", 1)[1]
     n, tokens = (18, 48) if SOAK else (9, 24)
     try:
         sessions = fleet_sessions(client, names[0], f"fk-{tag}", n, tokens, seed=11, hi=30)
@@ -97,12 +105,10 @@ def test_kill_9_of_one_of_three_mid_decode_loses_nothing(redis_server: LocalRedi
 
 def test_a_sigstopped_worker_gets_no_new_session_and_keeps_its_own(redis_server: LocalRedis,
                                                                      tiny_model_path: Path, tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex[:6]
-    names = [f"fs{i}-{tag}" for i in range(2)]
     # 8 slots each: the 2 it holds and the 4 placed on it while the other is stale fit whatever the timing
     # (with 4, a slow machine still held its first 2 when the next 4 came, and the 6th was refused for a slot)
-    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=8) for w in names}
-    client = redis.Redis.from_url(redis_server.url)
+    names, procs, client = fleet_of(redis_server, tiny_model_path, tmp_path, "fs", 2, slots=8)
+    tag = names[0].rsplit("-", 1)[1]
     try:
         key = Producer(client).discover(names[0]).keys[0]
         ps = prompts(8, 300, seed=12, lo=3, hi=20)
@@ -146,10 +152,8 @@ def test_a_worker_paused_past_the_bound_then_resumed_charges_nothing_twice(redis
     calls are too short for that to happen often: tests/test_fleet_fence.py makes that case deterministic."""
     if os.environ.get("DGR_SLOW") != "1":
         pytest.skip("opt-in: DGR_SLOW=1")
-    tag = uuid.uuid4().hex[:6]
-    names = [f"fp{i}-{tag}" for i in range(2)]
-    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=8) for w in names}
-    client = redis.Redis.from_url(redis_server.url)
+    names, procs, client = fleet_of(redis_server, tiny_model_path, tmp_path, "fp", 2, slots=8)
+    tag = names[0].rsplit("-", 1)[1]
     n, tokens = (12, 48) if SOAK else (6, 32)
     try:
         sessions = fleet_sessions(client, names[0], f"fp-{tag}", n, tokens, seed=13, hi=20)
@@ -190,13 +194,11 @@ def test_a_full_redis_longer_than_the_bound_loses_nothing(redis_server: LocalRed
     2.5 s (lost_s 1.0) mid-decode: the workers' heartbeats age one after the other, so the sessions of the first
     to look lost may move to one that beat a little later (or that beats again first once memory is freed), as
     after a stall; every session finishes with its solo tokens, each told once, and the fleet charges every
-    position once (docs/operations.md, "Redis at its maxmemory")."""
+    position once (docs/operations.md, "Redis refusing writes")."""
     if os.environ.get("DGR_SLOW") != "1":
         pytest.skip("opt-in: DGR_SLOW=1")
-    tag = uuid.uuid4().hex[:6]
-    names = [f"fm{i}-{tag}" for i in range(2)]
-    procs = {w: consumer(redis_server.url, w, tiny_model_path, tmp_path, slots=4) for w in names}
-    client = redis.Redis.from_url(redis_server.url)
+    names, procs, client = fleet_of(redis_server, tiny_model_path, tmp_path, "fm", 2, slots=4)
+    tag = names[0].rsplit("-", 1)[1]
     n, tokens = 6, 24
     full: list[float] = []
     try:
