@@ -6,6 +6,7 @@ and backpressure (`TrackerAdmission.admit`). The core is a `TrackerAdmission`.""
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 import time
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,8 @@ from schemas.prefix import PrefixSummary
 from .commands import Exists, Get, MGet, Plan, PTtl, Read, Sleep, SMembers, XInfoGroups, XLen
 from .errors import Backpressure
 from .session import SessionHandle
+
+log = logging.getLogger("dgr.producer")
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -186,9 +189,14 @@ class Advertisements:
         version = spec_version(raw)
         got = self.last.get(worker_id)
         if got is None or got.version != version:
-            spec = json.loads(raw)
-            keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
-            self.last[worker_id] = Advertisement(version, keys, dict(spec.get("info", {})))
+            try:
+                spec = json.loads(raw)
+                keys = [CompatibilityKey.model_validate_json(json.dumps(k)) for k in spec.get("keys", [])]
+                self.last[worker_id] = Advertisement(version, keys, dict(spec.get("info", {})))
+            except (ValueError, TypeError, AttributeError) as e:  # one worker's garbage never stops a fleet read
+                log.warning("an unreadable advertisement: the worker advertises no key", extra={
+                    "worker": worker_id, "error": str(e)[:200]})
+                self.last[worker_id] = Advertisement(version, [], {})  # not parsed again until it changes
 
     def keep(self, worker_ids: Iterable[str]) -> None:
         """Only these (the index as read): an id taken out of it is forgotten."""

@@ -10,6 +10,7 @@ import json
 from collections import Counter
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.cluster import RedisCluster
@@ -113,6 +114,19 @@ def test_a_new_advertisement_is_read_when_its_heartbeat_names_it_and_a_gone_id_i
     keys.index.discard("old")
     read(core, keys)
     assert "old" not in core.advertised.last
+
+
+def test_an_unreadable_advertisement_is_one_worker_without_keys(caplog: pytest.LogCaptureFixture) -> None:
+    keys, core = Keys(), ProducerCore()
+    keys.beat("good", keys.advertise("good"))
+    for w, garbage in (("junk", "{not json"), ("list", "[1, 2]"), ("badkey", '{"keys": [{"v": "x"}]}')):
+        keys.kv[WorkerKeys(w).spec] = garbage
+        keys.index.add(w)
+        keys.beat(w, spec_version(garbage))
+    for _ in range(2):
+        got = read(core, keys)
+        assert got["good"].keys and all(got[w].keys == [] for w in ("junk", "list", "badkey"))
+    assert caplog.text.count("an unreadable advertisement") == 3  # once each, not at every read
 
 
 @settings(max_examples=60, deadline=None)
