@@ -14,6 +14,8 @@ from .compat import Phase
 PREFIX: Final = "dgr"
 GROUP: Final = "dgr-workers"  # the consumer group on every input stream
 WORKERS_INDEX: Final = f"{PREFIX}:workers"  # set of worker ids that ever advertised (not hash-tagged)
+# worker -> when a look of `dgr ops forget-gone` first found it gone (ms, Redis' clock: consumer/ops/forget.py)
+WORKERS_GONE: Final = f"{PREFIX}:workers:gone"
 ALL_KEYS: Final = f"{PREFIX}:*"  # every dgr key (the control plane's ACL pattern)
 
 # The cross-worker ledger (written by the control plane's roll-up): one hash per billing account plus an

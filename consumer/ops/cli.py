@@ -247,6 +247,32 @@ def reap_cmd(ttl: Annotated[float, typer.Option("--ttl", envvar="DGR_REAP_TTL_S"
     typer.echo(f"{len(rows)} open sessions looked at, {len(hit)} {'idle' if dry_run else 'cancelled'}")
 
 
+@ops_app.command("forget-gone")
+def forget_gone_cmd(gone_for: Annotated[float, typer.Option(
+        "--gone-for-s", envvar="DGR_FORGET_AFTER_S",
+        help="Take out of the fleet index workers that no process holds since this many seconds.")] = 86_400.0,
+        redis_url: RedisUrl = DEFAULT_URL, cluster: Cluster = False, redis_sentinel: RedisSentinel = "",
+        sentinel_master: SentinelMaster = "", sentinel_username: SentinelUsername = "",
+        sentinel_password: SentinelPassword = "", worker: Workers = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", envvar="DGR_OPS_DRY_RUN",
+                                              help="List, take nothing out (notes nothing either).")] = False,
+        as_json: Json = False) -> None:
+    """Take workers gone for good out of `dgr:workers` (their keys stay; consumer/ops/forget.py says when)."""
+    from .forget import forget_gone
+
+    client = _client(redis_url, cluster, redis_sentinel, sentinel_master, sentinel_username, sentinel_password)
+    rows = forget_gone(client, gone_for, worker_ids=worker, dry_run=dry_run)
+    if as_json:
+        _print_json([x.as_dict() for x in rows])
+        return
+    for x in rows:
+        if x.status != "up":
+            gone = "" if x.gone_s is None else f", gone {x.gone_s:.0f} s"
+            typer.echo(f"{x.worker_id}: {x.status}{gone}{f' ({x.detail})' if x.detail else ''}")
+    typer.echo(f"{len(rows)} workers looked at, {sum(x.status == 'forgotten' for x in rows)} "
+               f"{'to take out' if dry_run else 'taken out'}")
+
+
 WorkerArg = Annotated[str, typer.Argument(help="The worker id.")]
 
 

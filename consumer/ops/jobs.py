@@ -85,6 +85,20 @@ def reap_job(redis_url: str = "", ttl_s: float = 3600.0, cluster: bool = False, 
         client.close()
 
 
+def forget_job(redis_url: str = "", gone_for_s: float = 86_400.0, cluster: bool = False, dry_run: bool = False,
+               sentinel: str = "", sentinel_master: str = "") -> dict[str, Any]:
+    """Take workers gone for good out of the fleet index (consumer/ops/forget.py)."""
+    from .forget import forget_gone
+
+    client = _client(redis_url, cluster, sentinel, sentinel_master)
+    try:
+        rows = forget_gone(client, gone_for_s, dry_run=dry_run)
+        return {"looked_at": len(rows), "forgotten": [x.worker_id for x in rows if x.status == "forgotten"],
+                "kept": [x.as_dict() for x in rows if x.status not in ("up", "forgotten")]}
+    finally:
+        client.close()
+
+
 def dlq_count_job(redis_url: str = "", cluster: bool = False, sentinel: str = "",
                   sentinel_master: str = "") -> dict[str, int]:
     """Dead letters per worker (a maintenance audit an alert can read from the job result)."""

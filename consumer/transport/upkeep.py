@@ -105,7 +105,13 @@ class Upkeep:
             body["prefix"] = ref
         raw = json.dumps(body, default=str, separators=(",", ":"))
         if summary is None or ref is None:
-            io.io(lambda: io.client.set(io.keys.heartbeat, raw, ex=ttl))
+            def plain() -> None:
+                pipe = io.client.pipeline(transaction=False)
+                pipe.set(io.keys.heartbeat, raw, ex=ttl)
+                pipe.sadd(WORKERS_INDEX, io.worker_id)  # back in the index if `dgr ops forget-gone` took it out
+                pipe.execute()
+
+            io.io(plain)
             return
         version = str(ref["version"])
         doc = json.dumps({**summary.as_json(), "version": version}, separators=(",", ":"))
@@ -118,6 +124,7 @@ class Upkeep:
             else:
                 pipe.expire(io.keys.prefix_summary, ttl)
             pipe.set(io.keys.heartbeat, raw, ex=ttl)
+            pipe.sadd(WORKERS_INDEX, io.worker_id)
             return bool(pipe.execute()[0])
 
         if not io.io(beat):  # Redis lost the key (EXPIRE answered 0): written again now, not a beat later
