@@ -44,6 +44,23 @@ def test_inspect_worker_reports_everything(redis_client: redis.Redis) -> None:
     assert rep.accounting["dead_letters"] == 1
 
 
+def test_a_workers_clock_off_is_shown_by_how_much(redis_client: redis.Redis) -> None:
+    """Its heartbeat's age is read on Redis' clock (schemas/heartbeat.py), so its `ts` against that says how far
+    its host's clock is from this one's."""
+    import time
+
+    t = register(redis_client, "w1")
+    for skew, ttl in ((30.0, 10), (-3600.0, 10), (0.0, None)):
+        hb = {"ts": time.time() + skew, "slots": 2, **({"ttl_s": ttl} if ttl else {})}
+        redis_client.set(t.keys.heartbeat, json.dumps(hb), ex=10)
+        rep = inspect_worker(redis_client, "w1")
+        if ttl is None:  # a worker from before: nothing to tell it by
+            assert rep.clock_skew_s is None and rep.heartbeat_age_s is not None and rep.heartbeat_age_s < 5
+        else:
+            assert rep.clock_skew_s is not None and abs(rep.clock_skew_s - skew) < 1.5, rep.clock_skew_s
+            assert rep.heartbeat_age_s is not None and rep.heartbeat_age_s < 1.5
+
+
 def test_without_heartbeat_sessions_are_counted_from_accounting(redis_client: redis.Redis) -> None:
     t = register(redis_client, "w1")
     serve(t, {"s1": ("a", 0), "s2": ("a", 0)})

@@ -66,6 +66,9 @@ class WorkerReport:
     engines: list[dict[str, Any]] = field(default_factory=list)  # one per engine: see _engine_summary
     draining: bool = False  # `dgr ops drain` set its drain key (consumer/ops/drain.py)
     placement: dict[str, Any] = field(default_factory=dict)  # the placement score's inputs (docs/placement.md)
+    # the worker's clock less this host's, read by when it beat on Redis' clock (schemas/heartbeat.py): None when
+    # its heartbeat gives no TTL to read that by
+    clock_skew_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,7 +135,8 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
     spec_raw, hb_raw, hb_pttl, dlq_len, acct, drain = pipe.execute()
     spec, hb = _json(spec_raw), _json(hb_raw)
     # on Redis' clock (the key's PTTL), not this host's against the worker's (schemas/heartbeat.py)
-    age = heartbeat_age(hb, hb_pttl, time.time() if now is None else now) if hb_raw is not None else None
+    now = time.time() if now is None else now
+    age = heartbeat_age(hb, hb_pttl, now) if hb_raw is not None else None
     info = dict(spec.get("info") or {})
     rep = WorkerReport(worker_id=worker_id, advertised=spec_raw is not None, alive=hb_raw is not None,
                        heartbeat_age_s=age, keys=[_key_summary(x) for x in spec.get("keys", [])], info=info,
@@ -140,6 +144,10 @@ def inspect_worker(client: Client, worker_id: str, *, now: float | None = None) 
                        accounting={f: _num(v) for f, v in sdict(cast(dict[Any, Any], acct)).items()},
                        draining=bool(drain))
     rep.placement = _placement_inputs(hb, info, rep.draining)
+    ts = hb.get("ts")
+    if age is not None and "ttl_s" in hb and isinstance(hb_pttl, int) and hb_pttl >= 0 \
+            and isinstance(ts, int | float) and not isinstance(ts, bool):
+        rep.clock_skew_s = ts - (now - age)  # when it beat by its clock, less when it beat by this one
     engines = hb.get("engines") if hb_raw is not None else None
     if not isinstance(engines, list):
         engines = info.get("engines")
@@ -234,7 +242,10 @@ def _worker_row(w: WorkerReport) -> dict[str, str]:
         active += "*"
     keys = ", ".join(f"{k['phase']}:{k['digest']}" for k in w.keys) or ("-" if w.advertised else "[red]none[/red]")
     name = f"{w.worker_id} [yellow](draining)[/yellow]" if w.draining else w.worker_id
-    return {"worker": name, "heartbeat": _fmt_age(w.heartbeat_age_s, w.alive), "keys": keys,
+    beat = _fmt_age(w.heartbeat_age_s, w.alive)
+    if w.clock_skew_s is not None and abs(w.clock_skew_s) >= 1.0:  # a host whose clock is off: say by how much
+        beat += f" [yellow](clock {w.clock_skew_s:+.0f}s)[/yellow]"
+    return {"worker": name, "heartbeat": beat, "keys": keys,
             "slots": str(w.info.get("slots", "?")), "active": active,
             "input lag": str(sum(x.lag if x.lag is not None else x.length for x in w.streams)),
             "pending": str(sum(x.pending for x in w.streams)),
