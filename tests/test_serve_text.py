@@ -82,3 +82,21 @@ def test_the_sandbox_refuses_a_hostile_template() -> None:
     evil = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}", "")
     with pytest.raises(SecurityError):
         evil.render([{"role": "user", "content": "x"}])
+
+
+def test_a_template_is_compiled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiling costs about 4 ms and a short chat's render 0.05 (docs/benchmarks.md): once per template, not per
+    request."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    compiled = []
+    real = ImmutableSandboxedEnvironment.from_string
+
+    def counting(self: ImmutableSandboxedEnvironment, source: str, *a: object, **kw: object) -> object:
+        compiled.append(source)
+        return real(self, source, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", counting)
+    t = ChatTemplate(TEMPLATES["gemma"], "test")
+    outs = {t.render([{"role": "user", "content": f"hi {i}"}]) for i in range(5)}
+    assert len(outs) == 5 and len(compiled) == 1
