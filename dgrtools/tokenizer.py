@@ -38,6 +38,8 @@ class _Backend(Protocol):
 
     def control_tokens(self) -> dict[str, int]: ...
 
+    def longest_token_bytes(self) -> int: ...
+
 
 class Tokenizer:
     """`Tokenizer(path)`: encode/decode/piece for a GGUF, llama.cpp's vocabulary when available."""
@@ -63,6 +65,7 @@ class Tokenizer:
         # a dictionary lookup, not a call into llama.cpp with a buffer made for it (dgr serve, per token)
         self._pieces: dict[int, bytes] = {}
         self._control: dict[str, int] | None = None
+        self._longest: int | None = None
 
     def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         """`special`: text naming a control token (`<start_of_turn>`) becomes that token, as a chat template's
@@ -84,6 +87,14 @@ class Tokenizer:
     def piece(self, token: int) -> str:
         """One token's text (a lone byte token of a multi-byte character decodes to U+FFFD)."""
         return self._impl.piece(token)
+
+    @property
+    def longest_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (its text in the vocabulary, UTF-8; a space written as `▁`
+        counts 3): a text of more than n times this many bytes cannot be n tokens or fewer. Read once."""
+        if self._longest is None:
+            self._longest = self._impl.longest_token_bytes()
+        return self._longest
 
     @property
     def control_tokens(self) -> dict[str, int]:
@@ -128,6 +139,10 @@ class LlamaTokenizer:
         self.eos_id = int(L.llama_vocab_eos(self._vocab))
         eot = int(L.llama_vocab_eot(self._vocab))
         self.stop_tokens: tuple[int, ...] = tuple(sorted({t for t in (self.eos_id, eot) if t >= 0}))
+
+    def longest_token_bytes(self) -> int:
+        L = self._L
+        return max((len(L.llama_vocab_get_text(self._vocab, i) or b"") for i in range(self.vocab_size)), default=1)
 
     def control_tokens(self) -> dict[str, int]:
         L, out = self._L, dict[str, int]()
@@ -207,6 +222,9 @@ class SpmTokenizer:
 
     def control_tokens(self) -> dict[str, int]:
         return {}  # `encode` reads every text as text
+
+    def longest_token_bytes(self) -> int:
+        return max((len(t.encode("utf-8")) for t in self._tokens), default=1)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> SpmTokenizer:

@@ -29,6 +29,7 @@ from producer import AsyncProducer, PlacementPolicy, ProducerSettings, SessionHa
 from schemas import Reason, Status, StepResult
 
 from .api import ChatRequest, CompletionRequest, Generation
+from .chat_tokens import TooLong
 from .errors import (
     ApiError,
     bad_request,
@@ -40,12 +41,15 @@ from .errors import (
     unauthorized,
 )
 from .responses import Choice, Kind, Shape
-from .runner import Runner, Sessions, serving, usage_of
+from .runner import Placement, Runner, Sessions, serving, usage_of
 from .text import TextModel
 
 log = logging.getLogger("dgr.serve")
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"
 MAX_BODY_BYTES = 1 << 20
+# A prompt's text longer than this is tokenized on a thread (a few ms of llama.cpp at Gemma's vocabulary): shorter
+# ones are tokenized on the event loop, where a thread's hand-over would cost about as much as the work
+INLINE_TEXT = 16_384
 MAX_BODY_DEPTH = 64  # JSON nesting levels of a request body: a response_format schema of ~30 nested objects fits
 T = TypeVar("T")
 
@@ -138,8 +142,15 @@ class Gateway:
         except ValidationError as e:
             raise from_validation(e) from None
         model = self.model(req.model)
-        prompt = self.prompt(req, model)
-        where = await self.runner.place(model)
+        try:  # first: its context bounds the text worth tokenizing
+            where: Placement | None = await self.runner.place(model)
+            refused = None
+        except ApiError as e:  # no worker up: the request's own faults are answered first, as ever
+            where, refused = None, e
+        prompt = await self.encode(req, model, None if where is None else where.ctx)
+        if refused is not None:
+            raise refused
+        assert where is not None
         sessions = self.runner.sessions(req, model, prompt, where, account)
         shape = Shape(kind, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", model,
                       req.logprobs_n() is not None)
@@ -172,16 +183,31 @@ class Gateway:
             item = await anext(events)
         return item
 
-    def prompt(self, req: Generation, model: TextModel) -> list[int]:
-        if isinstance(req, ChatRequest):
-            try:
-                return model.encode_chat([{"role": m.role, "content": m.text} for m in req.messages])
-            except LookupError as e:
-                raise bad_request(str(e), param="model", code="no_chat_template") from None
-            except Exception as e:  # a template's raise_exception, or a template that fails to render
-                raise bad_request(f"the chat template refused the messages: {e}", param="messages") from None
-        assert isinstance(req, CompletionRequest)
-        prompt = model.encode_prompt(req.prompt)
+    async def encode(self, req: Generation, model: TextModel, ctx: int | None) -> list[int]:
+        """The prompt's ids: on a thread when its text is long (llama.cpp's tokenizer lets go of the GIL; a chat of
+        1 MB took Gemma's vocabulary seconds, every other stream waiting on the event loop meanwhile), and a text
+        too long for `ctx` tokens refused before it is tokenized (docs/serve.md)."""
+        if size_of(req) < INLINE_TEXT:
+            return self.prompt(req, model, ctx)
+        return await asyncio.to_thread(self.prompt, req, model, ctx)
+
+    def prompt(self, req: Generation, model: TextModel, ctx: int | None = None) -> list[int]:
+        try:
+            if isinstance(req, ChatRequest):
+                try:
+                    return model.encode_chat([{"role": m.role, "content": m.text} for m in req.messages], ctx)
+                except LookupError as e:
+                    raise bad_request(str(e), param="model", code="no_chat_template") from None
+                except TooLong:
+                    raise
+                except Exception as e:  # a template's raise_exception, or a template that fails to render
+                    raise bad_request(f"the chat template refused the messages: {e}", param="messages") from None
+            assert isinstance(req, CompletionRequest)
+            prompt = model.encode_prompt(req.prompt, ctx)
+        except TooLong as e:
+            raise bad_request(f"This model's maximum context length is {ctx} tokens; the prompt cannot fit ({e})",
+                              param="messages" if isinstance(req, ChatRequest) else "prompt",
+                              code="context_length_exceeded") from None
         vocab = model.tokenizer.vocab_size
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:  # in C: a generator resumed per token costs µs
             raise bad_request(f"the prompt must be text or token ids in [0, {vocab})", param="prompt")
@@ -290,6 +316,14 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled() and gone.done() and not gone.cancelled():
         raise ClientDisconnect()
     return task.result()
+
+
+def size_of(req: Generation) -> int:
+    """The characters of text a request's prompt holds (0 for token ids)."""
+    if isinstance(req, ChatRequest):
+        return sum(len(m.text) for m in req.messages)
+    assert isinstance(req, CompletionRequest)
+    return sum(len(x) for x in ([req.prompt] if isinstance(req.prompt, str) else req.prompt) if isinstance(x, str))
 
 
 def _api_answer(e: Exception, where: str) -> ApiError:

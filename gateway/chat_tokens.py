@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from dgrtools.tokenizer import Tokenizer
 
-__all__ = ["ControlTokens", "check_exact", "encode_chat", "piecewise"]
+__all__ = ["MANY_MESSAGES", "ControlTokens", "TooLong", "check_exact", "encode_chat", "piecewise"]
 
 
 class ControlTokens:
@@ -52,34 +52,51 @@ class ControlTokens:
         return bool(self.spans(text))
 
 
+class TooLong(ValueError):
+    """The rendered text is longer than `limit_bytes`: it cannot fit the context, whatever its tokens."""
+
+
 def encode_chat(tokenizer: Tokenizer, control: ControlTokens, render: Callable[[Sequence[dict[str, str]]], str],
-                messages: Sequence[dict[str, str]]) -> list[int]:
-    """The chat's tokens (BOS first where the vocabulary adds one); ValueError when a message holding a control
-    token's text cannot be kept apart from the template's text (a template that changes a message's text more
-    than trimming it, or a vocabulary whose tokenization the pieces do not reproduce: `ControlTokens.exact`)."""
+                messages: Sequence[dict[str, str]], limit_bytes: int | None = None) -> list[int]:
+    """The chat's tokens (BOS first where the vocabulary adds one). TooLong past `limit_bytes` of rendered text,
+    before any tokenization; ValueError when a message holding a control token's text cannot be kept apart from
+    the template's text (a template that changes a message's text more than trimming it, or a vocabulary whose
+    tokenization the pieces do not reproduce: `ControlTokens.exact`)."""
+    text = render(messages)
+    if limit_bytes is not None and len(text) > limit_bytes // 4 and len(text.encode("utf-8")) > limit_bytes:
+        raise TooLong(f"{len(text.encode('utf-8'))} bytes of text")
     held = [i for i, m in enumerate(messages) if control.named_in(str(m.get("content", "")))]
-    if not held:
-        return tokenizer.encode(render(messages), add_bos=True, special=True)
-    if not control.exact:
+    if held and not control.exact:
         raise ValueError("a message holds the text of a control token, which this model's template or vocabulary "
                          "cannot keep apart from its own: refused")
-    return piecewise(tokenizer, control, render, messages, held)
+    if held or (control.exact and len(messages) > MANY_MESSAGES):
+        return piecewise(tokenizer, control, render, messages, held, text)
+    return tokenizer.encode(text, add_bos=True, special=True)
+
+
+# Past this many messages the pieces are the faster way to the same ids: llama.cpp looks for each of a vocabulary's
+# control tokens in the whole text (Gemma's 6,250), where the pieces find them in one pass (docs/serve.md)
+MANY_MESSAGES = 32
 
 
 def piecewise(tokenizer: Tokenizer, control: ControlTokens, render: Callable[[Sequence[dict[str, str]]], str],
-              messages: Sequence[dict[str, str]], held: Sequence[int]) -> list[int]:
-    """The chat's tokens with the messages `held` rendered between marks and read as text only."""
-    text = render(messages)
-    start, end = _marks(text, messages)
-    marked = [dict(m) for m in messages]
-    for i in held:
-        c = str(marked[i]["content"])
-        core = c.strip()
-        lead = c[:len(c) - len(c.lstrip())]
-        marked[i]["content"] = lead + start + core + end + c[len(lead) + len(core):]
-    again = render(marked)
-    if again.replace(start, "").replace(end, "") != text:
-        raise ValueError("a message holds the text of a control token and the chat template changes it: refused")
+              messages: Sequence[dict[str, str]], held: Sequence[int], text: str | None = None) -> list[int]:
+    """The chat's tokens with the messages `held` rendered between marks and read as text only (`text`: the chat
+    rendered already)."""
+    text = render(messages) if text is None else text
+    if held:
+        start, end = _marks(text, messages)
+        marked = [dict(m) for m in messages]
+        for i in held:
+            c = str(marked[i]["content"])
+            core = c.strip()
+            lead = c[:len(c) - len(c.lstrip())]
+            marked[i]["content"] = lead + start + core + end + c[len(lead) + len(core):]
+        again = render(marked)
+        if again.replace(start, "").replace(end, "") != text:
+            raise ValueError("a message holds the text of a control token and the chat template changes it: refused")
+    else:
+        start, end, again = "", "", text
     out = tokenizer.encode("", add_bos=True, special=True)  # BOS, as the whole text's tokenization begins
     raw: list[str] = []
 
@@ -88,7 +105,7 @@ def piecewise(tokenizer: Tokenizer, control: ControlTokens, render: Callable[[Se
             out.extend(tokenizer.encode("".join(raw), add_bos=False, special=False))
             raw.clear()
 
-    for k, piece in enumerate(again.split(start)):
+    for k, piece in enumerate(again.split(start) if start else [again]):
         if k:  # a message's text, then the template's
             said, sep, piece = piece.partition(end)
             if not sep or end in piece:

@@ -15,7 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dgrtools.tokenizer import Tokenizer
 
-from .chat_tokens import PROBE, ControlTokens, check_exact, encode_chat
+from .chat_tokens import PROBE, ControlTokens, TooLong, check_exact, encode_chat
 
 log = logging.getLogger("dgr.serve")
 
@@ -127,22 +127,32 @@ class TextModel:
                  model.template.source if model.template else "none (chat refused; name one with --chat-template)")
         if model.template is not None:
             model.encode_chat(PROBE)  # the control tokens read now, not at the first request
+        model.tokenizer.longest_token_bytes  # noqa: B018  (read now, not at the first request)
         return model
 
-    def encode_prompt(self, prompt: str | list[int] | list[str]) -> list[int]:
+    def limit_bytes(self, ctx: int | None) -> int | None:
+        """The most bytes of text that can be `ctx` tokens or fewer (None: no bound)."""
+        return None if ctx is None else ctx * self.tokenizer.longest_token_bytes
+
+    def encode_prompt(self, prompt: str | list[int] | list[str], ctx: int | None = None) -> list[int]:
+        """`ctx`: a text that cannot fit that many tokens is refused (TooLong) before it is tokenized."""
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
             return [int(t) for t in prompt]
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        return self.tokenizer.encode(str(text), add_bos=True)
+        text = str(prompt[0] if isinstance(prompt, list) else prompt)
+        limit = self.limit_bytes(ctx)
+        if limit is not None and len(text) > limit // 4 and len(text.encode("utf-8")) > limit:
+            raise TooLong(f"{len(text.encode('utf-8'))} bytes of text")
+        return self.tokenizer.encode(text, add_bos=True)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The chat's tokens; a message's text is never read as a control token (gateway/chat_tokens.py)."""
+    def encode_chat(self, messages: Sequence[dict[str, str]], ctx: int | None = None) -> list[int]:
+        """The chat's tokens; a message's text is never read as a control token (gateway/chat_tokens.py); `ctx`:
+        a rendered chat that cannot fit that many tokens is refused (TooLong) before it is tokenized."""
         if self.template is None:
             raise LookupError(f"model {self.name!r} has no chat template: start dgr serve with --chat-template")
         if self.control is None:
             self.control = ControlTokens(self.tokenizer.control_tokens)
             self.control.exact = check_exact(self.tokenizer, self.control, self.template.render)
-        return encode_chat(self.tokenizer, self.control, self.template.render, messages)
+        return encode_chat(self.tokenizer, self.control, self.template.render, messages, self.limit_bytes(ctx))
 
 
 @dataclass

@@ -187,6 +187,10 @@ def test_no_worker_up_is_503(worker: redis.Redis, redis_server: LocalRedis, mode
     r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH,
              json={**CHAT, "model": "other"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    # the request's own fault is answered first, as when the prompt was read before the fleet
+    r = call(config(redis_server, models), "POST", "/v1/completions", headers=AUTH,
+             json={"model": "other", "prompt": [1, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_backpressure_is_429_with_retry_after(worker: redis.Redis, redis_server: LocalRedis,
@@ -286,3 +290,44 @@ def test_a_failure_of_the_server_itself_is_500_in_openai_shape(worker: redis.Red
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error", events
     r = call(config(redis_server, models), "POST", "/v1/chat/completions", headers=AUTH, json=CHAT)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(
+        worker: redis.Redis, redis_server: LocalRedis, models: list[TextModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's text longer than the worker's context could hold (ctx x the vocabulary's longest token in bytes)
+    is answered 400 before llama.cpp reads it (a 1 MB chat took Gemma's vocabulary seconds), nothing started."""
+    import threading
+
+    from dgrtools.tokenizer import Tokenizer
+
+    read: list[int] = []
+    real = Tokenizer.encode
+
+    def encode(self: Tokenizer, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        read.append(len(text))
+        return real(self, text, add_bos, special)
+
+    monkeypatch.setattr(Tokenizer, "encode", encode)
+    before = started(worker)
+    cfg = ServeConfig(redis_url=redis_server.url, models=models, api_keys={KEY: "acct-a"}, max_body_bytes=1 << 20)
+    big = "word " * 100_000
+    for path, body in (("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": big}]}),
+                       ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "w"}] * 5000}),
+                       ("/v1/completions", {"model": "tiny", "prompt": big, "max_tokens": 2})):
+        r = call(cfg, "POST", path, headers=AUTH, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert not read or max(read) < 10_000, read  # never tokenized
+    assert started(worker) == before
+    # a long text that may fit is tokenized on a thread, a short one on the event loop
+    from gateway.api import ChatRequest
+    from gateway.app import Gateway
+
+    where: list[bool] = []
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, text, add_bos=True, special=False: (
+        where.append(threading.current_thread() is threading.main_thread()) or real(self, text, add_bos, special)))
+    gw = Gateway(cfg, None)  # type: ignore[arg-type]  # encode() needs no producer
+    for text in ("short", "x" * 20_000):
+        req = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": text}]})
+        assert asyncio.run(gw.encode(req, models[0], None))
+    assert where == [True, False], where
