@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_tokens import ControlTokens, check_exact, encode_chat, piecewise
+from gateway.chat_tokens import MANY_MESSAGES, ControlTokens, check_exact, encode_chat, piecewise
 from gateway.text import TEMPLATES, ChatTemplate, TextModel
 
 # the tiny model's control tokens in a template of the ChatML kind
@@ -58,8 +58,19 @@ def _checks(model: TextModel, render: Callable[[Sequence[dict[str, str]]], str],
         defanged = [{**m, "content": _defang(m["content"], control)} for m in msgs]
         assert [t for t in got if t in ids] == [t for t in whole(defanged) if t in ids], msgs
 
+    @settings(max_examples=max(10, examples // 10), deadline=None)
+    @given(st.lists(st.text(st.sampled_from(list("ab <>\n")), max_size=6), min_size=MANY_MESSAGES + 1,
+                    max_size=MANY_MESSAGES + 20))
+    def many_same_ids(texts: list[str]) -> None:
+        """Past MANY_MESSAGES every chat is tokenized in pieces: the whole text's ids when no message names a
+        control token."""
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+        assume(not any(control.named_in(m["content"]) for m in msgs))
+        assert encode_chat(model.tokenizer, control, render, msgs) == whole(msgs)
+
     same_ids()
     no_injection()
+    many_same_ids()
 
 
 def _defang(text: str, control: ControlTokens) -> str:
