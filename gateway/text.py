@@ -127,6 +127,9 @@ class TextModel:
                  model.template.source if model.template else "none (chat refused; name one with --chat-template)")
         if model.template is not None:
             model.encode_chat(PROBE)  # the control tokens read now, not at the first request
+            if model.control is not None and not model.control.exact:
+                log.warning("%s: its template's pieces do not tokenize as the whole text does: a chat whose messages "
+                            "name a control token will be refused (docs/serve.md)", name)
         model.tokenizer.longest_token_bytes  # noqa: B018  (read now, not at the first request)
         return model
 
