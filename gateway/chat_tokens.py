@@ -9,8 +9,10 @@ that does is rendered again with each such message's text between two marks, and
 llama.cpp would have, except that the messages' text is never searched for control tokens: the template's own
 text split at its control tokens (longest first, as llama.cpp's partition), the raw text between them (the
 messages' included) tokenized without special parsing, each piece as llama.cpp tokenizes a piece (a space
-prefix after a control token where the vocabulary asks for one). tests/test_serve_text.py checks that this
-gives the whole-text ids on chats without such text, and no control token from a message's text."""
+prefix after a control token where the vocabulary asks for one). tests/test_chat_tokens.py checks that this
+gives the whole-text ids on chats without such text, and no control token from a message's text. Past
+MANY_MESSAGES every chat goes by pieces: llama.cpp's own look for control tokens is per token type over the
+whole text, the pieces' one pass over it."""
 
 from __future__ import annotations
 
