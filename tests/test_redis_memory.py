@@ -85,3 +85,21 @@ def test_dgr_consumer_exits_3_on_a_redis_that_evicts(tiny_model_path: Path, tmp_
         said = run.stdout + run.stderr
         assert "refusing to start" in said and "maxmemory-policy allkeys-lru" in said, said[-2000:]
         assert not redis.Redis.from_url(srv.url).keys("dgr:*")
+
+
+def test_a_redis_that_evicts_after_an_outage_is_said_loudly(policy: redis.Redis,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The look again at every registration after the first (after an outage: a failover may promote a server
+    configured otherwise): an error in the log, the worker goes on with its sessions."""
+    from tests.test_transport import make_key
+
+    t = RedisTransport(policy, "evict-later")
+    try:
+        t.acquire_lease(wait=False)
+        t.register([make_key("prefill"), make_key("decode")], {"slots": 2})
+        assert "may evict" not in caplog.text
+        policy.config_set("maxmemory-policy", "allkeys-lru")
+        t.register([make_key("prefill"), make_key("decode")], {"slots": 2})  # as after an outage
+        assert "maxmemory-policy allkeys-lru" in caplog.text and "seen after a Redis outage" in caplog.text
+    finally:
+        t.release_lease()

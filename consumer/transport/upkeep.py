@@ -52,22 +52,28 @@ class Upkeep:
         self.summary_version: str | None = None  # of the prefix summary last written (None: write it)
         self.spec_version: str | None = None  # of the advertisement last written (schemas/heartbeat.py spec_version)
 
-    def check_memory(self) -> None:
+    def check_memory(self, *, running: bool = False) -> None:
         """Refuse (EvictingRedis) a Redis that may evict dgr's keys at its maxmemory (transport/memory.py), unless
-        the settings allow it: then say so."""
+        the settings allow it: then say so. `running`: the look after an outage (a failover may have promoted a
+        server configured otherwise): an error in the log, the worker goes on (its sessions are in flight)."""
         io = self.io
         problem = evicting(io.io(lambda: eviction_policies(io.client)))
         if problem is None:
             return
-        if not io.settings.allow_eviction:
+        if running:
+            log.error("%s (seen after a Redis outage)", problem, extra={"worker": io.worker_id})
+        elif not io.settings.allow_eviction:
             raise EvictingRedis(problem)
-        log.warning("%s; starting anyway (--allow-eviction)", problem, extra={"worker": io.worker_id})
+        else:
+            log.warning("%s; starting anyway (--allow-eviction)", problem, extra={"worker": io.worker_id})
 
     def register(self, keys: Sequence[CompatibilityKey], info: Mapping[str, object]) -> list[str]:
         """Create the consumer group on every key's input stream (id 0, MKSTREAM; BUSYGROUP ignored),
         advertise the keys and `info` (with the wire version) at `keys.spec` (JSON), SADD the worker to
         WORKERS_INDEX, load the scripts. Returns the stream names. Idempotent."""
         io = self.io
+        if self.spec_version is not None and not io.settings.allow_eviction:  # registered before: after an outage
+            self.check_memory(running=True)
         streams = list(dict.fromkeys(io.keys.input_stream(k.digest, k.phase) for k in keys))
         for s in streams:
             self.intake.stream_meta(s)
