@@ -230,3 +230,17 @@ def test_a_worker_refuses_a_cluster_with_one_primary_that_evicts(cluster_client:
             RedisTransport(c, "cw-evict").acquire_lease(wait=False)  # type: ignore[arg-type]
     finally:
         c.get_redis_connection(node).config_set("maxmemory-policy", "noeviction")
+
+
+def test_forget_gone_on_a_cluster(cluster_client: RedisCluster) -> None:  # noqa: F811
+    """`dgr ops forget-gone`'s one pipeline of every worker's state spans the nodes (consumer/ops/forget.py)."""
+    from consumer.ops.forget import forget_gone
+    from schemas.keys import WORKERS_INDEX
+
+    c = cluster_client
+    w1, w2 = two_workers_on_different_nodes(c)
+    c.sadd(WORKERS_INDEX, w1, w2)
+    c.set(WorkerKeys(w1).heartbeat, "{}", ex=60)
+    assert {x.worker_id: x.status for x in forget_gone(c, 0)} == {w1: "up", w2: "noted"}  # type: ignore[arg-type]
+    assert {x.worker_id: x.status for x in forget_gone(c, 0)} == {w1: "up", w2: "forgotten"}  # type: ignore[arg-type]
+    assert c.smembers(WORKERS_INDEX) == {w1.encode()}

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from schemas.keys import WORKERS_GONE, WORKERS_INDEX, WorkerKeys
 
-from .common import Client, r, s, workers
+from .common import Client, r, redis_time_ms, s, workers
 from .rollup import rollup
 
 __all__ = ["Forgot", "forget_gone"]
@@ -44,35 +44,33 @@ class Forgot:
         return {"worker_id": self.worker_id, "status": self.status, "gone_s": self.gone_s, "detail": self.detail}
 
 
-def _now_ms(client: Client) -> int:
-    sec, usec = cast(tuple[Any, Any], r(client.time()))
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 def forget_gone(client: Client, gone_for_s: float, *, worker_ids: Iterable[str] | None = None,
                 dry_run: bool = False) -> list[Forgot]:
     """One look at every worker of the index (or `worker_ids`): a row each, `forgotten` for those taken out."""
-    out: list[Forgot] = []
-    now = _now_ms(client)
-    for w in workers(client, worker_ids):
+    now = redis_time_ms(client)
+    ids = workers(client, worker_ids)
+    pipe = client.pipeline(transaction=False)  # every worker's state in one round trip
+    for w in ids:
         k = WorkerKeys(w)
-        beats, held = (int(r(client.exists(x))) for x in (k.heartbeat, k.lease))
-        seen = r(client.hget(WORKERS_GONE, w))
+        pipe.exists(k.heartbeat)
+        pipe.exists(k.lease)
+        pipe.hget(WORKERS_GONE, w)
+    state = r(pipe.execute()) if ids else []
+    out: list[Forgot] = []
+    for i, w in enumerate(ids):
+        beats, held, seen = int(state[3 * i]), int(state[3 * i + 1]), state[3 * i + 2]
         if beats or held:
             if seen is not None and not dry_run:
                 client.hdel(WORKERS_GONE, w)
             out.append(Forgot(w, "up" if beats else "held"))
-            continue
-        if seen is None:
+        elif seen is None:
             if not dry_run:
                 client.hsetnx(WORKERS_GONE, w, str(now))
             out.append(Forgot(w, "noted", 0.0))
-            continue
-        gone_s = max(0.0, (now - int(s(seen))) / 1000)
-        if gone_s < gone_for_s:
+        elif (gone_s := max(0.0, (now - int(s(seen))) / 1000)) < gone_for_s:
             out.append(Forgot(w, "waiting", gone_s))
-            continue
-        out.append(_forget(client, w, gone_s, dry_run))
+        else:
+            out.append(_forget(client, w, gone_s, dry_run))
     return out
 
 
