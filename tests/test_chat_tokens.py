@@ -68,9 +68,17 @@ def _checks(model: TextModel, render: Callable[[Sequence[dict[str, str]]], str],
         assume(not any(control.named_in(m["content"]) for m in msgs))
         assert encode_chat(model.tokenizer, control, render, msgs) == whole(msgs)
 
+    @settings(max_examples=examples, deadline=None)
+    @given(st.one_of(st.text(max_size=200), st.text(st.sampled_from(" \n\t\u3000ab<é"), max_size=400)))
+    def bound_holds(text: str) -> None:
+        """No text is refused as too long that fits: a token stands for at most longest_token_bytes of text."""
+        assert len(model.tokenizer.encode(text, add_bos=False, special=False)) * model.tokenizer.longest_token_bytes \
+            >= len(text.encode("utf-8"))
+
     same_ids()
     no_injection()
     many_same_ids()
+    bound_holds()
 
 
 def _defang(text: str, control: ControlTokens) -> str:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from consumer.ops.forget import forget_gone
 from consumer.ops.rollup import read_ledger
@@ -76,3 +78,38 @@ def test_the_command(redis_server: LocalRedis, real_redis: redis.Redis) -> None:
     first = json.loads(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
     second = json.loads(subprocess.run(run, capture_output=True, text=True, check=True).stdout)
     assert [x["status"] for x in first] == ["noted"] and [x["status"] for x in second] == ["forgotten"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["start", "stop", "charge", "look"]),
+                          st.integers(1, 5)), max_size=25))
+def test_any_history_loses_no_worker_that_runs_and_no_charge(redis_client: redis.Redis,
+                                                              steps: list[tuple[str, str, int]]) -> None:
+    """Workers start (heartbeat, lease, each beat SADDs it), stop, charge while they run, and forget-gone looks
+    (gone_for 0: a worker is taken out at its second look while gone), in any order: a running worker is in the index
+    after every beat, and a roll-up through the index then folds every charge ever made, forgotten workers' too."""
+    c = redis_client
+    c.flushall()
+    charged = {"a": 0, "b": 0}
+    for w, what, n in steps:
+        k = WorkerKeys(w)
+        running = bool(c.exists(k.lease))
+        if what == "start" or (what == "charge" and running):
+            c.set(k.lease, "me", px=60_000)
+            RedisTransport(c, w).heartbeat({"slots": 1})  # what a running worker writes, SADD included
+        if what == "stop":
+            c.delete(k.lease, k.heartbeat)
+        elif what == "charge" and running:
+            c.sadd(k.accounts_index, "acct-h")
+            c.hincrby(k.billing_account("acct-h"), "prompt_tokens", n)
+            charged[w] += n
+        elif what == "look":
+            forget_gone(c, 0)
+        for x in ("a", "b"):
+            if c.exists(WorkerKeys(x).heartbeat):
+                assert c.sismember(WORKERS_INDEX, x), (x, steps)
+    from consumer.ops.rollup import rollup
+
+    rollup(c)
+    total = read_ledger(c, "acct-h").totals.get("prompt_tokens", 0) if sum(charged.values()) else 0
+    assert total == sum(charged.values()), (charged, steps)
