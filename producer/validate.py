@@ -201,7 +201,7 @@ class Advertisements:
     def keep(self, worker_ids: Iterable[str]) -> None:
         """Only these (the index as read): an id taken out of it is forgotten."""
         keep = set(worker_ids)
-        if len(keep) != len(self.last):
+        if len(keep) != len(self.last):  # every id read is in `last` by now (to_read, take): equal sizes, equal sets
             self.last = {w: v for w, v in self.last.items() if w in keep}
 
 
