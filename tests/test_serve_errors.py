@@ -318,7 +318,8 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(
         r = call(cfg, "POST", path, headers=AUTH, json=body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert not read or max(read) < 10_000, read  # never tokenized
-    assert started(worker) == before
+    after = started(worker)  # no record opened, no prefill job pushed (the worker trims answered ones meanwhile)
+    assert after[0] == before[0] and after[1] <= before[1], (before, after)
     # a long text that may fit is tokenized on a thread, a short one on the event loop
     from gateway.api import ChatRequest
     from gateway.app import Gateway
