@@ -160,15 +160,25 @@ def serve(
                                                   "bearer keys required, each billing its account.")] = None,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies are refused (413).")] = 1 << 20,
     max_lag: Annotated[int, typer.Option(help="A worker's prefill lag past this answers 429.")] = 10_000,
+    head_timeout_s: Annotated[float, typer.Option(help="A request's head must arrive within this of the connection's "
+                                                  "start or last answer (else closed; 408 if part came).")] = 10.0,
+    max_head_bytes: Annotated[int, typer.Option(help="Larger request heads (URL and headers) are refused (431).")
+                              ] = 64 << 10,
+    body_timeout_s: Annotated[float, typer.Option(help="A request's body must arrive within this (408).")] = 30.0,
+    write_timeout_s: Annotated[float, typer.Option(help="A client that reads nothing of its answer for this long "
+                                                   "is dropped (its sessions cancelled).")] = 60.0,
     gc_young: Annotated[int, typer.Option(envvar="DGR_GC_YOUNG", min=0, help=_GC_YOUNG.metadata["help"])
                         ] = _S.gc_young,
 ) -> None:
     """An OpenAI-compatible HTTP API over the fleet (docs/serve.md; the `serve` extra)."""
+    from gateway.guard import ClientBounds
     from gateway.main import serve as run_serve
 
     young_gc(gc_young)
+    bounds = ClientBounds(head_timeout_s=head_timeout_s, max_head_bytes=max_head_bytes, body_timeout_s=body_timeout_s,
+                          write_timeout_s=write_timeout_s)
     run_serve(redis_url, model, host=host, port=port, chat_template=chat_template or None, api_keys_file=api_keys,
-              max_body_bytes=max_body_bytes, max_lag=max_lag)
+              max_body_bytes=max_body_bytes, max_lag=max_lag, bounds=bounds)
 
 
 def _register_ops() -> None:

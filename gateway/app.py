@@ -69,6 +69,7 @@ class ServeConfig:
     models: list[TextModel]
     api_keys: dict[str, str] = field(default_factory=dict)  # bearer key -> account id
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # a request's body read within this (408): gateway/guard.py bounds the rest
     account: str = "serve"  # the account billed when no keys are configured
     producer: ProducerSettings = field(default_factory=serve_producer)
 
@@ -104,10 +105,15 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > limit:
+                        raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        except TimeoutError:
+            raise ApiError(408, f"the request's body did not arrive within {self.config.body_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         try:
             text = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .app import MAX_BODY_BYTES, ServeConfig, make_app, serve_producer
+from .guard import ClientBounds, guarded_protocol
 from .text import TextModel
 
 log = logging.getLogger("dgr.serve")
@@ -45,14 +46,17 @@ def load_models(values: Sequence[str], chat_template: str | None) -> list[TextMo
 
 def serve(redis_url: str, models: Sequence[str], *, host: str = "127.0.0.1", port: int = 8000,
           chat_template: str | None = None, api_keys_file: Path | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-          max_lag: int | None = 10_000, log_level: str = "info") -> None:
+          max_lag: int | None = 10_000, log_level: str = "info", bounds: ClientBounds = ClientBounds()) -> None:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServeConfig(redis_url=redis_url, models=load_models(models, chat_template),
                          api_keys=read_api_keys(api_keys_file, os.environ.get("DGR_API_KEYS")),
-                         max_body_bytes=max_body_bytes, producer=serve_producer(max_lag=max_lag))
+                         max_body_bytes=max_body_bytes, body_timeout_s=bounds.body_timeout_s,
+                         producer=serve_producer(max_lag=max_lag))
     log.info("dgr serve on http://%s:%d (models: %s; API keys: %s)", host, port,
              ", ".join(m.name for m in config.models), len(config.api_keys) or "none, open")
-    # loop / http "auto": uvloop and httptools (the serve extra) when installed, else asyncio and h11
-    uvicorn.run(make_app(config), host=host, port=port, log_level=log_level, access_log=False)
+    # loop "auto": uvloop (the serve extra) when installed; the protocol uvicorn's "auto" picks (httptools, else
+    # h11) with the clients' bounds (gateway/guard.py), h11's own bound on a head set to the same
+    uvicorn.run(make_app(config), host=host, port=port, log_level=log_level, access_log=False,
+                http=guarded_protocol(bounds), h11_max_incomplete_event_size=bounds.max_head_bytes)
