@@ -3,8 +3,9 @@ effect on any other session; a newer attempt's opening; cancellation."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
+
+from msgspec.structs import replace
 
 from schemas import Reason, Status, StepJob
 from schemas.limits import MAX_TOKENS_PER_JOB

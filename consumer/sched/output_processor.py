@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
 from typing import ClassVar
+
+from msgspec.structs import replace
 
 from schemas import Reason, Status, TokenLogprobs
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from schemas import Phase, Reason, Status, StepJob
 from schemas.step import end_job_id, result_job_id

@@ -21,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
+from msgspec.structs import replace as struct_replace
 
 from schemas import ActivationError, BoundarySchema, Reason, Status, StepJob
 from schemas.activations import decode, encode
@@ -139,13 +140,13 @@ class HopSteps:
             # Never an answer the next hop would compute on: the step fails (a bug, said loudly).
             detail = (f"hop output of {rows.shape[0]} rows for {len(job.tokens)} tokens" if rows.shape[0] !=
                       len(job.tokens) else "hop output holds NaN or inf")
-            failed = replace(r, status=Status.FAILED, reason=Reason.ENGINE_ERROR, detail=detail, prompt_tokens=0,
+            failed = struct_replace(r, status=Status.FAILED, reason=Reason.ENGINE_ERROR, detail=detail, prompt_tokens=0,
                              engine_seconds=0.0, token=None)
-            return replace(a, result=failed)
+            return struct_replace(a, result=failed)
         acts, blob = encode(rows, self.dtype, blob=self.blob_key("out", job.job_id))
         # A hop that is not last charges no billable tokens (docs/accounting.md): only its engine seconds.
-        result = replace(r, hidden=acts, prompt_tokens=0, token=None)
-        return replace(a, result=result, blob=blob)
+        result = struct_replace(r, hidden=acts, prompt_tokens=0, token=None)
+        return struct_replace(a, result=result, blob=blob)
 
     def held(self) -> int:
         """Jobs whose rows are kept (for tests: 0 once every job is answered)."""
