@@ -53,6 +53,7 @@ class OutputProcessor(SchedulerState):
         out: list[Answer] = []
         touched: dict[int, SessionQueue] = {}
         sampled = -1
+        inline = 0  # rows _decode_row answered: each a token sampled and a job answered OK
         decode = batch.phase == "decode" and self.inline_decode
         row_share = seconds / total_rows  # a decode row's share of the engine time (one row each)
         for it in batch.items:
@@ -61,13 +62,16 @@ class OutputProcessor(SchedulerState):
             if decode and it.samples and sampled not in ended:
                 got = tokens[sampled]
                 answer = None if got is None else self._decode_row(
-                    it, int(got), row_share, batch_size, None if logprobs is None else logprobs[sampled], touched)
+                    it, int(got), row_share, batch_size, None if logprobs is None else logprobs[sampled])
                 if answer is not None:
                     out.append(answer)
+                    inline += 1
                     continue
             out += self._general_row(it, batch.phase, tokens, sampled, ended, logprobs, seconds, total_rows,
                                      batch_size, touched)
         self._settle(touched)
+        self.stats.tokens_sampled += inline
+        self.stats.jobs_ok += inline
         return out
 
     def _general_row(self, it: BatchItem, phase: str, tokens: Sequence[int | None], sampled: int,
@@ -100,11 +104,11 @@ class OutputProcessor(SchedulerState):
         token, finished, lp = self._take_token(it, entry, tokens, sampled, ended, logprobs, phase)
         return self._answer_ok(it, lane, q, reached, token, finished, lp, phase, batch_size)
 
-    def _decode_row(self, it: BatchItem, token: int, share: float, batch_size: int, lp: TokenLogprobs | None,
-                    touched: dict[int, SessionQueue]) -> Answer | None:
+    def _decode_row(self, it: BatchItem, token: int, share: float, batch_size: int, lp: TokenLogprobs | None
+                    ) -> Answer | None:
         """The common row, a decode token of an open session that goes on (its one item in flight, not finished),
-        in one block: the same steps as the general path (_claim, _take_token, _answer_ok, _result) without their
-        calls and keywords, which cost about as much as the steps themselves (docs/benchmarks.md, issue 32).
+        in one block: the same steps as the general path (_claim, _take_token, _answer_ok, _result, _settle) without
+        their calls and keywords, which cost about as much as the steps themselves (docs/benchmarks.md, issue 32).
         None, nothing changed: any other row, for the general path."""
         lane = self._inflight.get(it.slot)
         if lane is None or lane.closed is not None or len(lane.inflight) != 1 or it.n_tokens != 1:
@@ -116,16 +120,25 @@ class OutputProcessor(SchedulerState):
             return None
         q.in_flight = None
         lane.inflight.clear()
-        touched[it.slot] = lane
+        # settled here, as _settle settles a lane with nothing left in flight after the loop: out of flight and, the
+        # usual case, its head job back in its phase's ready queue (a lane in flight is never among those awaiting a
+        # job); else _refresh decides. Sooner changes no order: a ready queue is a heap by the head's admission seq.
+        del self._inflight[it.slot]
+        sid = lane.session_id
+        if lane.jobs and self._lanes.get(sid) is lane:
+            self._awaiting.discard(sid)
+            if lane.ready_phase is None:
+                head = lane.jobs[0]
+                self._queues[head.job.phase].push(lane, head.seq)
+        else:
+            self._refresh(lane)
         reached = job.start_position + it.offset + 1
         entry.position = reached
         entry.engine_seconds += share
         entry.generated += 1
         entry.generated_tokens += 1
         entry.last_token = token
-        entry.state = SessionState.DECODING
-        self.stats.tokens_sampled += 1
-        self.stats.jobs_ok += 1
+        entry.state = SessionState.DECODING  # counted in stats by the caller, once per call
         final = q.answered = it.offset + 1 >= job.n
         q.engine_seconds = 0.0  # as the general path leaves it: this answer carries its own share
         # the result id is schemas.step.result_job_id's, inline (tests/test_decode_rows.py compares the answers)
