@@ -167,6 +167,8 @@ def serve(
     body_timeout_s: Annotated[float, typer.Option(help="A request's body must arrive within this (408).")] = 30.0,
     write_timeout_s: Annotated[float, typer.Option(help="A client that reads nothing of its answer for this long "
                                                    "is dropped (its sessions cancelled).")] = 60.0,
+    max_connections: Annotated[int, typer.Option(help="Connections past this many are answered 503 and closed "
+                                                 "(0: the descriptor limit less 256).", min=0)] = 0,
     gc_young: Annotated[int, typer.Option(envvar="DGR_GC_YOUNG", min=0, help=_GC_YOUNG.metadata["help"])
                         ] = _S.gc_young,
 ) -> None:
@@ -176,7 +178,7 @@ def serve(
 
     young_gc(gc_young)
     bounds = ClientBounds(head_timeout_s=head_timeout_s, max_head_bytes=max_head_bytes, body_timeout_s=body_timeout_s,
-                          write_timeout_s=write_timeout_s)
+                          write_timeout_s=write_timeout_s, max_connections=max_connections or None)
     run_serve(redis_url, model, host=host, port=port, chat_template=chat_template or None, api_keys_file=api_keys,
               max_body_bytes=max_body_bytes, max_lag=max_lag, bounds=bounds)
 

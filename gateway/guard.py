@@ -17,18 +17,26 @@ time (client_header_timeout) and size (large_client_header_buffers).
 - **write_timeout_s**: a client that stops reading an answer (its socket's buffers full, the transport paused)
   for this long is dropped: the request ends as a disconnect does, cancelling its sessions;
 
+- **max_connections**: connections past this many open are answered 503 and closed at once, so that a flood of
+  them never takes the descriptors the process needs for its own Redis connections (a gateway out of
+  descriptors cannot open one: every request fails); by default the process's descriptor limit less
+  RESERVED_FDS;
+
 and the app reads a request's body within **body_timeout_s** (gateway/app.py: 408 in OpenAI's shape).
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-__all__ = ["ClientBounds", "guarded_protocol"]
+__all__ = ["RESERVED_FDS", "ClientBounds", "guarded_protocol"]
+
+RESERVED_FDS = 256  # descriptors kept from clients: the producer's Redis connections, the model files, logs
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,13 @@ class ClientBounds:
     max_head_bytes: int = 64 << 10
     body_timeout_s: float = 30.0
     write_timeout_s: float = 60.0
+    max_connections: int | None = None  # None: the descriptor limit less RESERVED_FDS (at least 64)
+
+    def connection_cap(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return max(64, (1 << 20 if soft == resource.RLIM_INFINITY else soft) - RESERVED_FDS)
 
     def __post_init__(self) -> None:
         for name in ("head_timeout_s", "body_timeout_s", "write_timeout_s"):
@@ -44,17 +59,22 @@ class ClientBounds:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_head_bytes < 1024:
             raise ValueError(f"max_head_bytes must be >= 1024, got {self.max_head_bytes}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 class _HeadTooLarge(Exception):
     """Raised in the parser's callback: httptools stops and uvicorn answers 400, which _Guarded makes a 431."""
 
 
-_STATUS = {408: b"408 Request Timeout", 431: b"431 Request Header Fields Too Large"}
+# status -> its status line's text and any header it adds
+_STATUS = {408: (b"Request Timeout", b""), 431: (b"Request Header Fields Too Large", b""),
+           503: (b"Service Unavailable", b"retry-after: 1\r\n")}
 
 
 class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's class, chosen at import
     bounds: ClassVar[ClientBounds] = ClientBounds()
+    cap: ClassVar[int] = 0  # bounds.connection_cap(), once per class
     # set in connection_made, before any other callback of the connection
     _head_timer: asyncio.TimerHandle | None
     _write_timer: asyncio.TimerHandle | None
@@ -66,6 +86,9 @@ class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's
         self._head_timer = self._write_timer = None
         self._head_bytes, self._head_heard, self._over = 0, False, False
         super().connection_made(transport)
+        if len(self.connections) > self.cap:  # uvicorn's set of this server's open connections, this one in it
+            self._refuse(503, "too many connections; retry later")
+            return
         self._arm_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -135,9 +158,12 @@ class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's
             super().send_400_response(msg)
 
     def _refuse(self, status: int, message: str) -> None:
+        """Answer `status` (a plain-text body saying why) and close: said before any request was read, or instead
+        of the one that broke a bound, so nothing more is read from this connection."""
+        reason, headers = _STATUS[status]
         body = message.encode()
-        self.transport.write(b"HTTP/1.1 " + _STATUS[status] + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+        self.transport.write(b"HTTP/1.1 %d %s\r\n%scontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (status, reason, headers, len(body), body))
         self.transport.close()
 
     # -- a reader that stalls: the transport's buffer stays over its high-water mark
@@ -162,4 +188,4 @@ class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's
 
 def guarded_protocol(bounds: ClientBounds) -> type[asyncio.Protocol]:
     """uvicorn's protocol class (httptools when installed, else h11) bounded by `bounds`; pass it as `http=`."""
-    return type("GuardedHTTPProtocol", (_Guarded,), {"bounds": bounds})
+    return type("GuardedHTTPProtocol", (_Guarded,), {"bounds": bounds, "cap": bounds.connection_cap()})

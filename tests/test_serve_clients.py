@@ -27,11 +27,11 @@ from starlette.responses import StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
 from dgrtools.localredis import LocalRedis, free_port  # noqa: E402
-from gateway.guard import ClientBounds, guarded_protocol  # noqa: E402
+from gateway.guard import RESERVED_FDS, ClientBounds, guarded_protocol  # noqa: E402
 from gateway.stack import ServeProcess  # noqa: E402
 from tests.serve_support import serving_alone  # noqa: E402
 
-HEAD_S, BODY_S, MAX_HEAD = 1.0, 1.0, 4096
+HEAD_S, BODY_S, MAX_HEAD, CAP = 1.0, 1.0, 4096, 100
 SLACK_S = 8.0  # what a loaded 2-core host may add to a deadline; the bounds are asserted, not timed
 
 
@@ -39,7 +39,8 @@ SLACK_S = 8.0  # what a loaded 2-core host may add to a deadline; the bounds are
 def serve(redis_server: LocalRedis, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("clients-logs")
-    extra = ["--head-timeout-s", str(HEAD_S), "--max-head-bytes", str(MAX_HEAD), "--body-timeout-s", str(BODY_S)]
+    extra = ["--head-timeout-s", str(HEAD_S), "--max-head-bytes", str(MAX_HEAD), "--body-timeout-s", str(BODY_S),
+             "--max-connections", str(CAP)]
     with serving_alone(redis_server.url, "w-clients", tiny_model_path, logs, slots=2), \
             ServeProcess(redis_server.url, [f"tiny={tiny_model_path}"], free_port(), logs, extra=extra) as s:
         yield s.url
@@ -159,9 +160,9 @@ def test_a_body_sent_too_slowly_is_408_in_openai_shape(serve: str) -> None:
 
 
 def test_hostile_clients_do_not_keep_others_waiting_and_are_all_closed(serve: str) -> None:
-    """200 silent connections and 20 heads sent a byte at a time: a request beside them is served, and every one of
+    """60 silent connections and 20 heads sent a byte at a time: a request beside them is served, and every one of
     them is closed by the deadline."""
-    silent = [connect(serve) for _ in range(200)]
+    silent = [connect(serve) for _ in range(60)]
     slow = [connect(serve) for _ in range(20)]
     for s in slow:
         s.sendall(b"GET /health HTT")
@@ -173,6 +174,30 @@ def test_hostile_clients_do_not_keep_others_waiting_and_are_all_closed(serve: st
         assert answer(s).startswith(b"HTTP/1.1 408 ")
         s.close()
     assert chat_ok(serve) is not None
+
+
+def test_connections_past_the_cap_are_answered_503_and_service_resumes(serve: str) -> None:
+    """CAP + 10 connections at once: the ones past the cap are answered 503 and closed at once (the server's own
+    descriptors stay free), the others closed silently at the head deadline; then requests are served again."""
+    conns = [connect(serve) for _ in range(CAP + 10)]
+    got = [answer(s) for s in conns]
+    for s in conns:
+        s.close()
+    refused = [g for g in got if g]
+    assert all(g.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in g for g in refused), refused[:1]
+    assert 10 <= len(refused) <= 15, len(refused)  # a few more where the server still held others' connections
+    assert chat_ok(serve) is not None
+
+
+def test_the_connection_cap_follows_the_descriptor_limit() -> None:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    want = max(64, soft - RESERVED_FDS) if soft != resource.RLIM_INFINITY else (1 << 20) - RESERVED_FDS
+    assert ClientBounds().connection_cap() == want
+    assert ClientBounds(max_connections=7).connection_cap() == 7
+    with pytest.raises(ValueError):
+        ClientBounds(max_connections=0)
 
 
 @pytest.fixture
