@@ -19,6 +19,7 @@ from consumer.batch import EngineOutput
 from consumer.sampler import BatchSampler
 from consumer.sched import Answer, ScheduledBatch, Scheduler
 from schemas import Sampling, Status, StepJob
+from schemas.step import split_result_id
 from tests.test_scheduler import DIGESTS, admit, fake_logits, make, opening, report
 
 VOCAB = 12
@@ -66,6 +67,10 @@ def drive(ps: list[Plan], slots: int, max_batch: int, fail_at: frozenset[int], i
     out: list[Any] = []
 
     def after(answers: list[Answer]) -> tuple[Any, ...]:
+        for a in answers:  # what the filing's runs rely on (consumer/transport/publish.py plain_run)
+            r, job = a.result, a.job
+            if job is not None and job.phase == "decode" and r.status == Status.OK and r.token is not None:
+                assert r.position == job.start_position + split_result_id(r.job_id, job.job_id)[1] + 1, a
         entries = [dataclasses.astuple(e) for i in range(len(ps)) if (e := s.table.get(f"s{i}")) is not None]
         return answers, s.stats.as_dict(), entries, s.drain_closed()
 
