@@ -124,6 +124,11 @@ class HopSteps:
         return [None for it in batch.items if it.samples]
 
     # ---- answers ----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """`finish` changes nothing, whatever the answer: a last hop holding no job's rows (the whole model)."""
+        return not (self.produces_hidden or self._inputs or self._outputs)
+
     def finish(self, a: Answer) -> Answer:
         """Every answer passes here once: the job's rows are dropped; an OK answer of a hop that produces
         activations gets them (inline, or a blob with its bytes), and charges no billable tokens."""
