@@ -107,9 +107,8 @@ class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's
         self._head_timer = self.loop.call_later(self.bounds.head_timeout_s, self._head_timeout)
 
     def _disarm_head(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        _cancel(self._head_timer)
+        self._head_timer = None
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -177,13 +176,17 @@ class _Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]  # uvicorn's
         super().resume_writing()
 
     def _disarm_write(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        _cancel(self._write_timer)
+        self._write_timer = None
 
     def _write_timeout(self) -> None:
         self._write_timer = None
         self.transport.abort()  # close() would wait to send what the client does not read
+
+
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
 
 
 def guarded_protocol(bounds: ClientBounds) -> type[asyncio.Protocol]:

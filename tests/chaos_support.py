@@ -27,6 +27,8 @@ import redis
 from consumer.runtime import make_engine
 from dgrtools.localredis import LocalRedis, free_port
 from dgrtools.process import ConsumerProcess as _ConsumerProcess
+from dgrtools.split_model import split_route
+from dgrtools.tiny_model import write_tiny_model
 from producer import Producer, SessionHandle
 from schemas import GROUP, RouteHop, Sampling, SessionSpec, Status, StepResult, WorkerKeys
 
@@ -69,6 +71,13 @@ def consumer(url: str, worker: str, model: Path, logs: Path, *, slots: int = 8,
              extra: Sequence[str] = ()) -> _ConsumerProcess:
     """A reference-engine consumer with the short lease settings, once it has beaten its heartbeat."""
     return ConsumerProcess(url, worker, model, logs, slots=slots, extra=[*FAST, *extra])  # type: ignore[no-any-return]
+
+
+def tiny_blocks(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """The tiny model with 4 layers, and its three blocks (layers 0, 1-2, 3) for a route of three hops."""
+    src = tmp_path / "tiny4.gguf"
+    write_tiny_model(src, seed=0, quant="q8_0", n_layer=4)
+    return src, [h.path for h in split_route(src, tmp_path / "hops", (1, 3))]
 
 
 def bare_consumer(url: str, worker: str, model: Path, logs: Path, *, slots: int = 8,

@@ -25,12 +25,10 @@ import redis
 
 from consumer.ops.sessions import session_accounting
 from dgrtools.process import ConsumerProcess
-from dgrtools.split_model import split_route
-from dgrtools.tiny_model import write_tiny_model
 from producer import Producer
 from schemas import CompatibilityKey, RouteHop, Sampling, SessionSpec, WorkerKeys
 
-from .chaos_support import Drive, RestartableRedis, consumer, wait_idle_heartbeat
+from .chaos_support import Drive, RestartableRedis, consumer, tiny_blocks, wait_idle_heartbeat
 from .support import prompts, session_results
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,9 +60,8 @@ class Hops:
 def hops(tmp_path: Path) -> Iterator[Hops]:
     srv = RestartableRedis(tmp_path / "redis")
     srv.start()
-    src = tmp_path / "tiny4.gguf"
-    write_tiny_model(src, seed=0, quant="q8_0", n_layer=4)
-    files = dict(zip(ROUTE, (h.path for h in split_route(src, tmp_path / "hops", (1, 3))), strict=True))
+    src, blocks = tiny_blocks(tmp_path)
+    files = dict(zip(ROUTE, blocks, strict=True))
     files["whole"] = src
     logs = tmp_path / "logs"
     client = redis.Redis.from_url(srv.url)

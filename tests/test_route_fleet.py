@@ -19,12 +19,10 @@ import redis
 
 from consumer.ops.sessions import session_accounting
 from dgrtools.process import ConsumerProcess
-from dgrtools.split_model import split_route
-from dgrtools.tiny_model import write_tiny_model
 from producer import PlacementPolicy, Producer, SessionHandle, SessionTemplate
 from schemas import CompatibilityKey, RouteHop, SessionSpec, WorkerKeys
 
-from .chaos_support import Drive, RestartableRedis, consumer, wait_idle_heartbeat
+from .chaos_support import Drive, RestartableRedis, consumer, tiny_blocks, wait_idle_heartbeat
 from .support import prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,9 +49,7 @@ def route_of(h: SessionHandle) -> list[str]:
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
     srv = RestartableRedis(tmp_path / "redis")
     srv.start()
-    src = tmp_path / "tiny4.gguf"
-    write_tiny_model(src, seed=0, quant="q8_0", n_layer=4)
-    blocks = [h.path for h in split_route(src, tmp_path / "hops", (1, 3))]
+    src, blocks = tiny_blocks(tmp_path)
     logs = tmp_path / "logs"
     client = redis.Redis.from_url(srv.url)
     procs: dict[str, ConsumerProcess] = {}
