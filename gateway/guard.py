@@ -23,6 +23,10 @@ time (client_header_timeout) and size (large_client_header_buffers).
   RESERVED_FDS;
 
 and the app reads a request's body within **body_timeout_s** (gateway/app.py: 408 in OpenAI's shape).
+
+The hooks are uvicorn's protocol methods (connection_made, data_received, on_response_complete, httptools'
+on_message_begin / on_url / on_header, send_400_response) and its `cycle`, `loop` and `connections`: not a public
+API, so tests/test_serve_clients.py drives every bound through a started server on the uvicorn installed.
 """
 
 from __future__ import annotations
