@@ -128,7 +128,11 @@ class DeliveryLedger:
         one per token and maybe an ending one: a redelivery after it ended (the producer re-pushes it when
         Redis lost some of its results) re-sends them all, so every lost one is published again."""
         jid = job.job_id
-        ids = [jid] if job.n == 1 else [*(result_job_id(jid, k) for k in range(job.n)), end_job_id(jid)]
+        ids = [jid] if job.n == 1 else [result_job_id(jid, 0), *[f"{jid}.{k}" for k in range(1, job.n)],
+                                         end_job_id(jid)]  # result_job_id's ids, inline: asked of every job read
+        answered = self.answered
+        if answered.keys().isdisjoint(ids):  # a new job, the usual case: one pass in C
+            return []
         out: list[Answer] = []
         for rid in ids:
             a = self.answered.get(rid)
