@@ -67,7 +67,7 @@ def drive(ps: list[Plan], slots: int, max_batch: int, fail_at: frozenset[int], i
     out: list[Any] = []
 
     def after(answers: list[Answer]) -> tuple[Any, ...]:
-        for a in answers:  # what the filing's runs rely on (consumer/transport/publish.py plain_run)
+        for a in answers:  # a decode token k of a job is answered at its start + k + 1, whichever path answers it
             r, job = a.result, a.job
             if job is not None and job.phase == "decode" and r.status == Status.OK and r.token is not None:
                 assert r.position == job.start_position + split_result_id(r.job_id, job.job_id)[1] + 1, a

@@ -48,7 +48,9 @@ def answers(draw: st.DrawFn) -> list[Answer]:
             continue
         rid = job.job_id if off == 0 else f"{job.job_id}.{off}"
         status, reason = (Status.REJECTED, Reason.FINISHED) if kind == "rejected" else (Status.OK, None)
-        o = Outcome(rid, sid, status, reason, job.start_position + off + 1, "",
+        # the position a decode token gets (its job's start + k + 1), or any: the filing reads the offset off the id
+        position = draw(st.sampled_from([job.start_position + off + 1, draw(st.integers(1, 400))]))
+        o = Outcome(rid, sid, status, reason, position, "",
                     None if kind == "rejected" else draw(st.integers(0, 1000)), kind == "finished",
                     draw(st.sampled_from([0, 0, 3])), draw(st.floats(0, 1)), 8, None,
                     TokenLogprobs(lp=-0.5) if kind == "logprobs" else None, draw(st.sampled_from([0, 0, 2])),

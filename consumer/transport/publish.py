@@ -242,18 +242,20 @@ class _CallBuilder:
             self.close.append([sid, keys(k.session_account(sid)), a.close, self.accounts.get(account or "", 0)])
 
     def plain_run(self, reply: str, account: str, run: list[Answer]) -> None:
-        """`answer` for each of a run of plain answers (see _runs), column by column: a decode token's offset is
-        its position less its job's start less 1 (the scheduler answers token k of a continuation at start + k + 1,
-        tests/test_decode_rows.py), its first position its job's start plus that."""
+        """`answer` for each of a run of plain answers (see _runs), column by column."""
         r = self.rows.get(reply)
         if r is None:
             r = self.rows[reply] = _Rows()
         i0, n = len(r.session_id), len(run)
         outs: list[Outcome] = [a.result for a in run]
         job_of: list[StepJob] = [a.job for a in run]  # type: ignore[misc]  # a plain answer has its job
-        rows = [(o.session_id, j.job_id, o.position - j.start_position - 1, j.attempt, o.position - 1, o.position,
-                 o.token, o.prompt_tokens + o.cached_tokens, o.cached_tokens, o.engine_seconds)
-                for o, j in zip(outs, job_of, strict=True)]
+        # a token's offset read from its result id (`<job>` or `<job>.<k>`: schemas/step.py result_job_id), as `add`
+        # reads it (split_result_id, less its checks: the answers are this worker's own)
+        rows = [(o.session_id, jid, off, j.attempt, j.start_position + off, o.position, o.token,
+                 o.prompt_tokens + o.cached_tokens, o.cached_tokens, o.engine_seconds)
+                for o, j in zip(outs, job_of, strict=True)
+                for jid, rid in ((j.job_id, o.job_id),)
+                for off in (0 if rid == jid else int(rid[len(jid) + 1:]),)]
         sids, jobs, offs, attempts, firsts, pos, tokens, fed, cached, seconds = zip(*rows, strict=True)
         r.session_id += sids
         r.job += jobs
