@@ -1,0 +1,78 @@
+"""A request's watch on its client, and the event stream sent under it.
+
+uvicorn tells an app that its client went away only by an `http.disconnect` from `receive()` (its `send()` to a
+closed connection returns quietly), so something must wait on `receive()` while a request waits on its sessions.
+Starlette's StreamingResponse does it with an anyio task group of two tasks (the body's and the listener) and
+their cancel scopes, and `until_disconnected` did it with two more tasks and an `asyncio.wait` before the
+response: per request, that work sat on the path of every request's first token (64 requests at once: each
+waits for the ones before it). Here ONE task per request listens, from the request's first wait to its answer's
+end, and cancels the request's own task when the client goes; the body is sent from that task."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientWatch:
+    """Listens for the client's disconnect (the request's body already read: `receive()` can only answer that);
+    while the request's task waits in `until_gone`, the disconnect cancels that wait (only then: a cancel is not
+    taken back in Python 3.11, so it is never left pending for a later await to meet)."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task, self.gone, self._waiting = task, False, False
+        self._listening: asyncio.Task[None] = asyncio.ensure_future(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._waiting:
+            self.task.cancel()
+
+    async def until_gone(self, work: Awaitable[T]) -> T:
+        """`work`'s result (awaited in this task), unless the client goes first: ClientDisconnect."""
+        if self.gone:
+            close = getattr(work, "close", None)
+            if close is not None:  # a coroutine never awaited
+                close()
+            raise ClientDisconnect()
+        self._waiting = True
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self.gone and self.task.uncancel() == 0:  # this watch's cancel, and nobody else's
+                raise ClientDisconnect() from None
+            raise
+        finally:
+            self._waiting = False
+
+    def close(self) -> None:
+        self._listening.cancel()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from the request's own task, under its ClientWatch (closed when the stream ends): the
+    client gone, the body's iterator is cancelled where it waits (its `finally` cancels the sessions) and the
+    stream ends quietly, as Starlette's does."""
+
+    def __init__(self, content: AsyncIterator[bytes], watch: ClientWatch) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.watch = watch
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.watch.until_gone(self.stream_response(send))
+        except ClientDisconnect:
+            pass
+        finally:
+            self.watch.close()
