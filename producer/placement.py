@@ -132,6 +132,7 @@ class FleetView:
     worker's summary says so) and the counters `dgr inspect` and the bench show."""
 
     workers: list[WorkerInfo] = field(default_factory=list)
+    by_id: dict[str, WorkerInfo] = field(default_factory=dict)  # the same, by worker id
     read_at: float = -math.inf
     candidates: dict[str, Candidate] = field(default_factory=dict)
     pools: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # digests -> worker ids advertising
@@ -197,6 +198,7 @@ class FleetView:
 
     def load(self, workers: list[WorkerInfo], read_at: float, now: float | None = None) -> None:
         self.workers, self.read_at, self.pools, self.groups, self.indexes = workers, read_at, {}, {}, {}
+        self.by_id = {w.worker_id: w for w in workers}
         self.group_roots_of = {}
         self.summaries.keep(w.worker_id for w in workers if w.alive)
         self._forget_sent(workers)

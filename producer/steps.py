@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import Phase, Reason, SessionSpec, StepJob, WorkerKeys, cancel_to_fields, job_to_fields
 from schemas.activations import Activations
-from schemas.limits import CANCEL_MAXLEN
+from schemas.limits import CANCEL_MAXLEN, MAX_GENERATE, MAX_POSITION
 
 from .commands import Batch, Expire, HSet, Set, XAdd
 from .errors import SessionFailed
@@ -82,8 +82,7 @@ class Steps:
     def prefill_jobs(self, h: SessionHandle) -> list[StepJob]:
         """The current attempt's prefill chunks at hop 0: prompt + the generated tokens it re-feeds."""
         tokens = h.prompt + tuple(h.generated[:h.replayed_generated])
-        spec = SessionSpec.model_validate({**h.spec.model_dump(), "prompt_len": len(h.prompt),
-                                           "max_tokens": h.spec.max_tokens - h.replayed_generated})
+        spec = attempt_spec(h.spec, len(h.prompt), h.spec.max_tokens - h.replayed_generated)
         n, now = self.settings.prefill_chunk, time.time()
         return [self.job(h, 0, "prefill", s, tokens[s:s + n], sample=s + n >= len(tokens),
                          session=spec if s == 0 else None, created_at=now) for s in range(0, len(tokens), n)]
@@ -303,3 +302,12 @@ def queue_next(core: Steps, batch: Batch, h: SessionHandle) -> bool:
     c.jobs[job.job_id] = job
     h.position = job.end_position
     return True
+
+
+def attempt_spec(spec: SessionSpec, prompt_len: int, max_tokens: int) -> SessionSpec:
+    """The spec an attempt's first prefill job carries: its prompt's length and the tokens still to generate.
+    A copy of the valid spec with the two fields changed (2.7 us) where they are within their own bounds (the
+    model's other checks do not read them); else validated whole (26 us, `timeit`), which refuses them as ever."""
+    if 1 <= prompt_len <= MAX_POSITION and 1 <= max_tokens <= MAX_GENERATE:
+        return spec.model_copy(update={"prompt_len": prompt_len, "max_tokens": max_tokens})
+    return SessionSpec.model_validate({**spec.model_dump(), "prompt_len": prompt_len, "max_tokens": max_tokens})

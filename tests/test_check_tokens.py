@@ -54,3 +54,20 @@ def test_text_is_refused() -> None:
     for text in ("abc", b"abc"):
         with pytest.raises(TypeError, match="sequence of token ids"):
             check_tokens(text, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(token, max_size=40), vocabs=st.lists(st.one_of(st.none(), st.integers(1, 400)), min_size=1,
+                                                             max_size=4), other=st.lists(token, max_size=5))
+def test_a_tuple_checked_again_answers_as_the_definition(values: list[object], vocabs: list[int | None],
+                                                        other: list[object]) -> None:
+    """An opening passes the tuple check_tokens returned back to it (the checks of its shape, the worker's
+    vocabulary): each answer is still the definition's, whatever vocabulary, and whatever was checked between."""
+    first = _fast(values, vocabs[0])
+    assert first == _definition(values, vocabs[0])
+    again: list[object] = list(first) if not (len(first) == 2 and isinstance(first[0], type)) else values
+    held = tuple(again)
+    for vocab in vocabs:
+        assert _fast(held, vocab) == _definition(again, vocab)  # type: ignore[arg-type]
+        _fast(other, vocab)
+        assert _fast(held, vocab) == _definition(again, vocab)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from producer import ProducerCore, SessionHandle
 from producer.commands import Batch, HSet, XAdd
 from producer.session import known
+from producer.steps import attempt_spec
 from schemas import (
     BoundarySchema,
     CompatibilityKey,
@@ -25,6 +26,7 @@ from schemas import (
     StepResult,
     job_from_fields,
 )
+from schemas.limits import MAX_GENERATE, MAX_POSITION
 
 PROMPT = (5, 6, 7, 8)
 HAD = [11, 12, 13]  # the tokens the session had when its state was lost
@@ -203,3 +205,27 @@ def test_searched_the_caller_is_told_each_token_once_and_a_divergence_replays_ex
     assert h.status == "finished" and not h.diverged
     assert told == h.generated[len(had):] and h.generated[:len(had)] == had
     assert h.generated == [wrong if i == wrong_at else t for i, t in enumerate(oracle)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-2, MAX_POSITION + 2) | st.sampled_from([0, 1, MAX_POSITION, MAX_POSITION + 1]),
+       st.integers(-2, MAX_GENERATE + 2) | st.sampled_from([0, 1, MAX_GENERATE, MAX_GENERATE + 1]), st.booleans())
+def test_an_attempts_spec_is_the_spec_validated_again(prompt_len: int, max_tokens: int, invariant: bool) -> None:
+    """producer/steps.py `attempt_spec` (a copy with two fields changed) is what validating the whole spec again
+    with them gives, and refuses what that refuses."""
+    from pydantic import ValidationError
+
+    spec = SessionSpec(session_id="s1", account_id="a", route=(RouteHop(worker_id="w1", key=_key(invariant)),),
+                       max_tokens=8, stop_tokens=(3, 1))
+    try:
+        want: SessionSpec | None = SessionSpec.model_validate(
+            {**spec.model_dump(), "prompt_len": prompt_len, "max_tokens": max_tokens})
+    except ValidationError:
+        want = None
+    try:
+        got: SessionSpec | None = attempt_spec(spec, prompt_len, max_tokens)
+    except ValidationError:
+        got = None
+    assert (got is None) == (want is None)
+    if got is not None and want is not None:
+        assert got == want and got.model_dump_json() == want.model_dump_json()

@@ -357,12 +357,21 @@ def cost_fleet(workers: int, slots: int, systems: Sequence[Sequence[int]], seed:
     return out
 
 
+def _no_io(plan: Any) -> Any:
+    """A plan's value, where it asks for no I/O (a fleet just read: nothing to discover)."""
+    try:
+        req = next(plan)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError(f"the plan asked for {req!r}")
+
+
 def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: int = 1000,
          repeats: int = 5) -> dict[str, Any]:
     """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O; again with prompts as a
-    tokenizer gives them, `place_loaded_fresh_us`), of the SessionSpec a named worker gets (what opening costs
-    without placement), of the choice alone (block ids given) through the
-    fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the
+    tokenizer gives them, `place_loaded_fresh_us`), of the Tracker's whole `opening` of a template (placed, its
+    workers noted as discovered, checked, its handle made: `opening_us`), of the SessionSpec a named worker gets
+    (what opening costs without placement), of the choice alone (block ids given) through the fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the
     candidates), and of the prompt's block ids hashed whole and through the Tracker's memo (`BlockIdMemo`, what
     place_loaded runs, cold at each repeat); medians over `repeats` fresh fleets."""
     from producer import ProducerCore, SessionTemplate
@@ -380,7 +389,7 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
     fleet = cost_fleet(workers, slots, systems)
     key = fleet[0].keys[0]
     digests = (key.digest, fleet[0].keys[1].digest)
-    place, named, pick, index, ids, memo, place_fresh = [], [], [], [], [], [], []
+    place, named, pick, index, ids, memo, place_fresh, opening = [], [], [], [], [], [], [], []
     for r in range(repeats):
         core = ProducerCore()
         core.fleet.load(fleet, time.monotonic())
@@ -389,6 +398,13 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
         for tm, p in zip(tmpls, prompts, strict=True):
             core.place_loaded(tm, p)
         place.append((time.perf_counter() - t) / sessions)
+        opener = ProducerCore()
+        opener.fleet.load(fleet, time.monotonic())
+        tmpls = [SessionTemplate(session_id=f"o{r}-{i}", account_id="bench", keys=(key,)) for i in range(sessions)]
+        t = time.perf_counter()
+        for tm, p in zip(tmpls, prompts, strict=True):
+            _no_io(opener.opening(tm, p))
+        opening.append((time.perf_counter() - t) / sessions)
         real = ProducerCore()  # the same fleet, holding the wide system prompts
         real.fleet.load(cost_fleet(workers, slots, wide), time.monotonic())
         fresh_tmpls = [SessionTemplate(session_id=f"f{r}-{i}", account_id="bench", keys=(key,))
@@ -423,6 +439,7 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
         index.append((time.perf_counter() - t) / sessions)
     return {"workers": workers, "slots": slots, "prompt_len": prompt_len, "sessions": sessions, "repeats": repeats,
             "place_loaded_us": 1e6 * statistics.median(place), "named_spec_us": 1e6 * statistics.median(named),
+            "opening_us": 1e6 * statistics.median(opening),
             "place_loaded_fresh_us": 1e6 * statistics.median(place_fresh),
             "choice_us": 1e6 * statistics.median(index),
             "choose_us": 1e6 * statistics.median(pick),
@@ -432,11 +449,11 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
 def run_cost(out: Path, **kw: Any) -> dict[str, Any]:
     r = cost(**kw)
     console.print(table(f"placement cost per session: {r['workers']} workers x {r['slots']} slots, "
-                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "tokenizer ids µs",
+                        f"{r['prompt_len']}-token prompt", ["place_loaded µs", "opening µs", "tokenizer ids µs",
                                                               "named worker µs", "choice µs", "choose() µs",
                                                               "block ids µs", "memo µs"],
-                        [[r["place_loaded_us"], r["place_loaded_fresh_us"], r["named_spec_us"], r["choice_us"],
-                          r["choose_us"], r["block_ids_us"], r["block_ids_memo_us"]]]))
+                        [[r["place_loaded_us"], r["opening_us"], r["place_loaded_fresh_us"], r["named_spec_us"],
+                          r["choice_us"], r["choose_us"], r["block_ids_us"], r["block_ids_memo_us"]]]))
     save(out, "fleet-cost", r)
     return r
 
