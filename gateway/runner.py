@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from producer import AsyncProducer, Backpressure, ProducerError, SessionHandle, SessionTemplate
 from producer.validate import WorkerInfo
@@ -23,8 +22,6 @@ from schemas.limits import MAX_GENERATE
 from .api import Generation
 from .errors import ApiError, bad_request, overloaded, unavailable
 from .text import TextModel
-
-FLEET_CACHE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,25 +87,18 @@ def usage_of(handles: Sequence[SessionHandle]) -> Usage:
 
 class Runner:
     """The sessions of every request, on one AsyncProducer; the fleet's advertisements read at most once a
-    FLEET_CACHE_S."""
+    discover_cache_s (ProducerSettings), by placement."""
 
     def __init__(self, producer: AsyncProducer) -> None:
         self.producer = producer
-        self._fleet: tuple[float, list[WorkerInfo]] | None = None
-        self._asking: asyncio.Future[list[WorkerInfo]] | None = None
         # model name -> (the fleet read it was chosen from, its Placement): choose_key passes over every worker id
         # ever registered, once per fleet read, not once per request
         self._placed: dict[str, tuple[list[WorkerInfo], Placement]] = {}
 
     async def fleet(self) -> list[WorkerInfo]:
-        now = time.monotonic()
-        if self._fleet is not None and now - self._fleet[0] < FLEET_CACHE_S:
-            return self._fleet[1]
-        if self._asking is None or self._asking.done():
-            self._asking = asyncio.ensure_future(self.producer.workers())
-        infos = list(await asyncio.shield(self._asking))
-        self._fleet = (time.monotonic(), infos)
-        return infos
+        """The fleet as placement read it last (AsyncProducer.fleet_now: one read a discover_cache_s, shared with
+        the sessions' placement, which read it apart before: twice the heartbeats and advertisements parsed)."""
+        return cast("list[WorkerInfo]", await self.producer.fleet_now())  # the list itself: `place` keys on it
 
     async def place(self, model: TextModel) -> Placement:
         fleet = await self.fleet()

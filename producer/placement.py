@@ -32,9 +32,10 @@ from schemas.prefix import (
     salt_for,
 )
 
-from .commands import Plan
+from .commands import Plan, Sleep
+from .placement_choice import choose, eligible
 from .placement_inputs import Candidate, Choice, PlacementPolicy, SentPrompts, SessionTemplate, SummaryCache
-from .pool_index import PoolIndex, leading
+from .pool_index import PoolIndex
 
 if TYPE_CHECKING:
     from .settings import ProducerSettings
@@ -44,47 +45,10 @@ __all__ = ["Candidate", "Choice", "FleetView", "PlacementPolicy", "Placer", "Ses
 
 # A session placed this long ago whose first token was never read here no longer counts as pending prefill.
 PENDING_MAX_S = 60.0
-
-
-def eligible(c: Candidate, digests: Iterable[str], policy: PlacementPolicy) -> bool:
-    """Advertises every digest, beats recently, is not draining, has slots at all."""
-    age = c.heartbeat_age_s
-    return (age is not None and age <= policy.stale_s and not c.draining and c.slots > 0
-            and c.digests.issuperset(digests))
-
-
-def choose(candidates: Sequence[Candidate], digests: Sequence[str], policy: PlacementPolicy,
-           ids_for: Mapping[tuple[int, str | None], Sequence[str]] | None = None) -> Choice | None:
-    """The worker to place on, or None when none is eligible. `digests`: the hop's prefill and decode keys;
-    `ids_for[(block_tokens, scope)]`: the prompt's block ids as a worker of that block size and scope roots
-    them (absent: nothing is cached there). Pure: the same inputs give the same worker (ties: fewest load,
-    then worker id)."""
-    # Written for the Tracker's time per session (docs/placement.md, "Cost"): one pass per list, no object per
-    # candidate; the rank is (cost, load, worker id), or (load, worker id) when the guard holds.
-    need, stale = frozenset(digests), policy.stale_s
-    ok = [c for c in candidates if c.heartbeat_age_s is not None and c.heartbeat_age_s <= stale and not c.draining
-          and c.slots > 0 and need <= c.digests]
-    if not ok:
-        return None
-    pool = [c for c in ok if c.slots > c.load] or ok  # never a full worker while another has room
-    loads = [c.load for c in pool]
-    lo, hi = min(loads), max(loads)
-    guarded = hi - lo > policy.balance_abs and hi > policy.balance_rel * lo
-    get = (ids_for or {}).get
-    ow, qw, pr = policy.overlap_weight, policy.queue_weight, policy.pending_rows
-    best: tuple[tuple[Any, ...], Candidate, float, int, int] | None = None
-    for c in pool:
-        ids = get((c.block_tokens or 0, c.scope), ())
-        n = len(ids)
-        hit = leading(ids, c.held, c.sent) if n and (ids[0] in c.held or ids[0] in c.sent) else 0
-        s = c.slots if c.slots > 1 else 1
-        cost = ow * (((n - hit) / n if n else 1.0) + c.pending / pr) + c.load / s + qw * c.queued / s
-        rank = (c.load, c.worker_id) if guarded else (cost, c.load, c.worker_id)
-        if best is None or rank < best[0]:
-            best = rank, c, cost, hit, n
-    assert best is not None
-    _, c, cost, hit, n = best
-    return Choice(c.worker_id, cost, hit, n, c.load, c.slots - c.load, guarded, len(ok))
+# A plan that finds another's fleet read in flight and no fleet read before waits for it this long at most, looking
+# every FLEET_READ_POLL_S (a read is a few round trips); past it, it reads the fleet itself.
+FLEET_READ_WAIT_S = 5.0
+FLEET_READ_POLL_S = 0.002
 
 
 def candidate(w: WorkerInfo, placed: int, sent: Iterable[str], now: float | None = None,
@@ -134,6 +98,10 @@ class FleetView:
     workers: list[WorkerInfo] = field(default_factory=list)
     by_id: dict[str, WorkerInfo] = field(default_factory=dict)  # the same, by worker id
     read_at: float = -math.inf
+    # When a plan of this Tracker began the fleet read in flight (None: none): the asynchronous driver's openings
+    # of one loop turn all find the fleet stale at once, and each read it (64 requests of `dgr serve` at once: 64
+    # reads of every heartbeat and advertisement where one serves them all).
+    reading: float | None = None
     candidates: dict[str, Candidate] = field(default_factory=dict)
     pools: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # digests -> worker ids advertising
     placed_at: dict[str, list[float]] = field(default_factory=dict)
@@ -380,11 +348,27 @@ class Placer:
         raise NotImplementedError
 
     def fleet_now(self) -> Plan[list[WorkerInfo]]:
-        """The fleet, read again when older than discover_cache_s."""
-        if time.monotonic() - self.fleet.read_at > self.settings.discover_cache_s:
+        """The fleet, read again when older than discover_cache_s: by one plan at a time. The others meanwhile take
+        the fleet as last read (older by the read's round trip), or, before any, wait for that read (up to
+        FLEET_READ_WAIT_S, then read it themselves: a read whose plan was dropped unfinished holds no one)."""
+        fleet = self.fleet
+        now = time.monotonic()
+        if now - fleet.read_at <= self.settings.discover_cache_s:
+            return fleet.workers
+        if fleet.reading is not None and now - fleet.reading < FLEET_READ_WAIT_S:
+            while fleet.read_at == -math.inf and fleet.reading is not None \
+                    and time.monotonic() - fleet.reading < FLEET_READ_WAIT_S:
+                yield Sleep(FLEET_READ_POLL_S)
+            if fleet.read_at > -math.inf:
+                return fleet.workers
+        fleet.reading = began = time.monotonic()
+        try:
             workers = yield from self.workers()
-            self.fleet.load(workers, time.monotonic())
-        return self.fleet.workers
+        finally:
+            if fleet.reading == began:
+                fleet.reading = None
+        fleet.load(workers, time.monotonic())
+        return fleet.workers
 
     def place(self, template: SessionTemplate, prompt: Sequence[int]) -> Plan[SessionSpec]:
         """The template's SessionSpec, each hop on the worker `choose()` picks among those advertising its

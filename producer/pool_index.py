@@ -1,6 +1,6 @@
 """An index over the eligible workers of one pool (the workers advertising a hop's keys), kept by FleetView for
-one fleet read: it gives the same Choice as `choose()` (producer/placement.py, the definition) without a pass of
-Python arithmetic over every candidate per session (docs/placement.md, "Cost").
+one fleet read: it gives the same Choice as `choose()` (producer/placement_choice.py, the definition) without a
+pass of Python arithmetic over every candidate per session (docs/placement.md, "Cost").
 
 Why it is the same choice: a candidate that does not hold the first block of the prompt (as its block size and
 scope root it) has miss 1, so its cost is `cost0 = overlap_weight x (1 + pending / pending_rows) + load / slots
@@ -59,7 +59,8 @@ class PoolIndex:
     """The eligible candidates of one pool, ordered by cost0 and by load within each room class."""
 
     def __init__(self, candidates: Sequence[Candidate], digests: Sequence[str], policy: PlacementPolicy) -> None:
-        from .placement import Choice, eligible  # placement imports this module
+        from .placement_choice import eligible  # it imports this module
+        from .placement_inputs import Choice
 
         self.policy, self.choice = policy, Choice
         self.ok: dict[str, Candidate] = {}

@@ -69,6 +69,11 @@ class TrackerOps:
         """Every worker in `dgr:workers` that has an advertisement (WorkerInfo), by id."""
         return self._call(self.core.workers())
 
+    def fleet_now(self) -> Any:
+        """`workers()` as placement last read them, read again when older than discover_cache_s (one read at a
+        time however many ask): what a caller choosing among workers should see, placement's own view."""
+        return self._call(self.core.fleet_now())
+
     def place(self, template: SessionTemplate, prompt: Sequence[int]) -> Any:
         """The SessionSpec the template would be opened with: each hop on the worker placement chooses now
         (docs/placement.md), counted as placed there. LookupError when a hop has no eligible worker."""

@@ -1,4 +1,4 @@
-"""Placement's pure choice (producer/placement.py `choose`), by property against an oracle written here from
+"""Placement's pure choice (producer/placement_choice.py `choose`), by property against an oracle written here from
 docs/placement.md: never a worker without the key, with a stale heartbeat or draining; never a full worker while
 another has room; the same inputs (in any order) give the same worker; with no summary the least loaded wins;
 a worker holding the prompt's prefix wins among equally loaded ones; the imbalance guard overrides the cache."""

@@ -3,15 +3,18 @@ advertise the key, by load; a draining or stale worker gets none; a named worker
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import pytest
 import redis
 
-from producer import SessionTemplate
+from producer import AsyncProducer, SessionHandle, SessionTemplate
+from producer.commands import Plan
+from producer.validate import WorkerInfo
 from schemas import WorkerKeys
-from tests.producer_drivers import MakeProducer, make_producer
+from tests.producer_drivers import MakeProducer, async_client_for, make_producer
 from tests.test_producer import FakeWorker, expected_tokens
 from tests.test_transport import make_key, make_spec
 
@@ -238,3 +241,39 @@ def test_a_session_cancelled_while_it_waits_for_room_is_never_opened(real_redis:
     h = out[late]
     assert (h.status, h.reason, h.generated) == ("cancelled", "cancelled", []), (h.status, h.reason, h.detail)
     assert not real_redis.exists(WorkerKeys(wids[1]).session_account(late))  # never opened on the newcomer
+
+
+@pytest.mark.parametrize("read_before", [True, False], ids=["stale", "never-read"])
+def test_openings_of_one_loop_turn_read_the_fleet_once(redis_client: redis.Redis, read_before: bool) -> None:
+    """AsyncProducer: tasks each opening a template session in one loop turn (`dgr serve`'s requests at once) find
+    the fleet stale together; one of them reads it, and the others take it (each read it before: 24 reads of every
+    heartbeat and advertisement)."""
+    workers = [FakeWorker(redis_client, worker_id=f"w{i}") for i in range(2)]
+    for w in workers:
+        w.t.heartbeat({"slots": 32, "busy_slots": 0})
+    reads = 0
+
+    async def main() -> list[dict[str, SessionHandle]]:
+        nonlocal reads
+        p = AsyncProducer(async_client_for(redis_client))
+        real = p.core.workers
+
+        def counted() -> Plan[list[WorkerInfo]]:
+            nonlocal reads
+            reads += 1
+            return (yield from real())
+
+        p.core.workers = counted  # type: ignore[method-assign]
+        try:
+            if read_before:
+                await p.run_many([(template("first"), [1, 2])])
+                p.core.fleet.read_at -= 100.0  # older than discover_cache_s
+                reads = 0
+            return await asyncio.gather(*(p.run_many([(template(f"s{i}"), [1, 2])]) for i in range(24)))
+        finally:
+            await p.aclose()
+
+    with workers[0], workers[1]:
+        outs = asyncio.run(main())
+    assert reads == 1
+    assert [h.status for out in outs for h in out.values()] == ["finished"] * 24

@@ -14,10 +14,12 @@ from gateway.errors import ApiError
 
 
 class FakeFleet:
+    """AsyncProducer.fleet_now: the same list until the fleet is read again."""
+
     def __init__(self) -> None:
         self.reads: list[list[Any]] = [["a"], ["b"]]
 
-    async def workers(self) -> list[Any]:
+    async def fleet_now(self) -> list[Any]:
         return self.reads[0]
 
 
@@ -45,8 +47,7 @@ def test_the_key_is_chosen_once_per_fleet_read(monkeypatch: pytest.MonkeyPatch) 
         up[0] = True
         first = [await runner.place(Model()) for _ in range(5)]  # type: ignore[arg-type]
         assert first == [("placement", "a", "m")] * 5
-        runner._fleet = None  # the fleet read again (FLEET_CACHE_S later)
-        fleet.reads.pop(0)
+        fleet.reads.pop(0)  # the fleet read again (discover_cache_s later)
         assert await runner.place(Model()) == ("placement", "b", "m")  # type: ignore[arg-type]
 
     asyncio.run(go())

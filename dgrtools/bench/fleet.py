@@ -371,9 +371,10 @@ def cost(workers: int = 100, slots: int = 64, prompt_len: int = 512, sessions: i
     """µs per session of `place_loaded` (the whole choice on a fleet already read: no I/O; again with prompts as a
     tokenizer gives them, `place_loaded_fresh_us`), of the Tracker's whole `opening` of a template (placed, its
     workers noted as discovered, checked, its handle made: `opening_us`), of the SessionSpec a named worker gets
-    (what opening costs without placement), of the choice alone (block ids given) through the fleet's index (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the
-    candidates), and of the prompt's block ids hashed whole and through the Tracker's memo (`BlockIdMemo`, what
-    place_loaded runs, cold at each repeat); medians over `repeats` fresh fleets."""
+    (what opening costs without placement), of the choice alone (block ids given) through the fleet's index
+    (`FleetView.choose`, what place_loaded runs) and as `choose()` defines it (one pass over the candidates), and
+    of the prompt's block ids hashed whole and through the Tracker's memo (`BlockIdMemo`, what place_loaded runs,
+    cold at each repeat); medians over `repeats` fresh fleets."""
     from producer import ProducerCore, SessionTemplate
     from producer.placement import choose
     from schemas.prefix import BlockIdMemo, block_ids, prefix_root
