@@ -79,10 +79,13 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         if isinstance(spec, SessionTemplate):
             prompt = check_tokens(prompt, None)  # the tuple checked, passed on (checked again, not passed over)
             spec = yield from self.place(spec, prompt)
+            # as fresh as the fleet placement read, or as the read in flight that the placement did not wait for
+            # (FleetView.reading): never older, so `to_discover` asks no worker's advertisement again per opening
+            at = self.fleet.read_at if self.fleet.reading is None else time.monotonic()
             for rh in spec.route:  # by id: a pass over the fleet was 41 us a session at 100 workers (timeit)
                 w = self.fleet.by_id.get(rh.worker_id)
                 if w is not None:
-                    self.discovered[w.worker_id] = (self.fleet.read_at, w)
+                    self.discovered[w.worker_id] = (at, w)
         h = yield from TrackerAdmission.opening(self, spec, prompt, hop)
         h.template = template
         return h

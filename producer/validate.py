@@ -11,6 +11,7 @@ import numbers
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from schemas import CompatibilityKey, Reason, SessionSpec, WireError, WorkerKeys
@@ -118,9 +119,10 @@ class WorkerInfo:
     heartbeat: dict[str, Any] = field(default_factory=dict)
     draining: bool = False  # `dgr ops drain` set its drain key (read by workers(): placement skips it)
 
-    @property
-    def digests(self) -> set[str]:
-        return {k.digest for k in self.keys}
+    @cached_property
+    def digests(self) -> frozenset[str]:
+        """Its keys' digests, once (an opening checks its route against them; a fleet read makes new infos)."""
+        return frozenset(k.digest for k in self.keys)
 
     def check_wire(self) -> WorkerInfo:
         """Itself, when it speaks this producer's wire version; a worker advertising another (or none) is refused

@@ -247,14 +247,14 @@ def test_a_session_cancelled_while_it_waits_for_room_is_never_opened(real_redis:
 def test_openings_of_one_loop_turn_read_the_fleet_once(redis_client: redis.Redis, read_before: bool) -> None:
     """AsyncProducer: tasks each opening a template session in one loop turn (`dgr serve`'s requests at once) find
     the fleet stale together; one of them reads it, and the others take it (each read it before: 24 reads of every
-    heartbeat and advertisement)."""
+    heartbeat and advertisement), and none asks for its worker's advertisement again (`discover`)."""
     workers = [FakeWorker(redis_client, worker_id=f"w{i}") for i in range(2)]
     for w in workers:
         w.t.heartbeat({"slots": 32, "busy_slots": 0})
-    reads = 0
+    reads = discovered = 0
 
     async def main() -> list[dict[str, SessionHandle]]:
-        nonlocal reads
+        nonlocal reads, discovered
         p = AsyncProducer(async_client_for(redis_client))
         real = p.core.workers
 
@@ -263,17 +263,25 @@ def test_openings_of_one_loop_turn_read_the_fleet_once(redis_client: redis.Redis
             reads += 1
             return (yield from real())
 
+        real_discover = p.core.discover
+
+        def discover(worker_id: str) -> Plan[WorkerInfo]:
+            nonlocal discovered
+            discovered += 1
+            return (yield from real_discover(worker_id))
+
         p.core.workers = counted  # type: ignore[method-assign]
+        p.core.discover = discover  # type: ignore[method-assign]
         try:
             if read_before:
                 await p.run_many([(template("first"), [1, 2])])
                 p.core.fleet.read_at -= 100.0  # older than discover_cache_s
-                reads = 0
+                reads = discovered = 0
             return await asyncio.gather(*(p.run_many([(template(f"s{i}"), [1, 2])]) for i in range(24)))
         finally:
             await p.aclose()
 
     with workers[0], workers[1]:
         outs = asyncio.run(main())
-    assert reads == 1
+    assert (reads, discovered) == (1, 0)
     assert [h.status for out in outs for h in out.values()] == ["finished"] * 24
