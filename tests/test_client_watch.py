@@ -1,0 +1,99 @@
+"""gateway/watch.py's ClientWatch on its own: a disconnect while the request waits is ClientDisconnect there (and
+only there), a cancel from elsewhere stays a cancel, and a request that ends leaves no garbage cycle behind (the
+collector would pass over the cancelled listener of every request)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from starlette.requests import ClientDisconnect
+
+from gateway.watch import ClientWatch
+
+
+def _receiver() -> tuple[Callable[[], Awaitable[dict[str, Any]]], asyncio.Event]:
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return receive, gone
+
+
+def test_a_disconnect_ends_the_wait_as_client_disconnect() -> None:
+    async def main() -> None:
+        receive, gone = _receiver()
+        watch = ClientWatch(receive)
+        asyncio.get_running_loop().call_later(0.01, gone.set)
+        with pytest.raises(ClientDisconnect):
+            await watch.until_gone(asyncio.sleep(30))
+        assert watch.gone
+        with pytest.raises(ClientDisconnect):  # gone before the next wait: refused without waiting
+            await watch.until_gone(asyncio.sleep(30))
+        watch.close()
+        await asyncio.sleep(0)  # no cancel left pending for this task
+
+    asyncio.run(main())
+
+
+def test_a_disconnect_between_waits_cancels_nothing() -> None:
+    async def main() -> None:
+        receive, gone = _receiver()
+        watch = ClientWatch(receive)
+        assert await watch.until_gone(asyncio.sleep(0, "first")) == "first"
+        gone.set()
+        await asyncio.sleep(0.01)  # the listener sees it while this task does other work
+        await asyncio.sleep(0.01)  # ... and that work is not cancelled
+        assert watch.gone
+        watch.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
+    async def main() -> None:
+        receive, _ = _receiver()
+
+        async def request() -> None:
+            watch = ClientWatch(receive)
+            try:
+                await watch.until_gone(asyncio.sleep(30))
+            finally:
+                watch.close()
+
+        task = asyncio.ensure_future(request())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def test_requests_leave_no_garbage_cycles() -> None:
+    async def main() -> int:
+        receive, _ = _receiver()
+
+        async def request() -> None:
+            watch = ClientWatch(receive)
+            await watch.until_gone(asyncio.sleep(0))
+            watch.close()
+
+        await request()
+        await asyncio.sleep(0)
+        gc.collect()
+        for _ in range(50):
+            await request()
+        await asyncio.sleep(0)  # the listeners' cancels delivered
+        return gc.collect()
+
+    gc.disable()
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        gc.enable()
