@@ -237,6 +237,9 @@ class ProducerCore(Steps, TrackerAdmission, Placer, Mover):
         drives them on by hand (`abandon` False: a `poll`)."""
         for h in list(run.handles.values()):
             self.retire(h, abandon)
+        for h in run.handles.values():  # a run and its handles held each other: garbage only the collector took
+            if h.run is run:
+                h.run = None
 
     def release_abandoned(self) -> Plan[None]:
         """Send the cancels of the sessions abandoned (`retire`): the durable cancel path (`_cancel`: one transaction
