@@ -172,7 +172,8 @@ class Gateway:
             self.metrics.ttft.observe(time.monotonic() - t0)
             if req.stream:  # the stream is sent under the same watch, which it closes
                 streaming = True
-                return EventStream(self.sse(shape, choices, first, events, sessions, req.include_usage), watch)
+                return EventStream(self.sse(shape, choices, first, events, sessions, req.include_usage), watch,
+                                   events.aclose)  # type: ignore[attr-defined]
             handles = await watch.until_gone(self.collect(choices, first, events, sessions))
         except ClientDisconnect:
             await events.aclose()  # type: ignore[attr-defined]  # cancels the sessions on their workers

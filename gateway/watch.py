@@ -11,7 +11,7 @@ end, and cancels the request's own task when the client goes; the body is sent f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import ClientDisconnect
@@ -67,11 +67,13 @@ class ClientWatch:
 class EventStream(StreamingResponse):
     """Server-sent events from the request's own task, under its ClientWatch (closed when the stream ends): the
     client gone, the body's iterator is cancelled where it waits (its `finally` cancels the sessions) and the
-    stream ends quietly, as Starlette's does."""
+    stream ends quietly, as Starlette's does. `ending`: what ends the sessions when the body never ran (a client
+    gone between the first token and the stream's start: an async generator not started runs no `finally`)."""
 
-    def __init__(self, content: AsyncIterator[bytes], watch: ClientWatch) -> None:
+    def __init__(self, content: AsyncIterator[bytes], watch: ClientWatch, ending: Callable[[], Awaitable[object]]
+                 ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.watch = watch
+        self.watch, self.ending = watch, ending
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -80,3 +82,4 @@ class EventStream(StreamingResponse):
             pass
         finally:
             self.watch.close()
+            await self.ending()  # nothing left to do once the body ran to its end or through its `finally`

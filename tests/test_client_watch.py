@@ -97,3 +97,48 @@ def test_requests_leave_no_garbage_cycles() -> None:
         assert asyncio.run(main()) == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("gone_at", ["never", "before the stream", "mid-stream"])
+def test_an_event_stream_ends_its_sessions_however_the_client_goes(gone_at: str) -> None:
+    """EventStream: the body sent whole, or cut where it waits when the client goes; `ending` (the sessions'
+    end) runs every time, also when the body never started (a generator not started runs no `finally`)."""
+    from gateway.watch import EventStream
+
+    async def main() -> tuple[list[bytes], list[str]]:
+        receive, gone = _receiver()
+        log: list[str] = []
+        sent: list[bytes] = []
+
+        async def body() -> Any:
+            log.append("started")
+            try:
+                yield b"data: 1\n\n"
+                if gone_at == "mid-stream":
+                    gone.set()
+                    await asyncio.sleep(30)  # the next event, never come
+                yield b"data: [DONE]\n\n"
+            finally:
+                log.append("body's finally")
+
+        async def ending() -> None:
+            log.append("ending")
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b"<start>"))
+
+        watch = ClientWatch(receive)
+        if gone_at == "before the stream":
+            gone.set()
+            await asyncio.sleep(0.01)
+        await EventStream(body(), watch, ending)({"type": "http"}, receive, send)
+        return sent, log
+
+    sent, log = asyncio.run(main())
+    if gone_at == "never":
+        assert sent == [b"<start>", b"data: 1\n\n", b"data: [DONE]\n\n", b""]
+        assert log == ["started", "body's finally", "ending"]
+    elif gone_at == "before the stream":
+        assert sent == [] and log == ["ending"]
+    else:
+        assert sent == [b"<start>", b"data: 1\n\n"] and log == ["started", "body's finally", "ending"]
