@@ -151,7 +151,9 @@ class StepJob(msgspec.Struct, frozen=True, kw_only=True):
         toks = self.tokens
         if len(toks) > MAX_TOKENS_PER_JOB:
             return f"more than {MAX_TOKENS_PER_JOB} tokens"
-        if toks and (any(type(t) is not int for t in toks) or min(toks) < 0 or max(toks) > MAX_TOKEN_ID):
+        # in C: a generator resumed per token took 31 us of a 512-token prefill job (built by the Tracker, decoded
+        # by the worker), the types counted 13 (`timeit`, a host about 2x slow)
+        if toks and (list(map(type, toks)).count(int) != len(toks) or min(toks) < 0 or max(toks) > MAX_TOKEN_ID):
             return f"tokens must be ints in [0, {MAX_TOKEN_ID}]"
         if type(self.created_at) not in (float, int) or not math.isfinite(self.created_at) or self.created_at < 0:
             return "created_at must be a finite number >= 0"

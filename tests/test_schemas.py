@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -277,3 +278,19 @@ def test_raw_bytes_never_crash(k: bytes, v: bytes) -> None:
     base[k] = v
     with contextlib.suppress(WireError):
         job_from_fields(base)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(-(2**33), 2**33) | st.sampled_from([-1, 0, MAX_TOKEN_ID, MAX_TOKEN_ID + 1])
+                       | st.sampled_from([True, False, 2.0, "3", None]) | st.integers(0, 9).map(np.int64),
+                       min_size=1, max_size=40))
+def test_a_jobs_tokens_are_accepted_exactly_when_each_is_an_int_token_id(tokens: list[object]) -> None:
+    """A StepJob's tokens: plain ints in [0, MAX_TOKEN_ID] (not a bool, not a numpy integer), wherever the bad one
+    stands (the definition, one token at a time)."""
+    ok = all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens)  # type: ignore[operator]
+    try:
+        job = make_job(tokens=tuple(tokens))
+    except (ValueError, TypeError) as e:
+        assert not ok and "tokens must be ints" in str(e), e
+    else:
+        assert ok and job.tokens == tuple(tokens)
