@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from producer import AsyncProducer, PlacementPolicy, ProducerSettings, SessionHandle
 from schemas import Reason, Status, StepResult
+from schemas.limits import json_too_deep
 
 from .api import ChatRequest, CompletionRequest, Generation
 from .chat_tokens import TooLong
@@ -114,8 +115,9 @@ class Gateway:
         except TimeoutError:
             raise ApiError(408, f"the request's body did not arrive within {self.config.body_timeout_s:g} s",
                            code="request_timeout", headers={"Connection": "close"}) from None
+        data = bytes(raw)
         try:
-            text = bytes(raw).decode("utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise bad_request(f"the body is not UTF-8 (byte {e.start})", code="invalid_encoding") from None
         try:
@@ -125,7 +127,7 @@ class Gateway:
         except RecursionError:  # nesting past the parser's own limit: the same refusal as any nesting too deep
             fault: _Fault | None = "depth"
         else:
-            fault = _shape_fault(text, obj)
+            fault = _shape_fault(data, text, obj)
         if fault == "depth":
             raise bad_request(f"the body nests deeper than {MAX_BODY_DEPTH} levels", code="invalid_json")
         if fault == "surrogate":
@@ -289,35 +291,38 @@ _Fault = Literal["depth", "surrogate"]
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def _shape_fault(text: str, obj: Any) -> _Fault | None:
-    """What no later stage could take in the body parsed from `text` (None: nothing): `_walk_fault`, which costs
-    about 0.3 us a value (140 us for a prompt of 520 token ids), asked only where the text says it could find
-    something: nesting deeper than MAX_BODY_DEPTH needs more brackets than that, and json.loads makes a surrogate
-    only of a \\uD800-\\uDFFF escape (text decoded from UTF-8 holds none)."""
-    if text.count("[") + text.count("{") <= MAX_BODY_DEPTH and _SURROGATE_ESCAPE.search(text) is None:
-        return None
-    return _walk_fault(obj)
+def _shape_fault(raw: bytes, text: str, obj: Any) -> _Fault | None:
+    """What no later stage could take in the body parsed from `text` (None: nothing): nesting deeper than
+    MAX_BODY_DEPTH (pydantic, the JSON schema's encoding and its grammar all recurse over what they are given),
+    told from the bytes as the workers tell a job's (`json_too_deep`: two counts in C, a scan only past the bound);
+    else a string (key or value) holding a UTF-16 surrogate json.loads left unpaired (no character: no tokenizer,
+    template or Redis write takes it). json.loads makes one only of a \\uD800-\\uDFFF escape (text decoded from
+    UTF-8 holds none), so the values are walked (about 0.3 us each: 140 us for a prompt of 520 token ids) only
+    where the text has such an escape."""
+    if json_too_deep(raw, MAX_BODY_DEPTH):
+        return "depth"
+    if _SURROGATE_ESCAPE.search(text) is not None and _lone_surrogate(obj):
+        return "surrogate"
+    return None
 
 
-def _walk_fault(obj: Any) -> _Fault | None:
-    """In one walk without recursion: nesting deeper than MAX_BODY_DEPTH (pydantic, the JSON schema's encoding
-    and its grammar all recurse over what they are given), or a string (key or value) holding a UTF-16 surrogate
-    json.loads left unpaired (no character: no tokenizer, template or Redis write takes it)."""
-    stack: list[tuple[Any, int]] = [(obj, 0)]
+def _lone_surrogate(obj: Any) -> bool:
+    """Whether a string in `obj` (a key or a value) holds a lone surrogate: a walk without recursion."""
+    stack: list[Any] = [obj]
     while stack:
-        v, d = stack.pop()
+        v = stack.pop()
         if isinstance(v, str):
             if not v.isascii():
                 try:
                     v.encode("utf-8")
                 except UnicodeEncodeError:
-                    return "surrogate"
-        elif isinstance(v, dict | list):
-            if d >= MAX_BODY_DEPTH:
-                return "depth"
-            inner = [*v.keys(), *v.values()] if isinstance(v, dict) else v
-            stack.extend((x, d + 1) for x in inner)
-    return None
+                    return True
+        elif isinstance(v, dict):
+            stack += v.keys()
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return False
 
 
 def size_of(req: Generation) -> int:

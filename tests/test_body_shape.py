@@ -1,6 +1,6 @@
-"""`dgr serve`'s check of a parsed body's shape (gateway/app.py `_shape_fault`): what the text's brackets and
-escapes let it skip never changes the answer of the walk it skips (`_walk_fault`), and that walk answers by its
-definition (nesting of MAX_BODY_DEPTH containers, a string holding a lone UTF-16 surrogate)."""
+"""`dgr serve`'s check of a parsed body's shape (gateway/app.py `_shape_fault`): nesting deeper than MAX_BODY_DEPTH
+first, then a lone UTF-16 surrogate in any key or value, by its definition (a walk of the value written here);
+what the text's escapes let it skip never changes the answer."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gateway.app as app
-from gateway.app import MAX_BODY_DEPTH, _shape_fault, _walk_fault
+from gateway.app import MAX_BODY_DEPTH, _shape_fault
 
 # strings as json.loads can make them: any code point, lone surrogates included (from a \\uD800 escape)
 strings = st.lists(st.characters() | st.integers(0xD800, 0xDFFF).map(chr), max_size=6).map("".join)
@@ -55,8 +55,7 @@ def lone_surrogate(v: Any) -> bool:
 @example(["\udfff"], True, None, True)
 @example({"a": "x\ud800"}, True, None, True)
 @example({"a": "\udbff"}, True, None, False)
-def test_the_text_skips_only_walks_that_find_nothing(value: Any, ascii_only: bool, indent: int | None,
-                                                     upper: bool) -> None:
+def test_a_body_is_refused_by_its_definition(value: Any, ascii_only: bool, indent: int | None, upper: bool) -> None:
     text = json.dumps(value, ensure_ascii=ascii_only, indent=indent)
     try:
         text.encode("utf-8")
@@ -66,20 +65,20 @@ def test_the_text_skips_only_walks_that_find_nothing(value: Any, ascii_only: boo
     if upper:  # escapes as a client may write them: \uD800
         shouted = re.sub(r"\\u([0-9a-f]{4})", lambda m: "\\u" + m[1].upper(), text)
         text = shouted if json.loads(shouted) == obj else text  # not where it changed a string's own text
-    walked = _walk_fault(obj)
-    assert _shape_fault(text, obj) == walked
-    assert (walked is None) == (depth(obj) <= MAX_BODY_DEPTH and not lone_surrogate(obj))
+    want = "depth" if depth(obj) > MAX_BODY_DEPTH else "surrogate" if lone_surrogate(obj) else None
+    assert _shape_fault(text.encode(), text, obj) == want
 
 
 def test_a_prompt_of_token_ids_is_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The common body (a prompt of ids, a few fields) answers from its text alone."""
     walked: list[Any] = []
 
-    def walk(obj: Any) -> Any:
+    def walk(obj: Any) -> bool:
         walked.append(obj)
-        return _walk_fault(obj)
+        return False
 
-    monkeypatch.setattr(app, "_walk_fault", walk)
+    monkeypatch.setattr(app, "_lone_surrogate", walk)
     obj = {"model": "m", "prompt": list(range(520)), "stream": True, "stream_options": {"include_usage": True}}
-    assert _shape_fault(json.dumps(obj), obj) is None and not walked
-    assert _shape_fault('{"p": "\\ud800"}', {"p": "\ud800"}) == "surrogate" and walked
+    text = json.dumps(obj)
+    assert _shape_fault(text.encode(), text, obj) is None and not walked
+    assert _shape_fault(b'{"p": "\\ud800"}', '{"p": "\\ud800"}', {"p": "\ud800"}) is None and walked
