@@ -329,3 +329,50 @@ def test_runs_leave_no_garbage_cycles(redis_client: redis.Redis) -> None:
         finally:
             gc.enable()
     assert (found_async, found_sync) == (0, 0)
+
+
+@pytest.mark.parametrize("reader", ["fails", "is cancelled"])
+def test_a_fleet_read_that_ends_unfinished_holds_no_other_opening(redis_client: redis.Redis, reader: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one opening reading the fleet for the others (none read before) fails on Redis, or its caller goes
+    away mid-read: the others, waiting for that read, read it themselves (one of them) and open at once (not
+    after the wait's bound: set out of reach here); only the reader's own session fails."""
+    from producer import placement
+    from producer.commands import Sleep
+
+    monkeypatch.setattr(placement, "FLEET_READ_WAIT_S", 1e9)
+
+    workers = [FakeWorker(redis_client, worker_id=f"w{i}") for i in range(2)]
+    for w in workers:
+        w.t.heartbeat({"slots": 32, "busy_slots": 0})
+    reads = 0
+
+    async def main() -> list[BaseException | dict[str, SessionHandle]]:
+        nonlocal reads
+        p = AsyncProducer(async_client_for(redis_client))
+        real = p.core.workers
+
+        def first_unfinished() -> Plan[list[WorkerInfo]]:
+            nonlocal reads
+            reads += 1
+            if reads == 1:
+                yield Sleep(0.05)  # in flight while the others arrive
+                raise ConnectionError("Redis went away mid-read")
+            return (yield from real())
+
+        p.core.workers = first_unfinished  # type: ignore[method-assign]
+        try:
+            tasks = [asyncio.ensure_future(p.run_many([(template(f"s{i}"), [1, 2])])) for i in range(12)]
+            if reader == "is cancelled":
+                await asyncio.sleep(0.02)
+                tasks[0].cancel()
+            return list(await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30))
+        finally:
+            await p.aclose()
+
+    with workers[0], workers[1]:
+        outs = asyncio.run(main())
+    assert reads == 2
+    first = outs[0]
+    assert isinstance(first, asyncio.CancelledError if reader == "is cancelled" else ConnectionError), first
+    assert [h.status for out in outs[1:] for h in out.values()] == ["finished"] * 11  # type: ignore[union-attr]
