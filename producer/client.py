@@ -130,9 +130,7 @@ class Producer(TrackerOps):
         try:
             self._call(self.core.turn(block_ms))
         finally:
-            self.core.stop(run, abandon=False)
-            for h in run.handles.values():
-                h.run = None
+            self.core.stop(run, abandon=False)  # the handles let go of the run: driven by hand again
 
     def _release(self) -> None:
         """Cancel the sessions a loop left before they ended (a timeout, an exception, the caller stopped): an
