@@ -64,6 +64,7 @@ class Tokenizer:
         # A token's bytes never change: kept once asked (at most the vocabulary), so that streaming a token costs
         # a dictionary lookup, not a call into llama.cpp with a buffer made for it (dgr serve, per token)
         self._pieces: dict[int, bytes] = {}
+        self._texts: dict[int, str | None] = {}
         self._control: dict[str, int] | None = None
         self._longest: int | None = None
 
@@ -79,6 +80,20 @@ class Tokenizer:
         if got is None:
             got = self._pieces[token] = self._impl.piece_bytes(token)
         return got
+
+    def piece_text(self, token: int) -> str | None:
+        """One token's bytes as text when they are whole UTF-8 on their own (most tokens), else None (a piece of a
+        character, stray bytes): what an incremental detokenizer with nothing pending sends as it is."""
+        try:
+            return self._texts[token]
+        except KeyError:
+            pass
+        try:
+            text: str | None = self.piece_bytes(token).decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        self._texts[token] = text
+        return text
 
     def decode(self, tokens: list[int]) -> str:
         """As llama_detokenize(remove_special=True): a leading BOS is dropped, control tokens print nothing."""

@@ -9,7 +9,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any, Literal
 import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -75,12 +76,24 @@ class ServeConfig:
     producer: ProducerSettings = field(default_factory=serve_producer)
 
 
+class Tally:
+    """A counter the hot path adds to as a plain int (`n += 1`), read when /metrics is scraped: a prometheus_client
+    Counter's `inc` takes a lock and four calls, about 210 Python opcodes, per streamed token."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.n = name, documentation, 0
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.n)
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("dgr_serve_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
-        self.tokens = Counter("dgr_serve_completion_tokens", "Completion tokens answered", registry=self.registry)
+        self.tokens = Tally("dgr_serve_completion_tokens", "Completion tokens answered", self.registry)
         self.ttft = Histogram("dgr_serve_time_to_first_token_seconds", "Request to its first token",
                               registry=self.registry)
 
@@ -232,7 +245,7 @@ class Gateway:
         c = choices[i]
         text, lps, hit = c.take(r)
         if r.token is not None:
-            self.metrics.tokens.inc()
+            self.metrics.tokens.n += 1
         if hit:  # a stop string: the worker's session is not needed any more
             sessions.stop(i)
         return c, text, lps

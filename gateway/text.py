@@ -167,6 +167,10 @@ class Detokenizer:
     pending: bytes = b""
 
     def push(self, token: int) -> str:
+        if not self.pending:  # the common token: whole characters of its own, sent as they are
+            text = self.tokenizer.piece_text(token)
+            if text is not None:
+                return text
         self.pending += self.tokenizer.piece_bytes(token)
         cut = _whole_utf8(self.pending)
         text, self.pending = self.pending[:cut].decode("utf-8", errors="replace"), self.pending[cut:]

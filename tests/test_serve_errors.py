@@ -332,3 +332,25 @@ def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(
         req = ChatRequest.model_validate({**CHAT, "messages": [{"role": "user", "content": text}]})
         assert asyncio.run(gw.encode(req, models[0], None))
     assert where == [True, False], where
+
+
+def test_metrics_count_the_tokens_answered(worker: redis.Redis, redis_server: LocalRedis,
+                                          models: list[TextModel]) -> None:
+    """dgr_serve_completion_tokens_total: every token answered, streamed or not, as /metrics is scraped."""
+    cfg = ServeConfig(redis_url=redis_server.url, models=models)
+
+    async def go() -> list[str]:
+        app = make_app(cfg)
+        async with app.router.lifespan_context(app), \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            seen = []
+            for stream in (False, True, False):
+                r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3,
+                                                           "ignore_eos": True, "stream": stream})
+                assert r.status_code == 200, r.text
+                metrics = (await c.get("/metrics")).text
+                seen += [line for line in metrics.splitlines() if line.startswith("dgr_serve_completion_tokens")]
+            return seen
+
+    assert asyncio.run(go()) == ["dgr_serve_completion_tokens_total 3.0", "dgr_serve_completion_tokens_total 6.0",
+                                 "dgr_serve_completion_tokens_total 9.0"]
