@@ -45,7 +45,7 @@ from .errors import (
 from .responses import Choice, Kind, Shape
 from .runner import Placement, Runner, Sessions, serving, usage_of
 from .text import TextModel
-from .watch import ClientWatch, EventStream
+from .watch import DONE, ClientWatch, EventStream
 
 log = logging.getLogger("dgr.serve")
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"
@@ -279,14 +279,11 @@ class Gateway:
                     yield data(shape.chunk(c.index, text, c.finish_reason, lps, offsets, usage=include_usage))
                 item = await anext(events)
             failed = self.failure(item, choices)
-            if failed is not None:
-                yield data(failed.body())
-            elif include_usage:
-                yield data(shape.usage_chunk(usage_of(list(item.values())).body()))
-            yield b"data: [DONE]\n\n"
+            last = data(failed.body()) if failed is not None \
+                else data(shape.usage_chunk(usage_of(list(item.values())).body())) if include_usage else b""
+            yield last + DONE  # the last events in one send, which ends the body (EventStream)
         except Exception as e:  # after the headers: the stream ends with an error event
-            yield data(_api_answer(e, "stream").body())
-            yield b"data: [DONE]\n\n"
+            yield data(_api_answer(e, "stream").body()) + DONE
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 

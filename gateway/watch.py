@@ -64,6 +64,9 @@ class ClientWatch:
             self._listening = None
 
 
+DONE = b"data: [DONE]\n\n"  # OpenAI's last event of a stream
+
+
 class EventStream(StreamingResponse):
     """Server-sent events from the request's own task, under its ClientWatch (closed when the stream ends): the
     client gone, the body's iterator is cancelled where it waits (its `finally` cancels the sessions) and the
@@ -73,7 +76,19 @@ class EventStream(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], watch: ClientWatch, ending: Callable[[], Awaitable[object]]
                  ) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.watch, self.ending = watch, ending
+        self.events, self.watch, self.ending = content, watch, ending
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but the chunk that ends with DONE ends the body (one send less a request: each passes
+        Starlette's send wrappers and is a write of its own); the iterator is still run to its end."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.events:
+            if not ended:
+                ended = chunk.endswith(DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -101,8 +101,9 @@ def test_requests_leave_no_garbage_cycles() -> None:
 
 @pytest.mark.parametrize("gone_at", ["never", "before the stream", "mid-stream"])
 def test_an_event_stream_ends_its_sessions_however_the_client_goes(gone_at: str) -> None:
-    """EventStream: the body sent whole, or cut where it waits when the client goes; `ending` (the sessions'
-    end) runs every time, also when the body never started (a generator not started runs no `finally`)."""
+    """EventStream: the body sent whole (ended by its last event's send), or cut where it waits when the client
+    goes; `ending` (the sessions' end) runs every time, also when the body never started (a generator not started
+    runs no `finally`)."""
     from gateway.watch import EventStream
 
     async def main() -> tuple[list[bytes], list[str]]:
@@ -125,7 +126,7 @@ def test_an_event_stream_ends_its_sessions_however_the_client_goes(gone_at: str)
             log.append("ending")
 
         async def send(message: dict[str, Any]) -> None:
-            sent.append(message.get("body", b"<start>"))
+            sent.append(message.get("body", b"<start>") + (b"" if message.get("more_body", True) else b"<end>"))
 
         watch = ClientWatch(receive)
         if gone_at == "before the stream":
@@ -135,10 +136,37 @@ def test_an_event_stream_ends_its_sessions_however_the_client_goes(gone_at: str)
         return sent, log
 
     sent, log = asyncio.run(main())
-    if gone_at == "never":
-        assert sent == [b"<start>", b"data: 1\n\n", b"data: [DONE]\n\n", b""]
+    if gone_at == "never":  # the body ends with its last event, in one send
+        assert sent == [b"<start>", b"data: 1\n\n", b"data: [DONE]\n\n<end>"]
         assert log == ["started", "body's finally", "ending"]
     elif gone_at == "before the stream":
         assert sent == [] and log == ["ending"]
     else:
         assert sent == [b"<start>", b"data: 1\n\n"] and log == ["started", "body's finally", "ending"]
+
+
+def test_an_event_stream_without_its_last_event_still_ends_its_body() -> None:
+    """A body that stops before DONE (not the gateway's, whose every path ends with it) is ended by an empty send,
+    as Starlette's is; events after DONE are never sent."""
+    from gateway.watch import DONE, EventStream
+
+    async def main(chunks: list[bytes]) -> list[tuple[bytes, bool]]:
+        receive, _ = _receiver()
+        sent: list[tuple[bytes, bool]] = []
+
+        async def body() -> Any:
+            for c in chunks:
+                yield c
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                sent.append((message["body"], message["more_body"]))
+
+        async def ending() -> None:
+            pass
+
+        await EventStream(body(), ClientWatch(receive), ending)({"type": "http"}, receive, send)
+        return sent
+
+    assert asyncio.run(main([b"data: 1\n\n"])) == [(b"data: 1\n\n", True), (b"", False)]
+    assert asyncio.run(main([b"data: 1\n\n" + DONE, b"data: 2\n\n"])) == [(b"data: 1\n\n" + DONE, False)]

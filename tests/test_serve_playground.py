@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 from dgrtools.localredis import LocalRedis, free_port  # noqa: E402
 from dgrtools.process import ConsumerProcess  # noqa: E402
 from gateway.stack import ServeProcess  # noqa: E402
+from tests.browser_support import page_when  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,10 @@ def test_playground_streams_an_answer_in_chromium(redis_server: LocalRedis, tiny
     redis.Redis.from_url(redis_server.url).flushall()
     with ConsumerProcess(redis_server.url, "w-play", f"tiny={tiny_model_path}", tmp_path, slots=2, threads=1), \
             ServeProcess(redis_server.url, [f"tiny={tiny_model_path}"], free_port(), tmp_path) as serve:
-        out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=60000", "--dump-dom",
-                              f"{serve.url}/?q=hello&max=8"], capture_output=True, text=True, timeout=120)
-    dom = out.stdout
+        dom = page_when(browser, f"{serve.url}/?q=hello&max=8", "document.querySelector('#answer-1[data-done]')",
+                        tmp_path / "profile")
     answer = re.search(r'<div class="turn assistant" id="answer-1" data-done="1">(.*?)</div>', dom, re.S)
-    assert answer is not None, dom[-2000:] + out.stderr[-2000:]
+    assert answer is not None, dom[-2000:]
     assert re.search(r"completion (\d+)", dom) and int(re.search(r"completion (\d+)", dom).group(1)) >= 1
     assert '<option value="tiny">tiny</option>' in dom
 

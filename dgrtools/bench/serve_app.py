@@ -30,12 +30,15 @@ PROMPT = list(range(1, 28))
 
 
 class _Answers:
-    """AsyncProducer.stream_many's Answers for the request's sessions: each one token, then its end."""
+    """AsyncProducer.stream_many's Answers for the request's sessions: each `tokens` tokens, one a loop turn, then
+    its end."""
 
-    def __init__(self, sessions: list[tuple[Any, Any]]) -> None:
+    def __init__(self, sessions: list[tuple[Any, Any]], tokens: int) -> None:
+        self.tokens = tokens
         self.hs = {t.session_id: types.SimpleNamespace(
             session_id=t.session_id, status="finished", reason=None, detail="", prompt_tokens=len(p),
-            billed_generated=1, cached_tokens=0, generated=[7], legs=[], finished=True) for t, p in sessions}
+            billed_generated=tokens, cached_tokens=0, generated=[7] * tokens, legs=[], finished=True)
+            for t, p in sessions}
 
     def __aiter__(self) -> Any:
         return self._answers()
@@ -43,10 +46,12 @@ class _Answers:
     async def _answers(self) -> Any:
         from schemas import Status, StepResult
 
-        await asyncio.sleep(0)  # the answer comes a loop turn later, as the pump's does
-        for sid, h in self.hs.items():
-            yield h, StepResult(job_id=sid + ":0", session_id=sid, status=Status.OK, position=len(PROMPT) + 1,
-                                worker_id="bench", token=7, finished=True)
+        for k in range(self.tokens):
+            await asyncio.sleep(0)  # each answer comes a loop turn later, as the pump's do
+            for sid, h in self.hs.items():
+                yield h, StepResult(job_id=f"{sid}:1.{k}" if k else f"{sid}:0", session_id=sid, status=Status.OK,
+                                    position=len(PROMPT) + 1 + k, worker_id="bench", token=7 + k % 50,
+                                    finished=k == self.tokens - 1)
 
     async def aclose(self) -> None:
         pass
@@ -64,8 +69,8 @@ def _scope(body: bytes) -> dict[str, Any]:
                         (b"content-length", str(len(body)).encode())], "state": {}}
 
 
-async def _measure(app: Any, streams: int, rounds: int, repeats: int) -> dict[str, Any]:
-    body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True,
+async def _measure(app: Any, streams: int, rounds: int, repeats: int, tokens: int) -> dict[str, Any]:
+    body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
                        "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
     forever = asyncio.Event()
 
@@ -109,11 +114,12 @@ async def _measure(app: Any, streams: int, rounds: int, repeats: int) -> dict[st
         gc.callbacks.remove(count)
     await asyncio.sleep(0)  # the last listeners' cancels delivered
     return {"streams": streams, "rounds": rounds, "repeats": repeats, "us_per_request": statistics.median(per_request),
-            "runs": per_request, "collections": collections, "requests": repeats * rounds * streams,
+            "runs": per_request, "collections": collections, "requests": repeats * rounds * streams, "tokens": tokens,
             "unreachable": gc.collect()}  # the cycles left since the last collection (none ran: all of them)
 
 
-def measure(streams: int = 64, rounds: int = 40, repeats: int = 5, young: int = 20_000) -> dict[str, Any]:
+def measure(streams: int = 64, rounds: int = 40, repeats: int = 5, young: int = 20_000, tokens: int = 1
+            ) -> dict[str, Any]:
     from consumer.runtime import resolve_model
     from dgrtools.localredis import LocalRedis
     from dgrtools.process import ConsumerProcess
@@ -138,8 +144,8 @@ def measure(streams: int = 64, rounds: int = 40, repeats: int = 5, young: int = 
                     return fleet
 
                 producer.fleet_now = fleet_now
-                producer.stream_many = lambda sessions, *a, **k: _Answers(sessions)
-                return await _measure(app, streams, rounds, repeats)
+                producer.stream_many = lambda sessions, *a, **k: _Answers(sessions, tokens)
+                return await _measure(app, streams, rounds, repeats, tokens)
 
         gc.collect()
         threshold = gc.get_threshold()
@@ -160,10 +166,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="Requests at once.")
     ap.add_argument("--rounds", type=int, default=40, help="Bursts per repeat.")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=1, help="Tokens each request streams.")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     a = ap.parse_args()
-    r = measure(a.streams, a.rounds, a.repeats)
-    console.print(table("dgr serve's app alone: CPU per request (this process)",
+    r = measure(a.streams, a.rounds, a.repeats, tokens=a.tokens)
+    console.print(table(f"dgr serve's app alone: CPU per request of {a.tokens} token(s) (this process)",
                         ["streams", "µs / request", "runs", "collections (young/middle/full)", "left in cycles",
                          "requests"],
                         list(_rows(r))))
