@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,44 +21,14 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dgrtools.bench.serve_app import StubAnswers, asgi_scope
 from dgrtools.localredis import LocalRedis
 from dgrtools.process import ConsumerProcess
 from gateway.app import ServeConfig, make_app
 from gateway.text import TextModel
 from producer import Producer
-from schemas import Status, StepResult
 
 WORKER = "w-leave"
-
-
-class Answers:
-    """AsyncProducer.stream_many's answers for one request: `tokens` tokens a session, one a loop turn; `log` says
-    whether they were run to their end or closed."""
-
-    def __init__(self, sessions: list[tuple[Any, Any]], tokens: int, log: list[str]) -> None:
-        self.tokens, self.log = tokens, log
-        self.hs = {t.session_id: types.SimpleNamespace(
-            session_id=t.session_id, status="finished", reason=None, detail="", prompt_tokens=len(p),
-            billed_generated=tokens, cached_tokens=0, generated=[7] * tokens, legs=[], finished=True)
-            for t, p in sessions}
-
-    def __aiter__(self) -> Any:
-        return self._answers()
-
-    async def _answers(self) -> Any:
-        for k in range(self.tokens):
-            await asyncio.sleep(0)
-            for sid, h in self.hs.items():
-                yield h, StepResult(job_id=f"{sid}:1.{k}" if k else f"{sid}:0", session_id=sid, status=Status.OK,
-                                    position=9 + k, worker_id=WORKER, token=7 + k, finished=k == self.tokens - 1)
-        self.log.append("ran to its end")
-
-    async def aclose(self) -> None:
-        self.log.append("closed")
-
-    @property
-    def handles(self) -> dict[str, Any]:
-        return self.hs
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +57,7 @@ def _request(url: str, fleet: list[Any], model: TextModel, stream: bool, tokens:
                 return fleet
 
             producer.fleet_now = fleet_now
-            producer.stream_many = lambda sessions, *a, **k: Answers(sessions, tokens, log)
+            producer.stream_many = lambda sessions, *a, **k: StubAnswers(sessions, tokens, log)
             gone, read, sent = asyncio.Event(), [False], []
             leaving: list[asyncio.Future[None]] = []  # held: the loop keeps only a weak reference to a task
 
@@ -111,11 +80,7 @@ def _request(url: str, fleet: list[Any], model: TextModel, stream: bool, tokens:
                 if slow_send:
                     await asyncio.sleep(0)
 
-            scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                     "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                     "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-                     "headers": [(b"host", b"t"), (b"content-type", b"application/json")], "state": {}}
-            await app(scope, receive, send)  # never raises, whenever the client leaves
+            await app(asgi_scope(body), receive, send)  # never raises, whenever the client leaves
             for _ in range(5):  # cancels sent from tasks of their own, if any
                 await asyncio.sleep(0)
             return sent, list(log)

@@ -29,12 +29,12 @@ from .common import console, save, table
 PROMPT = list(range(1, 28))
 
 
-class _Answers:
+class StubAnswers:
     """AsyncProducer.stream_many's Answers for the request's sessions: each `tokens` tokens, one a loop turn, then
-    its end."""
+    its end; `log` (when given) says whether they were run to their end or closed (tests/test_serve_leaving.py)."""
 
-    def __init__(self, sessions: list[tuple[Any, Any]], tokens: int) -> None:
-        self.tokens = tokens
+    def __init__(self, sessions: list[tuple[Any, Any]], tokens: int, log: list[str] | None = None) -> None:
+        self.tokens, self.log = tokens, log
         self.hs = {t.session_id: types.SimpleNamespace(
             session_id=t.session_id, status="finished", reason=None, detail="", prompt_tokens=len(p),
             billed_generated=tokens, cached_tokens=0, generated=[7] * tokens, legs=[], finished=True)
@@ -52,16 +52,20 @@ class _Answers:
                 yield h, StepResult(job_id=f"{sid}:1.{k}" if k else f"{sid}:0", session_id=sid, status=Status.OK,
                                     position=len(PROMPT) + 1 + k, worker_id="bench", token=7 + k % 50,
                                     finished=k == self.tokens - 1)
+        if self.log is not None:
+            self.log.append("ran to its end")
 
     async def aclose(self) -> None:
-        pass
+        if self.log is not None:
+            self.log.append("closed")
 
     @property
     def handles(self) -> dict[str, Any]:
         return self.hs
 
 
-def _scope(body: bytes) -> dict[str, Any]:
+def asgi_scope(body: bytes) -> dict[str, Any]:
+    """A POST /v1/completions of `body`, as uvicorn gives it to the app."""
     return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
@@ -88,7 +92,7 @@ async def _measure(app: Any, streams: int, rounds: int, repeats: int, tokens: in
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
-        await app(_scope(body), receive, send)
+        await app(asgi_scope(body), receive, send)
         if sent[0].get("status") != 200:
             raise RuntimeError(f"the app answered {sent[:2]}")
 
@@ -144,7 +148,7 @@ def measure(streams: int = 64, rounds: int = 40, repeats: int = 5, young: int = 
                     return fleet
 
                 producer.fleet_now = fleet_now
-                producer.stream_many = lambda sessions, *a, **k: _Answers(sessions, tokens)
+                producer.stream_many = lambda sessions, *a, **k: StubAnswers(sessions, tokens)
                 return await _measure(app, streams, rounds, repeats, tokens)
 
         gc.collect()
