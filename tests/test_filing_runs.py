@@ -83,5 +83,19 @@ def test_a_call_of_plain_tokens_is_filed_in_runs() -> None:
     got = [Answer(None, j, Outcome(f"{j.job_id}.3", j.session_id, Status.OK, None, 14, "", 7, False, 0, 0.01, 32),
                   "a", None, final=False) for j in jobs]
     runs = list(publish._runs(got))
-    assert [(plain, reply, account, len(run)) for plain, reply, account, run in runs] == [(True, "t", "a", 32)]
+    assert [(plain, reply, len(run)) for plain, reply, run in runs] == [(True, "t", 32)]
+    assert _encode(Filing(answers=got), True) == _encode(Filing(answers=got), False)
+
+
+def test_a_call_of_interleaved_accounts_is_one_run() -> None:
+    """One Tracker's sessions of several accounts, interleaved row by row (its callers' sessions decode in one call):
+    still one run, each row billed to its own account, numbered in the control as answer by answer numbers them."""
+    from consumer.transport import publish
+
+    jobs = [StepJob(job_id=f"s{i}-c", session_id=f"s{i}", phase="decode", compat="d" * 16, start_position=10, tokens=(),
+                    n=16, created_at=0.0, reply_to="t") for i in range(32)]
+    got = [Answer(None, j, Outcome(f"{j.job_id}.3", j.session_id, Status.OK, None, 14, "", 7, False, 0, 0.01, 32),
+                  f"a{i % 3}", None, final=False) for i, j in enumerate(jobs)]
+    runs = list(publish._runs(got))
+    assert [(plain, reply, len(run)) for plain, reply, run in runs] == [(True, "t", 32)]
     assert _encode(Filing(answers=got), True) == _encode(Filing(answers=got), False)

@@ -150,7 +150,8 @@ class _Rows:
 
 # A plain answer: a decode token, OK, that goes on (no close, no blob, no extra column, no activations in or out),
 # to a Tracker's stream (`reply_to`), billed. A call of decode rows is made of them, and a run of them in a row
-# (one stream, one account) is filed as whole columns (`_CallBuilder.plain_run`): its rows read in one
+# (one stream, any accounts: the sessions of one Tracker interleave its callers' accounts, and a run cut at each
+# change of account would be a row long) is filed as whole columns (`_CallBuilder.plain_run`): its rows read in one
 # comprehension and turned into columns by zip in C, not appended value by value with a dozen checks each
 # (tests/test_filing_runs.py checks that the calls are byte for byte the ones answer by answer gives). Attributes
 # are read in Python, not by operator.attrgetter: Python 3.11's specialised attribute loads are faster (0.19 against
@@ -158,22 +159,22 @@ class _Rows:
 PLAIN_RUN: Final = 8
 
 
-def _runs(answers: Sequence[Answer], fast: bool = True) -> Iterator[tuple[bool, str, str, list[Answer]]]:
-    """The answers in order, as runs: (plain, stream, account, answers); plain runs of PLAIN_RUN or more only."""
+def _runs(answers: Sequence[Answer], fast: bool = True) -> Iterator[tuple[bool, str, list[Answer]]]:
+    """The answers in order, as runs: (plain, stream, answers); plain runs of PLAIN_RUN or more only."""
     if not fast or len(answers) < PLAIN_RUN:
-        yield False, "", "", list(answers)
+        yield False, "", list(answers)
         return
     keyed = [((a.close is None and a.blob is None and not a.reply and bool(a.account_id) and j is not None
                and j.hidden is None and j.phase == "decode" and j.reply_to is not None and r.status == "ok"
                and not r.finished and r.token is not None and r.hidden is None and r.logprobs is None
-               and not r.detail), None if j is None else j.reply_to, a.account_id, a)
+               and not r.detail), None if j is None else j.reply_to, a)
              for a in answers for r, j in ((a.result, a.job),)]
-    for (plain, reply, account), group in groupby(keyed, key=_RUN_KEY):
+    for (plain, reply), group in groupby(keyed, key=_RUN_KEY):
         run = list(map(_ANSWER, group))
-        yield plain and len(run) >= PLAIN_RUN, reply or "", account or "", run
+        yield plain and len(run) >= PLAIN_RUN, reply or "", run
 
 
-_RUN_KEY, _ANSWER = itemgetter(0, 1, 2), itemgetter(3)
+_RUN_KEY, _ANSWER = itemgetter(0, 1), itemgetter(2)
 
 
 @dataclass
@@ -241,7 +242,7 @@ class _CallBuilder:
         if a.close is not None:
             self.close.append([sid, keys(k.session_account(sid)), a.close, self.accounts.get(account or "", 0)])
 
-    def plain_run(self, reply: str, account: str, run: list[Answer]) -> None:
+    def plain_run(self, reply: str, run: list[Answer]) -> None:
         """`answer` for each of a run of plain answers (see _runs), column by column."""
         r = self.rows.get(reply)
         if r is None:
@@ -276,16 +277,28 @@ class _CallBuilder:
                 col += vals
             elif (k := next(compress(count(), vals), None)) is not None:
                 r.optional[c] = [0] * (i0 + k) + vals[k:]
-        r.acct += repeat(self.account(account), n)
         keys = self.keys
         sks = list(map(self.k.session_account("").__add__, sids))
-        if len(set(sks)) == n and keys.index.keys().isdisjoint(sks):  # each a new KEYS entry, in order
-            first = len(keys.keys) + 1
-            keys.keys += sks
-            keys.index.update(zip(sks, range(first, first + n), strict=True))
-            r.skey += range(first, first + n)
+        accounts: list[str] = [a.account_id for a in run]  # type: ignore[misc]  # a plain answer is billed
+        named = dict.fromkeys(accounts)
+        known = self.accounts
+        if any(a not in known for a in named.keys() - {accounts[0]}):
+            # an account first met past the run's first row: `answer` gives its KEYS entry (and its number) between
+            # two sessions' own, so the rows take theirs in turn
+            for account, sk in zip(accounts, sks, strict=True):
+                r.acct.append(self.account(account))
+                r.skey.append(keys(sk))
         else:
-            r.skey += map(keys, sks)
+            # every account numbered already, or only the first row's new: its entry goes before the sessions' own
+            number = {account: self.account(account) for account in named}
+            r.acct += repeat(number[accounts[0]], n) if len(number) == 1 else map(number.__getitem__, accounts)
+            if len(set(sks)) == n and keys.index.keys().isdisjoint(sks):  # each a new KEYS entry, in order
+                first = len(keys.keys) + 1
+                keys.keys += sks
+                keys.index.update(zip(sks, range(first, first + n), strict=True))
+                r.skey += range(first, first + n)
+            else:
+                r.skey += map(keys, sks)
         for a in run:
             if a.final and isinstance(a.ref, Delivery):
                 self.ack(a.ref)
@@ -329,9 +342,9 @@ def encode_filing(filing: Filing, k: WorkerKeys, head: Sequence[Any], *, worker_
     (_runs); off, answer by answer (the definition, for tests)."""
     dead_letters, call = filing.dead_letters, filing.call
     b = _CallBuilder(k, dropped={(d.delivery.stream, d.delivery.entry_id) for d in dead_letters})
-    for plain, reply, account, run in _runs(filing.answers, fast_runs):
+    for plain, reply, run in _runs(filing.answers, fast_runs):
         if plain:
-            b.plain_run(reply, account, run)
+            b.plain_run(reply, run)
         else:
             for a in run:
                 b.answer(a)
