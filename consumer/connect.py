@@ -28,6 +28,8 @@ import redis
 from redis.cluster import ClusterPipeline, RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
+from .packer import packer_kwargs
+
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
@@ -216,14 +218,16 @@ def connect(target: RedisTarget, *, decode: bool = False, redis_class: type[redi
             **client_kw: Any) -> redis.Redis | RedisCluster:
     """A synchronous client for `target`. `client_kw` (socket timeouts, ...) reach every connection to
     the data (not the sentinels'); `redis_class` is the class of a non-Cluster client (a subclass that
-    counts round trips, say)."""
+    counts round trips, say). Its commands are packed in one C call where that packs them as redis-py would
+    (consumer/packer.py)."""
     if target.sentinel:
         sentinel, master_kw = _sentinel(target, client_kw)
         return sentinel.master_for(target.sentinel_master, redis_class=redis_class,
-                                   decode_responses=decode, **master_kw)
-    if target.cluster:
+                                   decode_responses=decode, **packer_kwargs(master_kw))
+    if target.cluster:  # RedisCluster drops a command_packer it is given (redis-py's cleanup_kwargs)
         return FailoverCluster.from_url(target.url, decode_responses=decode, **client_kw)
-    return redis_class.from_url(target.url, decode_responses=decode, **client_kw)
+    return redis_class.from_url(target.url, decode_responses=decode,
+                                **packer_kwargs(client_kw, parse_url(target.url)))
 
 
 def connect_async(target: RedisTarget, *, decode: bool = False,
