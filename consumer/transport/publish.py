@@ -280,28 +280,46 @@ class _CallBuilder:
         keys = self.keys
         sks = list(map(self.k.session_account("").__add__, sids))
         accounts: list[str] = [a.account_id for a in run]  # type: ignore[misc]  # a plain answer is billed
-        named = dict.fromkeys(accounts)
-        known = self.accounts
-        if any(a not in known for a in named.keys() - {accounts[0]}):
-            # an account first met past the run's first row: `answer` gives its KEYS entry (and its number) between
-            # two sessions' own, so the rows take theirs in turn
+        if len(set(sks)) == n and keys.index.keys().isdisjoint(sks):
+            # every session's key a new KEYS entry (a call answers a session once): the entries in the order `answer`
+            # adds them, each account first met here right before the session key of its first row
+            r.skey += self._session_keys(sks, accounts)
+            r.acct += map(self.accounts.__getitem__, accounts)
+        else:
             for account, sk in zip(accounts, sks, strict=True):
                 r.acct.append(self.account(account))
                 r.skey.append(keys(sk))
-        else:
-            # every account numbered already, or only the first row's new: its entry goes before the sessions' own
-            number = {account: self.account(account) for account in named}
-            r.acct += repeat(number[accounts[0]], n) if len(number) == 1 else map(number.__getitem__, accounts)
-            if len(set(sks)) == n and keys.index.keys().isdisjoint(sks):  # each a new KEYS entry, in order
-                first = len(keys.keys) + 1
-                keys.keys += sks
-                keys.index.update(zip(sks, range(first, first + n), strict=True))
-                r.skey += range(first, first + n)
-            else:
-                r.skey += map(keys, sks)
         for a in run:
             if a.final and isinstance(a.ref, Delivery):
                 self.ack(a.ref)
+
+    def _session_keys(self, sks: list[str], accounts: list[str]) -> range | list[int]:
+        """New KEYS entries for a run's session keys `sks` (each new) and the accounts of its rows first met here
+        (each numbered, its billing key entered before the session key of its first row): the sessions' KEYS
+        indices."""
+        keys = self.keys
+        new = [a for a in dict.fromkeys(accounts) if a not in self.accounts]  # in the order of their first rows
+        first_rows = [accounts.index(a) for a in new]
+        added: list[str] = []
+        at = 0
+        for account, row in zip(new, first_rows, strict=True):
+            added += sks[at:row]
+            added.append(self.k.billing_account(account))
+            at = row
+        added += sks[at:]
+        first = len(keys.keys) + 1
+        keys.keys += added
+        keys.index.update(zip(added, count(first)))
+        for account in new:  # numbered in order; each finds its billing key entered above
+            self.account(account)
+        if not new:
+            return range(first, first + len(sks))
+        out: list[int] = []
+        at = 0
+        for shift, row in enumerate([*first_rows, len(sks)]):  # rows from `at` to `row` come after `shift` accounts
+            out += range(first + at + shift, first + row + shift)
+            at = row
+        return out
 
     def ack(self, d: Delivery) -> None:
         if (d.stream, d.entry_id) not in self.dropped:
