@@ -10,6 +10,13 @@ local out = {}
 local n_rows, n_fresh = 0, 0
 local STEADY = true  -- the steady decode token's block (below); false: every row takes the general path
 
+local function put_blob(blob, i)  -- row i's output rows (a hop's activations), when it has any
+  local b = blob[tostring(i - 1)]
+  if b ~= nil then
+    redis.call('SET', KEYS[b[1]], ARGV[b[2]], 'EX', act_ttl)
+  end
+end
+
 for ri, rec in ipairs(ctl.records) do
   local R = rec.R
   local Rsid, Rst, Rpos, Ratt, Rfrm, Rfed, Rtok, Res = R.sid, R.st, R.pos, R.att, R.frm, R.fed, R.tok, R.es
@@ -50,12 +57,7 @@ for ri, rec in ipairs(ctl.records) do
       published, any_acct = published + 1, true
       w_gen, w_steps, w_share, w_ok = w_gen + 1, w_steps + 1, w_share + es, w_ok + 1
       P[i], G[i], RC[i], K[i] = '0', '1', '0', '0'  -- as text: table.concat formats a number by sprintf
-      if has_blob then
-        local b = blob[tostring(i - 1)]
-        if b ~= nil then
-          redis.call('SET', KEYS[b[1]], ARGV[b[2]], 'EX', act_ttl)
-        end
-      end
+      if has_blob then put_blob(blob, i) end
     else
       local fresh
       local fence = a > 0 and moved[sid]
@@ -103,12 +105,7 @@ for ri, rec in ipairs(ctl.records) do
           local name = STATUS[st]
           by_status[name] = (by_status[name] or 0) + 1
         end
-        if has_blob then
-          local b = blob[tostring(i - 1)]
-          if b ~= nil then
-            redis.call('SET', KEYS[b[1]], ARGV[b[2]], 'EX', act_ttl)
-          end
-        end
+        if has_blob then put_blob(blob, i) end
       else
         D[#D + 1] = i - 1
       end
