@@ -1,8 +1,9 @@
 """The completion script's block for the steady decode token (consumer/lua/complete_publish.lua, STEADY) against
 the general path it short-cuts: the same answers filed through the script as it is and through the script with
 STEADY false leave every key the same (records, charges, tally entries, session hashes, accounts, the worker's
-counters), for any history test_charges.py draws (lost attempts, replays, twins, re-sent calls, Redis losing its
-tail, prefix cache hits, fenced attempts)."""
+counters), for histories drawn as test_charges.py draws them (lost attempts, replays, twins, re-sent calls, Redis
+losing its tail, prefix cache hits), with longer decodes, attempts fenced after any answer and answers bent off the
+honest history (`_bent`)."""
 
 from __future__ import annotations
 

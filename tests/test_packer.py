@@ -71,5 +71,5 @@ def test_clients_get_the_packer_only_with_its_encoding(redis_server: LocalRedis)
     mine = OneCallPacker()
     assert packer_kwargs({"command_packer": mine})["command_packer"] is mine
     assert packer_kwargs({"encoding": "UTF_8"}, {"db": 1})["command_packer"] is not None
+    plain.delete("k")
     plain.close()
-
