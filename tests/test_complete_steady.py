@@ -148,3 +148,25 @@ def test_a_row_at_the_last_published_position_is_not_steady(real_redis: redis.Re
     states = _filed_both_ways(real_redis, lambda t, client: file_all(t, client, [first, stale, *answers[1:]],
                                                                      one_by_one))
     assert states[0] == states[1]
+
+
+def test_a_call_of_more_sessions_than_one_write_takes(real_redis: redis.Redis) -> None:
+    """1,500 sessions in one call: the tally is read in parts of 1,000 and written in parts of 1,000 fields (Lua's
+    unpack has a bound), every entry written, with the block as without it."""
+    n = 1500
+    per_session = [session_filings(f"s{i}", ACCOUNTS[i % 2], Plan(prompt=1, max_tokens=3, cuts=(), chunk=1,
+                                                                  cont=1))[0] for i in range(n)]
+    calls = [[a[k] for a in per_session] for k in range(3)]  # the openings, then two decode tokens each
+    assert all(a.job.phase == "decode" for a in calls[2])
+
+    def file(t: RedisTransport, client: redis.Redis) -> None:
+        for answers in calls[:2]:
+            file_all(t, client, answers, FilingPlan(sizes=[n], resend=[], events=[], dups=[]))
+        tally = {k.decode(): parse_tally(v) for k, v in client.hgetall(t.keys.tally).items()}
+        assert len(tally) == n and {e["generated_tokens"] for e in tally.values() if e} == {"2"}
+        file_all(t, client, calls[2], FilingPlan(sizes=[n], resend=[], events=[], dups=[]))  # each session's last
+
+    states = _filed_both_ways(real_redis, file)
+    assert states[0] == states[1]
+    worker = states[0][WorkerKeys(WORKER).worker_account.encode()]
+    assert (worker[b"prompt_tokens"], worker[b"generated_tokens"]) == (b"1500", b"4500")

@@ -23,7 +23,7 @@ for _, c in ipairs(ctl.close or {}) do
   end
 end
 do
-  local pairs_ = {}
+  local pairs_, np = {}, 0  -- field, value, ...: the first np of them to write
   for sid, e in pairs(L) do
     local a = ac[sid]
     local account = a ~= nil and acct_ids[a][2] or e[ACCOUNT]
@@ -50,18 +50,21 @@ do
         redis.call('HDEL', tally, sid)
       end
     elseif dirty[sid] then
-      pairs_[#pairs_ + 1] = sid
-      local g, o = gaps_text(sid, e), owed_text(sid, e)
-      pairs_[#pairs_ + 1] = struct.pack(TALLY, e[ATT], e[PUB], e[HW], e[PROMPT], e[GEN], e[RECOMP], e[STEPS],
-        e[ES], now, #g, g, #account, account, #o, o)
-      if #pairs_ >= 2000 then
-        redis.call('HSET', tally, unpack(pairs_))
-        pairs_ = {}
+      -- gaps_text and owed_text, without their calls where the call never parsed the lists (every call but
+      -- after a loss of data)
+      local g = gl[sid] == nil and e[GAPS] or gaps_text(sid, e)
+      local o = ol[sid] == nil and e[OWED] or owed_text(sid, e)
+      np = np + 2
+      pairs_[np - 1], pairs_[np] = sid, struct.pack(TALLY, e[ATT], e[PUB], e[HW], e[PROMPT], e[GEN], e[RECOMP],
+        e[STEPS], e[ES], now, #g, g, #account, account, #o, o)
+      if np >= 2000 then
+        redis.call('HSET', tally, unpack(pairs_, 1, np))
+        np = 0
       end
     end
   end
-  if #pairs_ > 0 then
-    redis.call('HSET', tally, unpack(pairs_))
+  if np > 0 then
+    redis.call('HSET', tally, unpack(pairs_, 1, np))
   end
 end
 for n, s in pairs(accounts) do
