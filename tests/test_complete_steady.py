@@ -1,7 +1,8 @@
 """The completion script's block for the steady decode token (consumer/lua/complete_publish.lua, STEADY) against
 the general path it short-cuts: the same answers filed through the script as it is and through the script with
 STEADY false leave every key the same (records, charges, tally entries, session hashes, accounts, the worker's
-counters), for histories drawn as test_charges.py draws them (lost attempts, replays, twins, re-sent calls, Redis
+counters); so do the script's columns of one value (publish.py `one_value`) against the columns sent whole; for
+histories drawn as test_charges.py draws them (lost attempts, replays, twins, re-sent calls, Redis
 losing its tail, prefix cache hits), with longer decodes, attempts fenced after any answer and answers bent off the
 honest history (`_bent`)."""
 
@@ -12,13 +13,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from consumer.lua import script_source
 from consumer.sched import Answer
-from consumer.transport import RedisTransport
+from consumer.transport import RedisTransport, publish
 from schemas import Reason, Status, WorkerKeys
 from schemas.accounting import parse_tally
 from schemas.activations import encode
@@ -65,15 +67,20 @@ def _state(client: redis.Redis, t: RedisTransport) -> dict[bytes, Any]:
     return out
 
 
-def _filed_both_ways(real_redis: redis.Redis, file: Callable[[RedisTransport, redis.Redis], None]) -> list[Any]:
-    """The state `file` leaves, through the script as it is (db 1) and with STEADY false (db 2)."""
+def _filed_both_ways(real_redis: redis.Redis, file: Callable[[RedisTransport, redis.Redis], None],
+                     other: str = "general") -> list[Any]:
+    """The state `file` leaves, filed as it is (db 1) and the other way (db 2): `general`, through the script with
+    STEADY false; `columns`, every script column sent whole (publish.py `one_value` never taking one value)."""
     states = []
-    for db, steady in ((1, True), (2, False)):
+    for db in (1, 2):
         client = redis.Redis(connection_pool=redis.ConnectionPool(**{**real_redis.connection_pool.connection_kwargs,
                                                                       "db": db}))
         client.flushdb()
-        t = _transport(client, steady)
-        file(t, client)
+        with pytest.MonkeyPatch.context() as mp:
+            if db == 2 and other == "columns":
+                mp.setattr(publish, "one_value", lambda column: column)
+            t = _transport(client, steady=db == 1 or other != "general")
+            file(t, client)
         states.append(_state(client, t))
         client.flushdb()
         client.close()
@@ -115,10 +122,13 @@ def _bent(answers: list[Answer], draw: Any) -> list[Answer]:
     return out
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("other", ["general", "columns"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan_list=st.lists(long_plans, min_size=1, max_size=4), f=filings, fenced=st.booleans(), data=st.data())
-def test_the_steady_block_files_as_the_general_path(real_redis: redis.Redis, plan_list: list[Plan], f: FilingPlan,
-                                                   fenced: bool, data: st.DataObject) -> None:
+def test_the_steady_block_files_as_the_general_path(real_redis: redis.Redis, other: str, plan_list: list[Plan],
+                                                   f: FilingPlan, fenced: bool, data: st.DataObject) -> None:
+    """`general`: the block against the rows' general path; `columns`: the script's columns of one value against
+    the same columns sent whole."""
     per_session = [session_filings(f"s{i}", ACCOUNTS[i % 2], plan)[0] for i, plan in enumerate(plan_list)]
     answers = _bent(interleave(per_session, data.draw), data.draw)
     # the Tracker moving sessions off this worker after `cut` answers: an attempt of each, fenced (test_charges.py)
@@ -131,7 +141,7 @@ def test_the_steady_block_files_as_the_general_path(real_redis: redis.Redis, pla
             client.hset(t.keys.moved, mapping={sid: str(att) for sid, att in fences.items()})
         file_all(t, client, answers[cut:], f)
 
-    states = _filed_both_ways(real_redis, file)
+    states = _filed_both_ways(real_redis, file, other)
     assert states[0] == states[1]
 
 

@@ -45,7 +45,8 @@
 -- refers to by ARGV index.
 -- control: {"records": [{"out": K, "r": A of the record (published as is), "c": A of its rows' columns the
 --            script reads (JSON: sid, st, att, pos, frm, fed, tok, es, and kc: positions of fed restored
---            from the prefix cache, only when a row has any), "acct": [n per row],
+--            from the prefix cache, only when a row has any; st, att, fed, es: one value when every row's is
+--            the same), "acct": [n per row],
 --            "skey": [K per row], "res": {"row": K}, "blob": {"row": [K, A]}}],
 --           "accounts": [[K, "account id"], ...]  (acct number n >= 1 is accounts[n]; 0: none),
 --           "acks": [[K, ["entry id", ...]], ...], "del": [K, ...],

@@ -10,6 +10,11 @@ local out = {}
 local n_rows, n_fresh = 0, 0
 local STEADY = true  -- the steady decode token's block (below); false: every row takes the general path
 
+local function one(col)  -- a column's one value, or false where it is a column (a table)
+  if type(col) == 'table' then return false end
+  return col
+end
+
 local function put_blob(blob, i)  -- row i's output rows (a hop's activations), when it has any
   local b = blob[tostring(i - 1)]
   if b ~= nil then
@@ -20,6 +25,8 @@ end
 for ri, rec in ipairs(ctl.records) do
   local R = rec.R
   local Rsid, Rst, Rpos, Ratt, Rfrm, Rfed, Rtok, Res = R.sid, R.st, R.pos, R.att, R.frm, R.fed, R.tok, R.es
+  -- st, att, fed and es come as one value when every row has the same (publish.py one_value): false, a column
+  local st_all, att_all, fed_all, es_all = one(Rst), one(Ratt), one(Rfed), one(Res)
   local Rkc = R.kc  -- only when a row restored positions from the prefix cache
   local acct, skey, res, blob = rec.acct, rec.skey, rec.res, rec.blob
   local has_blob = next(blob) ~= nil
@@ -28,7 +35,8 @@ for ri, rec in ipairs(ctl.records) do
   local any_k = false
   local any_acct, published = false, 0
   for i = 1, n do
-    local st, pos, a = Rst[i], Rpos[i], acct[i]
+    local st, pos, a = st_all or Rst[i], Rpos[i], acct[i]
+    local att, fed, es = att_all or Ratt[i], fed_all or Rfed[i], es_all or Res[i]
     local sid = Rsid[i]
     local e = nil
     if a > 0 then
@@ -38,14 +46,13 @@ for ri, rec in ipairs(ctl.records) do
       end
       sk[sid], ac[sid] = skey[i], a
     end
-    if STEADY and e ~= nil and st == 0 and pos == e[HW] and pos > e[PUB] and Rfed[i] == 0 and Rtok[i] >= 0
-        and Ratt[i] == e[ATT] and Rfrm[i] <= e[PUB] and not moved[sid] then
+    if STEADY and e ~= nil and st == 0 and pos == e[HW] and pos > e[PUB] and fed == 0 and Rtok[i] >= 0
+        and att == e[ATT] and Rfrm[i] <= e[PUB] and not moved[sid] then
       -- The steady decode token: ok, billed, of the session's attempt (an entry made from nothing has attempt -1,
       -- so none is steady), following its last published answer (no gap), its token at the high-water mark
       -- (nothing owed), no prompt position fed. The general path below does exactly this for it (the fresh
       -- test, charge(), the sums) through a call and a dozen tests that cannot fail here; a call of decode rows
       -- is made of these. tests/test_complete_steady.py files any answers with STEADY false and compares every key.
-      local es = Res[i]
       e[PUB], e[HW], e[GEN], e[STEPS], e[ES] = pos, pos + 1, e[GEN] + 1, e[STEPS] + 1, e[ES] + es
       dirty[sid] = true
       local s = accounts[a]
@@ -61,10 +68,10 @@ for ri, rec in ipairs(ctl.records) do
     else
       local fresh
       local fence = a > 0 and moved[sid]
-      if fence and Ratt[i] <= fence then
+      if fence and att <= fence then
         fresh = false  -- moved off this worker with this attempt (complete.lua's header)
       elseif st == 0 and e ~= nil then
-        local att, eatt = Ratt[i], e[ATT]
+        local eatt = e[ATT]
         if att > eatt or (att == eatt and pos > e[PUB]) then
           fresh = true
           local frm = Rfrm[i]
@@ -89,9 +96,8 @@ for ri, rec in ipairs(ctl.records) do
       local p, g, rc, k = 0, 0, 0, 0
       if fresh then
         published = published + 1
-        local es = Res[i]
         if e ~= nil then
-          p, g, rc, k = charge(sid, e, a, pos, Rfed[i], Rtok[i] >= 0, es, Rkc and Rkc[i] or 0)
+          p, g, rc, k = charge(sid, e, a, pos, fed, Rtok[i] >= 0, es, Rkc and Rkc[i] or 0)
           if k > 0 then
             any_k, w_cached = true, w_cached + k
           end
