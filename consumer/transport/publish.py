@@ -138,10 +138,9 @@ class _Rows:
                             extra=self.extra, **self.optional)
 
     def script_columns(self) -> dict[str, Any]:
-        """What the script reads of the rows (the record itself is only published): the columns it charges
-        and checks by, without the job ids and texts it would otherwise decode for nothing. Status, attempt, fed
-        positions and engine seconds are one value where every row has the same (a call of decode rows: all ok, of
-        one attempt, nothing fed, the call's time shared alike), which the script then parses once, not per row."""
+        """What the script reads of the rows (the record itself is only published): the columns it charges and checks
+        by, not the job ids and texts. Status, attempt, fed and engine seconds are one value where every row has the
+        same (a call of decode rows: all ok, one attempt, nothing fed, the time shared alike), parsed once."""
         cols: dict[str, Any] = {"sid": self.session_id, "st": one_value(self.status), "att": one_value(self.attempt),
                                 "pos": self.position, "frm": self.first_position, "fed": one_value(self.fed_tokens),
                                 "tok": self.token, "es": one_value(self.engine_seconds)}
@@ -300,10 +299,9 @@ class _CallBuilder:
             if a.final and isinstance(a.ref, Delivery):
                 self.ack(a.ref)
 
-    def _session_keys(self, sks: list[str], accounts: list[str]) -> range | list[int]:
-        """New KEYS entries for a run's session keys `sks` (each new) and the accounts of its rows first met here
-        (each numbered, its billing key entered before the session key of its first row): the sessions' KEYS
-        indices."""
+    def _session_keys(self, sks: list[str], accounts: list[str]) -> list[int]:
+        """The KEYS indices of a run's session keys `sks`, each entered new; an account first met here is numbered
+        and its billing key entered right before the session key of its first row."""
         keys = self.keys
         new = [a for a in dict.fromkeys(accounts) if a not in self.accounts]  # in the order of their first rows
         first_rows = [accounts.index(a) for a in new]
@@ -319,8 +317,6 @@ class _CallBuilder:
         keys.index.update(zip(added, count(first)))
         for account in new:  # numbered in order; each finds its billing key entered above
             self.account(account)
-        if not new:
-            return range(first, first + len(sks))
         out: list[int] = []
         at = 0
         for shift, row in enumerate([*first_rows, len(sks)]):  # rows from `at` to `row` come after `shift` accounts
