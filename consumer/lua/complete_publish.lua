@@ -55,7 +55,7 @@ for ri, rec in ipairs(ctl.records) do
       -- is made of these. tests/test_complete_steady.py files any answers with STEADY false and compares every key.
       e[PUB], e[HW], e[GEN], e[STEPS], e[ES] = pos, pos + 1, e[GEN] + 1, e[STEPS] + 1, e[ES] + es
       dirty[sid] = true
-      local s = accounts[a]
+      local s = accounts[a]  -- as charge() makes it: inline, since a Lua call costs about 1 % of a row here
       if s == nil then
         s = {0, 0, 0, 0, 0.0, 0}
         accounts[a] = s
