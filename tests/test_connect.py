@@ -21,6 +21,7 @@ from consumer.connect import (
     master_url,
     parse_sentinels,
 )
+from consumer.packer import OneCallPacker
 from dgrtools.localredis import free_port
 from schemas import WorkerKeys
 from tests.fixtures.cluster import LocalCluster
@@ -63,6 +64,7 @@ def test_a_sentinel_target_takes_auth_db_and_tls_from_the_url_and_its_own_creden
     assert (kw["username"], kw["password"], kw["db"]) == ("dgr-worker-w0", "s3cret", 3)
     assert (kw["socket_connect_timeout"], kw["socket_timeout"], kw["ssl_cert_reqs"]) == (2, 7, "none")
     assert "host" not in kw and "port" not in kw  # the sentinels name the master
+    assert isinstance(kw["command_packer"], OneCallPacker)  # the master's commands packed in one C call
     sentinels = pool.sentinel_manager.sentinels
     assert [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
             for s in sentinels] == parse_sentinels(SENTINELS)
