@@ -261,5 +261,7 @@ def mark_answered(lane: Lane, outcomes: Sequence[Answer]) -> None:
     """After a fused call: the sessions whose next step the Tracker sends now (one-hop sessions that got a
     token and hold no credit: a continuation needs no read), which the next read waits for (admission.py)."""
     sched = lane.scheduler
+    if not sched.awaiting_decode():  # every session holds credit (the chained steady state): none to wait for
+        return
     lane.hot.update(o.result.session_id for o in outcomes if o.result.token is not None and not o.result.finished
                     and o.job is not None and o.job.hop == 0 and sched.is_awaiting(o.result.session_id))
