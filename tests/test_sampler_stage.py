@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -469,3 +470,42 @@ def test_the_lane_maxima_follow_their_rows_into_the_full_path() -> None:
     got = BatchSampler(Vocabulary.plain(vocab)).sample(batch, first_cut(EngineOutput.logits(logits), batch))
     for r in (1, 2):
         assert got.top_ids[r, :4].tolist() == np.argsort(-logits[r], kind="stable")[:4].tolist()
+
+
+class _LoopOnly(BatchSampler):
+    def _keeps_nothing(self, batch: ScheduledBatch) -> bool:
+        return False
+
+
+def _kept(sampler: BatchSampler) -> dict[int, tuple[object, ...]]:
+    return {slot: (st_.plain, st_.broken, st_.prompt_len, st_.stop_tokens, st_.tokens[:st_.length].tolist())
+            for slot, st_ in sampler._slots.items()}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_decode_call_that_keeps_nothing_is_passed_over_as_the_loop_would(data: st.DataObject) -> None:
+    """BatchSampler.observe's shortcut (`_keeps_nothing`: a decode call of plain greedy sessions seen before) against
+    its loop, on decode calls of slots drawn known or not, plain or not, at position 0 or past it, restored or
+    not: what each keeps of every slot stays equal."""
+    plain_s, ctx_s = Sampling(), Sampling(temperature=0.8, repetition_penalty=1.3, seed=3)
+    pair = (_LoopOnly(64), BatchSampler(64))
+    for slot in range(6):  # each slot's session, fed its prompt (or not: a slot the stage never saw)
+        if data.draw(st.booleans(), label=f"seen {slot}"):
+            s = Session(f"s{slot}", [1, 2, 3], plain_s if data.draw(st.booleans(), label="plain") else ctx_s)
+            it = _item(s, slot, "prefill", 0, [1, 2, 3], True, s.spec(3))
+            for sampler in pair:
+                sampler.observe(ScheduledBatch.build("prefill", [it]))
+    for _ in range(data.draw(st.integers(1, 4), label="calls")):
+        slots = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6, unique=True), label="slots")
+        items = []
+        for slot in slots:
+            s = Session(f"s{slot}", [1, 2, 3], plain_s if data.draw(st.booleans(), label="plain") else ctx_s)
+            start = data.draw(st.sampled_from([0, 3, 3, 7]), label="position")
+            items.append(_item(s, slot, "decode", start, [5], True, None))
+        batch = ScheduledBatch.build("decode", items)
+        if data.draw(st.booleans(), label="restored"):
+            batch = replace(batch, restores=(SimpleNamespace(slot=slots[0], tokens=[1, 2, 3]),))
+        for sampler in pair:
+            sampler.observe(batch)
+        assert _kept(pair[1]) == _kept(pair[0])

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,9 @@ from .vocab import Vocabulary
 __all__ = ["BatchSampler", "first_cut", "plain"]
 
 log = logging.getLogger("dgr.sampler")
+
+
+_SLOT, _PLAIN = attrgetter("slot"), attrgetter("plain")
 
 
 @dataclass
@@ -145,6 +150,8 @@ class BatchSampler:
     # ---- state -------------------------------------------------------------------------------------
     def observe(self, batch: ScheduledBatch) -> None:
         """Record the tokens one fused call fed, slot by slot."""
+        if batch.phase == "decode" and not batch.restores and self._keeps_nothing(batch):
+            return
         fed = batch.fused.tokens
         restored = {r.slot: r.tokens for r in batch.restores}  # prefix cache: positions 0.. restored, not fed
         for it in batch.items:
@@ -166,6 +173,14 @@ class BatchSampler:
             # write at its first position would cut the restored context there)
             if not slot.plain and it.n_tokens:
                 slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
+
+    def _keeps_nothing(self, batch: ScheduledBatch) -> bool:
+        """Every row is a plain greedy session's, seen before and past position 0 (a decode call, the usual case):
+        the loop of `observe` keeps nothing for any of them. Checked in C, not item by item."""
+        got = list(map(self._slots.get, map(_SLOT, batch.items)))
+        positions = batch.fused.positions
+        return all(map(is_not, got, repeat(None))) and all(map(_PLAIN, got)) \
+            and (positions.size == 0 or int(positions.min()) > 0)
 
     def release(self, slot: int) -> None:
         state = self._slots.pop(slot, None)
