@@ -16,7 +16,6 @@ metric needs between fused calls:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -28,7 +27,7 @@ from schemas import Status, StepJob
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-TRACKED_SESSIONS = 65_536  # sessions whose last token time is kept (LRU): bounded whatever the traffic
+TRACKED_SESSIONS = 65_536  # sessions whose last token time is kept: bounded whatever the traffic
 
 
 class ResultLike(Protocol):
@@ -112,7 +111,9 @@ class Metrics:
         self.durable_shortfalls.labels(worker_id)
         self.engine_failures.labels(worker_id)
         self.engine_gap.labels(worker_id)  # exported from the start (a worker without overlap never observes it)
-        self._last_token: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (position, time)
+        # session -> (position, time) of its last token, in the order first seen: the oldest dropped past
+        # TRACKED_SESSIONS (a session still decoding after that many newer ones loses one sample), not moved per token
+        self._last_token: dict[str, tuple[int, float]] = {}
 
     def observe_prefix(self, engine: str, stats: dict[str, int], cached_bytes: int) -> None:
         """The prefix cache's counters of one engine (consumer/prefix/store.py CacheStats), as they stand."""
@@ -152,10 +153,9 @@ class Metrics:
             if r.finished:
                 last.pop(sid, None)
                 continue
+            if prev is None and len(last) >= TRACKED_SESSIONS:
+                del last[next(iter(last))]
             last[sid] = (r.position, now)
-            last.move_to_end(sid)
-            if len(last) > TRACKED_SESSIONS:
-                last.popitem(last=False)
         if gaps:
             observe_many(self.itl.labels(self.worker_id), gaps)
 

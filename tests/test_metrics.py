@@ -63,3 +63,21 @@ def test_observe_many_equals_one_observe_per_value() -> None:
     one, bulk_ = out
     assert one.pop(("x_seconds_sum", None)) == pytest.approx(bulk_.pop(("x_seconds_sum", None)))
     assert one == bulk_ and one[("x_seconds_bucket", "0.001")] == 3 and one[("x_seconds_count", None)] == 11
+
+
+def test_the_sessions_tracked_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past TRACKED_SESSIONS the session first seen longest ago is dropped (its next token is no sample); a session
+    seen again keeps its place."""
+    import consumer.metrics as M
+
+    from .test_dashboard import _answer
+
+    monkeypatch.setattr(M, "TRACKED_SESSIONS", 3)
+    m = M.Metrics("w")
+    for i, s in enumerate(["a", "b", "c", "d"]):
+        m.observe_answers([_answer(s, 5, 1)], 1000.0 + i)
+    assert list(m._last_token) == ["b", "c", "d"]
+    m.observe_answers([_answer("b", 6, 1), _answer("c", 6, 1, finished=True)], 1010.0)
+    assert list(m._last_token) == ["b", "d"] and m._last_token["b"] == (6, 1010.0)
+    m.observe_answers([_answer("e", 5, 1), _answer("f", 5, 1)], 1011.0)
+    assert list(m._last_token) == ["d", "e", "f"]
