@@ -240,6 +240,8 @@ class Lanes(Sequence[Lane]):
     def completions(self, answers: Sequence[list[Answer]], latencies: list[tuple[Phase, float]]) -> list[Answer]:
         """Every lane's answers (`answers[lane.index]`) through its own delivery ledger, lane by lane (a
         session's answers are all one lane's, in their order)."""
+        if len(self._lanes) == 1:  # the usual worker: its ledger's list as it is, not copied answer by answer
+            return self._lanes[0].ledger.completions(answers[0], latencies)
         return [a for lane in self._lanes for a in lane.ledger.completions(answers[lane.index], latencies)]
 
     # ---- slots ----------------------------------------------------------------------------------
