@@ -50,25 +50,18 @@ class OutputProcessor(SchedulerState):
         seconds = engine_seconds if math.isfinite(engine_seconds) and engine_seconds > 0 else 0.0
         total_rows = max(1, len(batch.fused))
         batch_size = len(batch.session_ids)
-        out: list[Answer] = []
         touched: dict[int, SessionQueue] = {}
-        sampled = -1
-        inline = 0  # rows _decode_row answered: each a token sampled and a job answered OK
-        decode = batch.phase == "decode" and self.inline_decode
-        row_share = seconds / total_rows  # a decode row's share of the engine time (one row each)
-        for it in batch.items:
-            if it.samples:
-                sampled += 1
-            if decode and it.samples and sampled not in ended:
-                got = tokens[sampled]
-                answer = None if got is None else self._decode_row(
-                    it, int(got), row_share, batch_size, None if logprobs is None else logprobs[sampled])
-                if answer is not None:
-                    out.append(answer)
-                    inline += 1
-                    continue
-            out += self._general_row(it, batch.phase, tokens, sampled, ended, logprobs, seconds, total_rows,
-                                     batch_size, touched)
+        if batch.phase == "decode" and self.inline_decode and not ended \
+                and len(batch.sampling_items) == len(batch.items):  # a decode call of the last hop, the usual one
+            out, inline = self._decode_rows(batch, tokens, logprobs, seconds, batch_size, touched)
+        else:
+            out, inline = [], 0
+            sampled = -1
+            for it in batch.items:
+                if it.samples:
+                    sampled += 1
+                out += self._general_row(it, batch.phase, tokens, sampled, ended, logprobs, seconds, total_rows,
+                                         batch_size, touched)
         self._settle(touched)
         self.stats.tokens_sampled += inline
         self.stats.jobs_ok += inline
@@ -77,7 +70,7 @@ class OutputProcessor(SchedulerState):
     def _general_row(self, it: BatchItem, phase: str, tokens: Sequence[int | None], sampled: int,
                      ended: Collection[int], logprobs: Sequence[TokenLogprobs | None] | None, seconds: float,
                      total_rows: int, batch_size: int, touched: dict[int, SessionQueue]) -> list[Answer]:
-        """One item of a successful call, any kind (the definition: _decode_row short-cuts the common decode
+        """One item of a successful call, any kind (the definition: _decode_rows short-cuts the common decode
         row): positions advance, its share of the engine time is charged, a job it completes is answered."""
         lane, q = self._claim(it)
         if lane is None or q is None:
@@ -104,48 +97,63 @@ class OutputProcessor(SchedulerState):
         token, finished, lp = self._take_token(it, entry, tokens, sampled, ended, logprobs, phase)
         return self._answer_ok(it, lane, q, reached, token, finished, lp, phase, batch_size)
 
-    def _decode_row(self, it: BatchItem, token: int, share: float, batch_size: int, lp: TokenLogprobs | None
-                    ) -> Answer | None:
-        """The common row, a decode token of an open session that goes on (its one item in flight, not finished),
-        in one block: the same steps as the general path (_claim, _take_token, _answer_ok, _result, _settle) without
-        their calls and keywords, which cost about as much as the steps themselves (docs/benchmarks.md, issue 32).
-        None, nothing changed: any other row, for the general path."""
-        lane = self._inflight.get(it.slot)
-        if lane is None or lane.closed is not None or len(lane.inflight) != 1 or it.n_tokens != 1:
-            return None
-        q, entry = lane.inflight[0], lane.entry
-        spec, job = entry.spec, it.job
-        if q.job is not job or q.in_flight != (it.offset, 1) or entry.generated + 1 >= spec.max_tokens \
-                or token in spec.stop_tokens:
-            return None
-        q.in_flight = None
-        lane.inflight.clear()
-        # settled here, as _settle settles a lane with nothing left in flight after the loop: out of flight and, the
-        # usual case, its head job back in its phase's ready queue (a lane in flight is never among those awaiting a
-        # job); else _refresh decides. Sooner changes no order: a ready queue is a heap by the head's admission seq.
-        del self._inflight[it.slot]
-        sid = lane.session_id
-        if lane.jobs and self._lanes.get(sid) is lane:
-            self._awaiting.discard(sid)
-            if lane.ready_phase is None:
-                head = lane.jobs[0]
-                self._queues[head.job.phase].push(lane, head.seq)
-        else:
-            self._refresh(lane)
-        reached = job.start_position + it.offset + 1
-        entry.position = reached
-        entry.engine_seconds += share
-        entry.generated += 1
-        entry.generated_tokens += 1
-        entry.last_token = token
-        entry.state = SessionState.DECODING  # counted in stats by the caller, once per call
-        final = q.answered = it.offset + 1 >= job.n
-        q.engine_seconds = 0.0  # as the general path leaves it: this answer carries its own share
-        # the result id is schemas.step.result_job_id's, inline (tests/test_decode_rows.py compares the answers)
-        result = Outcome(job.job_id if it.offset == 0 else f"{job.job_id}.{it.offset}", job.session_id, Status.OK,
-                         None, reached, "", token, False, q.prompt_tokens, share, batch_size, None, lp,
-                         q.cached_tokens, q.prefill_calls)
-        return Answer(q.ref, job, result, spec.account_id, None, None, final)
+    def _decode_rows(self, batch: ScheduledBatch, tokens: Sequence[int | None],
+                     logprobs: Sequence[TokenLogprobs | None] | None, seconds: float, batch_size: int,
+                     touched: dict[int, SessionQueue]) -> tuple[list[Answer], int]:
+        """A decode call whose every item samples, none ended by the sampler: the common row, a token of an open
+        session that goes on (its one item in flight, not finished), in one block inside the loop: the same steps as
+        the general path (_claim, _take_token, _answer_ok, _result, _settle) without their calls and keywords, which
+        cost about as much as the steps themselves (docs/benchmarks.md, issue 32); any other row by the general
+        path. The answers, and how many rows the block answered (each a token sampled and a job answered OK)."""
+        out: list[Answer] = []
+        inline = 0
+        total_rows = max(1, len(batch.fused))
+        share = seconds / total_rows  # a decode row's share of the engine time (one row each)
+        inflight, lanes, awaiting, queues = self._inflight, self._lanes, self._awaiting, self._queues
+        ok, decoding = Status.OK, SessionState.DECODING  # read once, not per row
+        lps = logprobs if logprobs is not None else [None] * len(tokens)
+        for sampled, (it, got, lp) in enumerate(zip(batch.items, tokens, lps, strict=True)):
+            lane = inflight.get(it.slot)
+            if got is not None and lane is not None and lane.closed is None and len(lane.inflight) == 1 \
+                    and it.n_tokens == 1:
+                q, entry, token, job = lane.inflight[0], lane.entry, int(got), it.job
+                spec = entry.spec
+                if q.job is job and q.in_flight == (it.offset, 1) and entry.generated + 1 < spec.max_tokens \
+                        and token not in spec.stop_tokens:
+                    q.in_flight = None
+                    lane.inflight.clear()
+                    # settled here, as _settle settles a lane with nothing left in flight after the loop: out of
+                    # flight and, the usual case, its head job back in its phase's ready queue (a lane in flight is
+                    # never among those awaiting a job); else _refresh decides. Sooner changes no order: a ready
+                    # queue is a heap by the head's admission seq.
+                    del inflight[it.slot]
+                    sid = lane.session_id
+                    if lane.jobs and lanes.get(sid) is lane:
+                        awaiting.discard(sid)
+                        if lane.ready_phase is None:
+                            head = lane.jobs[0]
+                            queues[head.job.phase].push(lane, head.seq)
+                    else:
+                        self._refresh(lane)
+                    reached = job.start_position + it.offset + 1
+                    entry.position = reached
+                    entry.engine_seconds += share
+                    entry.generated += 1
+                    entry.generated_tokens += 1
+                    entry.last_token = token
+                    entry.state = decoding  # counted in stats by the caller, once per call
+                    final = q.answered = it.offset + 1 >= job.n
+                    q.engine_seconds = 0.0  # as the general path leaves it: this answer carries its own share
+                    # the result id is schemas.step.result_job_id's, inline (tests/test_decode_rows.py compares)
+                    out.append(Answer(q.ref, job, Outcome(
+                        job.job_id if it.offset == 0 else f"{job.job_id}.{it.offset}", sid, ok, None, reached,
+                        "", token, False, q.prompt_tokens, share, batch_size, None, lp, q.cached_tokens,
+                        q.prefill_calls), spec.account_id, None, None, final))
+                    inline += 1
+                    continue
+            out += self._general_row(it, "decode", tokens, sampled, (), logprobs, seconds, total_rows, batch_size,
+                                     touched)
+        return out, inline
 
     def _take_token(self, it: BatchItem, entry: SessionEntry, tokens: Sequence[int | None], sampled: int,
                     ended: Collection[int], logprobs: Sequence[TokenLogprobs | None] | None, phase: str
