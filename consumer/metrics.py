@@ -133,10 +133,11 @@ class Metrics:
         last = self._last_token
         ttft = self.ttft.labels(self.worker_id)
         gaps: list[float] = []
+        ok = Status.OK  # read once: an enum's member read from its class costs a lookup through the metaclass
         for a in answers:
             r = a.result
             sid = r.session_id
-            if r.status != Status.OK:
+            if r.status != ok:
                 last.pop(sid, None)
                 continue
             if r.token is None:

@@ -151,13 +151,14 @@ class DeliveryLedger:
         now = time.time()
         remember = self.remember
         finish = None if self.hops.idle else self.hops.finish  # nothing below adds rows for it to finish
+        ok_status = Status.OK  # read once: an enum's member read from its class costs a lookup through the metaclass
         for a in answers:
             a = remember(a if finish is None else finish(a))
             out.append(a)
             job = a.job
             if job is None:
                 continue
-            ok = a.result.status == Status.OK
+            ok = a.result.status == ok_status
             if ok and job.created_at and a.result.job_id == job.job_id:  # a continuation's first token only
                 latencies.append((job.phase, max(0.0, now - job.created_at)))
             if not a.final:  # a continuation goes on: still held, its twins acked with its last answer
