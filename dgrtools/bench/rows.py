@@ -22,7 +22,9 @@ sleep engine's vocabulary), timed one by one over many calls:
 The per-row column divides each stage by the rows of the call: a stage whose cost is per call shows a per-row
 figure that falls as N grows; one that is per row stays flat. Beside the times, each stage's Python opcodes per
 row over a few more calls (`sys.settrace` with opcode events; numpy's and msgspec's C work is not counted): the
-same count on any machine and in any run, so it compares commits where a time on a shared host does not.
+same count on any machine and in any run. It does not weigh what C does per row: a pass of `map(attrgetter(...))`
+over a call's answers counts no opcode a row and ran slower than the Python loop it replaced (docs/benchmarks.md,
+issue 32, a sixth session), so a change is judged by its time against the code before, both in one process.
 """
 
 from __future__ import annotations
