@@ -167,6 +167,10 @@ class MemoryTransport:
         out, self.pending_cancels = self.pending_cancels, []
         return out, []
 
+    def read_ahead(self, want: Mapping[str, int]) -> tuple[list[Delivery], list[str], list[DeadLetter]]:
+        got = self.read_streams(want)
+        return (got, *self.cancellations())
+
     def complete(self, filing: Filing) -> list[bool]:
         self.round_trips += 1
         self.closed.extend((c.session_id, c.kind) for c in filing.closures)

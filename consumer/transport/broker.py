@@ -170,6 +170,9 @@ class RedisTransport:
     def cancellations(self) -> tuple[list[str], list[DeadLetter]]:
         return self.intake.cancellations()
 
+    def read_ahead(self, want: Mapping[str, int]) -> tuple[list[Delivery], list[str], list[DeadLetter]]:
+        return self.intake.read_ahead(want)
+
     def checks(self, steps: Sequence[StepJob], session_ids: Sequence[str]) -> tuple[set[str], set[str]]:
         return self.upkeep.checks(steps, session_ids)
 

@@ -171,6 +171,11 @@ class Transport(Protocol):
         """Session ids cancelled since the last call, and the cancel entries refused (to dead-letter)."""
         ...
 
+    def read_ahead(self, want: Mapping[str, int]) -> tuple[list[Delivery], list[str], list[DeadLetter]]:
+        """`read_streams(want, block_ms=0, gather_ms=0)` and `cancellations()`, in one round trip where the store
+        allows: what the worker reads while the engine computes, every call."""
+        ...
+
     def complete(self, filing: Filing) -> object:
         """File one completion call: all of `filing` at once (one atomic step of the backing store)."""
         ...

@@ -28,11 +28,11 @@ from ..prefix.run import prefix_store, refill_finished, save_finished
 from ..sampler import BatchSampler, Vocabulary
 from ..sched import Answer, PrefillPacer, ScheduledBatch, Scheduler, SchedulerConfig
 from ..sched.round_robin import SmoothRoundRobin
-from ..transport.protocol import Delivery, Inbound, Transport
+from ..transport.protocol import DeadLetter, Delivery, Inbound, Transport
 from .delivery import DeliveryLedger
 from .hop_steps import HopSteps
 
-__all__ = ["Lane", "Lanes", "Want", "mark_answered", "read_lanes"]
+__all__ = ["Lane", "Lanes", "Want", "mark_answered", "read_lanes", "read_lanes_ahead"]
 
 # Entries to read per (lane index, phase).
 Want = dict[tuple[int, Phase], int]
@@ -131,6 +131,14 @@ def read_lanes(transport: Transport, streams: Sequence[Mapping[Phase, str]], wan
     got = transport.read_streams(counts, block_ms=block_ms, gather_ms=gather_ms,
                                  more=gather if more is not None else None)
     return [transport.inbound(d) for d in got]
+
+
+def read_lanes_ahead(transport: Transport, streams: Sequence[Mapping[Phase, str]], want: Want
+                     ) -> tuple[list[Inbound], list[str], list[DeadLetter]]:
+    """`read_lanes(transport, streams, want, block_ms=0, gather_ms=0)` and the cancellations, in one round trip
+    (Transport.read_ahead): the read while the engine computes. Touches no worker state: the I/O thread runs it."""
+    got, cancels, refused = transport.read_ahead({streams[i][p]: n for (i, p), n in want.items() if n > 0})
+    return [transport.inbound(d) for d in got], cancels, refused
 
 
 class Lanes(Sequence[Lane]):

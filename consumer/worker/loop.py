@@ -52,7 +52,7 @@ from .beat import beat, heartbeat_body
 from .calls import CallContext, EngineIdle, InFlightCall, run_here
 from .idle import IdleSessions
 from .io_thread import IOThread
-from .lane import Lane, Lanes, read_lanes
+from .lane import Lane, Lanes, read_lanes_ahead
 from .observe import observe_iteration
 from .stats import LoopStats
 
@@ -244,8 +244,7 @@ class Worker:
 
         def work() -> Prefetched:
             t = time.perf_counter()
-            got = read_lanes(tr, streams, want, block_ms=0, gather_ms=0) if want else []
-            cancels, refused = tr.cancellations()
+            got, cancels, refused = read_lanes_ahead(tr, streams, want)  # one round trip
             return Prefetched(got, cancels, refused, lanes.fetch_blobs(tr, got), time.perf_counter() - t, want)
 
         self._prefetched = self.io.submit(work)
