@@ -16,6 +16,7 @@ metric needs between fused calls:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -114,6 +115,17 @@ class Metrics:
         # session -> (position, time) of its last token, in the order first seen: the oldest dropped past
         # TRACKED_SESSIONS (a session still decoding after that many newer ones loses one sample), not moved per token
         self._last_token: dict[str, tuple[int, float]] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, kept: prometheus_client's `labels` checks and converts its values and takes
+        the metric's lock at every call (about 5 us here, seven or more per fused call), for the same child each
+        time (no series of these metrics is ever removed)."""
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
 
     def observe_prefix(self, engine: str, stats: dict[str, int], cached_bytes: int) -> None:
         """The prefix cache's counters of one engine (consumer/prefix/store.py CacheStats), as they stand."""
@@ -131,7 +143,7 @@ class Metrics:
         """TTFT and inter-token latency of the tokens among one fused call's answers (published at `now`,
         Unix time). A session's state is dropped when it finishes or gets a non-OK answer."""
         last = self._last_token
-        ttft = self.ttft.labels(self.worker_id)
+        ttft = self.child(self.ttft, self.worker_id)
         gaps: list[float] = []
         ok = Status.OK  # read once: an enum's member read from its class costs a lookup through the metaclass
         for a in answers:
@@ -158,7 +170,7 @@ class Metrics:
                 del last[next(iter(last))]
             last[sid] = (r.position, now)
         if gaps:
-            observe_many(self.itl.labels(self.worker_id), gaps)
+            observe_many(self.child(self.itl, self.worker_id), gaps)
 
     # schemas/retry.py's OutageListener
     def outage_started(self) -> None:
@@ -177,16 +189,34 @@ class Metrics:
         self.durable_shortfalls.labels(self.worker_id).inc()
 
 
+# Fewer values than this are counted by a bisect each, in Python: numpy's five calls cost more than that loop until
+# about this many (a fused call of 8 sessions observes 8 gaps; timeit, docs/benchmarks.md, issue 32).
+BULK_VALUES = 96
+
+
 def observe_many(hist: Any, values: Sequence[float]) -> None:
     """`hist.observe(v)` for every value (clamped at 0), in one pass: one bucket search over all of them
-    (numpy) and one increment per bucket hit, not a Python loop over the bounds per value (a fused call
-    of 256 sessions observes 256 inter-token gaps). Reads prometheus_client's own child fields
-    (`_upper_bounds`, `_buckets`, `_sum`: the ones its `observe` uses); tests/test_metrics.py checks the
-    exposition equals one `observe` per value."""
-    v = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
-    idx = np.searchsorted(np.asarray(hist._upper_bounds, dtype=np.float64), v, side="left")
-    counts = np.bincount(idx, minlength=len(hist._buckets))
-    hist._sum.inc(float(v.sum()))
+    (numpy, or a bisect per value for fewer than BULK_VALUES) and one increment per bucket hit, not a Python loop
+    over the bounds per value (a fused call of 256 sessions observes 256 inter-token gaps). Reads
+    prometheus_client's own child fields (`_upper_bounds`, `_buckets`, `_sum`: the ones its `observe` uses);
+    tests/test_metrics.py checks the exposition equals one `observe` per value."""
     buckets = hist._buckets
+    if len(values) < BULK_VALUES:
+        bounds = hist._upper_bounds
+        hits: dict[int, int] = {}
+        total = 0.0
+        for v in values:
+            v = v if v > 0.0 else 0.0
+            total += v
+            i = bisect_left(bounds, v)
+            hits[i] = hits.get(i, 0) + 1
+        hist._sum.inc(total)
+        for i, n in hits.items():
+            buckets[i].inc(n)
+        return
+    arr = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+    idx = np.searchsorted(np.asarray(hist._upper_bounds, dtype=np.float64), arr, side="left")
+    counts = np.bincount(idx, minlength=len(buckets))
+    hist._sum.inc(float(arr.sum()))
     for i in np.flatnonzero(counts).tolist():
         buckets[i].inc(int(counts[i]))

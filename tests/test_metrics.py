@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from consumer.engines.reference import NumpyReferenceEngine
@@ -39,15 +41,21 @@ def test_metrics_count_calls_tokens_results_and_slots(fake_redis: redis.Redis, t
     assert "dgr_loop_overhead_seconds" in text
 
 
-def test_observe_many_equals_one_observe_per_value() -> None:
-    """The bulk histogram update the loop uses for inter-token gaps: the same buckets and count as observe()
-    per value, the same sum up to float summation order (values on bucket bounds, between them, above
-    the last finite one, negative: clamped at 0 as the loop does)."""
+_EDGES = [0.0, 0.001, 0.0025, 0.004, 0.1, 0.25, 7.5, 1e6, -0.5, 0.05, 0.05]
+_VALUE = st.one_of(st.sampled_from(_EDGES), st.floats(-1.0, 10.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.one_of(st.just(_EDGES), st.lists(_VALUE, max_size=95), st.lists(_VALUE, min_size=96, max_size=300)))
+def test_observe_many_equals_one_observe_per_value(values: list[float]) -> None:
+    """The bulk histogram update the loop uses for inter-token gaps and step latencies: the same buckets and count
+    as observe() per value, the same sum up to float summation order (values on bucket bounds, between them, above
+    the last finite one, negative: clamped at 0 as the loop does), whether fewer than BULK_VALUES (a bisect each)
+    or more (numpy)."""
     from prometheus_client import CollectorRegistry, Histogram
 
     from consumer.metrics import observe_many
 
-    values = [0.0, 0.001, 0.0025, 0.004, 0.1, 0.25, 7.5, 1e6, -0.5, 0.05, 0.05]
     out = []
     for bulk in (False, True):
         reg = CollectorRegistry()
@@ -62,7 +70,22 @@ def test_observe_many_equals_one_observe_per_value() -> None:
                     if not smp.name.endswith("_created")})
     one, bulk_ = out
     assert one.pop(("x_seconds_sum", None)) == pytest.approx(bulk_.pop(("x_seconds_sum", None)))
-    assert one == bulk_ and one[("x_seconds_bucket", "0.001")] == 3 and one[("x_seconds_count", None)] == 11
+    assert one == bulk_ and one[("x_seconds_count", None)] == len(values)
+    if values is _EDGES:
+        assert one[("x_seconds_bucket", "0.001")] == 3
+
+
+def test_a_kept_child_is_the_labelled_series() -> None:
+    """Metrics.child gives what labels() gives (the same series, updated where the exposition reads it), one per
+    metric and label values."""
+    from consumer.metrics import Metrics
+
+    m = Metrics("w")
+    assert m.child(m.tokens, "w", "decode") is m.tokens.labels("w", "decode")
+    assert m.child(m.tokens, "w", "decode") is not m.child(m.tokens, "w", "prefill")
+    assert m.child(m.tokens, "w", "decode") is not m.child(m.engine_seconds, "w", "decode")
+    m.child(m.tokens, "w", "decode").inc(5)
+    assert 'dgr_tokens_total{phase="decode",worker="w"} 5.0' in generate_latest(m.registry).decode()
 
 
 def test_the_sessions_tracked_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,7 +165,7 @@ class EngineIdle:
             stats = self.ctx.stats
             stats.engine_gaps += 1
             stats.engine_gap_seconds += gap
-            self.ctx.metrics.engine_gap.labels(self.ctx.worker_id).observe(gap)
+            self.ctx.metrics.child(self.ctx.metrics.engine_gap, self.ctx.worker_id).observe(gap)
 
     def ended(self, at: float) -> None:
         self.ended_at = at

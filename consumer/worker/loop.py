@@ -347,7 +347,7 @@ class Worker:
                                            "read_ms": round(1e3 * read_s, 2), "loop_ms": round(1e3 * (now - t0), 2)})
         overhead = now - t0 - waited - read_s
         self.stats.overhead_seconds += overhead
-        self.metrics.overhead.labels(self._m).observe(overhead)
+        self.metrics.child(self.metrics.overhead, self._m).observe(overhead)
 
     def _take_prefetched(self) -> Prefetched | None:
         f, self._prefetched = self._prefetched, None

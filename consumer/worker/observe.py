@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from schemas import Phase, Reason, Status
 
-from ..metrics import Metrics
+from ..metrics import Metrics, observe_many
 from ..sched import Answer
 from ..transport.protocol import DeadLetter, FusedCallStats
 
@@ -19,9 +19,9 @@ __all__ = ["observe_iteration"]
 def observe_iteration(m: Metrics, worker: str, call: FusedCallStats | None, completions: Sequence[Answer],
                       dead: Sequence[DeadLetter], latencies: Sequence[tuple[Phase, float]], busy_slots: int) -> None:
     if call is not None:
-        m.batch_size.labels(worker, call.phase).observe(call.batch_size)
-        m.tokens.labels(worker, call.phase).inc(call.tokens)
-        m.engine_seconds.labels(worker, call.phase).inc(call.engine_seconds)
+        m.child(m.batch_size, worker, call.phase).observe(call.batch_size)
+        m.child(m.tokens, worker, call.phase).inc(call.tokens)
+        m.child(m.engine_seconds, worker, call.phase).inc(call.engine_seconds)
     # counted by the enum members (an enum's .value is a property: twice per answer otherwise), named once
     outcomes: dict[tuple[Status, Reason | None], int] = {}
     for c in completions:
@@ -29,16 +29,14 @@ def observe_iteration(m: Metrics, worker: str, call: FusedCallStats | None, comp
         key = (r.status, r.reason)
         outcomes[key] = outcomes.get(key, 0) + 1
     for (status, reason), n in outcomes.items():
-        m.results.labels(worker, status.value, reason.value if reason else "").inc(n)
+        m.child(m.results, worker, status.value, reason.value if reason else "").inc(n)
     m.observe_answers(completions, time.time())  # TTFT and inter-token latency
     if latencies:
         by_phase: dict[Phase, list[float]] = {}
         for phase, seconds in latencies:
             by_phase.setdefault(phase, []).append(seconds)
         for phase, values in by_phase.items():
-            hist = m.step_latency.labels(worker, phase)
-            for seconds in values:
-                hist.observe(seconds)
+            observe_many(m.child(m.step_latency, worker, phase), values)
     for dl in dead:
         m.dead_letters.labels(worker, dl.reason.value).inc()
-    m.busy_slots.labels(worker).set(busy_slots)
+    m.child(m.busy_slots, worker).set(busy_slots)
