@@ -334,10 +334,16 @@ def test_plain_greedy_rows_are_the_oracles_tokens_on_special_argmaxes(data: st.D
     voc, _, logits = _special_rows(data)
     sessions = [Session(f"g{r}", [1], Sampling(allow_special=data.draw(st.booleans())))
                 for r in range(logits.shape[0])]
+    for r in data.draw(st.sets(st.integers(0, logits.shape[0] - 1))):
+        logits[r, data.draw(st.integers(0, logits.shape[1] - 1))] = np.nan  # a broken row: the full path's
+    sampler = BatchSampler(voc)
     items = [_item(s, r, "prefill", 0, [1], True, s.spec(1)) for r, s in enumerate(sessions)]
-    out = BatchSampler(voc).sample(ScheduledBatch.build("prefill", items), EngineOutput.logits(logits))
-    assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 1, vocab=voc)
-                                   for r, s in enumerate(sessions)]
+    if data.draw(st.booleans()):  # a later decode call of sessions seen before: observe() records nothing
+        sampler.sample(ScheduledBatch.build("prefill", items), EngineOutput.logits(np.zeros_like(logits)))
+        items = [_item(s, r, "decode", 1, [3], True, None) for r, s in enumerate(sessions)]
+    out = sampler.sample(ScheduledBatch.build(items[0].job.phase, items), EngineOutput.logits(logits))
+    assert out.tokens.tolist() == [reference.sample(logits[r], s.sampling, 2 if items[0].job.phase == "decode"
+                                                    else 1, vocab=voc) for r, s in enumerate(sessions)]
 
 
 @settings(max_examples=60, deadline=None)

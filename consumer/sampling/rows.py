@@ -68,6 +68,13 @@ class SampledCall:
                    logprob=np.full(n, np.nan, np.float32), top_ids=np.full((n, width), -1, np.int32),
                    top_logprobs=np.full((n, width), np.nan, np.float32))
 
+    @classmethod
+    def of_tokens(cls, tokens: npt.NDArray[np.integer]) -> SampledCall:
+        """Every row's token given (status OK), no log-probabilities: `empty(n, 0)` with the tokens written."""
+        n = tokens.shape[0]
+        return cls(tokens=tokens.astype(np.int32), status=np.zeros(n, np.uint8), logprob=np.full(n, np.nan, np.float32),
+                   top_ids=np.empty((n, 0), np.int32), top_logprobs=np.empty((n, 0), np.float32))
+
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 

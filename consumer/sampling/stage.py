@@ -148,10 +148,11 @@ class BatchSampler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dgr-sampler") if threads > 1 else None
 
     # ---- state -------------------------------------------------------------------------------------
-    def observe(self, batch: ScheduledBatch) -> None:
-        """Record the tokens one fused call fed, slot by slot."""
+    def observe(self, batch: ScheduledBatch) -> bool:
+        """Record the tokens one fused call fed, slot by slot. True: nothing to record, every row being a plain
+        greedy session's seen before (`_keeps_nothing`: its token is its row's argmax, unless NaN or special)."""
         if batch.phase == "decode" and not batch.restores and self._keeps_nothing(batch):
-            return
+            return True
         fed = batch.fused.tokens
         restored = {r.slot: r.tokens for r in batch.restores}  # prefix cache: positions 0.. restored, not fed
         for it in batch.items:
@@ -173,6 +174,7 @@ class BatchSampler:
             # write at its first position would cut the restored context there)
             if not slot.plain and it.n_tokens:
                 slot.write(first, np.asarray(fed[it.row_start:it.row_start + it.n_tokens], dtype=np.int32))
+        return False
 
     def _keeps_nothing(self, batch: ScheduledBatch) -> bool:
         """Every row is a plain greedy session's, seen before and past position 0 (a decode call, the usual case):
@@ -216,7 +218,7 @@ class BatchSampler:
         feeds it. ValueError when the rows do not fit the call."""
         if output.kind != "logits":
             raise ValueError(f"cannot sample from {output.kind!r} rows")
-        self.observe(batch)
+        plain_call = self.observe(batch)
         items = batch.sampling_items
         arr = np.asarray(output.rows)
         n_logit = batch.fused.n_logit_rows
@@ -227,11 +229,12 @@ class BatchSampler:
         if arr.shape != (n_logit, self.vocab_size):
             raise ValueError(f"logits shape {arr.shape}, expected ({n_logit}, {self.vocab_size})")
         top = _given_top(arr, output.top)
-        fast, tokens = self._plain_greedy(items, arr, top)
+        if plain_call:  # every row a plain greedy session's (observe found it): no array of which ones are
+            tokens, fast = _argmax(arr, self.vocab.special_mask, lambda: [it.sampling for it in items], top)
+        else:
+            fast, tokens = self._plain_greedy(items, arr, top)
         if fast.all():  # every row is a plain greedy one: its argmax, nothing else to compute
-            out = SampledCall.empty(n_logit, 0)
-            out.tokens[:] = tokens
-            return out
+            return SampledCall.of_tokens(tokens)
         slow = np.flatnonzero(~fast)
         inputs: list[RowInput] = []
         early: dict[int, RowStatus] = {}
