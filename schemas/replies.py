@@ -31,11 +31,13 @@ def stream_entries(resp: Any) -> Iterator[tuple[bytes | str, list[tuple[Any, Any
             yield name, entries
 
 
-def entry_fields(fields: Mapping[Any, Any] | None) -> dict[bytes, bytes]:
+def entry_fields(fields: Mapping[Any, Any] | Sequence[Any] | None) -> dict[bytes, bytes]:
     """An entry's field map as bytes -> bytes (a client with decode_responses=False returns exactly that:
-    then this is a copy)."""
+    then this is a copy), or of its flat [name, value, ...] list (a reply read without the client's callback)."""
     if not fields:
         return {}
+    if not isinstance(fields, Mapping):
+        return flat_pairs(fields)
     if all(type(k) is bytes and type(v) is bytes for k, v in fields.items()):
         return dict(fields)
     return {as_bytes(k): as_bytes(v) for k, v in fields.items()}

@@ -24,6 +24,7 @@ from consumer.transport import (
     RedisTransport,
     TransportSettings,
 )
+from consumer.transport.connection import Direct
 from schemas import (
     GROUP,
     Accounting,
@@ -101,6 +102,7 @@ class CommandCounter:
         self.calls: list[str] = []
         self._orig_exec = client.execute_command
         self._orig_pipe = client.pipeline
+        self._orig_direct = Direct.__call__
 
     def __enter__(self) -> CommandCounter:
         def execute_command(*args: Any, **kw: Any) -> Any:
@@ -119,13 +121,21 @@ class CommandCounter:
             pipe.execute = execute  # type: ignore[method-assign]
             return pipe
 
+        def direct(d: Direct, *commands: tuple[Any, ...]) -> list[Any]:
+            if d.client is self.client:  # the transport's kept connection (consumer/transport/connection.py)
+                names = [str(c[0]).upper() for c in commands]
+                self.calls.append(names[0] if len(names) == 1 else f"PIPELINE[{','.join(names)}]")
+            return self._orig_direct(d, *commands)
+
         self.client.execute_command = execute_command  # type: ignore[method-assign]
         self.client.pipeline = pipeline  # type: ignore[method-assign]
+        Direct.__call__ = direct  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.client.execute_command
         del self.client.pipeline
+        Direct.__call__ = self._orig_direct  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.calls.clear()

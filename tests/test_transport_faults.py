@@ -40,7 +40,8 @@ class _Faults:
 
 
 def flaky_client(server: fakeredis.FakeServer, faults: _Faults) -> redis.Redis:
-    """A fakeredis client whose commands and pipelines fail at random before reaching the server."""
+    """A fakeredis client whose commands and pipelines fail at random before reaching the server, and whose
+    connections' sends too (the transport's kept connection sends without the client: connection.py Direct)."""
 
     class FlakyPipeline(fakeredis.FakeRedis().pipeline().__class__):  # type: ignore[misc]
         def execute(self, *a: Any, **k: Any) -> Any:
@@ -55,7 +56,16 @@ def flaky_client(server: fakeredis.FakeServer, faults: _Faults) -> redis.Redis:
         def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
             return FlakyPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
-    return Flaky(server=server)
+    client = Flaky(server=server)
+    base = client.connection_pool.connection_class
+
+    class FlakyConnection(base):  # type: ignore[misc, valid-type]
+        def send_packed_command(self, *a: Any, **k: Any) -> Any:
+            faults.maybe_fail()
+            return super().send_packed_command(*a, **k)
+
+    client.connection_pool.connection_class = FlakyConnection
+    return client
 
 
 @pytest.fixture(scope="module")

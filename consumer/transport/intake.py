@@ -350,15 +350,24 @@ class Intake:
         """One pipeline of an XREADGROUP per count (non-blocking), after the cancel stream's XREAD (`cancels`): the
         replies, each an exception where its command failed; a transient one is raised, so it is ridden through."""
         io = self.io
-        client, name = io.client, io.consumer_name
+        client, name, direct = io.client, io.consumer_name, io.direct()
 
         def read_all() -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            if cancels:
-                pipe.xread({io.keys.cancellations: self._cancel_cursor}, count=io.settings.cancel_count)
-            for count, ids in by_count.items():
-                pipe.xreadgroup(GROUP, name, ids, count=count)  # type: ignore[arg-type]
-            replies = pipe.execute(raise_on_error=False)
+            if direct is not None:  # the same commands on the kept connection, their raw replies
+                cmds: list[tuple[Any, ...]] = [
+                    ("XREAD", "COUNT", io.settings.cancel_count, "STREAMS", io.keys.cancellations, self._cancel_cursor)
+                ] if cancels else []
+                cmds += [("XREADGROUP", "GROUP", GROUP, name, "COUNT", count, "STREAMS", *ids, *ids.values())
+                         for count, ids in by_count.items()]
+                # a RESP3 map of streams as RESP2's list of (stream, entries): as the client's callback gives it
+                replies = [list(r.items()) if isinstance(r, dict) else r for r in direct(*cmds)]
+            else:
+                pipe = client.pipeline(transaction=False)
+                if cancels:
+                    pipe.xread({io.keys.cancellations: self._cancel_cursor}, count=io.settings.cancel_count)
+                for count, ids in by_count.items():
+                    pipe.xreadgroup(GROUP, name, ids, count=count)  # type: ignore[arg-type]
+                replies = pipe.execute(raise_on_error=False)
             for r in replies:
                 if isinstance(r, Exception) and transient(r):
                     raise r

@@ -1,0 +1,67 @@
+"""The transport's kept connection (consumer/transport/connection.py `Direct`): the read ahead's and the scripts'
+requests without redis-py's per-request wrapper, on a real redis-server. Raw replies, an error reply in its
+place, a connection lost and made again through the pool, a stop that cuts it off; and the same replies through
+`RedisIO.script` as through the client (a Sentinel failover: tests/test_failover.py)."""
+
+from __future__ import annotations
+
+import redis
+
+from consumer.transport import RedisTransport
+from consumer.transport.connection import Direct
+from consumer.transport.unblock import cut_off
+from dgrtools.localredis import LocalRedis
+
+
+def test_raw_replies_and_an_error_in_its_place(real_redis: redis.Redis) -> None:
+    d = Direct(real_redis)
+    real_redis.set("dx", "1")
+    got = d(("GET", "dx"), ("HGET", "dx", "f"), ("INCR", "dy"))
+    assert got[0] == b"1" and isinstance(got[1], redis.ResponseError) and "WRONGTYPE" in str(got[1])
+    assert got[2] == 1
+    assert d(("GET", "dx")) == [b"1"]  # the connection goes on after an error reply
+
+
+def test_a_lost_connection_is_raised_then_made_again_from_the_pool(real_redis: redis.Redis) -> None:
+    d = Direct(real_redis)
+    assert d(("PING",)) == [b"PONG"]
+    pool = real_redis.connection_pool
+    (kept,) = [c for c in pool._in_use_connections]  # kept between requests, where a stop finds it (unblock.py)
+    real_redis.client_kill_filter(_type="normal", skipme=True)  # every other client's connection closed
+    try:
+        d(("GET", "dx"))
+        raise AssertionError("a request on a closed connection answered")
+    except redis.ConnectionError:
+        pass
+    assert kept not in pool._in_use_connections  # dropped, back to the pool
+    assert d(("SET", "dz", "2")) == [b"OK"]
+    assert real_redis.get("dz") == b"2"
+
+
+def test_a_stop_cuts_the_kept_connection_off(real_redis: redis.Redis) -> None:
+    d = Direct(real_redis)
+    d(("PING",))
+    assert cut_off(real_redis) == 1
+    try:
+        d(("PING",))
+        raise AssertionError("a request on a cut-off connection answered")
+    except redis.ConnectionError:
+        pass
+    d(("PING",))  # and made again
+
+
+def test_scripts_answer_the_same_through_it_and_after_redis_lost_them(redis_server: LocalRedis) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    t = RedisTransport(client, "wd", "c1")
+    t.io.scripts["echo"] = client.register_script("return {KEYS[1], ARGV[1], tonumber(ARGV[2]) + 1}")
+    assert t.io.direct() is not None
+    via_direct = t.io.script("echo", ["k"], ["a", 41])
+    client.script_flush()  # a restarted Redis has no scripts: NOSCRIPT, loaded again
+    again = t.io.script("echo", ["k"], ["a", 41])
+    kept, t.io._direct = t.io._direct, None
+    via_client = t.io.script("echo", ["k"], ["a", 41])
+    assert via_direct == again == via_client == [b"k", b"a", 42]
+    t.io._direct = kept
+    other = redis.Redis.from_url(redis_server.url)
+    t.io.client = other  # another client in the transport's place (tests put a flaky one): not the kept one
+    assert t.io.direct() is None
