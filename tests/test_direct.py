@@ -5,6 +5,9 @@ place, a connection lost and made again through the pool, a stop that cuts it of
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import redis
 
 from consumer.transport import RedisTransport
@@ -65,3 +68,25 @@ def test_scripts_answer_the_same_through_it_and_after_redis_lost_them(redis_serv
     other = redis.Redis.from_url(redis_server.url)
     t.io.client = other  # another client in the transport's place (tests put a flaky one): not the kept one
     assert t.io.direct() is None
+
+
+def test_a_kept_connection_goes_back_when_its_thread_ends_or_its_sender_goes(real_redis: redis.Redis) -> None:
+    """A worker's I/O thread that ends, or a transport dropped (a crashed worker in a test), leaves no connection
+    held: hundreds of them would otherwise hold a socket each until Redis or the process runs out."""
+    pool = real_redis.connection_pool
+    before = set(pool._in_use_connections)
+    d = Direct(real_redis)
+    t = threading.Thread(target=lambda: d(("PING",)))
+    t.start()
+    t.join()
+    gc.collect()
+    assert set(pool._in_use_connections) == before  # the thread ended: its connection is the pool's again
+    d(("PING",))
+    assert len(pool._in_use_connections) == len(before) + 1
+    del d
+    gc.collect()
+    assert set(pool._in_use_connections) == before
+    for _ in range(50):  # many senders made and dropped: the pool's connections are reused, not piled up
+        Direct(real_redis)(("PING",))
+    gc.collect()
+    assert set(pool._in_use_connections) == before and len(pool._available_connections) <= 2
