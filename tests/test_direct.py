@@ -76,7 +76,7 @@ def test_a_kept_connection_goes_back_when_its_thread_ends_or_its_sender_goes(rea
     pool = real_redis.connection_pool
     before = set(pool._in_use_connections)
     d = Direct(real_redis)
-    t = threading.Thread(target=lambda: d(("PING",)))
+    t = threading.Thread(target=d, args=(("PING",),))
     t.start()
     t.join()
     gc.collect()
