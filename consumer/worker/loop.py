@@ -33,7 +33,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from functools import partial
 from types import FrameType
 
@@ -51,7 +50,7 @@ from .admission import Admitted, EntryAdmission, Prefetched
 from .beat import beat, heartbeat_body
 from .calls import CallContext, EngineIdle, InFlightCall, run_here
 from .idle import IdleSessions
-from .io_thread import IOThread
+from .io_thread import Handed, IOThread
 from .lane import Lane, Lanes, read_lanes_ahead
 from .observe import observe_iteration
 from .stats import LoopStats
@@ -90,7 +89,7 @@ class Worker:
         self._m = settings.worker_id
         self._outages_seen = 0
         self.io = IOThread(f"dgr-io-{self._m}")
-        self._prefetched: Future[Prefetched] | None = None
+        self._prefetched: Handed[Prefetched] | None = None
         self._last_call_s = 0.0  # the engine time of the last fused call (the overlap's length rule)
         self._called = False  # the last iteration ran (or started) a fused call
 
