@@ -168,12 +168,7 @@ class Intake:
         st = self.io.settings
         block = st.block_ms if block_ms is None else block_ms
         gather = st.gather_ms if gather_ms is None else gather_ms
-        remaining: dict[str, int] = {}
-        for stream, n in want.items():
-            if n > 0:
-                s = as_str(stream)
-                self.stream_meta(s)
-                remaining[s] = remaining.get(s, 0) + n
+        remaining = self._counts(want)
         if not remaining:
             return []
         out: list[Delivery] = []
@@ -196,6 +191,16 @@ class Intake:
             else:
                 time.sleep(min(pause, deadline - now))
         return out
+
+    def _counts(self, want: Mapping[str, int]) -> dict[str, int]:
+        """The positive counts of `want` by stream name as text, each stream checked to be this worker's."""
+        counts: dict[str, int] = {}
+        for stream, n in want.items():
+            if n > 0:
+                s = as_str(stream)
+                self.stream_meta(s)
+                counts[s] = counts.get(s, 0) + n
+        return counts
 
     def _read_pending(self, streams: list[str], remaining: dict[str, int]) -> list[Delivery]:
         st = self.io.settings
@@ -231,9 +236,7 @@ class Intake:
         fresh = {s: n for s, n in remaining.items() if n > 0}
         if not fresh:
             return []
-        by_count: dict[int, dict[str, str]] = {}
-        for s, n in fresh.items():
-            by_count.setdefault(n, {})[s] = ">"
+        by_count = _by_count(fresh)
         self.io.round_trips += 1
         if len(by_count) == 1:
             ((count, ids),) = by_count.items()
@@ -325,21 +328,13 @@ class Intake:
         about 160 us of CPU on this host, 55 us of it the socket's system calls), and the two were one after
         the other on the I/O thread. Before every stream's own pending entries are re-read (after a start),
         the two reads as before."""
-        counts: dict[str, int] = {}
-        for stream, n in want.items():
-            if n > 0:
-                s = as_str(stream)
-                self.stream_meta(s)
-                counts[s] = counts.get(s, 0) + n
+        counts = self._counts(want)
         if not counts or any(s not in self.drained for s in counts):
             got = self.read_streams(counts, block_ms=0, gather_ms=0) if counts else []
             cancels, refused = self.cancellations()
             return got, cancels, refused
-        by_count: dict[int, dict[str, str]] = {}
-        for s, n in counts.items():
-            by_count.setdefault(n, {})[s] = ">"
         self.io.round_trips += 1
-        cancel_reply, *replies = self._pipelined(by_count, cancels=True)
+        cancel_reply, *replies = self._pipelined(_by_count(counts), cancels=True)
         got = self._take_replies(replies, counts, list(counts))
         if isinstance(cancel_reply, Exception):
             raise cancel_reply  # as cancellations() after the read: the read's entries are recovered later
@@ -396,3 +391,11 @@ class Intake:
                 d = Delivery(stream=stream, entry_id=self._cancel_cursor, fields=fields, digest="", phase="decode")
                 dead.append(DeadLetter(d, reason, f"cancellation: {detail}"))
         return out, dead
+
+
+def _by_count(counts: Mapping[str, int]) -> dict[int, dict[str, str]]:
+    """The streams grouped by their count, each read from '>': one XREADGROUP per count."""
+    by_count: dict[int, dict[str, str]] = {}
+    for s, n in counts.items():
+        by_count.setdefault(n, {})[s] = ">"
+    return by_count
