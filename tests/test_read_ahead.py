@@ -4,6 +4,7 @@ since the last read in ONE round trip, the same entries and cancellations the tw
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from consumer.transport import RedisTransport
@@ -103,3 +104,21 @@ def test_a_lost_group_is_made_again_and_read_next_time(redis_client: redis.Redis
     push(redis_client, dec, [make_job("after", 1)])
     got, _, _ = t.read_ahead({dec: 2, pre: 1})
     assert sessions(got) == ["after"]
+
+
+def test_a_failed_cancel_read_leaves_the_read_entries_to_recovery(real_redis: redis.Redis) -> None:
+    """The cancel stream's read fails (its key overwritten with another type): the error is raised, and the entries
+    the same pipeline read are not taken as held, so recovery hands them out again; none is lost. (Real Redis
+    only: fakeredis raises its own AttributeError on that XREAD.)"""
+    redis_client = real_redis
+    t = registered(redis_client)
+    pre, dec = streams_of(t)
+    t.read_streams({pre: 1, dec: 1}, block_ms=0, gather_ms=0)
+    push(redis_client, dec, [make_job(f"r{i}", 1) for i in range(3)])
+    redis_client.delete(t.keys.cancellations)
+    redis_client.set(t.keys.cancellations, "not a stream")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        t.read_ahead({dec: 3, pre: 1})
+    assert not t.intake.outstanding.get(dec)
+    again = t.recover()
+    assert sorted(job_from_fields(i.ref.fields).session_id for i in again) == ["r0", "r1", "r2"]

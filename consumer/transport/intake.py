@@ -335,9 +335,11 @@ class Intake:
             return got, cancels, refused
         self.io.round_trips += 1
         cancel_reply, *replies = self._pipelined(_by_count(counts), cancels=True)
-        got = self._take_replies(replies, counts, list(counts))
         if isinstance(cancel_reply, Exception):
-            raise cancel_reply  # as cancellations() after the read: the read's entries are recovered later
+            # raised before the read's entries are taken as held: they stay this consumer's pending entries,
+            # which recovery hands out again (taken, they would be held by no one)
+            raise cancel_reply
+        got = self._take_replies(replies, counts, list(counts))
         cancels, refused = self._take_cancellations(cancel_reply)
         return got, cancels, refused
 
