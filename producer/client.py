@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import redis
 
 from schemas import SessionSpec, StepResult
+from schemas.direct import Direct
 
 from .commands import Batch, Plan, Read, Sleep
 from .errors import SessionFailed
@@ -32,6 +33,9 @@ class Producer(TrackerOps):
 
     def __init__(self, client: redis.Redis, settings: ProducerSettings | None = None, **options: Any) -> None:
         super().__init__(client, settings, **options)
+        # the loop turns' result reads on a kept connection (schemas/direct.py): a redis.Redis's (a cluster client
+        # routes by key; a wrapper of a client, as tests inject faults with, is asked as it is)
+        self._direct = Direct(client) if isinstance(client, redis.Redis) else None
 
     def _call(self, plan: Plan[T]) -> T:
         reply: Any = None
@@ -53,7 +57,8 @@ class Producer(TrackerOps):
     def _io(self, req: Read | Batch, transaction: bool | None = None) -> Any:
         n = self._rider.outages
         try:
-            return self._rider.call(lambda: execute(self.client, req, transaction))
+            direct = self._direct if self._direct is not None and self._direct.client is self.client else None
+            return self._rider.call(lambda: execute(self.client, req, transaction, direct))
         finally:
             if self._rider.outages != n:
                 self.core.outage = True

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from schemas import SessionSpec
-from schemas.replies import as_str, range_reply, read_reply, str_map
+from schemas.direct import Direct
+from schemas.replies import as_str, entry_fields, range_reply, read_reply, str_map
 from schemas.retry import OutageRider, RetryPolicy
 
 from . import commands as c
@@ -161,6 +162,22 @@ _READ: dict[type, Callable[[Any], Any]] = {
 }
 
 
+def _xread_direct(direct: Direct, x: c.XRead) -> Any:
+    """`client.xread(...)` read as `read_reply` reads it, sent on the kept connection: its raw reply (a RESP3 map
+    of streams, each entry's fields a flat list) made the client's shape first."""
+    args: list[Any] = []  # as redis-py's xread writes them
+    if x.limit is not None:
+        args += ["COUNT", x.limit]
+    if x.block_ms:
+        args += ["BLOCK", x.block_ms]
+    streams = dict(x.streams)
+    (raw,) = direct(("XREAD", *args, "STREAMS", *streams, *streams.values()))
+    if isinstance(raw, Exception):
+        raise raw
+    pairs = raw.items() if isinstance(raw, dict) else raw or ()
+    return read_reply([(name, [(eid, entry_fields(f)) for eid, f in entries]) for name, entries in pairs])
+
+
 def _parse(cmd: c.Command, raw: Any) -> Any:
     parse = _READ.get(type(cmd))
     return raw if parse is None or isinstance(raw, Exception) else parse(raw)
@@ -182,9 +199,13 @@ def _replies(req: c.Read | c.Batch, cmds: Any, raw: list[Any]) -> Any:
     return [_parse(x, r) for x, r in zip(cmds, raw, strict=True)] if isinstance(req, c.Read) else None
 
 
-def execute(client: Any, req: c.Read | c.Batch, transaction: bool | None = None) -> Any:
+def execute(client: Any, req: c.Read | c.Batch, transaction: bool | None = None, direct: Direct | None = None) -> Any:
     """Send a request on a redis-py client: the parsed replies of a Read, None for a Batch. `transaction`:
-    MULTI/EXEC or not, whatever the Batch says."""
+    MULTI/EXEC or not, whatever the Batch says. `direct`: the client's kept connection (schemas/direct.py), which
+    sends a lone XREAD, the read of every loop turn."""
+    if direct is not None and isinstance(req, c.Read) and len(req.cmds) == 1 and not req.errors \
+            and type(req.cmds[0]) is c.XRead:
+        return [_xread_direct(direct, req.cmds[0])]
     one, pipe, cmds = _pipeline(client, req, transaction)
     if one is not None:
         return [_parse(one, _SEND[type(one)](client, one))]

@@ -8,12 +8,15 @@ from __future__ import annotations
 import gc
 import threading
 
+import pytest
 import redis
 
 from consumer.transport import RedisTransport
 from consumer.transport.connection import Direct
 from consumer.transport.unblock import cut_off
 from dgrtools.localredis import LocalRedis
+from producer import commands as c
+from producer.tracker import execute
 
 
 def test_raw_replies_and_an_error_in_its_place(real_redis: redis.Redis) -> None:
@@ -90,3 +93,19 @@ def test_a_kept_connection_goes_back_when_its_thread_ends_or_its_sender_goes(rea
         Direct(real_redis)(("PING",))
     gc.collect()
     assert set(pool._in_use_connections) == before and len(pool._available_connections) <= 2
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_trackers_result_reads_are_the_clients(redis_server: LocalRedis, protocol: int) -> None:
+    """The Tracker's lone XREAD (producer/tracker.py) on its kept connection reads what the client reads: several
+    streams, a count, a block, nothing new; RESP2 and RESP3 replies alike."""
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    direct = Direct(client)
+    a, b = f"out:a:{protocol}", f"out:b:{protocol}"
+    ids = [client.xadd(a, {"v": "2", "r": f"rec{i}", "c": "chg"}) for i in range(5)] + \
+        [client.xadd(b, {"v": "2", "r": "other"})]
+    last = ids[4].decode()
+    for streams, limit, block in ((((a, "0-0"), (b, "0-0")), 64, None), (((a, "0-0"),), 2, 5),
+                                  (((a, last), (b, ids[5].decode())), 8, 5), (((a, ids[1].decode()),), 64, None)):
+        req = c.Read((c.XRead(streams=streams, limit=limit, block_ms=block),))
+        assert execute(client, req, None, direct) == execute(client, req, None, None)
