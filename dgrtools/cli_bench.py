@@ -29,6 +29,15 @@ def bench_rows(out: Out = Path("bench-out/rows"), rows: Batches = "8,64,256", ca
     run(out, rows=tuple(ints(rows)), calls=calls, decode_n=decode_n)
 
 
+@bench_app.command("requests")
+def bench_requests(out: Out = Path("bench-out/requests"), rounds: int = 400) -> None:
+    """The CPU of the Redis requests each side makes every fused call, through redis-py's client and on a kept
+    connection, and of the worker's hand-over to its I/O thread; alternated in one process, a private redis-server."""
+    from dgrtools.bench.requests import run
+
+    run(out, rounds=rounds)
+
+
 @bench_app.command("pacing")
 def bench_pacing(out: Out = Path("bench-out/pacing"), sessions: int = 8,
                  prompt_len: Annotated[int, typer.Option("--prompt-len")] = 528, tokens: int = 16) -> None:
