@@ -178,6 +178,17 @@ def _xread_direct(direct: Direct, x: c.XRead) -> Any:
     return read_reply([(name, [(eid, entry_fields(f)) for eid, f in entries]) for name, entries in pairs])
 
 
+def _xadds_direct(direct: Direct, ops: Sequence[Any]) -> None:
+    """A pipeline of XADDs as `_SEND` writes each (MAXLEN ~ when a bound is set), on the kept connection; the first
+    error raised, as a pipeline's execute raises it (each command ran: a re-send after an outage repeats them,
+    as it repeats a pipeline's)."""
+    cmds = [("XADD", x.stream, *(("MAXLEN", "~", x.maxlen) if x.maxlen is not None else ()), "*",
+             *[v for kv in x.fields.items() for v in kv]) for x in ops]
+    for reply in direct(*cmds):
+        if isinstance(reply, Exception):
+            raise reply
+
+
 def _parse(cmd: c.Command, raw: Any) -> Any:
     parse = _READ.get(type(cmd))
     return raw if parse is None or isinstance(raw, Exception) else parse(raw)
@@ -202,10 +213,14 @@ def _replies(req: c.Read | c.Batch, cmds: Any, raw: list[Any]) -> Any:
 def execute(client: Any, req: c.Read | c.Batch, transaction: bool | None = None, direct: Direct | None = None) -> Any:
     """Send a request on a redis-py client: the parsed replies of a Read, None for a Batch. `transaction`:
     MULTI/EXEC or not, whatever the Batch says. `direct`: the client's kept connection (schemas/direct.py), which
-    sends a lone XREAD, the read of every loop turn."""
+    sends what every loop turn sends: a lone XREAD (its read) and a batch of XADDs outside MULTI (its pushes)."""
     if direct is not None and isinstance(req, c.Read) and len(req.cmds) == 1 and not req.errors \
             and type(req.cmds[0]) is c.XRead:
         return [_xread_direct(direct, req.cmds[0])]
+    if direct is not None and isinstance(req, c.Batch) and req.ops and all(type(x) is c.XAdd for x in req.ops) \
+            and not (req.transaction if transaction is None else transaction):
+        _xadds_direct(direct, req.ops)  # a loop turn's pushes (its sessions' next steps)
+        return None
     one, pipe, cmds = _pipeline(client, req, transaction)
     if one is not None:
         return [_parse(one, _SEND[type(one)](client, one))]

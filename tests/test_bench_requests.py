@@ -10,7 +10,8 @@ from dgrtools.bench import requests as bench
 
 def test_each_request_answers_the_same_both_ways_and_is_timed() -> None:
     got = bench.measure(rounds=6)
-    assert set(got) == {"ping", "read ahead (16)", "read ahead (1)", "completion script", "tracker read", "hand-over"}
+    assert set(got) == {"ping", "read ahead (16)", "read ahead (1)", "completion script", "tracker read",
+                        "tracker pushes (16)", "hand-over"}
     assert all(v["redis-py"] > 0 and v["kept"] > 0 for v in got.values())
 
 

@@ -109,3 +109,25 @@ def test_the_trackers_result_reads_are_the_clients(redis_server: LocalRedis, pro
                                   (((a, last), (b, ids[5].decode())), 8, 5), (((a, ids[1].decode()),), 64, None)):
         req = c.Read((c.XRead(streams=streams, limit=limit, block_ms=block),))
         assert execute(client, req, None, direct) == execute(client, req, None, None)
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_trackers_pushes_write_what_the_clients_write(redis_server: LocalRedis, protocol: int) -> None:
+    """A batch of XADDs outside MULTI (a loop turn's pushes) on the kept connection writes the entries the client's
+    pipeline writes: the same fields, in order, each stream trimmed to its bound; an error raised the same."""
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    direct = Direct(client)
+    written = {}
+    for way in ("client", "kept"):
+        a, b = f"in:a:{way}:{protocol}", f"in:b:{way}:{protocol}"
+        # a bounded (MAXLEN ~ 5: trimmed by whole nodes of 100 entries) and b not
+        ops = tuple(c.XAdd(a, {"v": "2", "j": f"job{i}"}, 5) if i % 3 else c.XAdd(b, {"v": "2", "j": f"job{i}"})
+                    for i in range(450))
+        assert execute(client, c.Batch(ops=list(ops)), None, direct if way == "kept" else None) is None
+        written[way] = [[f for _, f in client.xrange(s)] for s in (a, b)]
+        client.set(f"str:{way}:{protocol}", "x")
+        bad = c.Batch(ops=[c.XAdd(f"ok:{way}:{protocol}", {"v": "2"}), c.XAdd(f"str:{way}:{protocol}", {"v": "2"})])
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            execute(client, bad, None, direct if way == "kept" else None)
+    assert written["kept"] == written["client"] and written["client"][1][0] == {b"v": b"2", b"j": b"job0"}
+    assert len(written["client"][0]) < 300 and len(written["client"][1]) == 150  # a was trimmed, b was not

@@ -9,6 +9,7 @@ of this process, the system calls included) a request took. The replies of the t
   cancel stream and both input streams in one pipeline), 16 or 1 continuation jobs waiting;
 - `completion script`: an EVALSHA of 20 keys and 15 arguments (`RedisIO.script`; the script returns at once);
 - `tracker read`: the Tracker's lone XREAD of one result entry (producer/tracker.py `execute`);
+- `tracker pushes (16)`: a loop turn's pushes, 16 XADDs outside MULTI (the same);
 - `hand-over`: a job handed to the worker's I/O thread and waited for (`IOThread`), against a
   `ThreadPoolExecutor`'s submit and result (no Redis).
 """
@@ -102,6 +103,10 @@ def measure(rounds: int = 400) -> dict[str, dict[str, float]]:
         req = c.Read((c.XRead(streams=((results, last),), limit=64),))
         out["tracker read"] = _alternated(rounds, {"redis-py": lambda: execute(client, req),
                                                    "kept": lambda: execute(client, req, None, direct)})
+        push = c.Batch(ops=[c.XAdd(f"{t.keys.base}:in:bench:{i % 4}", {"v": "2", "j": "j" * 180}, 10_000)
+                            for i in range(16)])
+        out["tracker pushes (16)"] = _alternated(rounds, {"redis-py": lambda: execute(client, push),
+                                                          "kept": lambda: execute(client, push, None, direct)})
     pool, io = ThreadPoolExecutor(max_workers=1), IOThread("bench-io")
     try:
         out["hand-over"] = _alternated(rounds, {"redis-py": lambda: pool.submit(int).result(),
