@@ -214,7 +214,8 @@ def observe_many(hist: Any, values: Sequence[float]) -> None:
         for i, n in hits.items():
             buckets[i].inc(n)
         return
-    arr = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+    arr = np.asarray(values, dtype=np.float64)
+    arr = np.where(arr > 0.0, arr, 0.0)  # NaN too, as the bisect's and max(0.0, v) clamp it
     idx = np.searchsorted(np.asarray(hist._upper_bounds, dtype=np.float64), arr, side="left")
     counts = np.bincount(idx, minlength=len(buckets))
     hist._sum.inc(float(arr.sum()))

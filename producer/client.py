@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import redis
 
 from schemas import SessionSpec, StepResult
-from schemas.direct import Direct
+from schemas.direct import Direct, serving
 
 from .commands import Batch, Plan, Read, Sleep
 from .errors import SessionFailed
@@ -33,9 +33,8 @@ class Producer(TrackerOps):
 
     def __init__(self, client: redis.Redis, settings: ProducerSettings | None = None, **options: Any) -> None:
         super().__init__(client, settings, **options)
-        # the loop turns' result reads on a kept connection (schemas/direct.py): a redis.Redis's (a cluster client
-        # routes by key; a wrapper of a client, as tests inject faults with, is asked as it is)
-        self._direct = Direct(client) if isinstance(client, redis.Redis) else None
+        # the loop turns' reads and pushes on a kept connection (a redis.Redis's only: schemas/direct.py Direct.of)
+        self._direct = Direct.of(client)
 
     def _call(self, plan: Plan[T]) -> T:
         reply: Any = None
@@ -57,7 +56,7 @@ class Producer(TrackerOps):
     def _io(self, req: Read | Batch, transaction: bool | None = None) -> Any:
         n = self._rider.outages
         try:
-            direct = self._direct if self._direct is not None and self._direct.client is self.client else None
+            direct = serving(self._direct, self.client)
             return self._rider.call(lambda: execute(self.client, req, transaction, direct))
         finally:
             if self._rider.outages != n:

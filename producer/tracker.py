@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from schemas import SessionSpec
-from schemas.direct import Direct
+from schemas.direct import Direct, stream_pairs, xread_command
 from schemas.replies import as_str, entry_fields, range_reply, read_reply, str_map
 from schemas.retry import OutageRider, RetryPolicy
 
@@ -165,17 +165,10 @@ _READ: dict[type, Callable[[Any], Any]] = {
 def _xread_direct(direct: Direct, x: c.XRead) -> Any:
     """`client.xread(...)` read as `read_reply` reads it, sent on the kept connection: its raw reply (a RESP3 map
     of streams, each entry's fields a flat list) made the client's shape first."""
-    args: list[Any] = []  # as redis-py's xread writes them
-    if x.limit is not None:
-        args += ["COUNT", x.limit]
-    if x.block_ms:
-        args += ["BLOCK", x.block_ms]
-    streams = dict(x.streams)
-    (raw,) = direct(("XREAD", *args, "STREAMS", *streams, *streams.values()))
+    (raw,) = direct(xread_command(dict(x.streams), x.limit, block_ms=x.block_ms))
     if isinstance(raw, Exception):
         raise raw
-    pairs = raw.items() if isinstance(raw, dict) else raw or ()
-    return read_reply([(name, [(eid, entry_fields(f)) for eid, f in entries]) for name, entries in pairs])
+    return read_reply([(name, [(eid, entry_fields(f)) for eid, f in entries]) for name, entries in stream_pairs(raw)])
 
 
 def _xadds_direct(direct: Direct, ops: Sequence[Any]) -> None:

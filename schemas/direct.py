@@ -1,16 +1,18 @@
 """Requests on a connection the sending thread keeps, without redis-py's wrapper of each request: the worker's
-read ahead and scripts (consumer/transport/connection.py) and the Tracker's result reads (producer/tracker.py),
-the requests each side makes every fused call. Imported by those two only (schemas itself loads no Redis)."""
+read ahead and scripts (consumer/transport/connection.py) and the synchronous Tracker's result reads and pushes
+(producer/tracker.py), the requests each side makes every fused call; and the stream reads' commands and raw
+replies, written once for both. `schemas/__init__` does not import it (a part that loads schemas loads no Redis)."""
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import redis
 
-__all__ = ["Direct"]
+__all__ = ["Direct", "serving", "stream_pairs", "xread_command"]
 
 
 class Direct:
@@ -28,6 +30,12 @@ class Direct:
         self.client = client
         self._pool = client.connection_pool
         self._local = threading.local()
+
+    @classmethod
+    def of(cls, client: Any) -> Direct | None:
+        """A sender for a `redis.Redis` (a Sentinel's included), else None: a cluster client routes each request
+        by its keys, and a wrapper of a client (the tests' fault injectors) is asked as it is."""
+        return cls(client) if isinstance(client, redis.Redis) else None
 
     def __call__(self, *commands: tuple[Any, ...]) -> list[Any]:
         held = getattr(self._local, "held", None)
@@ -62,3 +70,25 @@ class _Held:
     def __init__(self, pool: Any) -> None:
         self.conn = pool.get_connection()
         self.release = weakref.finalize(self, pool.release, self.conn)
+
+
+def serving(direct: Direct | None, client: Any) -> Direct | None:
+    """`direct` while it is the sender of `client`, the client in use (tests put another in a transport's place)."""
+    return direct if direct is not None and direct.client is client else None
+
+
+def xread_command(streams: Mapping[str, str], count: int | None, *, block_ms: int | None = None,
+                  group: tuple[str, str] | None = None) -> tuple[Any, ...]:
+    """XREAD (or XREADGROUP for `group` = (group, consumer)) of `streams` (stream -> the id to read after), as
+    redis-py's xread and xreadgroup write it."""
+    head: tuple[Any, ...] = ("XREAD",) if group is None else ("XREADGROUP", "GROUP", *group)
+    opts: tuple[Any, ...] = (("COUNT", count) if count is not None else ()) + (("BLOCK", block_ms) if block_ms else ())
+    return (*head, *opts, "STREAMS", *streams, *streams.values())
+
+
+def stream_pairs(raw: Any) -> list[tuple[Any, Any]]:
+    """A stream read's raw reply (no response callback) as RESP2's list of (stream, entries), whatever the protocol:
+    RESP3 gives a map of streams; nothing read, None. Each entry stays [id, flat fields]."""
+    if not raw:
+        return []
+    return list(raw.items()) if isinstance(raw, dict) else [tuple(p) for p in raw]

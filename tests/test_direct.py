@@ -6,10 +6,14 @@ place, a connection lost and made again through the pool, a stop that cuts it of
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
+from typing import Any
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from consumer.transport import RedisTransport
 from consumer.transport.connection import Direct
@@ -131,3 +135,24 @@ def test_the_trackers_pushes_write_what_the_clients_write(redis_server: LocalRed
             execute(client, bad, None, direct if way == "kept" else None)
     assert written["kept"] == written["client"] and written["client"][1][0] == {b"v": b"2", b"j": b"job0"}
     assert len(written["client"][0]) < 300 and len(written["client"][1]) == 150  # a was trimmed, b was not
+
+
+_field = st.binary(min_size=0, max_size=40)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(st.lists(st.tuples(_field, _field), min_size=1, max_size=6), min_size=0, max_size=12),
+       limit=st.integers(1, 20), start=st.integers(0, 12), protocol=st.sampled_from([2, 3]))
+def test_any_bytes_read_by_the_tracker_read_the_same_both_ways(redis_server: LocalRedis, entries: list[Any],
+                                                               limit: int, start: int, protocol: int) -> None:
+    """Random bytes in result streams (field names and values of any bytes, repeated names, empty ones), read from
+    a drawn entry on with a drawn count: the kept connection's raw reply reads as the client's parsed one."""
+    client = redis.Redis.from_url(redis_server.url, protocol=protocol)
+    stream = f"out:hostile:{next(_streams)}"
+    ids = [client.execute_command("XADD", stream, "*", *[x for kv in fields for x in kv]) for fields in entries]
+    after = ids[start - 1].decode() if 0 < start <= len(ids) else "0-0"
+    req = c.Read((c.XRead(streams=((stream, after), (f"{stream}:none", "0-0")), limit=limit),))
+    assert execute(client, req, None, Direct(client)) == execute(client, req, None, None)
+
+
+_streams = itertools.count()

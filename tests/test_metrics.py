@@ -42,7 +42,7 @@ def test_metrics_count_calls_tokens_results_and_slots(fake_redis: redis.Redis, t
 
 
 _EDGES = [0.0, 0.001, 0.0025, 0.004, 0.1, 0.25, 7.5, 1e6, -0.5, 0.05, 0.05]
-_VALUE = st.one_of(st.sampled_from(_EDGES), st.floats(-1.0, 10.0))
+_VALUE = st.one_of(st.sampled_from(_EDGES), st.floats(-1.0, 10.0), st.just(float("nan")))
 
 
 @settings(max_examples=60, deadline=None)

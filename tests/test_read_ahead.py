@@ -4,8 +4,13 @@ since the last read in ONE round trip, the same entries and cancellations the tw
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from consumer.transport import RedisTransport
 from schemas import GROUP, Reason, job_from_fields
@@ -122,3 +127,48 @@ def test_a_failed_cancel_read_leaves_the_read_entries_to_recovery(real_redis: re
     assert not t.intake.outstanding.get(dec)
     again = t.recover()
     assert sorted(job_from_fields(i.ref.fields).session_id for i in again) == ["r0", "r1", "r2"]
+
+
+_examples = itertools.count()
+_op = st.one_of(
+    st.tuples(st.just("push"), st.sampled_from(["decode", "prefill"]), st.integers(0, 6)),
+    st.tuples(st.just("cancel"), st.sampled_from(["ok", "junk", "bytes"]), st.integers(1, 3)),
+    st.tuples(st.just("read"), st.integers(0, 9), st.integers(0, 9)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=14))
+def test_any_run_of_pushes_cancels_and_reads_reads_what_the_two_reads_read(redis_client: redis.Redis,
+                                                                            ops: list[tuple[str, Any, int]]) -> None:
+    """Drawn runs of jobs pushed, cancellations (and cancel entries that are not: junk fields, raw bytes) and reads
+    of drawn counts, fed alike to a worker reading ahead and one reading twice (the oracle): at every read the same
+    entries, cancellations and refusals. The oracle reads through redis-py's client, the other on its kept connection
+    (schemas/direct.py), so neither shares the other's commands nor its reply parsing."""
+    n = next(_examples)
+    ahead = RedisTransport(redis_client, f"ra{n}", "c1")
+    twice = RedisTransport(redis_client, f"rt{n}", "c1")
+    twice.io._direct = None  # the oracle reads through redis-py's client alone
+    for t in (ahead, twice):
+        t.register([make_key("prefill"), make_key("decode")], {"slots": 64})
+        pre, dec = streams_of(t)
+        t.read_streams({pre: 1, dec: 1}, block_ms=0, gather_ms=0)
+    seq = itertools.count()
+    for op in ops:
+        if op[0] == "push":
+            jobs = [make_job(f"s{next(seq)}", 0 if op[1] == "prefill" else 1, phase=op[1]) for _ in range(op[2])]
+            for t in (ahead, twice):
+                push(redis_client, streams_of(t)[0 if op[1] == "prefill" else 1], jobs)
+        elif op[0] == "cancel":
+            fields = {"ok": cancel_to_fields(f"s{op[2]}"), "junk": {"junk": "1"},
+                      "bytes": {b"\xff\x00": b"\xfe" * op[2]}}[op[1]]
+            for t in (ahead, twice):
+                redis_client.xadd(t.keys.cancellations, fields)  # type: ignore[arg-type]
+        else:
+            (pre, dec), (pre2, dec2) = streams_of(ahead), streams_of(twice)
+            got, cancels, refused = ahead.read_ahead({dec: op[1], pre: op[2]})
+            got2 = twice.read_streams({dec2: op[1], pre2: op[2]}, block_ms=0, gather_ms=0)
+            cancels2, refused2 = twice.cancellations()
+            assert [(d.phase, d.fields) for d in got] == [(d.phase, d.fields) for d in got2]
+            assert cancels == cancels2
+            assert [(r.reason, r.delivery.fields) for r in refused] == [(r.reason, r.delivery.fields) for r in refused2]

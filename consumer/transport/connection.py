@@ -25,7 +25,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from schemas import WorkerKeys
-from schemas.direct import Direct
+from schemas.direct import Direct, serving
 from schemas.retry import OutageListener, OutageRider, RetryPolicy, transient
 
 from ..config import TransportSettings
@@ -61,9 +61,8 @@ class RedisIO:
         self._rider = OutageRider(RetryPolicy(settings.outage_max_s, settings.retry_base_s, settings.retry_cap_s),
                                   log, f"worker {worker_id}", listener)
         self.scripts: dict[str, Any] = {name: client.register_script(script_source(name)) for name in self.SCRIPTS}
-        # the hot requests (the read ahead, the scripts) on a kept connection: a redis.Redis's (a cluster client
-        # routes by key; a wrapper of a client, as tests inject faults with, is asked as it is)
-        self._direct = Direct(client) if isinstance(client, redis.Redis) else None
+        # the hot requests (the read ahead, the scripts) on a kept connection (a redis.Redis's only: Direct.of)
+        self._direct = Direct.of(client)
 
     @property
     def outages(self) -> int:
@@ -105,8 +104,7 @@ class RedisIO:
     def direct(self) -> Direct | None:
         """The kept connection's sender (Direct) for the client in use, or None: a cluster client, or another
         client put in the transport's place (tests put a flaky one there)."""
-        d = self._direct
-        return d if d is not None and d.client is self.client else None
+        return serving(self._direct, self.client)
 
     def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run a registered script (EVALSHA, loading it if Redis lost it), through an outage."""

@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from schemas import GROUP, Phase, Reason, Signer, WireError, parse_input_stream
+from schemas.direct import stream_pairs, xread_command
 from schemas.replies import as_str, entry_fields, flat_pairs, stream_entries
 from schemas.retry import transient
 from schemas.wire import cancel_from_fields, job_from_fields
@@ -351,13 +352,10 @@ class Intake:
 
         def read_all() -> list[Any]:
             if direct is not None:  # the same commands on the kept connection, their raw replies
-                cmds: list[tuple[Any, ...]] = [
-                    ("XREAD", "COUNT", io.settings.cancel_count, "STREAMS", io.keys.cancellations, self._cancel_cursor)
-                ] if cancels else []
-                cmds += [("XREADGROUP", "GROUP", GROUP, name, "COUNT", count, "STREAMS", *ids, *ids.values())
-                         for count, ids in by_count.items()]
-                # a RESP3 map of streams as RESP2's list of (stream, entries): as the client's callback gives it
-                replies = [list(r.items()) if isinstance(r, dict) else r for r in direct(*cmds)]
+                cmds = [xread_command({io.keys.cancellations: self._cancel_cursor}, io.settings.cancel_count)
+                        ] if cancels else []
+                cmds += [xread_command(ids, count, group=(GROUP, name)) for count, ids in by_count.items()]
+                replies = [r if isinstance(r, Exception) else stream_pairs(r) for r in direct(*cmds)]
             else:
                 pipe = client.pipeline(transaction=False)
                 if cancels:
