@@ -680,6 +680,36 @@ def test_a_continuation_held_for_a_session_whose_prompt_is_still_coming_outlives
     assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
 
 
+def test_an_opening_delivered_again_does_not_release_a_continuation_its_prompt_has_not_reached() -> None:
+    """A Tracker that re-pushes what it has not read after an outage (or `open()` twice) sends a session's opening
+    again while the worker holds the session's first continuation for the prompt's last chunk. The opening is
+    answered at once (a duplicate, acked) but opens nothing: the continuation stays held until that chunk is queued
+    (released with the duplicate, it was refused position_gap and ended a session being served: seen once in
+    test_chaos.py's Redis restart), then decodes the tokens of the session alone."""
+    t = MemoryTransport()
+    w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0))
+    w.start()
+    opening = _open(w, "again", sample=False)  # positions 0-2 of a 6-token prompt, the first of two chunks
+    t.push(opening)
+    for _ in range(3):
+        w.run_once()
+    t.push(StepJob(job_id="again-c", session_id="again", phase="decode", compat=w.keys["decode"].digest,
+                   start_position=6, tokens=(), n=4, created_at=1.0, with_opening=True))
+    w.run_once()
+    t.push(opening)  # delivered again, before the prompt's last chunk
+    for _ in range(3):
+        w.run_once()
+    assert not [a for a in t.answers if a.result.job_id.startswith("again-c")], "answered before its prompt came"
+    t.push(StepJob(job_id="again-p3", session_id="again", phase="prefill", compat=w.keys["prefill"].digest,
+                   start_position=3, tokens=(6, 7, 8), sample=True, created_at=1.0))
+    for _ in range(20):
+        w.run_once()
+    results = [a.result for a in t.answers if a.result.session_id == "again"]
+    assert all(r.status == Status.OK for r in results if r.job_id != opening.job_id), results
+    toks = [r.token for r in results if r.token is not None]
+    assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
+
+
 def test_a_continuation_whose_opening_is_unread_behind_queued_prompts_outlives_the_hold() -> None:
     """The reader takes no prefill entries while two calls' worth of prompt tokens are queued: a session's
     continuation (on the decode stream) is read and held while its opening waits in the prefill stream behind

@@ -255,11 +255,19 @@ class EntryAdmission:
             out.dead.append(DeadLetter(inb.ref, Reason.MALFORMED, f"unexpected {type(e).__name__}: {e}"[:200]))
             return False
         # Its prompt queued whole, or its opening answered at once (refused, cancelled): what was held for it follows.
+        # Not an opening delivered again (a re-push after an outage, `open()` twice) of the attempt open here: that
+        # one is answered as a duplicate, and the prompt's later chunks are still on their way.
         if (len(self.early) and job is not None and job.phase == "prefill"
-                and ((queued and job.sample) or (not queued and job.session is not None))):
+                and ((queued and job.sample) or (not queued and job.session is not None
+                                                 and not self._open_at(inb, job)))):
             for held in self.early.release(job.session_id, job.attempt):
                 self.admit(held, out, may_hold=False)
         return queued
+
+    def _open_at(self, inb: Inbound, job: StepJob) -> bool:
+        """Whether the job's session is open here at the job's attempt."""
+        sched = self.lanes.for_entry(inb).scheduler
+        return sched.table.get(job.session_id) is not None and sched.attempt(job.session_id) == job.attempt
 
     def _given_up(self, inb: Inbound, job: StepJob, out: Admitted) -> bool:
         """An entry the transport gave up on (delivered more than max_deliveries times), already dead-lettered
