@@ -123,7 +123,7 @@ class Run:
 
 def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None = None, ramp: bool = False,
         max_iterations: int = 5_000, prefill_budget: int = 512, hold: int | None = None,
-        diverge: bool = False) -> Run:
+        diverge: bool = False, outages: tuple[tuple[int, int], ...] = ()) -> Run:
     """Drive the sessions through ProducerCore (credit) and a Worker on the in-memory transport. A crash
     (after the iteration's completion) replaces worker and engine; entries read and not acked are handed
     out again, as the transport's recovery does. The early hold (consumer/worker/early.py) runs on a clock of one
@@ -132,7 +132,10 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     opening was answered and before its ramped continuation was: the new worker holds that continuation for an
     opening that never comes again) would end before it does. `diverge`: the engine after the crash breaks its
     promise once, on the first row that samples again a token a replayed session had (its Tracker loses that
-    attempt and replays it feeding the tokens as prompt: docs/invariance.md, item 4)."""
+    attempt and replays it feeding the tokens as prompt: docs/invariance.md, item 4). `outages`: (iteration, k)
+    each, a Redis outage after that iteration: the read in flight loses its reply (the first k entries of each
+    stream, handed out again first at the next read, as the transport does: consumer/transport/intake.py
+    `unreplied`) and the Tracker re-pushes every job it has unanswered (as `Producer` does when Redis is back)."""
     t = MemoryTransport()
     engines: list[HistoryEngine] = []
     cfg = WorkerSettings(worker_id=WID, max_batch=max_batch, block_ms=0, gather_ms=0.0, await_ms=0,
@@ -171,7 +174,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
         if ramp:  # a session's first continuation read before its prompt (consumer/worker/early.py holds it)
             ops = sorted(ops, key=lambda op: not (isinstance(op, XAdd) and op.stream.endswith(":decode")))
         for op in ops:
-            if isinstance(op, XAdd):
+            if isinstance(op, XAdd) and not op.stream.endswith(":cancel"):  # a cancel's event is not a job
                 job = job_from_fields(op.fields)
                 attempts[job.job_id] = job.attempt
                 d = t.push(job)
@@ -202,9 +205,15 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
     seen = 0
     seen_by: dict[str, int] = dict.fromkeys(handles, 0)
     crashed = False
+    unreplied: list[tuple[int, str, list[Inbound]]] = []  # (due iteration, stream, entries whose reply was lost)
     for it in range(max_iterations):
-        if all(h.finished for h in handles.values()):
+        if all(h.finished for h in handles.values()) and not unreplied:
             break
+        for stream in {u[1] for u in unreplied if u[0] <= it}:  # handed out again first, in stream order
+            xs = sorted((x for u in unreplied if u[0] <= it and u[1] == stream for x in u[2]),
+                        key=lambda x: int(x.ref.entry_id))
+            t.queues[stream].extendleft(reversed(xs))
+        unreplied = [u for u in unreplied if u[0] > it]
         clock[0] += 1.0
         w.run_once()
         for a in t.answers[seen:]:  # what the completion acked (with the results, in one script)
@@ -213,6 +222,7 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
         acked.update(d.entry_id for d in t.acked)  # acked without an answer (answered by an earlier process)
         if crash_at is not None and it == crash_at and not crashed:
             crashed = True
+            unreplied = []  # the new worker's recovery claims them with the rest below
             w = new_worker()  # kill -9 after the completion: the engine state is gone
             read = [entries[e] for e in entries if e not in acked]
             queued = {id(x) for q in t.queues.values() for x in q}
@@ -247,6 +257,13 @@ def run(sessions: list[Sess], n_slots: int, max_batch: int, crash_at: int | None
             if s.dup_every and seen_by[r.session_id] % s.dup_every == 0 and h.credit.jobs:
                 core.xadd(batch, h, h.sent[next(iter(h.credit.jobs))])  # a twice-pushed continuation
         seen = len(t.answers)
+        for _at, k in [o for o in outages if o[0] == it]:
+            for stream, q in t.queues.items():
+                lost = [q.popleft() for _ in range(min(k, len(q)))]
+                if lost:
+                    unreplied.append((it + 1, stream, lost))
+            for h in handles.values():
+                core.queue_unanswered(batch, h)
         for sid, h in handles.items():
             core.advance(batch, h, True, cancel_marked=sid in t.cancel_markers)
         send(batch)
@@ -361,6 +378,25 @@ def test_ramped_continuations_survive_holds_shorter_than_their_prompts_take(
     of 1-4 iterations, far shorter than the prompts take to be read: no session is replayed or refused for
     it, and every one gets its tokens alone (with crashes, cancels, stops and twice-pushed jobs drawn too)."""
     r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp=True, prefill_budget=budget, hold=hold)
+    check(ss, r)
+
+
+@settings(max_examples=400 if SOAK else 40, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ss=sessions(), extra_slots=st.integers(0, 3), max_batch=st.integers(1, 8),
+       crash_at=st.none() | st.integers(0, 60), budget=st.sampled_from([2, 4, 8, 512]), ramp=st.booleans(),
+       outages=st.lists(st.tuples(st.integers(0, 8) | st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=3))
+def test_continuations_survive_outages_that_lose_a_read_and_push_every_unanswered_job_again(
+        ss: list[Sess], extra_slots: int, max_batch: int, crash_at: int | None, budget: int, ramp: bool,
+        outages: list[tuple[int, int]]) -> None:
+    """Counterexample search for Redis outages: a read whose reply is lost (its entries handed out again first at
+    the next read) and a Tracker that re-pushes every job it has unanswered, at any point of the sessions' prompts
+    and continuations: every job is answered once, every session gets its tokens alone (with crashes, cancels, stops
+    and twice-pushed jobs drawn too). With the lost entries handed out a few reads later (as the ownership sweep did
+    before `Intake.unreplied`) it found a re-pushed opening releasing a continuation held for the prompt's last
+    chunk (refused position_gap: the kept case below), a continuation pushed ahead refused position_gap, and a
+    prompt's later chunk answered state_lost (tests/test_lost_replies.py has those two on redis-server)."""
+    r = run(ss, len(ss) + extra_slots, max_batch, crash_at, ramp, prefill_budget=budget, outages=tuple(outages))
     check(ss, r)
 
 

@@ -547,6 +547,45 @@ def test_own_entries_the_worker_does_not_hold_are_handed_out_again(redis_client:
     assert transport.outstanding == 2
 
 
+class _LostOnce:
+    """The client, but its next XREADGROUP runs and its reply is lost (a reset before it was read)."""
+
+    def __init__(self, inner: redis.Redis) -> None:
+        self.inner, self.armed = inner, True
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.inner, attr)
+        if attr != "xreadgroup":
+            return value
+
+        def call(*a: Any, **k: Any) -> Any:
+            out = value(*a, **k)
+            if self.armed:
+                self.armed = False
+                raise redis.ConnectionError("injected: the reply was lost")
+            return out
+
+        return call
+
+
+def test_a_read_that_lost_its_reply_hands_its_entries_out_first(redis_client: redis.Redis,
+                                                                 transport: RedisTransport) -> None:
+    """The read is tried again and gets the entries after the lost ones: the lost ones come first, in order, so a
+    session's later step never comes before its earlier one (tests/test_lost_replies.py)."""
+    _pre, dec = streams_of(transport)
+    push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
+    held = transport.read_streams({dec: 1}, block_ms=0)
+    held += transport.read_streams({dec: 1}, block_ms=0)  # the pending re-read drained: s1 read with '>'
+    honest = transport.client
+    transport.client = _LostOnce(honest)  # type: ignore[assignment]
+    got = transport.read_streams({dec: 2}, block_ms=0)  # s2, s3 lost; the retry reads s4
+    transport.client = honest
+    assert [job_from_fields(d.fields).session_id for d in got] == ["s2", "s3", "s4"]
+    assert transport.recover_streams() == ([], [])  # held now: not handed out twice
+    assert transport.outstanding == 5
+    complete_entries(transport, completions_for(held + got))
+    assert transport.outstanding == 0
+
 def test_recover_leaves_own_entries_to_the_pending_reread_after_a_restart(
         redis_client: redis.Redis, transport: RedisTransport) -> None:
     _pre, dec = streams_of(transport)

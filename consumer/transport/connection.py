@@ -54,6 +54,8 @@ class RedisIO:
         self.settings = settings
         self.keys = WorkerKeys(worker_id)
         self.round_trips = 0  # requests sent to Redis (a pipeline or a script counts as one)
+        # requests that failed and were tried again (`io`): a request that failed may have run, its reply lost
+        self.retries = 0
         self.stop = threading.Event()  # set by the worker on SIGTERM (request_stop): outage waits end at once
         self.listener = listener
         self.in_flight = InFlight(lambda: self.client, f"worker {worker_id}")
@@ -89,6 +91,7 @@ class RedisIO:
                 started.pop(me, None)
                 if not (transient(e) or isinstance(e, NotDurable)):  # too few replicas: as Redis not serving
                     raise
+                self.retries += 1
                 delay = rider.backoff(e)  # re-raises e once the outage is older than outage_max_s
                 if self.stop.wait(delay):
                     self._stopped_unreachable = True

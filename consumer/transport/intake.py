@@ -165,7 +165,45 @@ class Intake:
         3. After a wake-up (something was had), a gather loop of non-blocking reads while
            `more(deliveries_so_far)` (default: some stream still under its count) and gather_ms
            has not passed; every stream stays capped at its count.
+        4. When a read failed and was tried again, the entries a lost reply carried, first (`unreplied`).
         """
+        retries = self.io.retries
+        got = self._read_streams(want, block_ms, gather_ms, more)
+        return got if self.io.retries == retries else self.unreplied(got)
+
+    def unreplied(self, got: list[Delivery]) -> list[Delivery]:
+        """`got` after the entries of a read whose reply was lost. A request that fails (a reset, a restart, a
+        failover) is tried again (`RedisIO.io`); an XREADGROUP `>` that ran and lost its reply leaves its entries
+        delivered to this consumer, pending and unheld, and the next try reads the ones after them. Handed out by
+        the next ownership sweep (recovery.py), after those, a session's later step would come before its earlier
+        one: a continuation pushed ahead refused position_gap, a prompt's later chunk answered state_lost
+        (tests/test_lost_replies.py). So they are handed out here, before what the read got: they are older. A
+        stream whose own pending entries are still being re-read (after a start) hands them out anyway."""
+        lost = [d for s in self.streams if s in self.drained for d in self.unheld_pending(s)]
+        return lost + got if lost else got
+
+    def unheld_pending(self, stream: str) -> list[Delivery]:
+        """Own pending entries of `stream` that the worker does not hold (a read whose reply was lost; a fenced
+        predecessor's read under the same consumer name), claimed and handed out again."""
+        io = self.io
+        held = self.outstanding.get(stream, set())
+        io.round_trips += 1
+        pending: Any = io.io(lambda: io.client.xpending_range(stream, GROUP, "-", "+", io.settings.claim_count,
+                                                              consumername=io.consumer_name))
+        ids: list[Any] = [as_str(p["message_id"]) for p in pending if as_str(p["message_id"]) not in held]
+        if not ids:
+            return []
+        io.round_trips += 1
+        claimed: Any = io.io(lambda: io.client.xclaim(stream, GROUP, io.consumer_name, 0, ids))
+        out = [self.delivery(stream, entry[0], entry_fields(entry[1])) for entry in claimed
+               if entry and entry[0] is not None]
+        if out:
+            log.warning("own pending entries the worker did not hold: handed out again", extra={
+                "worker": io.worker_id, "stream": stream, "entries": len(out)})
+        return out
+
+    def _read_streams(self, want: Mapping[str, int], block_ms: int | None, gather_ms: float | None,
+                      more: Callable[[list[Delivery]], bool] | None) -> list[Delivery]:
         st = self.io.settings
         block = st.block_ms if block_ms is None else block_ms
         gather = st.gather_ms if gather_ms is None else gather_ms
@@ -335,12 +373,15 @@ class Intake:
             cancels, refused = self.cancellations()
             return got, cancels, refused
         self.io.round_trips += 1
+        retries = self.io.retries
         cancel_reply, *replies = self._pipelined(_by_count(counts), cancels=True)
         if isinstance(cancel_reply, Exception):
             # raised before the read's entries are taken as held: they stay this consumer's pending entries,
             # which recovery hands out again (taken, they would be held by no one)
             raise cancel_reply
         got = self._take_replies(replies, counts, list(counts))
+        if self.io.retries != retries:
+            got = self.unreplied(got)
         cancels, refused = self._take_cancellations(cancel_reply)
         return got, cancels, refused
 

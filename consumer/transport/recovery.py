@@ -16,10 +16,9 @@ per stream.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from schemas import GROUP, Reason
-from schemas.replies import as_str, entry_fields, flat_pairs
+from schemas.replies import as_str, flat_pairs
 
 from .intake import MAX_DEAD_LETTER_FIELDS, Intake
 from .protocol import DeadLetter, Delivery
@@ -44,7 +43,7 @@ def recover_streams(intake: Intake) -> tuple[list[Delivery], list[DeadLetter]]:
     for s, (kept, dead, own) in zip(streams, reply, strict=True):
         held = intake.outstanding.get(s, set())
         if s in intake.drained and int(own) > len(held):
-            kept_out += _orphans(intake, s, held)
+            kept_out += intake.unheld_pending(s)
         for entry_id, _n, flat in kept:
             d = intake.delivery(s, entry_id, flat_pairs(flat))
             kept_out.append(d)
@@ -55,25 +54,3 @@ def recover_streams(intake: Intake) -> tuple[list[Delivery], list[DeadLetter]]:
             d = intake.delivery(s, entry_id, flat_pairs(flat), held=False, given_up=why)
             dead_out.append(DeadLetter(d, Reason.TOO_MANY_DELIVERIES, why))
     return kept_out, dead_out
-
-
-def _orphans(intake: Intake, stream: str, held: set[str]) -> list[Delivery]:
-    """Own pending entries of `stream` that the worker does not hold, handed out again."""
-    io = intake.io
-    count = io.settings.claim_count
-    io.round_trips += 1
-    pending: Any = io.io(lambda: io.client.xpending_range(stream, GROUP, "-", "+", count,
-                                                          consumername=io.consumer_name))
-    ids: list[Any] = [as_str(p["message_id"]) for p in pending if as_str(p["message_id"]) not in held]
-    if not ids:
-        return []
-    io.round_trips += 1
-    claimed: Any = io.io(lambda: io.client.xclaim(stream, GROUP, io.consumer_name, 0, ids))
-    out: list[Delivery] = []
-    for entry in claimed:
-        if entry and entry[0] is not None:
-            out.append(intake.delivery(stream, entry[0], entry_fields(entry[1])))
-    if out:
-        log.warning("own pending entries the worker did not hold: handed out again", extra={
-            "worker": io.worker_id, "stream": stream, "entries": len(out)})
-    return out

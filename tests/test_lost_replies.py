@@ -1,0 +1,107 @@
+"""Replies the worker never gets: Redis ran the command and answered, and the connection dropped before the answer
+was read (a reset, a restart, a failover). Every call is retried through it (consumer/transport/connection.py
+`RedisIO.io`), and a retried XREADGROUP `>` returns the entries after those the lost reply carried: they sit in
+this consumer's pending list, delivered and unheld. Handed out only by the next ownership sweep, after the newer
+ones, a session's later step came before its earlier one: a continuation pushed ahead was refused position_gap
+(the session ended for its caller), a prompt's later chunk was answered state_lost (a session replayed that was
+never lost). A read that rode through a failure now hands out those entries first (consumer/transport/intake.py).
+
+On a real redis-server: the worker's connections lose replies at random after its start, the Tracker's do not.
+Every session ends with its solo tokens, on its first attempt (nothing replayed), every entry acked.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from consumer.config import TransportSettings
+from consumer.engines.reference import NumpyReferenceEngine
+from consumer.transport import RedisTransport
+from consumer.worker import Worker, WorkerSettings
+from producer import Producer
+from schemas import GROUP
+
+from .chaos_support import SOAK, check_exact, specs_for
+from .support import prompts
+from .test_delivery import Stepper
+
+WID = "w-lost"
+
+
+class _Losses:
+    def __init__(self, seed: int) -> None:
+        self.rng, self.rate, self.lost = random.Random(seed), 0.0, 0
+
+
+def lossy_client(url: str, losses: _Losses) -> redis.Redis:
+    """A client whose connections, at random, send a request (a command, a pipeline, a script) and then lose its
+    reply with the connection, after Redis ran it: what a reset between Redis' answer and its read leaves. Every
+    connection of its pool, so the kept one (schemas/direct.py) too."""
+    client = redis.Redis.from_url(url)
+    base = client.connection_pool.connection_class
+
+    class LossyConnection(base):  # type: ignore[misc, valid-type]
+        doomed = False
+
+        def send_packed_command(self, *a: Any, **k: Any) -> Any:
+            self.doomed = self.doomed or losses.rng.random() < losses.rate
+            return super().send_packed_command(*a, **k)
+
+        def read_response(self, *a: Any, **k: Any) -> Any:
+            out = super().read_response(*a, **k)
+            if self.doomed:
+                self.doomed = False
+                losses.lost += 1
+                self.disconnect()
+                raise redis.ConnectionError("injected: the reply was lost")
+            return out
+
+    client.connection_pool.connection_class = LossyConnection
+    return client
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
+    eng = NumpyReferenceEngine(tiny_model_path, n_slots=4, ctx_per_session=256)
+    yield eng
+    eng.close()
+
+
+@settings(max_examples=60 if SOAK else 4, deadline=None, derandomize=not SOAK, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.15, 0.3]), decode_n=st.sampled_from([1, 3, 16]),
+       chunk=st.sampled_from([4, 16]))
+@example(seed=8, rate=0.3, decode_n=1, chunk=4)  # before: a prompt chunk read before the one lost, position_gap
+@example(seed=4, rate=0.15, decode_n=1, chunk=4)  # before: a later chunk before the lost opening, a replay
+def test_lost_replies_neither_end_nor_replay_a_session(real_redis: redis.Redis, engine: NumpyReferenceEngine,
+                                                       tiny_model_path: Path, seed: int, rate: float, decode_n: int,
+                                                       chunk: int) -> None:
+    real_redis.flushall()
+    url = "redis://{host}:{port}/0".format(**real_redis.connection_pool.connection_kwargs)
+    losses = _Losses(seed)
+    transport = RedisTransport(lossy_client(url, losses), WID, consumer_name=WID,
+                               settings=TransportSettings(retry_base_s=0.0005, retry_cap_s=0.002))
+    worker = Worker(engine, transport,  # type: ignore[arg-type]
+                    WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0, heartbeat_s=0.0,
+                                   recover_every_s=3600.0))
+    worker.start()
+    losses.rate = rate  # after the start: its reads of pending entries are the start's, tested elsewhere
+    producer = Producer(real_redis, prefill_chunk=chunk, decode_n=decode_n)
+    specs = specs_for(real_redis, WID, f"lost{seed}", prompts(3, 300, seed=seed, lo=6, hi=30), 8)
+    stepper = Stepper(producer, worker)
+    for spec, prompt in specs:
+        stepper.handles[spec.session_id] = producer.open(spec, prompt)
+    stepper.run()
+    assert losses.lost > 0
+    check_exact(real_redis, WID, specs, stepper.handles, tiny_model_path)
+    assert {h.session_id: h.attempt for h in stepper.handles.values()} == dict.fromkeys(stepper.handles, 0)
+    for stream in transport.intake.streams:
+        assert real_redis.xpending(stream, GROUP)["pending"] == 0, stream
