@@ -568,10 +568,12 @@ class _LostOnce:
         return call
 
 
-def test_a_read_that_lost_its_reply_hands_its_entries_out_first(redis_client: redis.Redis,
-                                                                 transport: RedisTransport) -> None:
+def test_a_read_that_lost_its_reply_hands_its_entries_out_first(redis_client: redis.Redis) -> None:
     """The read is tried again and gets the entries after the lost ones: the lost ones come first, in order, so a
-    session's later step never comes before its earlier one (tests/test_lost_replies.py)."""
+    session's later step never comes before its earlier one (tests/test_lost_replies.py). Found past the entries
+    the worker holds, however many (here more than a sweep's claim_count)."""
+    transport = RedisTransport(redis_client, WORKER, "c1", TransportSettings(claim_count=2))
+    transport.register([make_key("prefill"), make_key("decode")], {})
     _pre, dec = streams_of(transport)
     push(redis_client, dec, [make_job(f"s{i}", 1) for i in range(5)])
     held = transport.read_streams({dec: 1}, block_ms=0)

@@ -62,6 +62,7 @@ class Intake:
         # Entries handed out (read, recovered) and not yet acked by a completion, per stream: what the
         # worker holds. Recovery re-delivers own pending entries that are not in here.
         self.outstanding: dict[str, set[str]] = {}
+        self.newest: dict[str, str] = {}  # stream -> the last entry id a '>' read took (`unreplied` looks past it)
         self._cancel_cursor = "0-0"
         # Entries the pending re-read dead-lettered (already in the dead-letter stream and acked): for
         # logs and metrics; the newest 1000 are kept, clear it freely.
@@ -167,28 +168,32 @@ class Intake:
            has not passed; every stream stays capped at its count.
         4. When a read failed and was tried again, the entries a lost reply carried, first (`unreplied`).
         """
-        retries = self.io.retries
+        retries, newest = self.io.retries, dict(self.newest)
         got = self._read_streams(want, block_ms, gather_ms, more)
-        return got if self.io.retries == retries else self.unreplied(got)
+        return got if self.io.retries == retries else self.unreplied(got, newest)
 
-    def unreplied(self, got: list[Delivery]) -> list[Delivery]:
+    def unreplied(self, got: list[Delivery], newest: Mapping[str, str]) -> list[Delivery]:
         """`got` after the entries of a read whose reply was lost. A request that fails (a reset, a restart, a
         failover) is tried again (`RedisIO.io`); an XREADGROUP `>` that ran and lost its reply leaves its entries
         delivered to this consumer, pending and unheld, and the next try reads the ones after them. Handed out by
         the next ownership sweep (recovery.py), after those, a session's later step would come before its earlier
         one: a continuation pushed ahead refused position_gap, a prompt's later chunk answered state_lost
         (tests/test_lost_replies.py). So they are handed out here, before what the read got: they are older. A
-        stream whose own pending entries are still being re-read (after a start) hands them out anyway."""
-        lost = [d for s in self.streams if s in self.drained for d in self.unheld_pending(s)]
+        stream whose own pending entries are still being re-read (after a start) hands them out anyway. Looked for
+        past `newest` (each stream's last entry id taken before the read): the lost entries are newer than every
+        entry the worker holds, however many it holds."""
+        lost = [d for s in self.streams if s in self.drained for d in self.unheld_pending(s, newest.get(s))]
         return lost + got if lost else got
 
-    def unheld_pending(self, stream: str) -> list[Delivery]:
-        """Own pending entries of `stream` that the worker does not hold (a read whose reply was lost; a fenced
-        predecessor's read under the same consumer name), claimed and handed out again."""
+    def unheld_pending(self, stream: str, after: str | None = None) -> list[Delivery]:
+        """Own pending entries of `stream` (after the entry id `after`, if given) that the worker does not hold (a
+        read whose reply was lost; a fenced predecessor's read under the same consumer name), claimed and handed
+        out again."""
         io = self.io
         held = self.outstanding.get(stream, set())
         io.round_trips += 1
-        pending: Any = io.io(lambda: io.client.xpending_range(stream, GROUP, "-", "+", io.settings.claim_count,
+        start = "-" if after is None else "(" + after
+        pending: Any = io.io(lambda: io.client.xpending_range(stream, GROUP, start, "+", io.settings.claim_count,
                                                               consumername=io.consumer_name))
         ids: list[Any] = [as_str(p["message_id"]) for p in pending if as_str(p["message_id"]) not in held]
         if not ids:
@@ -336,6 +341,8 @@ class Intake:
             for entry_id, fields in entries:
                 out.append(self.delivery(s, entry_id, entry_fields(fields)))
             remaining[s] -= len(entries)
+            if entries:
+                self.newest[s] = out[-1].entry_id
         return out
 
     def call_script(self, name: str, keys: list[str], args: list[Any], streams: Sequence[str]) -> Any:
@@ -373,7 +380,7 @@ class Intake:
             cancels, refused = self.cancellations()
             return got, cancels, refused
         self.io.round_trips += 1
-        retries = self.io.retries
+        retries, newest = self.io.retries, dict(self.newest)
         cancel_reply, *replies = self._pipelined(_by_count(counts), cancels=True)
         if isinstance(cancel_reply, Exception):
             # raised before the read's entries are taken as held: they stay this consumer's pending entries,
@@ -381,7 +388,7 @@ class Intake:
             raise cancel_reply
         got = self._take_replies(replies, counts, list(counts))
         if self.io.retries != retries:
-            got = self.unreplied(got)
+            got = self.unreplied(got, newest)
         cancels, refused = self._take_cancellations(cancel_reply)
         return got, cancels, refused
 
