@@ -6,7 +6,8 @@ ones, a session's later step came before its earlier one: a continuation pushed 
 (the session ended for its caller), a prompt's later chunk was answered state_lost (a session replayed that was
 never lost). A read that rode through a failure now hands out those entries first (consumer/transport/intake.py).
 
-On a real redis-server: the worker's connections lose replies at random after its start, the Tracker's do not.
+On a real redis-server: the worker's connections lose replies at random after its start, and the Tracker's too
+in some runs.
 Every session ends with its solo tokens, on its first attempt (nothing replayed), every entry acked.
 """
 
@@ -78,12 +79,13 @@ def engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
 @settings(max_examples=60 if SOAK else 4, deadline=None, derandomize=not SOAK, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.15, 0.3]), decode_n=st.sampled_from([1, 3, 16]),
-       chunk=st.sampled_from([4, 16]))
-@example(seed=8, rate=0.3, decode_n=1, chunk=4)  # before: a prompt chunk read before the one lost, position_gap
-@example(seed=4, rate=0.15, decode_n=1, chunk=4)  # before: a later chunk before the lost opening, a replay
+       chunk=st.sampled_from([4, 16]), tracker_too=st.booleans())
+@example(seed=8, rate=0.3, decode_n=1, chunk=4, tracker_too=False)  # before: a chunk before the one lost, position_gap
+@example(seed=4, rate=0.15, decode_n=1, chunk=4, tracker_too=False)  # before: a chunk before the lost opening, a replay
 def test_lost_replies_neither_end_nor_replay_a_session(real_redis: redis.Redis, engine: NumpyReferenceEngine,
                                                        tiny_model_path: Path, seed: int, rate: float, decode_n: int,
-                                                       chunk: int) -> None:
+                                                       chunk: int, tracker_too: bool) -> None:
+    """`tracker_too`: the Tracker's connections lose replies as well (its pushes sent again: twins)."""
     real_redis.flushall()
     url = "redis://{host}:{port}/0".format(**real_redis.connection_pool.connection_kwargs)
     losses = _Losses(seed)
@@ -94,7 +96,10 @@ def test_lost_replies_neither_end_nor_replay_a_session(real_redis: redis.Redis, 
                                    recover_every_s=3600.0))
     worker.start()
     losses.rate = rate  # after the start: its reads of pending entries are the start's, tested elsewhere
-    producer = Producer(real_redis, prefill_chunk=chunk, decode_n=decode_n)
+    tracker_losses = _Losses(seed + 1)
+    producer = Producer(lossy_client(url, tracker_losses) if tracker_too else real_redis, prefill_chunk=chunk,
+                        decode_n=decode_n)
+    tracker_losses.rate = rate
     specs = specs_for(real_redis, WID, f"lost{seed}", prompts(3, 300, seed=seed, lo=6, hi=30), 8)
     stepper = Stepper(producer, worker)
     for spec, prompt in specs:
