@@ -687,6 +687,31 @@ def test_forged_early_continuations_are_bounded_and_answered_after_the_hold() ->
     assert not any(q for q in t.queues.values()) and all(a.final for a in t.answers if a.result.session_id in ghosts)
 
 
+def _held_for_its_last_chunk(w: Worker, t: MemoryTransport, sid: str, between: Callable[[], None]
+                             ) -> list[StepResult]:
+    """A session's first prompt chunk (positions 0-2 of 6) queued, then its first continuation read and held for
+    the prompt's last chunk; `between()`, three more iterations, and nothing answered for the continuation yet;
+    then the last chunk: the session's results, whose tokens are the session's alone."""
+    t.push(_open(w, sid, sample=False))
+    for _ in range(3):
+        w.run_once()
+    t.push(StepJob(job_id=f"{sid}-c", session_id=sid, phase="decode", compat=w.keys["decode"].digest,
+                   start_position=6, tokens=(), n=4, created_at=1.0, with_opening=True))
+    w.run_once()
+    between()
+    for _ in range(3):
+        w.run_once()
+    assert not [a for a in t.answers if a.result.job_id.startswith(f"{sid}-c")], "answered before its prompt came"
+    t.push(StepJob(job_id=f"{sid}-p3", session_id=sid, phase="prefill", compat=w.keys["prefill"].digest,
+                   start_position=3, tokens=(6, 7, 8), sample=True, created_at=1.0))
+    for _ in range(20):
+        w.run_once()
+    results = [a.result for a in t.answers if a.result.session_id == sid]
+    toks = [r.token for r in results if r.token is not None]
+    assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
+    return results
+
+
 def test_a_continuation_held_for_a_session_whose_prompt_is_still_coming_outlives_the_hold() -> None:
     """A wave of long prompts: the worker reads a session's opening chunk and its continuation, but not yet the
     prompt's last chunk (it takes no prefill entries while enough prompt tokens are queued). Past early_hold_s
@@ -697,54 +722,21 @@ def test_a_continuation_held_for_a_session_whose_prompt_is_still_coming_outlives
     w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0,
                                                    early_hold_s=0.1))
     w.start()
-    t.push(_open(w, "long", sample=False))  # positions 0-2 of a 6-token prompt, the first of two chunks
-    for _ in range(3):
-        w.run_once()
-    t.push(StepJob(job_id="long-c", session_id="long", phase="decode", compat=w.keys["decode"].digest,
-                   start_position=6, tokens=(), n=4, created_at=1.0, with_opening=True))
-    w.run_once()
-    time.sleep(0.15)
-    for _ in range(3):
-        w.run_once()
-    assert not [a for a in t.answers if a.result.job_id.startswith("long-c")], "answered before its prompt came"
-    t.push(StepJob(job_id="long-p3", session_id="long", phase="prefill", compat=w.keys["prefill"].digest,
-                   start_position=3, tokens=(6, 7, 8), sample=True, created_at=1.0))
-    for _ in range(20):
-        w.run_once()
-    assert all(a.result.status == Status.OK for a in t.answers if a.result.session_id == "long")
-    toks = [a.result.token for a in t.answers if a.result.session_id == "long" and a.result.token is not None]
-    assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
+    results = _held_for_its_last_chunk(w, t, "long", lambda: time.sleep(0.15))
+    assert all(r.status == Status.OK for r in results), results
 
 
 def test_an_opening_delivered_again_does_not_release_a_continuation_its_prompt_has_not_reached() -> None:
     """A Tracker that re-pushes what it has not read after an outage (or `open()` twice) sends a session's opening
     again while the worker holds the session's first continuation for the prompt's last chunk. The opening is
     answered at once (a duplicate, acked) but opens nothing: the continuation stays held until that chunk is queued
-    (released with the duplicate, it was refused position_gap and ended a session being served: seen once in
-    test_chaos.py's Redis restart), then decodes the tokens of the session alone."""
+    (released with the duplicate, it was refused position_gap and ended a session being served), then decodes the
+    tokens of the session alone."""
     t = MemoryTransport()
     w = Worker(HistoryEngine(2), t, WorkerSettings(worker_id=WID, block_ms=0, gather_ms=0.0, await_ms=0))
     w.start()
-    opening = _open(w, "again", sample=False)  # positions 0-2 of a 6-token prompt, the first of two chunks
-    t.push(opening)
-    for _ in range(3):
-        w.run_once()
-    t.push(StepJob(job_id="again-c", session_id="again", phase="decode", compat=w.keys["decode"].digest,
-                   start_position=6, tokens=(), n=4, created_at=1.0, with_opening=True))
-    w.run_once()
-    t.push(opening)  # delivered again, before the prompt's last chunk
-    for _ in range(3):
-        w.run_once()
-    assert not [a for a in t.answers if a.result.job_id.startswith("again-c")], "answered before its prompt came"
-    t.push(StepJob(job_id="again-p3", session_id="again", phase="prefill", compat=w.keys["prefill"].digest,
-                   start_position=3, tokens=(6, 7, 8), sample=True, created_at=1.0))
-    for _ in range(20):
-        w.run_once()
-    results = [a.result for a in t.answers if a.result.session_id == "again"]
-    assert all(r.status == Status.OK for r in results if r.job_id != opening.job_id), results
-    toks = [r.token for r in results if r.token is not None]
-    assert toks == oracle(Sess(prompt=(3, 4, 5, 6, 7, 8), max_tokens=30, n=4))[:len(toks)] and len(toks) == 5
-
+    results = _held_for_its_last_chunk(w, t, "again", lambda: t.push(_open(w, "again", sample=False)))
+    assert all(r.status == Status.OK for r in results if r.job_id != "again-open"), results
 
 def test_a_continuation_whose_opening_is_unread_behind_queued_prompts_outlives_the_hold() -> None:
     """The reader takes no prefill entries while two calls' worth of prompt tokens are queued: a session's
