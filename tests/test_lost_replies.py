@@ -80,8 +80,8 @@ def engine(tiny_model_path: Path) -> Iterator[NumpyReferenceEngine]:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.15, 0.3]), decode_n=st.sampled_from([1, 3, 16]),
        chunk=st.sampled_from([4, 16]), tracker_too=st.booleans())
-@example(seed=8, rate=0.3, decode_n=1, chunk=4, tracker_too=False)  # before: a chunk before the one lost, position_gap
-@example(seed=4, rate=0.15, decode_n=1, chunk=4, tracker_too=False)  # before: a chunk before the lost opening, a replay
+@example(seed=8, rate=0.3, decode_n=1, chunk=4, tracker_too=False)  # chunks of 4: many steps a session
+@example(seed=4, rate=0.15, decode_n=1, chunk=4, tracker_too=False)  # stop 64's tree: position_gap in 4 runs of 4
 def test_lost_replies_neither_end_nor_replay_a_session(real_redis: redis.Redis, engine: NumpyReferenceEngine,
                                                        tiny_model_path: Path, seed: int, rate: float, decode_n: int,
                                                        chunk: int, tracker_too: bool) -> None:
