@@ -3,9 +3,10 @@
 * the pending entries of every other consumer name of the group are claimed into this one (the lease
   holder is the only live consumer of this worker id);
 * this consumer's own pending entries are never claimed by idle time; those the worker does not hold
-  (handed out, not yet completed) are handed out again: a read whose reply was lost in a reconnect, or
-  a fenced predecessor's read under the same consumer name. Streams whose start-up pending re-read is
-  not finished are left to it.
+  (handed out, not yet completed) are handed out again (`Intake.unheld_pending`): a fenced predecessor's read
+  under the same consumer name, or a read whose reply was lost that its own retry missed (the read itself
+  hands those out first: `Intake.unreplied`). Streams whose start-up pending re-read is not finished are left
+  to it.
 
 Entries delivered more than max_deliveries times (the claim counts) are dead-lettered (reason
 too_many_deliveries, original fields kept) and acked in the same script, and returned as such (their
