@@ -70,7 +70,6 @@ def _bytes_fields(fields: Fields, known: frozenset[bytes], what: str, limit: int
         body = fields.get(b"j", fields.get("j")) if what == "job" else None  # type: ignore[call-overload]
         ids = _body_ids(_b(body)) if isinstance(body, bytes | str) and len(body) <= 4 * limit else {}
         raise WireError(Reason.MALFORMED, f"{len(fields)} fields, more than {MAX_FIELDS}", **ids)
-    # bytes as Redis gives them: no call per field (a str key or value, as a test or a decoding client gives, encoded)
     f = {k if type(k) is bytes else _b(k): v if type(v) is bytes else _b(v) for k, v in fields.items()}
     v = f.get(b"v")
     if v is None:
@@ -203,18 +202,17 @@ def job_from_fields(fields: Fields) -> StepJob:
         raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_body_ids(raw)) from None
     reply_to = None if body.reply_to is msgspec.UNSET else body.reply_to
     if len(body.tokens) > MAX_TOKENS_PER_JOB:
-        raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **_ids(body, reply_to))
+        raise WireError(Reason.TOO_LONG, f"more than {MAX_TOKENS_PER_JOB} tokens in one job", **_ids(body))
     try:
         session = SessionSpec.model_validate_json(bytes(body.session)) if body.session else None
     except ValidationError as e:
-        raise WireError(Reason.MALFORMED, f"invalid job: session: {e.errors()[0]['msg']}"[:200],
-                        **_ids(body, reply_to)) from None
+        raise WireError(Reason.MALFORMED, f"invalid job: session: {e.errors()[0]['msg']}"[:200], **_ids(body)) from None
     try:
         hidden = Activations.from_json(bytes(body.hidden)) if body.hidden else None
         if hidden is not None and hidden.rows != len(body.tokens):
             raise ActivationError(f"activations have {hidden.rows} rows for {len(body.tokens)} tokens")
     except ActivationError as e:
-        raise WireError(Reason.BAD_ACTIVATIONS, str(e)[:200], **_ids(body, reply_to)) from None
+        raise WireError(Reason.BAD_ACTIVATIONS, str(e)[:200], **_ids(body)) from None
     phase: Phase = body.phase  # type: ignore[assignment]  # StepJob checks it
     try:
         return StepJob(job_id=body.job_id, session_id=body.session_id, phase=phase, compat=body.compat,
@@ -222,15 +220,13 @@ def job_from_fields(fields: Fields) -> StepJob:
                        hop=body.hop, sample=body.sample, attempt=body.attempt, session=session, hidden=hidden,
                        n=body.n, reply_to=reply_to, with_opening=body.with_opening)
     except (ValueError, TypeError) as e:
-        raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_ids(body, reply_to)) from None
+        raise WireError(Reason.MALFORMED, f"invalid job: {e}"[:200], **_ids(body)) from None
 
 
-def _ids(body: _JobBody, reply_to: str | None) -> dict[str, str | None]:
-    """The ids a refused job names, each only when it is a valid id (where its refusal goes): made when a job is
-    refused, not for every job read."""
-    return {"session_id": body.session_id if is_id(body.session_id) else None,
-            "job_id": body.job_id if is_id(body.job_id) else None,
-            "reply_to": reply_to if is_id(reply_to) else None}
+def _ids(body: _JobBody) -> dict[str, str | None]:
+    """The ids a refused job names where valid (its refusal goes there): made when a job is refused, not per job."""
+    ids = {"session_id": body.session_id, "job_id": body.job_id, "reply_to": body.reply_to}
+    return {k: v if isinstance(v, str) and is_id(v) else None for k, v in ids.items()}
 
 
 # ------------------------------------------------------------------------------------------- results
