@@ -31,6 +31,7 @@ from producer import Producer
 from schemas import GROUP
 
 from .chaos_support import SOAK, check_exact, specs_for
+from .connection_hooks import hook_connections
 from .support import prompts
 from .test_delivery import Stepper
 
@@ -46,27 +47,20 @@ def lossy_client(url: str, losses: _Losses) -> redis.Redis:
     """A client whose connections, at random, send a request (a command, a pipeline, a script) and then lose its
     reply with the connection, after Redis ran it: what a reset between Redis' answer and its read leaves. Every
     connection of its pool, so the kept one (schemas/direct.py) too."""
-    client = redis.Redis.from_url(url)
-    base = client.connection_pool.connection_class
+    doomed: set[int] = set()  # connections whose request's reply is to be lost
 
-    class LossyConnection(base):  # type: ignore[misc, valid-type]
-        doomed = False
+    def send(conn: Any) -> None:
+        if losses.rng.random() < losses.rate:
+            doomed.add(id(conn))
 
-        def send_packed_command(self, *a: Any, **k: Any) -> Any:
-            self.doomed = self.doomed or losses.rng.random() < losses.rate
-            return super().send_packed_command(*a, **k)
+    def read(conn: Any) -> None:
+        if id(conn) in doomed:
+            doomed.discard(id(conn))
+            losses.lost += 1
+            conn.disconnect()
+            raise redis.ConnectionError("injected: the reply was lost")
 
-        def read_response(self, *a: Any, **k: Any) -> Any:
-            out = super().read_response(*a, **k)
-            if self.doomed:
-                self.doomed = False
-                losses.lost += 1
-                self.disconnect()
-                raise redis.ConnectionError("injected: the reply was lost")
-            return out
-
-    client.connection_pool.connection_class = LossyConnection
-    return client
+    return hook_connections(redis.Redis.from_url(url), before_send=send, after_read=read)
 
 
 @pytest.fixture(scope="module")

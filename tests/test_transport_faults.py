@@ -25,6 +25,7 @@ from consumer.engines.reference import NumpyReferenceEngine
 from consumer.transport import RedisTransport
 from consumer.worker import Worker, WorkerSettings
 
+from .connection_hooks import hook_connections
 from .support import prompts, solo_generate
 from .test_worker_inprocess import WID, Driver
 
@@ -56,16 +57,7 @@ def flaky_client(server: fakeredis.FakeServer, faults: _Faults) -> redis.Redis:
         def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
             return FlakyPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
-    client = Flaky(server=server)
-    base = client.connection_pool.connection_class
-
-    class FlakyConnection(base):  # type: ignore[misc, valid-type]
-        def send_packed_command(self, *a: Any, **k: Any) -> Any:
-            faults.maybe_fail()
-            return super().send_packed_command(*a, **k)
-
-    client.connection_pool.connection_class = FlakyConnection
-    return client
+    return hook_connections(Flaky(server=server), before_send=lambda _conn: faults.maybe_fail())
 
 
 @pytest.fixture(scope="module")

@@ -284,3 +284,38 @@ def test_random_bytes_never_raise_anything_but_wire_error(data: bytes, v: bytes)
             job_from_fields(fields)
         with contextlib.suppress(WireError):
             results_from_fields(fields)
+
+
+def _outcome(fields: Any) -> object:
+    try:
+        return job_from_fields(fields)
+    except WireError as e:
+        return (e.reason, str(e), e.session_id, e.job_id, e.reply_to)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sid=ids, jid=ids, pos=st.integers(1, 1 << 20),
+       extra=st.lists(st.binary(min_size=1, max_size=6).filter(lambda b: b not in (b"v", b"j", b"sig")), max_size=3),
+       as_str=st.lists(st.booleans(), min_size=8, max_size=8), data=st.data())
+def test_a_job_entry_reads_the_same_whatever_its_fields_types_and_refuses_exactly_unknown_names(
+        sid: str, jid: str, pos: int, extra: list[bytes], as_str: list[bool], data: st.DataObject) -> None:
+    """job_from_fields takes Redis' bytes as they are and encodes a str key or value (a test's, a decoding
+    client's): either way, any mix, the same job or the same refusal; an entry is refused `unknown job fields`
+    exactly when it has a name besides `v`, `j` and `sig`, and names its ids then (the oracle: the set difference
+    and the ids checked one by one, as before schemas/wire.py took them only for a refusal)."""
+    job = StepJob(job_id=jid, session_id=sid, phase="decode", compat=KEY.digest, start_position=pos, tokens=(),
+                  n=4, created_at=1.0, reply_to=sid)
+    raw: dict[bytes, bytes] = {k.encode(): v.encode() for k, v in job_to_fields(job).items()}
+    for name in extra:
+        raw[name] = data.draw(st.binary(max_size=8))
+    printable = all(x.isascii() for k, v in raw.items() for x in (k, v))
+    mixed: dict[Any, Any] = {(k.decode() if printable and as_str[i % 8] else k): (v.decode() if printable and
+                             as_str[(i + 3) % 8] else v) for i, (k, v) in enumerate(raw.items())}
+    assert _outcome(mixed) == _outcome(raw)
+    unknown = set(raw) - {b"v", b"j", b"sig"}
+    got = _outcome(raw)
+    if unknown:
+        assert isinstance(got, tuple) and got[0] == Reason.MALFORMED and "unknown job fields" in got[1], got
+        assert got[2:] == (sid if is_id(sid) else None, jid if is_id(jid) else None, sid), got
+    else:
+        assert got == job
