@@ -597,3 +597,33 @@ def test_greedy_sessions_under_credit_are_chained(real_redis: redis.Redis) -> No
     w.flush()
     assert all(h.status == "finished" and len(h.generated) == 12 for h in hs)
     assert w.stats.calls_by_iteration["chained"] >= 4, w.stats.calls_by_iteration
+
+
+@pytest.mark.parametrize("here", [True, False], ids=["loop-thread", "engine-thread"])
+def test_the_engine_gap_counts_the_first_cut_and_the_hand_overs(real_redis: redis.Redis, here: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's idle and its time are the engine call's own, read on the thread that ran it: the first cut
+    after it (20 ms here, on the compute thread), the hand-over back to the loop and the next call's hand-over
+    (and the waits for the GIL in them: 0.4-0.8 ms a call measured with Gemma in the loop's thread) are idle, not
+    engine time. Calls of 30 ms, sessions under continuation credit, not chained."""
+    import consumer.worker.chain as chain
+
+    cut = chain.first_cut
+    monkeypatch.setattr(chain, "first_cut", lambda out, batch: time.sleep(0.02) or cut(out, batch))
+    wid = f"ov{next(_runs)}"
+    w = _worker(real_redis, wid, overlap=True, step_s=0.03, chain=False)
+    p = Producer(real_redis, decode_n=8, timeout_s=30.0)
+    route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
+    hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, 7])
+          for i in range(3)]
+    for _ in range(600):
+        if all(h.finished for h in hs):
+            break
+        w.run_once(flush=False, here=here)
+        p.poll(hs)
+    w.flush()
+    assert all(h.status == "finished" for h in hs)
+    st = w.stats
+    assert 0 < st.engine_gaps < st.fused_calls
+    assert st.engine_gap_seconds / st.engine_gaps >= 0.02
+    assert st.engine_seconds / st.fused_calls == pytest.approx(0.03, abs=0.01)  # without the first cut's 20 ms

@@ -48,19 +48,27 @@ class CallContext:
     idle: IdleSessions | None
 
 
-def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch) -> list[Answer]:
+def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, idle: EngineIdle | None = None,
+              counted: bool = False) -> list[Answer]:
     """One fused call, in the loop's thread. On failure, answer the offending sessions `failed` and keep
-    serving the rest: retry without the slots the engine named, else bisect."""
+    serving the rest: retry without the slots the engine named, else bisect. `idle`: told when the engine's call
+    started (`counted`: a call ran just before, the engine's idle since is counted) and ended."""
     t = time.perf_counter()
     fused = lane.hops.fused(batch)
     try:
         # With overlap on, every call runs on the compute thread, the one the engine was built on and the
         # overlapped calls run on (consumer/engines/compute.py: a second OpenMP team slows every call).
         run = partial(forward_ranked, lane.engine, lane.prefix, batch)
-        output = on_compute_thread(run, fused) if w.overlap else run(fused)
+        output, started, ended = on_compute_thread(run, fused) if w.overlap else run(fused)
     except Exception as e:  # any engine fault must not take the worker down
+        if idle is not None:
+            idle.entered(t, counted=counted)
+            idle.ended(time.perf_counter())
         return _failed(w, lane, batch, e, time.perf_counter() - t)
-    return _answered(w, lane, batch, output, time.perf_counter() - t)
+    if idle is not None:
+        idle.entered(started, counted=counted)
+        idle.ended(ended)
+    return _answered(w, lane, batch, output, ended - started)
 
 
 def run_here(w: CallContext, idle: EngineIdle, lane: Lane, batch: ScheduledBatch, *,
@@ -68,11 +76,8 @@ def run_here(w: CallContext, idle: EngineIdle, lane: Lane, batch: ScheduledBatch
     """The fused call in the loop's thread (overlap off): its answers and stats. `after_call`: a call ran just
     before (the engine's idle since is counted)."""
     before = w.stats.engine_seconds
-    entered = time.perf_counter()
-    idle.entered(entered, counted=after_call)
-    answers = run_fused(w, lane, batch)
+    answers = run_fused(w, lane, batch, idle, after_call)
     engine_s = w.stats.engine_seconds - before  # the engine alone (all tries, if it failed)
-    idle.ended(entered + engine_s)  # its end without the sampling that followed it
     return answers, FusedCallStats(phase=batch.phase, batch_size=len(batch.session_ids), tokens=len(batch.fused),
                                    engine_seconds=engine_s)
 
@@ -148,10 +153,11 @@ def _fail_named(w: CallContext, lane: Lane, batch: ScheduledBatch, e: Exception,
 
 class EngineIdle:
     """The engine's idle between two fused calls of consecutive loop iterations, the critical path of issue 32:
-    from the end of call k (on the engine thread, or in the loop's thread with overlap off) to the start of
-    call k + 1, counted when the loop ran k + 1 in the iteration after k (work went on: with overlap off that
-    includes the filing, the read, and a wait for a job when no session holds credit). In stats.engine_gaps,
-    stats.engine_gap_seconds and the dgr_engine_gap_seconds histogram."""
+    from the end of the engine's call k to the start of its call k + 1, as the thread that ran them read the clock
+    (chain.forward_ranked), counted when the loop ran k + 1 in the iteration after k (work went on: with overlap off
+    that includes the filing, the read, and a wait for a job when no session holds credit). So the first cut after
+    a call, the hand-overs to and from the compute thread and their waits for the GIL are idle, not engine time.
+    In stats.engine_gaps, stats.engine_gap_seconds and the dgr_engine_gap_seconds histogram."""
 
     __slots__ = ("ctx", "ended_at")
 

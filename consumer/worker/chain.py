@@ -24,22 +24,31 @@ from ..sampling.stage import first_cut
 from ..sched import ScheduledBatch
 from ..sched.chaining import Successor
 
-__all__ = ["Link", "LinkResult", "forward_ranked", "run_chain"]
+__all__ = ["Link", "LinkResult", "Ranked", "forward_ranked", "run_chain"]
 
-# A link's result: the engine's output (or the error it raised), its time, when it ended (time.perf_counter():
-# the start of the engine's idle), and the link the engine thread went on with (None: the chain ends here).
+# A link's result: the engine's output (or the error it raised), its time, when the engine's call ended
+# (time.perf_counter(): the start of the engine's idle, the first cut after it included), and the link the engine
+# thread went on with (None: the chain ends here).
 LinkResult = tuple["EngineOutput | Exception", float, float, "Link | None"]
+
+# A call's output after the first cut, and when the engine's call started and ended (forward_ranked).
+Ranked = tuple[EngineOutput, float, float]
 
 # What decides a link's inputs from the link before: (the offer, the link before, its output) -> whether the
 # offer's tokens were written (it may run).
 Fill = Callable[[Successor, "Link", EngineOutput], bool]
 
 
-def forward_ranked(engine: Any, store: Any, batch: ScheduledBatch, fused: FusedBatch) -> EngineOutput:
+def forward_ranked(engine: Any, store: Any, batch: ScheduledBatch, fused: FusedBatch) -> Ranked:
     """The call (with its prefix cache's restores and saves), then the sampler's first cut of its rows on the same
     thread while they are in cache (sampling.stage.first_cut: the argmax, and the lane maxima of the rows that cut
-    by them): what a chained call's inputs and the loop's sampler start from."""
-    return first_cut(forward_with_prefix(engine, store, batch, fused), batch)
+    by them): what a chained call's inputs and the loop's sampler start from. With when the call started and ended
+    (time.perf_counter()): the engine's own time, without the first cut, a hand-over between threads or a wait
+    for the GIL, which are the engine's idle (EngineIdle)."""
+    started = time.perf_counter()
+    out = forward_with_prefix(engine, store, batch, fused)
+    ended = time.perf_counter()
+    return first_cut(out, batch), started, ended
 
 
 class Link:
@@ -64,10 +73,10 @@ def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: 
         link.entered_at = time.perf_counter()
         link.entered.set()
         try:
-            out: EngineOutput | Exception = forward_ranked(engine, store, link.batch, link.fused)
+            out: EngineOutput | Exception
+            out, _, end = forward_ranked(engine, store, link.batch, link.fused)
         except Exception as e:  # handed back: the loop answers it as run_fused would
-            out = e
-        end = time.perf_counter()
+            out, end = e, time.perf_counter()
         with lock:
             offer, link.offer, link.taken = link.offer, None, True
         nxt = None
