@@ -305,6 +305,22 @@ def test_the_overlap_is_used_only_while_fused_calls_are_short(real_redis: redis.
     assert off._mode() == in_line
 
 
+def _three_sessions(client: redis.Redis, w: Worker, wid: str, **mode: bool) -> None:
+    """Three sessions of 12 tokens under continuation credit (the Producer's, 8 a job) through `w`, its iterations
+    run_once(**mode), until they finish."""
+    p = Producer(client, decode_n=8, timeout_s=30.0)
+    route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
+    hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, 7])
+          for i in range(3)]
+    for _ in range(600):
+        if all(h.finished for h in hs):
+            break
+        w.run_once(**mode)
+        p.poll(hs)
+    w.flush()
+    assert all(h.status == "finished" for h in hs)
+
+
 def _gaps(client: redis.Redis, overlap: bool, chain: bool) -> dict[float, float]:
     """The mean engine gap of three sessions under continuation credit, with the sampler as it is and slowed by
     20 ms a call."""
@@ -320,17 +336,7 @@ def _gaps(client: redis.Redis, overlap: bool, chain: bool) -> dict[float, float]
             return _sample(*a, **k)  # type: ignore[operator]
 
         sampler.sample = slow  # type: ignore[method-assign]
-        p = Producer(client, decode_n=8, timeout_s=30.0)
-        route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
-        hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, 7])
-              for i in range(3)]
-        for _ in range(600):
-            if all(h.finished for h in hs):
-                break
-            w.run_once(flush=not overlap)
-            p.poll(hs)
-        w.flush()
-        assert all(h.status == "finished" for h in hs)
+        _three_sessions(client, w, wid, flush=not overlap)
         st = w.stats
         assert 0 < st.engine_gaps < st.fused_calls
         means[delay] = st.engine_gap_seconds / st.engine_gaps
@@ -612,17 +618,7 @@ def test_the_engine_gap_counts_the_first_cut_and_the_hand_overs(real_redis: redi
     monkeypatch.setattr(chain, "first_cut", lambda out, batch: time.sleep(0.02) or cut(out, batch))
     wid = f"ov{next(_runs)}"
     w = _worker(real_redis, wid, overlap=True, step_s=0.03, chain=False)
-    p = Producer(real_redis, decode_n=8, timeout_s=30.0)
-    route = (RouteHop(worker_id=wid, key=w.keys["prefill"]),)  # type: ignore[index]
-    hs = [p.open(SessionSpec(session_id=f"{wid}-{i}", account_id="a", route=route, max_tokens=12), [5, 6, 7])
-          for i in range(3)]
-    for _ in range(600):
-        if all(h.finished for h in hs):
-            break
-        w.run_once(flush=False, here=here)
-        p.poll(hs)
-    w.flush()
-    assert all(h.status == "finished" for h in hs)
+    _three_sessions(real_redis, w, wid, flush=False, here=here)
     st = w.stats
     assert 0 < st.engine_gaps < st.fused_calls
     assert st.engine_gap_seconds / st.engine_gaps >= 0.02
