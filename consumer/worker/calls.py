@@ -61,10 +61,11 @@ def run_fused(w: CallContext, lane: Lane, batch: ScheduledBatch, idle: EngineIdl
         run = partial(forward_ranked, lane.engine, lane.prefix, batch)
         output, started, ended = on_compute_thread(run, fused) if w.overlap else run(fused)
     except Exception as e:  # any engine fault must not take the worker down
-        if idle is not None:
+        answers = _failed(w, lane, batch, e, time.perf_counter() - t)
+        if idle is not None:  # the failed call and its retries, as the engine's time
             idle.entered(t, counted=counted)
             idle.ended(time.perf_counter())
-        return _failed(w, lane, batch, e, time.perf_counter() - t)
+        return answers
     if idle is not None:
         idle.entered(started, counted=counted)
         idle.ended(ended)

@@ -27,8 +27,8 @@ from ..sched.chaining import Successor
 __all__ = ["Link", "LinkResult", "Ranked", "forward_ranked", "run_chain"]
 
 # A link's result: the engine's output (or the error it raised), its time, when the engine's call ended
-# (time.perf_counter(): the start of the engine's idle, the first cut after it included), and the link the engine
-# thread went on with (None: the chain ends here).
+# (time.perf_counter(): where the engine's idle starts, before the first cut), and the link the engine thread went
+# on with (None: the chain ends here).
 LinkResult = tuple["EngineOutput | Exception", float, float, "Link | None"]
 
 # A call's output after the first cut, and when the engine's call started and ended (forward_ranked).
