@@ -622,4 +622,4 @@ def test_the_engine_gap_counts_the_first_cut_and_the_hand_overs(real_redis: redi
     st = w.stats
     assert 0 < st.engine_gaps < st.fused_calls
     assert st.engine_gap_seconds / st.engine_gaps >= 0.02
-    assert st.engine_seconds / st.fused_calls == pytest.approx(0.03, abs=0.01)  # without the first cut's 20 ms
+    assert 0.03 <= st.engine_seconds / st.fused_calls < 0.045  # the 30 ms step and its overrun, not the cut's 20 ms
