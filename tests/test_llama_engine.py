@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from consumer.batch import BatchRow, FusedBatch
+from consumer.batch import BatchRow, EngineOutput, FusedBatch
 from consumer.engines import Engine, EngineError
 from consumer.engines import llama as llama_mod
 from consumer.engines.llama import LlamaCppEngine, _extra_bufts, bench_engine_decode
@@ -135,14 +135,75 @@ def test_logit_rows_in_row_order(eng):
     assert np.array_equal(sel, out[[1, 4]])
 
 
-def test_a_calls_rows_are_its_own_after_the_next_call(eng):
-    """Engine.forward's contract for chained calls (consumer/worker/chain.py): the loop samples call k while
-    k + 1 computes, so k's rows are never written by a later call (llama.cpp's own logits buffer is copied)."""
+def test_a_calls_rows_are_its_own_unless_lent(eng):
+    """Engine.forward's contract: the rows are the caller's, no later call writes them. `forward_lent` (the worker's
+    calls) gives a call's logits rows in place when llama.cpp wrote them in the caller's order (EngineOutput.borrowed,
+    valid until the next call); `owned()` is a copy no later call writes (a chained call: the loop samples call k
+    while k + 1 computes, consumer/worker/chain.py)."""
     out = eng.forward(FusedBatch.from_rows("prefill", [BatchRow(0, i, t, True) for i, t in enumerate(PROMPT)]))
-    kept = np.array(out.rows, copy=True)
+    assert not out.borrowed and out.rows.flags.owndata
+    kept_own = np.array(out.rows)
+    eng.release(0)
+    lent = eng.forward_lent(FusedBatch.from_rows("prefill", [BatchRow(0, i, t, True) for i, t in enumerate(PROMPT)]))
+    assert lent.borrowed and not lent.rows.flags.owndata
+    kept = lent.owned()
+    assert not kept.borrowed and kept.owned() is kept and kept.rows.flags.owndata
+    copy = np.array(lent.rows)
     eng.forward(FusedBatch.from_rows("decode", [BatchRow(0, len(PROMPT), 7, True)]))
-    eng.forward(FusedBatch.from_rows("prefill", [BatchRow(1, i, t, True) for i, t in enumerate(PROMPT[::-1])]))
-    assert np.array_equal(out.rows, kept)
+    eng.forward_lent(FusedBatch.from_rows("prefill", [BatchRow(1, i, t, True) for i, t in enumerate(PROMPT[::-1])]))
+    assert np.array_equal(kept.rows, copy) and np.array_equal(out.rows, kept_own) and np.array_equal(copy, kept_own)
+
+
+def test_lent_rows_equal_the_copied_rows(eng):
+    """The rows read in place are the rows the engine copies out row by row when the caller's order is not
+    llama.cpp's (the same call state: the two sessions' prompts, then one decode row each, in both orders)."""
+    for s, prompt in ((0, PROMPT), (1, PROMPT[::-1])):
+        prefill(eng, s, prompt)
+    n = len(PROMPT)
+    ordered = eng.forward_lent(FusedBatch.from_rows("decode", [BatchRow(0, n, 7, True), BatchRow(1, n, 9, True)]))
+    assert ordered.borrowed
+    in_place = ordered.owned().rows
+    for s in (0, 1):
+        eng.release(s)
+    for s, prompt in ((0, PROMPT), (1, PROMPT[::-1])):
+        prefill(eng, s, prompt)
+    swapped = eng.forward_lent(FusedBatch.from_rows("decode", [BatchRow(1, n, 9, True), BatchRow(0, n, 7, True)]))
+    assert not swapped.borrowed and swapped.rows.flags.owndata
+    assert np.array_equal(in_place, swapped.rows[::-1])
+
+
+def test_an_engine_that_wraps_or_overrides_forward_is_called_as_it_says(eng, tiny_model_path):
+    """The worker's calls (prefix.run.forward_with_prefix) lend rows only from the engine's own class: a subclass
+    overriding `forward` (a fault injector) and a wrapper delegating its attributes are called through their own
+    `forward`, whose rows are theirs."""
+    from consumer.prefix.run import forward_with_prefix
+    from consumer.sched import ScheduledBatch
+
+    class Marked(LlamaCppEngine):
+        def forward(self, batch):
+            return EngineOutput.logits(np.array(super().forward(batch).rows) + 1.0)
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def forward(self, batch):
+            self.calls += 1
+            return self.inner.forward(batch)
+
+    fused = FusedBatch.from_rows("decode", [BatchRow(0, 0, 7, True)])
+    wrapper = Wrapper(eng)
+    out = forward_with_prefix(wrapper, None, ScheduledBatch("decode", fused, ()), fused)
+    assert wrapper.calls == 1 and not out.borrowed
+    marked = Marked(tiny_model_path, n_slots=1, ctx_per_session=256)
+    try:
+        got = forward_with_prefix(marked, None, ScheduledBatch("decode", fused, ()), fused)
+        assert not got.borrowed and np.array_equal(got.rows, out.rows + 1.0)
+    finally:
+        marked.close()
 
 
 def test_rows_in_any_slot_order_come_back_in_row_order(eng):

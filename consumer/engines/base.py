@@ -30,7 +30,9 @@ class Engine(Protocol):
         """Exactly one fused forward pass over all rows. "logits": one row per row that asked for one,
         in row order, (batch.n_logit_rows, vocab_size). "hidden" (a hop that is not the last): one row
         per batch row, (len(batch), boundary.hidden_size). The rows are the caller's: no later call may
-        write them (a chained call computes while the loop samples the call before: consumer/worker/chain.py)."""
+        write them (a chained call computes while the loop samples the call before: consumer/worker/chain.py).
+        An engine's class may also offer `forward_lent(batch)`, whose rows may be its own buffer
+        (EngineOutput.borrowed, valid until its next call): the worker's calls use it (prefix/run.py)."""
         ...
 
     def release(self, slot: int) -> None:

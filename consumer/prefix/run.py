@@ -64,15 +64,18 @@ def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: Scheduled
                         fused: FusedBatch) -> EngineOutput:
     """Restore the call's cached prefixes into their slots, run the call, then save the slots whose prompt
     rows now cover a block the cache lacks (only after the call succeeded: never a half-written block)."""
+    # An engine's class that lends its rows (LlamaCppEngine.forward_lent; not a wrapper delegating attributes to
+    # one, whose own forward comes first): the worker reads them before the engine runs again (worker/chain.py)
+    forward = engine.forward_lent if hasattr(type(engine), "forward_lent") else engine.forward
     if store is None or not (batch.restores or batch.saves):
-        return cast("EngineOutput", engine.forward(fused))
+        return cast("EngineOutput", forward(fused))
     try:
         for r in batch.restores:
             engine.restore_prefix(r.slot, r.hit.entry.data, r.hit.n_tokens)
     finally:
         for r in batch.restores:
             store.let_go(r.hit)
-    out = cast("EngineOutput", engine.forward(fused))
+    out = cast("EngineOutput", forward(fused))
     for s in batch.saves:
         store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot), tokens=s.tokens)
     return out

@@ -112,7 +112,7 @@ def first_cut(output: EngineOutput, batch: ScheduledBatch) -> EngineOutput:
         cuts = dict(enumerate(lanes))
     else:
         cuts = {r: m for r in want if (m := lane_maxima(rows[r])) is not None}
-    return EngineOutput(out.kind, out.rows, out.top, cuts)
+    return EngineOutput(out.kind, out.rows, out.top, cuts, out.borrowed)
 
 
 def _given_top(arr: npt.NDArray[np.float32], top: npt.NDArray[np.intp] | None) -> npt.NDArray[np.intp] | None:

@@ -85,5 +85,7 @@ def run_chain(engine: Any, store: Any, first: Link, lock: threading.Lock, fill: 
                 nxt = offer if fill(offer.successor, link, out) else None
             except Exception:  # never the engine thread's end: the loop builds the next call as always
                 nxt = None
+        if nxt is not None and not isinstance(out, Exception):
+            out = out.owned()  # the loop reads these rows while the next call overwrites the engine's buffer
         link.result.set_result((out, end - link.entered_at, end, nxt))
         link = nxt
