@@ -279,3 +279,26 @@ def test_a_session_cancelled_while_its_chained_row_computes(monkeypatch: Any) ->
     assert mine == [a.result.token for a in alone["s0"] if a.result.token is not None][:len(mine)]
     for sid in ("s1", "s2"):
         assert [_seen(a) for a in got[sid]] == [_seen(a) for a in alone[sid]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fill_refuses_exactly_the_rows_whose_token_is_one_of_their_own_stops(data: st.DataObject) -> None:
+    """Successor.fill against its definition, whatever the number of stop tokens in the call (a few, compared at
+    once, or more than a session may have: np.isin): False, and nothing written, when some row's token is one of
+    its own session's stop tokens; else every input written."""
+    from consumer.batch import FusedBatch
+    from consumer.sched.chaining import Successor
+
+    n = data.draw(st.integers(1, 12))
+    vocab = data.draw(st.sampled_from([8, 64]))  # small: stops and tokens meet often
+    stops = [tuple(data.draw(st.lists(st.integers(0, vocab - 1), max_size=16, unique=True))) for _ in range(n)]
+    sampled = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)), dtype=np.int64)
+    fused = FusedBatch(phase="decode", slots=np.arange(n, dtype=np.int32), positions=np.zeros(n, np.int32),
+                       tokens=np.full(n, -1, np.int32), wants_logits=np.ones(n, np.bool_))
+    any_stop = np.array(sorted({t for s in stops for t in s}), dtype=np.int64)
+    succ = Successor((), ScheduledBatch("decode", fused, ()), np.arange(n, dtype=np.intp), np.zeros(n, np.bool_),
+                     tuple(stops), any_stop)
+    ends = any(int(sampled[r]) in stops[r] for r in range(n))
+    assert succ.fill(sampled) is (not ends)
+    assert list(fused.tokens) == ([-1] * n if ends else sampled.tolist())

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import Reason, Sampling, Status
+from schemas.limits import MAX_STOP_TOKENS
 
 from ..batch import FusedBatch
 from .outputs import Answer, BatchItem, ScheduledBatch
@@ -63,7 +64,11 @@ class Successor:
         operations whatever the rows (a row's own stop tokens are read only when its token is one of the rows')."""
         tokens = sampled[self.source]
         if self.any_stop.size:
-            for r in np.flatnonzero(np.isin(tokens, self.any_stop)).tolist():
+            # a few stop tokens (the usual: the sessions share their end-of-generation ones) compared at once: 2
+            # against np.isin's 11 µs for 8 rows and 3 stops (timeit), on the engine's path between two calls
+            hit = (tokens[:, None] == self.any_stop).any(axis=1) if self.any_stop.size <= MAX_STOP_TOKENS \
+                else np.isin(tokens, self.any_stop)
+            for r in np.flatnonzero(hit).tolist():
                 if int(tokens[r]) in self.stops[r]:
                     return False
         fed = self.batch.fused.tokens
