@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -12,7 +13,8 @@ from schemas.errors import EngineError  # one error root (schemas/errors.py); en
 
 from ..batch import EngineCapacity, EngineOutput, FusedBatch
 
-__all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "check_hidden", "engine_key"]
+__all__ = ["Engine", "EngineCapacity", "EngineError", "EngineOutput", "LogitsEngine", "check_hidden", "engine_key",
+           "lending_forward"]
 
 
 @runtime_checkable
@@ -55,6 +57,14 @@ class LogitsEngine:
 
     def forward(self, batch: FusedBatch) -> EngineOutput:
         return EngineOutput.logits(self.step(batch))
+
+
+def lending_forward(engine: Any) -> Callable[[FusedBatch], EngineOutput]:
+    """The engine's `forward_lent` when its class offers one (rows possibly its own buffer, valid until its next
+    call: EngineOutput.borrowed), else its `forward`: for a caller that reads a call's rows before the engine runs
+    again. Asked of the class, so a wrapper that delegates its attributes to such an engine is called through its
+    own `forward`."""
+    return engine.forward_lent if hasattr(type(engine), "forward_lent") else engine.forward
 
 
 def check_hidden(batch: FusedBatch, boundary: BoundarySchema) -> npt.NDArray[np.float32] | None:

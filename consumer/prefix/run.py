@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from schemas import Phase
 from schemas.prefix import SCOPES, PrefixSummary, Scope
 
 from ..batch import FusedBatch
+from ..engines.base import lending_forward
 from .planner import PrefixPlanner, Refill, Save
 from .store import PrefixStore
 
@@ -64,18 +65,16 @@ def forward_with_prefix(engine: Any, store: PrefixStore | None, batch: Scheduled
                         fused: FusedBatch) -> EngineOutput:
     """Restore the call's cached prefixes into their slots, run the call, then save the slots whose prompt
     rows now cover a block the cache lacks (only after the call succeeded: never a half-written block)."""
-    # An engine's class that lends its rows (LlamaCppEngine.forward_lent; not a wrapper delegating attributes to
-    # one, whose own forward comes first): the worker reads them before the engine runs again (worker/chain.py)
-    forward = engine.forward_lent if hasattr(type(engine), "forward_lent") else engine.forward
+    forward = lending_forward(engine)  # the worker reads a call's rows before the engine runs again (worker/chain.py)
     if store is None or not (batch.restores or batch.saves):
-        return cast("EngineOutput", forward(fused))
+        return forward(fused)
     try:
         for r in batch.restores:
             engine.restore_prefix(r.slot, r.hit.entry.data, r.hit.n_tokens)
     finally:
         for r in batch.restores:
             store.let_go(r.hit)
-    out = cast("EngineOutput", forward(fused))
+    out = forward(fused)
     for s in batch.saves:
         store.put(engine.save_prefix(s.slot), s.ids, s.n_tokens, floor=engine.prefix_floor(s.slot), tokens=s.tokens)
     return out

@@ -36,7 +36,7 @@ import numpy as np
 import redis
 
 from consumer.batch import BatchRow, FusedBatch
-from consumer.engines.base import Engine
+from consumer.engines.base import Engine, lending_forward
 from consumer.runtime import make_engine, resolve_model
 from dgrtools.localredis import LocalRedis
 from dgrtools.process import ConsumerProcess
@@ -74,8 +74,7 @@ def raw_fused_rate(engine: Engine, b: int, steps: int, seed: int = 0) -> float:
     for s in range(b):
         engine.release(s)
     rows = [BatchRow(s, p, int(prompts[s, p]), p == PROMPT_LEN - 1) for s in range(b) for p in range(PROMPT_LEN)]
-    # as the worker calls it: rows lent where the engine can (each call's argmax taken before the next)
-    forward = getattr(engine, "forward_lent", engine.forward)
+    forward = lending_forward(engine)  # as the worker calls it (each call's argmax taken before the next)
     nxt = np.argmax(forward(FusedBatch.from_rows("prefill", rows)).rows, axis=1)
     t0 = time.perf_counter()
     for k in range(steps):
