@@ -20,11 +20,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from consumer.batch import EngineOutput, FusedBatch
 from consumer.engines.sleep import SleepEngine
 from consumer.transport import LeaseLost, RedisTransport
 from consumer.worker import Worker, WorkerSettings
@@ -391,6 +393,22 @@ class Guarded(SleepEngine):
         self.inside.release()
 
 
+class Lending(Guarded):
+    """Lends its rows as the llama.cpp engine does (`forward_lent`: EngineOutput.borrowed, valid until the next call),
+    and turns the last call's rows to NaN as each call starts: whoever reads rows after the next call started reads
+    no token it could take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lent: np.ndarray | None = None
+
+    def forward_lent(self, batch: FusedBatch) -> EngineOutput:
+        if self.lent is not None:
+            self.lent[...] = np.nan
+        self.lent = self.forward(batch).rows
+        return EngineOutput.logits(self.lent, borrowed=True)
+
+
 def test_one_call_in_flight_and_slots_released_only_between_calls(real_redis: redis.Redis) -> None:
     """Overlap on, fused calls on the engine thread: the engine is never entered twice at once (a call and
     another call, or a call and a slot release: sessions cancelled and finished while calls compute),
@@ -544,11 +562,13 @@ def test_chained_calls_change_no_result_and_no_account(real_redis: redis.Redis,
     """Decode calls chained on the engine thread (consumer/worker/chain.py) against the same worker unchained: the
     public Producer's continuation jobs (pushed ahead, its credit window), greedy and sampled sessions, cancels
     sent after some tokens. A session not cancelled gets the same tokens and ending; a cancelled one a prefix of
-    its tokens; every session is charged the tokens it was given; the engine is never entered twice at once."""
+    its tokens; every session is charged the tokens it was given; the engine is never entered twice at once. The
+    chained worker's engine lends its rows and spoils them when its next call starts (Lending): no call's rows are
+    read after that."""
     got: dict[bool, tuple[dict[int, tuple[str, list[int]]], int]] = {}
     for chain in (False, True):
         wid = f"ov{next(_runs)}"
-        engine = Guarded()
+        engine = Lending() if chain else Guarded()
         w = Worker(engine, RedisTransport(real_redis, wid, consumer_name=wid),
                    WorkerSettings(worker_id=wid, block_ms=1, gather_ms=0.0, await_ms=0, max_batch=8, overlap=True,
                                   chain=chain))
